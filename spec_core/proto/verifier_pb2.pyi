@@ -1,0 +1,179 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NOT_FINISHED: _ClassVar[FinishReason]
+    STOP: _ClassVar[FinishReason]
+    LENGTH: _ClassVar[FinishReason]
+    CONTEXT: _ClassVar[FinishReason]
+NOT_FINISHED: FinishReason
+STOP: FinishReason
+LENGTH: FinishReason
+CONTEXT: FinishReason
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop_token_ids", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class OpenSession(_message.Message):
+    __slots__ = ("prompt_token_ids", "resume_token_ids", "sampling", "tokenizer_fingerprint", "open_key")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    OPEN_KEY_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    tokenizer_fingerprint: str
+    open_key: bytes
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., open_key: _Optional[bytes] = ...) -> None: ...
+
+class DraftDist(_message.Message):
+    __slots__ = ("token_ids", "weights", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    weights: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class QPayload(_message.Message):
+    __slots__ = ("format", "scale_bits", "positions")
+    class Format(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        NONE: _ClassVar[QPayload.Format]
+        FIXED: _ClassVar[QPayload.Format]
+        FLOAT32: _ClassVar[QPayload.Format]
+    NONE: QPayload.Format
+    FIXED: QPayload.Format
+    FLOAT32: QPayload.Format
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SCALE_BITS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    format: QPayload.Format
+    scale_bits: int
+    positions: _containers.RepeatedCompositeFieldContainer[DraftDist]
+    def __init__(self, format: _Optional[_Union[QPayload.Format, str]] = ..., scale_bits: _Optional[int] = ..., positions: _Optional[_Iterable[_Union[DraftDist, _Mapping]]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "round", "committed_length", "open", "draft_token_ids", "q")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    round: int
+    committed_length: int
+    open: OpenSession
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    q: QPayload
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_length: _Optional[int] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[QPayload, _Mapping]] = ...) -> None: ...
+
+class ServerTimings(_message.Message):
+    __slots__ = ("model_ms", "queue_ms", "total_ms")
+    MODEL_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    model_ms: float
+    queue_ms: float
+    total_ms: float
+    def __init__(self, model_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class VerifyReply(_message.Message):
+    __slots__ = ("session_id", "round", "num_accepted", "next_token_id", "committed_length", "finish_reason", "timings")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    round: int
+    num_accepted: int
+    next_token_id: int
+    committed_length: int
+    finish_reason: FinishReason
+    timings: ServerTimings
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ...) -> None: ...
+
+class CloseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseReply(_message.Message):
+    __slots__ = ("closed",)
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    closed: bool
+    def __init__(self, closed: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "sampling")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("token_ids", "finish_reason", "model_ms")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_MS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: FinishReason
+    model_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., model_ms: _Optional[float] = ...) -> None: ...
+
+class ServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("backend", "model", "n_vocab", "n_ctx", "tokenizer_fingerprint", "max_gamma", "max_sessions", "eos_token_ids", "version")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    N_VOCAB_FIELD_NUMBER: _ClassVar[int]
+    N_CTX_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    model: str
+    n_vocab: int
+    n_ctx: int
+    tokenizer_fingerprint: str
+    max_gamma: int
+    max_sessions: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    version: str
+    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[str] = ...) -> None: ...
