@@ -44,7 +44,7 @@ def verify_round(target_probs: np.ndarray, draft_tokens: Sequence[int],
         p_x = float(target_probs[i, x])
         q_x = 1.0 if q_i is None else q_i.prob_of(x)
         ratio = p_x / q_x
-        # Draw u only when the outcome is uncertain: greedy rounds then consume no randomness.
+        # Draw u only when the outcome is uncertain (0 < ratio < 1).
         if ratio >= 1.0 or (ratio > 0.0 and rng.random() < ratio):
             continue
         if q_i is None:

@@ -1,0 +1,41 @@
+"""The embedded default: a GGUF target on llama.cpp (CPU), one KV cache per session."""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from cloud_verifier.backends.base import Backend, BackendInfo
+from llama_runtime import GGUFModel, KVContext
+
+
+class LlamaCppBackend(Backend):
+    def __init__(self, model: str, n_ctx: int = 2048, n_threads: int | None = None, n_batch: int = 512):
+        self.model = GGUFModel(model, n_threads=n_threads)
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.info = BackendInfo("llama.cpp", self.model.name, self.model.n_vocab, n_ctx,
+                                self.model.fingerprint, self.model.eog_ids)
+        self._decoded_by_released = 0
+
+    def new_state(self) -> KVContext:
+        return self.model.new_context(self.n_ctx, self.n_batch)
+
+    def release(self, state: KVContext) -> None:
+        self._decoded_by_released += state.tokens_decoded
+        state.close()
+
+    def target_logits(self, state: KVContext, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
+        t0 = time.perf_counter()
+        with self.model.lock:
+            t1 = time.perf_counter()
+            logits = state.logits(tokens, rows)
+            t2 = time.perf_counter()
+        return logits, t1 - t0, t2 - t1
+
+    def close(self) -> None:
+        self.model.close()
+
+    def forward_tokens(self) -> int:
+        return self._decoded_by_released  # live sessions add theirs in the engine's stats

