@@ -151,6 +151,10 @@ class VerifierEngine:
             if done.has_next_token:
                 reply.next_token_id = done.tokens[-1]
             session.last_reply, session.last_request_digest = reply, digest
+            if done.finish_reason != pb.NOT_FINISHED:
+                # Keep the (small) session for retries of this last round; free its KV cache now.
+                self.backend.release(session.state)
+                session.state = None
             metrics.observe_round(len(drafts), done.num_accepted, model_s, time.perf_counter() - t_start)
             return reply
 

@@ -84,7 +84,9 @@ class SessionStore:
         if s is None:
             return False
         self._by_open_key.pop(s.open_key, None)
-        self._release(s.state)
+        if s.state is not None:
+            self._release(s.state)
+            s.state = None
         return True
 
     def expire(self) -> None:

@@ -11,6 +11,8 @@ from typing import Sequence
 
 import numpy as np
 
+from spec_core.fingerprint import tokenizer_fingerprint
+
 
 class SyntheticLM:
     def __init__(self, vocab: int, seed: int, order: int = 1, scale: float = 2.0,
@@ -38,3 +40,8 @@ def synthetic_pair(vocab: int = 64, seed: int = 0, noise: float = 1.0, order: in
     """(target, draft) sharing a vocabulary; the draft is the target blurred by `noise`."""
     target = SyntheticLM(vocab, seed, order=order)
     return target, SyntheticLM(vocab, seed + 1, order=order, base=target, noise=noise)
+
+
+def synthetic_fingerprint(vocab: int) -> str:
+    """The synthetic vocabulary is '<tok0>', '<tok1>', ...; BOS 0, EOS 1."""
+    return tokenizer_fingerprint((f"<tok{i}>".encode() for i in range(vocab)), 0, 1)

@@ -9,12 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from cloud_verifier.backends.base import Backend, BackendInfo
-from spec_core.fingerprint import tokenizer_fingerprint
-from spec_core.synthetic import SyntheticLM
-
-
-def synthetic_fingerprint(vocab: int) -> str:
-    return tokenizer_fingerprint((f"<tok{i}>".encode() for i in range(vocab)), 0, 1)
+from spec_core.synthetic import SyntheticLM, synthetic_fingerprint
 
 
 class SyntheticBackend(Backend):

@@ -1,0 +1,103 @@
+"""edge-client demo: start a verifier on the bundled target, run the edge against it, print stats.
+
+The verifier runs as its own process (as it would on another machine), on 127.0.0.1, with one
+llama.cpp thread; the edge drafts with one thread: on a 2-core box that keeps the two "devices"
+from fighting over cores. It then asks the same verifier for the cloud-only baseline (the target
+streaming its own output) on the same prompt, so the two can be compared.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_DRAFT = Path(os.environ.get("HYBRIDSPEC_MODELS", "models")) / "smollm2-draft.gguf"
+DEFAULT_PROMPT = "Write a Python function that reverses a list."
+
+
+def add_parser(sub) -> None:
+    from edge_client.cli import add_generation_args
+    p = sub.add_parser("demo", help="run a verifier and an edge on the bundled models and print the stats",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="target GGUF (default: bundled SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--verifier-threads", type=int, default=1)
+    p.add_argument("--no-baseline", action="store_true", help="skip the cloud-only comparison")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of statistics")
+    add_generation_args(p)
+    p.set_defaults(func=cmd_demo, prompt=DEFAULT_PROMPT, chat=True, threads=1, seed=1, top_p=0.95)
+
+
+def start_verifier(target: str, threads: int, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "cloud_verifier", "serve", "--model", target, "--port", "0",
+                             "--threads", str(threads), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    if "serving on" not in line:
+        proc.kill()
+        raise RuntimeError(f"the verifier did not start (printed {line!r})")
+    return proc, line.rsplit(" ", 1)[-1].strip()
+
+
+async def cloud_only(server: str, ids: list[int], settings) -> dict:
+    import grpc
+    from edge_client.client import _sampling_proto
+    from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
+    async with grpc.aio.insecure_channel(server) as ch:
+        stub = pb_grpc.VerifierStub(ch)
+        t0 = time.perf_counter()
+        ttft, n = 0.0, 0
+        async for chunk in stub.Generate(pb.GenerateRequest(prompt_token_ids=ids, sampling=_sampling_proto(settings)),
+                                         timeout=600):
+            n += len(chunk.token_ids)
+            ttft = ttft or time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+    return {"tokens": n, "wall_s": wall, "ttft_s": ttft, "tokens_per_s": n / wall if wall else 0.0}
+
+
+def cmd_demo(args) -> int:
+    from edge_client.cli import prompt_ids, run_generate, settings_from_args
+    from llama_runtime import GGUFModel, bundled_model_path
+    target = args.target or str(bundled_model_path())
+    if args.drafter == "gguf" and not args.draft:
+        if DEFAULT_DRAFT.is_file():
+            args.draft = str(DEFAULT_DRAFT)
+        else:
+            print(f"[demo] no draft at {DEFAULT_DRAFT} (build it with: edge-client make-draft --target {target} "
+                  f"--out {DEFAULT_DRAFT}); using the PROMPT-LOOKUP drafter as a stand-in", file=sys.stderr)
+            args.drafter, args.tokenizer = "lookup", target
+    label = args.draft if args.drafter == "gguf" else f"{args.drafter} (no model)"
+    print(f"[demo] target: {Path(target).name} on llama.cpp | draft: {label} | gamma {args.gamma} | q {args.qmode}",
+          file=sys.stderr)
+    proc, server = start_verifier(target, args.verifier_threads)
+    try:
+        print(f"[demo] verifier on {server}; edge output follows\n", file=sys.stderr)
+        stats = asyncio.run(run_generate(args, server))
+        baseline = None
+        if not args.no_baseline:
+            tok = GGUFModel(target, vocab_only=True)
+            ids = prompt_ids(args, tok)
+            ids = tok.tokenize(ids) if isinstance(ids, str) else ids
+            baseline = asyncio.run(cloud_only(server, ids, settings_from_args(args)))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    s = stats
+    print(f"\n[demo] hybrid:     {s.tokens} tokens in {s.wall_s:.2f}s = {s.tokens_per_s:.1f} tok/s, "
+          f"{s.rounds} rounds, acceptance {s.acceptance_rate:.2f}, {s.tokens_per_round:.2f} tokens/round "
+          f"(theory at this α and γ: {s.expected_tokens_per_round:.2f}), "
+          f"{s.bytes_up / max(s.rounds, 1):.0f} B up / {s.bytes_down / max(s.rounds, 1):.0f} B down per round",
+          file=sys.stderr)
+    if baseline:
+        print(f"[demo] cloud-only: {baseline['tokens']} tokens in {baseline['wall_s']:.2f}s = "
+              f"{baseline['tokens_per_s']:.1f} tok/s (the target alone, streamed; "
+              f"on loopback there is no network cost to save)", file=sys.stderr)
+    if args.json:
+        out = s.to_json()
+        out["cloud_only"] = baseline
+        print(json.dumps(out))
+    return 0
