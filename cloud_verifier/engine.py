@@ -184,7 +184,7 @@ class VerifierEngine:
         try:
             session = self.sessions.add(lambda sid: Session(
                 id=sid, open_key=bytes(o.open_key), tokens=tokens, prompt_len=len(prompt),
-                generated_before=len(resume), settings=settings, stop_ids=self._stop_ids(settings),
+                settings=settings, stop_ids=self._stop_ids(settings),
                 rng=np.random.default_rng(seed), state=self.backend.new_state()))
         except OverflowError:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,

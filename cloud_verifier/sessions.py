@@ -24,8 +24,8 @@ class Session:
     id: str
     open_key: bytes
     tokens: list[int]             # committed: prompt + generated
-    prompt_len: int               # tokens before generation started (prompt only)
-    generated_before: int         # tokens replayed from an earlier session, counted as generated
+    prompt_len: int               # prompt tokens; everything after them counts as generated,
+                                  # including tokens replayed from an earlier session
     settings: SamplingSettings
     stop_ids: frozenset[int]
     rng: np.random.Generator
@@ -39,7 +39,7 @@ class Session:
 
     @property
     def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len + self.generated_before
+        return len(self.tokens) - self.prompt_len
 
 
 class SessionStore:

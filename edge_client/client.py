@@ -37,7 +37,9 @@ from spec_core.warping import SamplingSettings
 log = logging.getLogger(__name__)
 
 GRPC_FRAME_BYTES = 5  # gRPC length-prefixed message header
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A server shutting down cancels in-flight calls (CANCELLED); our own cancellation arrives as
+# asyncio.CancelledError instead, so retrying CANCELLED is safe. Rounds are idempotent.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 class Tokenizer(Protocol):

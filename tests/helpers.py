@@ -1,0 +1,27 @@
+"""Small helpers for the gRPC tests."""
+from __future__ import annotations
+
+import contextlib
+
+import grpc
+
+from cloud_verifier.backends.base import Backend
+from cloud_verifier.engine import Limits
+from cloud_verifier.server import VerifierServer
+from spec_core.proto import verifier_pb2_grpc as pb_grpc
+
+
+@contextlib.asynccontextmanager
+async def running_server(backend: Backend, port: int = 0, **limits):
+    server = VerifierServer(backend, "127.0.0.1", port, Limits(**limits), grace_s=0.5)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@contextlib.asynccontextmanager
+async def stub_for(server: VerifierServer):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        yield pb_grpc.VerifierStub(ch)

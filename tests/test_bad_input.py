@@ -1,0 +1,150 @@
+"""Bad input: each a clear gRPC status and message, and the server keeps serving everyone else."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from cloud_verifier.backends.synthetic import SyntheticBackend
+from helpers import running_server, stub_for
+from spec_core import qcodec
+from spec_core.proto import verifier_pb2 as pb
+from spec_core.synthetic import synthetic_fingerprint
+
+VOCAB = 32
+FP = synthetic_fingerprint(VOCAB)
+
+
+def open_req(prompt=(0, 5, 6), drafts=(), q=None, fingerprint=FP, round=1, committed=None, **sampling):
+    sp = pb.SamplingParams(temperature=sampling.pop("temperature", 1.0), max_new_tokens=sampling.pop("max_new_tokens", 20),
+                           **sampling)
+    return pb.VerifyRequest(round=round, committed_length=len(prompt) if committed is None else committed,
+                            open=pb.OpenSession(prompt_token_ids=list(prompt), sampling=sp,
+                                                tokenizer_fingerprint=fingerprint, open_key=b"k" * 16),
+                            draft_token_ids=list(drafts), q=q or pb.QPayload())
+
+
+@pytest.fixture
+async def stub():
+    async with running_server(SyntheticBackend(vocab=VOCAB, n_ctx=64), max_gamma=8) as server:
+        async with stub_for(server) as s:
+            yield s
+
+
+async def expect(stub, req, code, message):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.Verify(req, timeout=5)
+    assert e.value.code() == code, e.value.details()
+    assert message in e.value.details(), e.value.details()
+    # ... and the server still serves a good request.
+    good = open_req()
+    good.open.open_key = bytes(16)
+    ok = await stub.Verify(good, timeout=5)
+    await stub.Close(pb.CloseRequest(session_id=ok.session_id), timeout=5)
+    return e.value.details()
+
+
+def fixed_q(rows):
+    return pb.QPayload(format=pb.QPayload.FIXED, scale_bits=16,
+                       positions=[pb.DraftDist(token_ids=ids, weights=w) for ids, w in rows])
+
+
+def float_q(rows):
+    return pb.QPayload(format=pb.QPayload.FLOAT32,
+                       positions=[pb.DraftDist(token_ids=ids, probs=p) for ids, p in rows])
+
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+PRECOND = grpc.StatusCode.FAILED_PRECONDITION
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize("req, code, message", [
+    (open_req(prompt=(0, 99)), INVALID, "open.prompt_token_ids[1] = 99 is outside the vocabulary"),
+    (open_req(drafts=(3, 40)), INVALID, "draft_token_ids[1] = 40 is outside the vocabulary"),
+    (open_req(drafts=(3,), q=float_q([([3, 4], [float("nan"), 0.5])])), INVALID, "NaN"),
+    (open_req(drafts=(3,), q=float_q([([3, 4], [-0.2, 0.5])])), INVALID, "outside [0, 1]"),
+    (open_req(drafts=(3,), q=float_q([([3, 4], [0.8, 0.7])])), INVALID, "sum to 1.5"),
+    (open_req(drafts=(3, 4), q=fixed_q([([3], [100])])), INVALID, "1 positions but there are 2 draft tokens"),
+    (open_req(drafts=(3,), q=fixed_q([([3, 4], [100])])), INVALID, "2 token_ids but 1 values"),
+    (open_req(drafts=tuple(range(9))), EXHAUSTED, "above this server's limit of 8"),
+    (open_req(prompt=tuple(range(2, 32)) * 3), EXHAUSTED, "do not fit the context window of 64"),
+    (open_req(fingerprint="ab" * 32), PRECOND, "tokenizer mismatch"),
+    (pb.VerifyRequest(round=1, committed_length=3), INVALID, "`open` is missing"),
+    (open_req(prompt=()), INVALID, "prompt_token_ids is empty"),
+    (open_req(temperature=-1.0), INVALID, "temperature must be finite and >= 0"),
+    (open_req(top_p=1.5), INVALID, "top_p must be in [0, 1]"),
+    (open_req(round=0), INVALID, "round must be >= 1"),
+    (open_req(round=2), PRECOND, "must be round 1"),
+    (open_req(committed=7), PRECOND, "does not match the prompt"),
+    (pb.VerifyRequest(session_id="nope", round=2, committed_length=3), grpc.StatusCode.NOT_FOUND,
+     "resend the round with `open`"),
+], ids=lambda v: v if isinstance(v, str) else None)
+async def test_bad_request_gets_status_and_server_goes_on(stub, req, code, message):
+    await expect(stub, req, code, message)
+
+
+async def test_missing_sampling_settings(stub):
+    req = open_req()
+    req.open.ClearField("sampling")
+    await expect(stub, req, INVALID, "open.sampling is missing")
+
+
+async def test_wrong_round_and_committed_length(stub):
+    first = await stub.Verify(open_req(drafts=(3,)), timeout=5)
+    sid, n = first.session_id, first.committed_length
+    await expect(stub, pb.VerifyRequest(session_id=sid, round=5, committed_length=n), PRECOND,
+                 "round 5 is out of step: this session expects round 2")
+    details = await expect(stub, pb.VerifyRequest(session_id=sid, round=2, committed_length=n + 3), PRECOND,
+                           f"does not match the server's {n}")
+    assert "resync" in details
+    # The session itself is unharmed: the right round goes through.
+    ok = await stub.Verify(pb.VerifyRequest(session_id=sid, round=2, committed_length=n), timeout=5)
+    assert ok.committed_length == n + 1
+
+
+async def test_retried_round_returns_the_same_reply_and_commits_once(stub):
+    first = await stub.Verify(open_req(drafts=(3, 4, 5)), timeout=5)
+    again = await stub.Verify(open_req(drafts=(3, 4, 5)), timeout=5)  # same open_key: a retried first round
+    assert again == first
+    req = pb.VerifyRequest(session_id=first.session_id, round=2, committed_length=first.committed_length,
+                           draft_token_ids=[7, 8])
+    r1 = await stub.Verify(req, timeout=5)
+    r2 = await stub.Verify(req, timeout=5)
+    assert r1 == r2
+    nxt = await stub.Verify(pb.VerifyRequest(session_id=first.session_id, round=3,
+                                             committed_length=r1.committed_length), timeout=5)
+    assert nxt.committed_length == r1.committed_length + 1  # the retry did not commit twice
+    changed = pb.VerifyRequest(session_id=first.session_id, round=3, committed_length=r1.committed_length,
+                               draft_token_ids=[9])
+    await expect(stub, changed, PRECOND, "already verified with different drafts")
+
+
+async def test_sessions_are_bounded_and_evicted_lru():
+    async with running_server(SyntheticBackend(vocab=VOCAB), max_sessions=2) as server:
+        async with stub_for(server) as stub:
+            ids = []
+            for k in range(3):
+                r = open_req()
+                r.open.open_key = bytes([k]) * 16
+                ids.append((await stub.Verify(r, timeout=5)).session_id)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Verify(pb.VerifyRequest(session_id=ids[0], round=2, committed_length=4), timeout=5)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            ok = await stub.Verify(pb.VerifyRequest(session_id=ids[2], round=2, committed_length=4), timeout=5)
+            assert ok.round == 2
+    assert len({len(i) for i in ids}) == 1 and len(ids[0]) >= 20  # 128-bit url-safe ids
+
+
+async def test_finished_session_refuses_more_rounds(stub):
+    r = await stub.Verify(open_req(max_new_tokens=1), timeout=5)
+    assert r.finish_reason == pb.LENGTH
+    await expect(stub, pb.VerifyRequest(session_id=r.session_id, round=2, committed_length=r.committed_length),
+                 PRECOND, "already finished (LENGTH)")
+
+
+async def test_generate_validates_too(stub):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        async for _ in stub.Generate(pb.GenerateRequest(prompt_token_ids=[0, 77],
+                                                        sampling=pb.SamplingParams(temperature=1)), timeout=5):
+            pass
+    assert e.value.code() == INVALID and "outside the vocabulary" in e.value.details()

@@ -1,0 +1,54 @@
+"""The two programs as a user runs them: separate processes, real ports, JSON at the end."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def test_help_of_both_programs():
+    for mod in ("cloud_verifier", "edge_client"):
+        r = subprocess.run([sys.executable, "-m", mod, "--help"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "usage" in r.stdout
+
+
+@pytest.fixture
+def verifier(tiny_models):
+    proc = subprocess.Popen([sys.executable, "-m", "cloud_verifier", "serve", "--model", str(tiny_models["target"]),
+                             "--port", "0", "--n-ctx", "512", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    assert "serving on" in line, line
+    yield line.rsplit(" ", 1)[-1].strip()
+    proc.terminate()
+    assert proc.wait(20) == 0  # graceful shutdown on SIGTERM
+
+
+def test_generate_streams_text_and_ends_with_json(verifier, tiny_models):
+    r = subprocess.run([sys.executable, "-m", "edge_client", "generate", "--server", verifier,
+                        "--draft", str(tiny_models["draft"]), "--prompt", "hello world", "--max-tokens", "24",
+                        "--temperature", "0.7", "--top-p", "0.95", "--gamma", "5", "--seed", "1", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    *text, last = r.stdout.rstrip("\n").split("\n")
+    stats = json.loads(last)
+    for key in ("text", "tokens", "rounds", "drafted", "accepted", "acceptance_rate", "tokens_per_round",
+                "wall_s", "bytes_up", "bytes_down", "gamma"):
+        assert key in stats
+    assert stats["tokens"] == 24 and stats["gamma"] == 5
+    assert "\n".join(text) == stats["text"]
+
+
+def test_generate_reports_a_refusal_plainly(verifier, tiny_models):
+    r = subprocess.run([sys.executable, "-m", "edge_client", "generate", "--server", verifier,
+                        "--draft", str(tiny_models["other_vocab"]), "--prompt", "hi", "--max-tokens", "4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "tokenizer mismatch" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_info(verifier):
+    r = subprocess.run([sys.executable, "-m", "edge_client", "info", "--server", verifier],
+                       capture_output=True, text=True, timeout=60)
+    info = json.loads(r.stdout)
+    assert info["backend"] == "llama.cpp" and info["n_vocab"] == 299

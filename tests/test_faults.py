@@ -1,0 +1,133 @@
+"""Faults: lost replies are retried idempotently; a restarted verifier is survived by replay.
+Nothing committed is lost or duplicated: the greedy output equals the target's own, token for token."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from cloud_verifier.backends.llama_cpp import LlamaCppBackend
+from cloud_verifier.backends.synthetic import SyntheticBackend
+from cloud_verifier.engine import Limits
+from cloud_verifier.server import VerifierServer
+from edge_client import EdgeClient
+from edge_client.drafters import GGUFDrafter, SyntheticDrafter
+from edge_client.text import SyntheticTokenizer
+from spec_core.synthetic import SyntheticLM
+from spec_core.warping import SamplingSettings
+
+VOCAB, N = 48, 60
+
+
+def synthetic_greedy(prompt, n):
+    lm = SyntheticLM(VOCAB, 0)
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(np.argmax(lm.logits(seq))))
+    return seq[len(prompt):]
+
+
+class LosingReplies:
+    """Wraps the stub: every `every`-th Verify reaches the server but its reply is 'lost'."""
+
+    def __init__(self, stub, every=3):
+        self._stub, self.every, self.calls, self.lost = stub, every, 0, 0
+
+    async def Verify(self, req, **kw):
+        reply = await self._stub.Verify(req, **kw)
+        self.calls += 1
+        if self.calls % self.every == 0:
+            self.lost += 1
+            raise _unavailable()
+        return reply
+
+    def __getattr__(self, name):
+        return getattr(self._stub, name)
+
+
+def _unavailable():
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details="reply lost (injected)")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_lost_replies_are_retried_without_double_commit(temperature):
+    backend = SyntheticBackend(vocab=VOCAB)
+    async with VerifierServer(backend, "127.0.0.1", 0, Limits()) as server:
+        async with EdgeClient(f"127.0.0.1:{server.port}", SyntheticDrafter(VOCAB, noise=1.0),
+                              SyntheticTokenizer(VOCAB), gamma=4) as c:
+            c._stub = LosingReplies(c._stub)
+            gen = c.generate("5 6 7", SamplingSettings(temperature=temperature, max_new_tokens=N, ignore_eos=True,
+                                                       seed=3))
+            await gen.text()
+    st = gen.stats
+    assert c._stub.lost >= 3 and st.retries == c._stub.lost and st.replays == 0
+    assert st.tokens == N
+    if temperature == 0.0:
+        assert st.token_ids == synthetic_greedy([0, 5, 6, 7], N)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_verifier_restart_is_survived_by_replay(temperature):
+    backend = SyntheticBackend(vocab=VOCAB, step_ms=15)
+    server = await VerifierServer(backend, "127.0.0.1", 0, Limits(), grace_s=0).start()
+    port = server.port
+    async with EdgeClient(f"127.0.0.1:{port}", SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB),
+                          gamma=3, deadline_s=10) as c:
+        gen = c.generate("5 6 7", SamplingSettings(temperature=temperature, max_new_tokens=N, ignore_eos=True,
+                                                   seed=4))
+        task = asyncio.create_task(gen.text())
+        while not any(s.round >= 4 for s in server.engine.sessions.sessions()):
+            await asyncio.sleep(0.005)
+        await server.stop()                       # the verifier dies mid-generation, sessions gone
+        await asyncio.sleep(0.2)
+        server = await VerifierServer(SyntheticBackend(vocab=VOCAB, step_ms=15), "127.0.0.1", port, Limits()).start()
+        try:
+            await asyncio.wait_for(task, 60)
+        finally:
+            await server.stop()
+    st = gen.stats
+    assert st.replays >= 1
+    assert st.tokens == N == len(st.token_ids)
+    if temperature == 0.0:
+        assert st.token_ids == synthetic_greedy([0, 5, 6, 7], N)
+
+
+async def test_restart_with_real_gguf_target_keeps_greedy_output(tiny_models):
+    """The same on llama.cpp: a fresh verifier re-prefills prompt + committed tokens and goes on."""
+    drafter = GGUFDrafter(str(tiny_models["draft"]), n_threads=1, n_ctx=512)
+    make = lambda: LlamaCppBackend(str(tiny_models["target"]), n_ctx=512, n_threads=1)  # noqa: E731
+    settings = SamplingSettings(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    async with VerifierServer(make(), "127.0.0.1", 0, Limits()) as server:
+        async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=4) as c:
+            reference = c.generate("hello world", settings)
+            await reference.text()
+    server = await VerifierServer(make(), "127.0.0.1", 0, Limits(), grace_s=0).start()
+    port = server.port
+    rounds = 0
+
+    original = drafter.propose
+
+    def propose(*a, **kw):
+        nonlocal rounds
+        rounds += 1
+        return original(*a, **kw)
+    drafter.propose = propose
+    try:
+        async with EdgeClient(f"127.0.0.1:{port}", drafter, drafter.model, gamma=4, deadline_s=10) as c:
+            gen = c.generate("hello world", settings)
+            it = gen.__aiter__()
+            await it.__anext__()
+            while rounds < 3:
+                await it.__anext__()
+            await server.stop()
+            server = await VerifierServer(make(), "127.0.0.1", port, Limits()).start()
+            async for _ in it:
+                pass
+    finally:
+        await server.stop()
+        drafter.close()
+    assert gen.stats.replays == 1
+    assert gen.stats.token_ids == reference.stats.token_ids
