@@ -65,7 +65,10 @@ class GenerationStats:
     rounds: int = 0                 # Verify rounds that committed tokens
     drafted: int = 0
     accepted: int = 0
-    acceptance_rate: float = 0.0    # accepted / drafted
+    acceptance_rate: float = 0.0    # accepted / drafted (vLLM's "draft acceptance rate")
+    alpha: float = 0.0              # per-token acceptance α = accepted / (accepted + rejections): the
+                                    # geometric model's estimate; drafts after a rejection are never tested
+    rejections: int = 0             # rounds that ended with a corrected token
     tokens_per_round: float = 0.0   # 1 + accepted / rounds, as committed
     expected_tokens_per_round: float = 0.0  # (1 - α^(γ+1)) / (1 - α) at the measured α and mean γ
     wall_s: float = 0.0
@@ -148,6 +151,8 @@ class Generation:
             st.rounds += 1
             st.drafted += len(draft.tokens)
             st.accepted += reply.num_accepted
+            if reply.HasField("next_token_id") and reply.num_accepted < len(draft.tokens):
+                st.rejections += 1
             st.draft_s += draft.seconds
             st.server_model_s += reply.timings.model_ms / 1e3
             gammas.append(len(draft.tokens))
@@ -171,10 +176,11 @@ class Generation:
         st.token_ids = committed[prompt_len:]
         st.tokens = len(st.token_ids)
         st.acceptance_rate = st.accepted / st.drafted if st.drafted else 0.0
+        st.alpha = st.accepted / (st.accepted + st.rejections) if st.accepted + st.rejections else 0.0
         st.tokens_per_round = st.tokens / st.rounds if st.rounds else 0.0
         st.mean_gamma = sum(gammas) / len(gammas) if gammas else 0.0
         st.gamma = policy.describe()
-        st.expected_tokens_per_round = expected_tokens_per_round(st.acceptance_rate, round(st.mean_gamma))
+        st.expected_tokens_per_round = expected_tokens_per_round(st.alpha, round(st.mean_gamma))
         st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
 
 

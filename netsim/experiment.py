@@ -1,0 +1,322 @@
+"""The experiment: every mode over every profile and workload, through the link proxy.
+
+One verifier process serves the target (llama.cpp on the bundled model, or the synthetic pair);
+for each profile a LinkProxy (in its own thread, so drafting on the edge's event loop never
+stalls the link) sits between the edge and the verifier, and every mode runs every workload
+prompt over a warmed-up gRPC channel. Bytes are the proxy's wire counts (HTTP/2 framing
+included); round trips are Verify RPCs (retries included) or the one Generate request.
+
+Modes: edge-only (the draft model alone, no network), cloud-only (the target streams its own
+output: one request), per-token (γ = 1), hybrid-γN (fixed γ), adaptive (γ from the cost model).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from netsim.effects import Delay
+from netsim.link import Link
+from netsim.profiles import Profile, get_profile
+from netsim.proxy import LinkProxy
+from spec_core.costmodel import expected_tokens_per_round
+
+log = logging.getLogger(__name__)
+
+# Sampling per workload category: creative writing runs hot, structured output cold.
+TEMPERATURE = {"code": 0.2, "json": 0.2, "summarisation": 0.7, "translation": 0.7, "chat": 0.7, "creative": 1.0}
+ALL_MODES = ("edge-only", "cloud-only", "per-token", "hybrid", "adaptive")
+
+
+@dataclass
+class ExperimentConfig:
+    profiles: list[str]
+    modes: list[str]
+    out: Path
+    workloads: list[str] = field(default_factory=lambda: list(TEMPERATURE))
+    prompts_per_workload: int = 1
+    max_tokens: int = 48
+    gammas: list[int] = field(default_factory=lambda: [4])
+    target: str | None = None          # GGUF; default: bundled SmolLM2
+    draft: str | None = None           # GGUF; default: models/smollm2-draft.gguf
+    qmode: str = "fixed:16:16"
+    seed: int = 1
+    verifier_threads: int = 1
+    draft_threads: int = 1
+    synthetic: bool = False            # use the synthetic pair instead of real models
+    synthetic_alpha_noise: float = 1.0
+    synthetic_draft_ms: float = 2.0
+    synthetic_step_ms: float = 20.0
+    crossover: bool = True
+    crossover_rtts_ms: list[float] = field(default_factory=lambda: [5, 50, 150, 300, 600])
+    crossover_steps_ms: list[float] = field(default_factory=lambda: [5, 20, 60, 150])
+
+
+@dataclass
+class Row:
+    profile: str
+    mode: str
+    workload: str
+    prompt_index: int
+    gamma: str
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    ttft_s: float
+    round_trips: int
+    round_trips_per_token: float
+    bytes_up: int
+    bytes_down: int
+    bytes_up_per_token: float
+    bytes_down_per_token: float
+    acceptance_rate: float | None      # accepted / drafted
+    alpha: float | None                # per-token acceptance (geometric estimate), used by the theory
+    tokens_per_round: float | None
+    theory_tokens_per_round: float | None
+    target_forward_passes: int
+    forward_passes_per_token: float
+    retries: int = 0
+    replays: int = 0
+    rtt_ms: float = 0.0
+
+
+def load_workloads(categories: list[str], per_category: int) -> list[tuple[str, int, str]]:
+    text = resources.files("edge_client").joinpath("prompts/eval.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    out = []
+    for cat in categories:
+        prompts = [r["prompt"] for r in rows if r["category"] == cat][:per_category]
+        if not prompts:
+            raise ValueError(f"no prompts for workload {cat!r}; known: {sorted({r['category'] for r in rows})}")
+        out += [(cat, i, p) for i, p in enumerate(prompts)]
+    return out
+
+
+def start_verifier(args: list[str]) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-m", "cloud_verifier", "serve", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    if "serving on" not in line:
+        proc.kill()
+        raise RuntimeError(f"verifier failed to start: {line!r}")
+    return proc, int(line.rsplit(":", 1)[-1])
+
+
+class Runner:
+    """Holds the edge-side models and runs one (profile, mode, prompt) measurement at a time."""
+
+    def __init__(self, cfg: ExperimentConfig):
+        from edge_client.drafters import GGUFDrafter, SyntheticDrafter
+        from edge_client.text import SyntheticTokenizer
+        self.cfg = cfg
+        if cfg.synthetic:
+            self.drafter = SyntheticDrafter(64, 0, cfg.synthetic_alpha_noise, per_token_ms=cfg.synthetic_draft_ms)
+            self.tokenizer = SyntheticTokenizer(64)
+        else:
+            from edge_client.demo import DEFAULT_DRAFT
+            from llama_runtime import bundled_model_path
+            self.target = cfg.target or str(bundled_model_path())
+            draft = cfg.draft or str(DEFAULT_DRAFT)
+            if not Path(draft).is_file():
+                raise FileNotFoundError(f"no draft at {draft}: run scripts/setup.sh or edge-client make-draft")
+            self.drafter = GGUFDrafter(draft, n_threads=cfg.draft_threads)
+            self.tokenizer = self.drafter.model
+
+    def verifier_args(self, step_ms: float | None = None) -> list[str]:
+        c = self.cfg
+        if c.synthetic:
+            return ["--backend", "synthetic", "--synthetic-vocab", "64",
+                    "--synthetic-step-ms", str(c.synthetic_step_ms if step_ms is None else step_ms)]
+        return ["--model", self.target, "--threads", str(c.verifier_threads)]
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        if self.cfg.synthetic:
+            rng = np.random.default_rng(abs(hash(prompt)) % 2**32)
+            return [0] + rng.integers(2, 64, size=12).tolist()
+        from edge_client.text import render_chat
+        return render_chat(self.tokenizer, prompt)
+
+    def settings(self, workload: str, max_tokens: int):
+        from spec_core.warping import SamplingSettings
+        return SamplingSettings(temperature=TEMPERATURE.get(workload, 0.7), top_p=0.95, max_new_tokens=max_tokens,
+                                seed=self.cfg.seed, ignore_eos=self.cfg.synthetic)
+
+    async def measure(self, proxy: LinkProxy | None, port: int, profile: Profile, mode: str, gamma: int | str,
+                      workload: str, index: int, prompt_ids: list[int], max_tokens: int) -> Row:
+        settings = self.settings(workload, max_tokens)
+        label = mode if mode not in ("hybrid",) else f"hybrid-g{gamma}"
+        if mode == "edge-only":
+            return self._edge_only(profile, workload, index, prompt_ids, settings)
+        from edge_client.client import EdgeClient, _sampling_proto
+        from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=120)  # connect + warm up, not timed
+            before = (proxy.stats.bytes_up, proxy.stats.bytes_down) if proxy else (0, 0)
+            if mode == "cloud-only":
+                t0 = time.perf_counter()
+                ttft, tokens = 0.0, 0
+                async for chunk in stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt_ids,
+                                                                    sampling=_sampling_proto(settings)), timeout=600):
+                    tokens += len(chunk.token_ids)
+                    ttft = ttft or time.perf_counter() - t0
+                wall = time.perf_counter() - t0
+                rounds, acc, alpha, tpr, theory, passes, retries, replays = 1, None, None, None, None, tokens, 0, 0
+            else:
+                g = 1 if mode == "per-token" else gamma
+                async with EdgeClient(f"127.0.0.1:{port}", self.drafter, self.tokenizer, gamma=g,
+                                      qmode=self.cfg.qmode, channel=channel, deadline_s=120) as client:
+                    gen = client.generate(prompt_ids, settings)
+                    await gen.text()
+                st = gen.stats
+                tokens, wall, ttft = st.tokens, st.wall_s, st.ttft_s
+                rounds = st.rounds + st.retries
+                acc, alpha, tpr = st.acceptance_rate, st.alpha, st.tokens_per_round
+                theory = st.expected_tokens_per_round
+                passes, retries, replays = st.rounds, st.retries, st.replays
+            await asyncio.sleep(0.05)  # let the proxy account the last bytes
+            up = (proxy.stats.bytes_up - before[0]) if proxy else 0
+            down = (proxy.stats.bytes_down - before[1]) if proxy else 0
+        n = max(tokens, 1)
+        return Row(profile.name, label, workload, index, str(gamma if mode != "per-token" else 1), tokens, wall,
+                   tokens / wall if wall else 0.0, ttft, rounds, rounds / n, up, down, up / n, down / n, acc, alpha, tpr,
+                   theory, passes, passes / n, retries, replays, profile.rtt_ms())
+
+    def _edge_only(self, profile, workload, index, prompt_ids, settings) -> Row:
+        from spec_core.drafting import QMode
+        rng = np.random.default_rng(settings.seed)
+        seq = list(prompt_ids)
+        t0 = time.perf_counter()
+        draft = self.drafter.propose(seq, settings.max_new_tokens, settings, QMode("float", 0), rng)
+        wall = time.perf_counter() - t0
+        n = len(draft.tokens)
+        return Row(profile.name, "edge-only", workload, index, "-", n, wall, n / wall if wall else 0.0,
+                   wall / max(n, 1), 0, 0.0, 0, 0, 0.0, 0.0, None, None, None, None, 0, 0.0, rtt_ms=profile.rtt_ms())
+
+
+def delay_profile(rtt_ms: float) -> Profile:
+    half = Link((Delay(rtt_ms / 2),))
+    return Profile(f"rtt{rtt_ms:g}", half, Link((Delay(rtt_ms / 2),)), description=f"pure delay, RTT {rtt_ms:g} ms",
+                   source="synthetic grid (our own)")
+
+
+async def run_experiment(cfg: ExperimentConfig, progress=None) -> dict:
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    runner = Runner(cfg)
+    workloads = load_workloads(cfg.workloads, cfg.prompts_per_workload)
+    modes: list[tuple[str, int | str]] = []
+    for m in cfg.modes:
+        if m == "hybrid":
+            modes += [("hybrid", g) for g in cfg.gammas]
+        else:
+            modes.append((m, "adaptive" if m == "adaptive" else 1))
+    rows: list[Row] = []
+    total = len(cfg.profiles) * len(modes) * len(workloads)
+    crossover_points = (len(cfg.crossover_rtts_ms) * len(cfg.crossover_steps_ms) * 2) if cfg.crossover else 0
+    task = progress.add_task("experiment", total=total + crossover_points) if progress else None
+    proc, vport = start_verifier(runner.verifier_args())
+    try:
+        for name in cfg.profiles:
+            profile = get_profile(name)
+            thread = LinkProxy(upstream=("127.0.0.1", vport), profile=profile, seed=cfg.seed).start_in_thread()
+            try:
+                for mode, gamma in modes:
+                    for workload, index, prompt in workloads:
+                        if progress:
+                            progress.update(task, description=f"{name} {mode}{'' if mode != 'hybrid' else gamma} "
+                                                              f"{workload}")
+                        row = await runner.measure(thread.proxy, thread.port, profile, mode, gamma, workload, index,
+                                                   runner.prompt_ids(prompt), cfg.max_tokens)
+                        rows.append(row)
+                        if progress:
+                            progress.advance(task)
+            finally:
+                thread.stop()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    crossover = await run_crossover(cfg, progress, task) if cfg.crossover else []
+    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+              "profiles": {n: get_profile(n).to_dict() for n in cfg.profiles},
+              "rows": [asdict(r) for r in rows], "crossover": crossover,
+              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return result
+
+
+async def run_crossover(cfg: ExperimentConfig, progress, task) -> list[dict]:
+    """Synthetic pair over a grid of link RTT x cloud step time: hybrid (adaptive γ) vs cloud-only."""
+    synth = ExperimentConfig(**{**asdict(cfg), "synthetic": True, "out": cfg.out})
+    runner = Runner(synth)
+    ids = runner.prompt_ids("crossover")
+    points = []
+    for step in cfg.crossover_steps_ms:
+        proc, vport = start_verifier(runner.verifier_args(step_ms=step))
+        try:
+            for rtt in cfg.crossover_rtts_ms:
+                profile = delay_profile(rtt)
+                thread = LinkProxy(upstream=("127.0.0.1", vport), profile=profile, seed=cfg.seed).start_in_thread()
+                try:
+                    res = {}
+                    for mode, gamma in (("cloud-only", 1), ("adaptive", "adaptive")):
+                        if progress:
+                            progress.update(task, description=f"crossover rtt {rtt:g} ms step {step:g} ms {mode}")
+                        res[mode] = await runner.measure(thread.proxy, thread.port, profile, mode, gamma, "chat", 0,
+                                                         ids, 32)
+                        if progress:
+                            progress.advance(task)
+                finally:
+                    thread.stop()
+                h, c = res["adaptive"], res["cloud-only"]
+                points.append({"rtt_ms": rtt, "step_ms": step, "hybrid_tokens_per_s": h.tokens_per_s,
+                               "cloud_tokens_per_s": c.tokens_per_s, "speedup": h.tokens_per_s / c.tokens_per_s,
+                               "hybrid_forward_passes_per_token": h.forward_passes_per_token,
+                               "acceptance_rate": h.acceptance_rate, "tokens_per_round": h.tokens_per_round})
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    return points
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """One line per profile x mode over all workloads: totals, not means of ratios."""
+    out = []
+    keys = sorted({(r["profile"], r["mode"]) for r in rows}, key=lambda k: (k[0], _mode_order(k[1])))
+    for profile, mode in keys:
+        rs = [r for r in rows if r["profile"] == profile and r["mode"] == mode]
+        tokens = sum(r["tokens"] for r in rs)
+        wall = sum(r["wall_s"] for r in rs)
+        acc = [r["acceptance_rate"] for r in rs if r["acceptance_rate"] is not None]
+        alpha = [r["alpha"] for r in rs if r["alpha"] is not None]
+        tpr = [r["tokens_per_round"] for r in rs if r["tokens_per_round"] is not None]
+        theory = [r["theory_tokens_per_round"] for r in rs if r["theory_tokens_per_round"] is not None]
+        out.append({
+            "profile": profile, "mode": mode, "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall if wall else 0.0,
+            "ttft_s": statistics.median(r["ttft_s"] for r in rs),
+            "round_trips_per_token": sum(r["round_trips"] for r in rs) / max(tokens, 1),
+            "bytes_up_per_token": sum(r["bytes_up"] for r in rs) / max(tokens, 1),
+            "bytes_down_per_token": sum(r["bytes_down"] for r in rs) / max(tokens, 1),
+            "acceptance_rate": statistics.mean(acc) if acc else None,
+            "alpha": statistics.mean(alpha) if alpha else None,
+            "tokens_per_round": statistics.mean(tpr) if tpr else None,
+            "theory_tokens_per_round": statistics.mean(theory) if theory else None,
+            "forward_passes_per_token": sum(r["target_forward_passes"] for r in rs) / max(tokens, 1),
+        })
+    return out
+
+
+def _mode_order(mode: str) -> tuple[int, str]:
+    for i, m in enumerate(ALL_MODES):
+        if mode.startswith(m):
+            return i, mode
+    return len(ALL_MODES), mode
