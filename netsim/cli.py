@@ -1,0 +1,192 @@
+"""The `netsim` command: `netsim proxy ...` and `netsim profiles`.
+
+Each subcommand is one `_add_<name>_command(subparsers)` function that registers its parser
+and sets `run` to the function that carries it out; `build_parser` lists them. The
+experiment runner adds its own the same way (`experiment`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+from .profiles import PROFILES, Profile, get_profile
+from .proxy import LinkProxy
+
+log = logging.getLogger("netsim")
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+# --- netsim proxy -----------------------------------------------------------------------
+
+async def _serve(args: argparse.Namespace) -> None:
+    proxy = LinkProxy(listen=args.listen, upstream=args.upstream, profile=get_profile(args.profile),
+                      seed=args.seed)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    async with proxy:
+        host, port = proxy.address
+        log.info("listening on %s:%d (forwarding to %s:%d); Ctrl-C to stop", host, port, *args.upstream)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=args.stats_every_s)
+            except asyncio.TimeoutError:
+                s = proxy.stats
+                log.info("connections %d (%d open), up %d B, down %d B, chunks %d, stalls %d (%.2f s), resets %d",
+                         s.connections, s.active, s.bytes_up, s.bytes_down, s.chunks, s.stalls, s.stall_s, s.resets)
+        log.info("stopping: delivering what is in flight")
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    asyncio.run(_serve(args))
+    return 0
+
+
+def _add_proxy_command(subparsers) -> None:
+    parser = subparsers.add_parser("proxy", help="run the link-emulating TCP proxy",
+                                   description="Forward TCP from --listen to --upstream through a profile's links.")
+    parser.add_argument("--profile", required=True, choices=sorted(PROFILES), help="link profile (see `netsim profiles`)")
+    parser.add_argument("--listen", type=_host_port, default=("127.0.0.1", 0), metavar="HOST:PORT",
+                        help="address to listen on (default 127.0.0.1:0, a free port)")
+    parser.add_argument("--upstream", type=_host_port, required=True, metavar="HOST:PORT",
+                        help="address to forward to")
+    parser.add_argument("--seed", type=int, default=0, help="seed for every random draw (default 0)")
+    parser.add_argument("--stats-every-s", type=float, default=10.0, help="seconds between stats log lines")
+    parser.set_defaults(run=_run_proxy)
+
+
+# --- netsim profiles --------------------------------------------------------------------
+
+def _rate_text(rate_kbit_s: float | None) -> str:
+    if rate_kbit_s is None:
+        return "-"
+    return f"{rate_kbit_s / 1000:.4g} Mbit/s" if rate_kbit_s >= 1000 else f"{rate_kbit_s:.4g} kbit/s"
+
+
+def _extras_text(profile: Profile) -> str:
+    kinds = {effect.kind for link in (profile.uplink, profile.downlink) for effect in link.effects}
+    return ", ".join(sorted(kinds & {"jitter", "outage", "trace", "handover", "ge-loss"})) or "-"
+
+
+def _run_profiles(args: argparse.Namespace) -> int:
+    if args.json:
+        json.dump([profile.to_dict() for profile in PROFILES.values()], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="netsim profiles (RTT = mean of both one-way delays, without queueing)")
+    for column in ("name", "RTT ms", "up", "down", "loss up/down", "also"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("source", overflow="fold")
+    for profile in PROFILES.values():
+        table.add_row(
+            profile.name, f"{profile.rtt_ms():g}", _rate_text(profile.uplink.rate_kbit_s()),
+            _rate_text(profile.downlink.rate_kbit_s()),
+            f"{profile.uplink.mean_loss_rate():.2%} / {profile.downlink.mean_loss_rate():.2%}",
+            _extras_text(profile), profile.source)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)   # piped or captured: don't crop to the 80-column default
+    console.print(table)
+    return 0
+
+
+def _add_profiles_command(subparsers) -> None:
+    parser = subparsers.add_parser("profiles", help="list the link profiles and their sources")
+    parser.add_argument("--json", action="store_true", help="print every profile's full settings as JSON")
+    parser.set_defaults(run=_run_profiles)
+
+
+# --- experiment -------------------------------------------------------------------------
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _run_experiment(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .experiment import ALL_MODES, TEMPERATURE, ExperimentConfig, run_experiment
+    from .report import write_all
+
+    modes = list(ALL_MODES) if args.modes == "all" else _csv(args.modes)
+    unknown = [m for m in modes if m not in ALL_MODES]
+    if unknown:
+        raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(ALL_MODES)} or 'all'")
+    cfg = ExperimentConfig(
+        profiles=_csv(args.profiles), modes=modes, out=Path(args.out),
+        workloads=list(TEMPERATURE) if args.workloads == "all" else _csv(args.workloads),
+        prompts_per_workload=args.prompts_per_workload, max_tokens=args.max_tokens,
+        gammas=[int(g) for g in _csv(args.gammas)], target=args.target, draft=args.draft, qmode=args.q,
+        seed=args.seed, synthetic=args.synthetic, crossover=not args.no_crossover,
+        crossover_rtts_ms=[float(x) for x in _csv(args.crossover_rtts)],
+        crossover_steps_ms=[float(x) for x in _csv(args.crossover_steps)])
+    for name in cfg.profiles:
+        get_profile(name)  # fail before a long run, with the list of names
+    with Progress(TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn()) as progress:
+        result = asyncio.run(run_experiment(cfg, progress))
+    paths = write_all(result, cfg.out)
+    print(paths["report"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _add_experiment_command(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "experiment", help="run every mode over link profiles and workloads, write results and a report",
+        description="Start a verifier, put each profile's link between it and the edge, and measure "
+                    "edge-only, cloud-only, per-token, hybrid (fixed γ) and adaptive γ on each workload.")
+    parser.add_argument("--profiles", default="lan,lte,3g,edge-lossy,geo-sat", help="comma-separated profile names")
+    parser.add_argument("--modes", default="all", help="all, or a comma-separated subset of " + ", ".join(
+        ("edge-only", "cloud-only", "per-token", "hybrid", "adaptive")))
+    parser.add_argument("--workloads", default="all",
+                        help="all, or a subset of code,json,summarisation,translation,chat,creative")
+    parser.add_argument("--prompts-per-workload", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--gammas", default="4", help="fixed γ values for the hybrid mode, e.g. 2,4,8")
+    parser.add_argument("--q", default="fixed:16:16", help="q on the wire (see edge-client generate --help)")
+    parser.add_argument("--target", help="target GGUF (default: bundled SmolLM2)")
+    parser.add_argument("--draft", help="draft GGUF (default: models/smollm2-draft.gguf)")
+    parser.add_argument("--synthetic", action="store_true", help="use the synthetic model pair (fast sweeps)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--no-crossover", action="store_true", help="skip the synthetic RTT x cloud-step grid")
+    parser.add_argument("--crossover-rtts", default="5,50,150,300,600", help="link RTTs in ms for the grid")
+    parser.add_argument("--crossover-steps", default="5,20,60,150", help="cloud step times in ms for the grid")
+    parser.add_argument("--out", default="results", help="output folder")
+    parser.set_defaults(run=_run_experiment)
+
+
+# --- entry point ------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="netsim", description="User-space link emulation for TCP (gRPC) traffic.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG (every stall and reset)")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_proxy_command(subparsers)
+    _add_profiles_command(subparsers)
+    _add_experiment_command(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.run(args)

@@ -1,0 +1,395 @@
+"""An asyncio TCP proxy that carries real bytes (gRPC/HTTP2) through emulated links.
+
+    client --> 127.0.0.1:listen --[uplink]--> upstream
+    client <--                  <-[downlink]-- upstream
+
+Each accepted connection opens its own upstream connection and its own state for both links,
+with a random generator seeded from (seed, connection number, direction), so a run is
+reproducible given the order in which connections arrive. Connections therefore do not share
+bandwidth (a gRPC channel uses one connection); time-based schedules (outages, traces,
+handovers) are shared, counted from the proxy's start (`epoch_s`). Each read is stamped with its
+arrival time, cut into chunks of at most `max_chunk_bytes` (so a slow link releases a large
+read piece by piece instead of all at its end), and queued with the departure time its link
+computes; a writer sends each chunk at that time. Nothing is dropped: an endpoint's EOF or
+reset is passed on after the data in front of it, and `stop()` writes out whatever is still
+queued before closing. Only an emulated reset discards queued data, as a real reset would,
+and data queued for an endpoint that has gone away has nowhere to go.
+
+What a proxy cannot emulate (shared/reference/network-emulation-anchors.md, section 4.1):
+the TCP handshake is not delayed (the kernel accepts at once), congestion control and TCP
+timers of the endpoints never see the emulated path, and the kernel's own socket buffers
+add a little unshaped queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import random
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+
+from .effects import LinkContext, LinkReset
+from .link import LinkState
+from .profiles import Profile
+
+log = logging.getLogger(__name__)
+
+READ_BYTES = 65536   # most bytes taken from a socket per read
+
+
+@dataclass
+class ProxyStats:
+    """Counters over the proxy's life; plain numbers, safe to read from another thread."""
+
+    connections: int = 0    # connections accepted
+    active: int = 0         # connections open now
+    bytes_up: int = 0       # bytes delivered client -> upstream
+    bytes_down: int = 0     # bytes delivered upstream -> client
+    chunks: int = 0         # chunks delivered, both directions
+    stalls: int = 0         # chunks held back by a loss stall or an outage
+    stall_s: float = 0.0    # total of those stalls (s)
+    resets: int = 0         # connections reset by the emulated link
+
+    def record_stall(self, stall_s: float) -> None:
+        self.stalls += 1
+        self.stall_s += stall_s
+        log.debug("stall of %.3f s", stall_s)
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def connection_rng(seed: int, connection: int, direction: str) -> random.Random:
+    """The generator for one connection's link in one direction ("up" or "down")."""
+    return random.Random(f"netsim:{seed}:{connection}:{direction}")
+
+
+class _Pipe:
+    """One direction of one connection: read, stamp, queue, and write at departure time."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: LinkState,
+                 stats: ProxyStats, byte_counter: str, max_chunk_bytes: int, max_queue_bytes: int) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.link = link
+        self.stats = stats
+        self.byte_counter = byte_counter
+        self.max_chunk_bytes = max_chunk_bytes
+        self.max_queue_bytes = max_queue_bytes
+        self.queue: collections.deque[tuple[float, bytes]] = collections.deque()   # (departure_s, data)
+        self.queued_bytes = 0
+        self.eof = False           # the sender finished (EOF or reset); deliver the queue, then pass it on
+        self.peer_reset = False    # ... and it finished with a reset, not an EOF
+        self.ready = asyncio.Event()   # something was queued, or EOF
+        self.space = asyncio.Event()   # the queue shrank
+
+    async def read_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while data := await self.reader.read(READ_BYTES):
+                arrival_s = loop.time()
+                for start in range(0, len(data), self.max_chunk_bytes):
+                    piece = data[start:start + self.max_chunk_bytes]
+                    self.queue.append((self.link.departure_s(len(piece), arrival_s), piece))
+                    self.queued_bytes += len(piece)
+                self.ready.set()
+                # Stop reading while the link is backed up, so the sender's TCP feels the backpressure.
+                while self.queued_bytes > self.max_queue_bytes:
+                    self.space.clear()
+                    await self.space.wait()
+        except ConnectionError:
+            # The sender reset. On a real path its RST would arrive after the data already
+            # in flight, so it is passed on the same way as an EOF: behind the queue.
+            self.peer_reset = True
+        self.eof = True
+        self.ready.set()
+
+    def _send(self, piece: bytes) -> None:
+        self.queued_bytes -= len(piece)
+        self.writer.write(piece)
+        setattr(self.stats, self.byte_counter, getattr(self.stats, self.byte_counter) + len(piece))
+        self.stats.chunks += 1
+
+    async def write_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.queue:
+                if self.eof:
+                    break
+                self.ready.clear()
+                await self.ready.wait()
+                continue
+            wait_s = self.queue[0][0] - loop.time()
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)
+                continue
+            now_s = loop.time()
+            while self.queue and self.queue[0][0] <= now_s:
+                self._send(self.queue.popleft()[1])
+            self.space.set()
+            await self.writer.drain()
+        if self.peer_reset:
+            _reset_socket(self.writer)
+        elif self.writer.can_write_eof():
+            self.writer.write_eof()
+
+    def flush(self) -> None:
+        """Write out everything queued now, departure times notwithstanding (we are stopping)."""
+        while self.queue:
+            self._send(self.queue.popleft()[1])
+
+
+def _reset_socket(writer: asyncio.StreamWriter) -> None:
+    """Close with an RST rather than a FIN: SO_LINGER on with a zero timeout, then abort."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass   # already closed
+    writer.transport.abort()
+
+
+class _Connection:
+    def __init__(self, proxy: LinkProxy, number: int, client_reader: asyncio.StreamReader,
+                 client_writer: asyncio.StreamWriter) -> None:
+        self.proxy = proxy
+        self.number = number
+        self.client_reader = client_reader
+        self.client_writer = client_writer
+        self.upstream_writer: asyncio.StreamWriter | None = None
+        profile = proxy.profile
+        self.links = {direction: link.open(LinkContext(
+            rng=connection_rng(proxy.seed, number, direction), epoch_s=proxy.epoch_s,
+            rtt_s=profile.rtt_ms() / 1000.0, seed=proxy.seed, record_stall=proxy.stats.record_stall))
+            for direction, link in (("up", profile.uplink), ("down", profile.downlink))}
+        self.pipes: list[_Pipe] = []
+        self.tasks: list[asyncio.Task] = []
+        self.interrupted = False
+
+    def _reset_due(self) -> float | None:
+        now_s = asyncio.get_running_loop().time()
+        times = [t for link in self.links.values() if (t := link.reset_at_s(now_s)) is not None]
+        return min(times) if times else None
+
+    async def _watch_resets(self) -> None:
+        loop = asyncio.get_running_loop()
+        while (due_s := self._reset_due()) is not None:
+            if due_s <= loop.time():
+                raise LinkReset("outage")
+            await asyncio.sleep(due_s - loop.time())
+
+    async def run(self) -> None:
+        due_s = self._reset_due()
+        if due_s is not None and due_s <= asyncio.get_running_loop().time():
+            self.reset("refused during an outage")
+            return
+        try:
+            upstream_reader, self.upstream_writer = await asyncio.open_connection(*self.proxy.upstream)
+        except OSError as exc:
+            log.warning("connection %d: upstream %s:%d unreachable: %s", self.number, *self.proxy.upstream, exc)
+            _reset_socket(self.client_writer)
+            return
+        if self.interrupted:   # the proxy stopped while we were connecting
+            self.upstream_writer.close()
+            return
+        stats, chunk, queue = self.proxy.stats, self.proxy.max_chunk_bytes, self.proxy.max_queue_bytes
+        self.pipes = [
+            _Pipe(self.client_reader, self.upstream_writer, self.links["up"], stats, "bytes_up", chunk, queue),
+            _Pipe(upstream_reader, self.client_writer, self.links["down"], stats, "bytes_down", chunk, queue),
+        ]
+        writers = [asyncio.create_task(pipe.write_loop()) for pipe in self.pipes]
+        self.tasks = writers + [asyncio.create_task(pipe.read_loop()) for pipe in self.pipes]
+        self.tasks.append(asyncio.create_task(self._watch_resets()))
+        pending = set(self.tasks)
+        while not all(task.done() for task in writers):
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if self.interrupted:
+                return   # interrupt() owns the cleanup
+            for task in done:
+                exc = None if task.cancelled() else task.exception()
+                if isinstance(exc, LinkReset):
+                    self.reset(str(exc))
+                    return
+                if isinstance(exc, OSError):
+                    # A writer's destination is gone, and what was queued for it with it. The
+                    # other direction carries on; that peer's own reader passes its end along.
+                    log.debug("connection %d: %r", self.number, exc)
+                elif exc is not None:
+                    self._abort()
+                    raise exc
+        # Both directions delivered their EOF (or reset).
+        self._cancel_tasks()
+        self.client_writer.close()
+        self.upstream_writer.close()
+
+    def _cancel_tasks(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+    def _abort(self) -> None:
+        self._cancel_tasks()
+        _reset_socket(self.client_writer)
+        if self.upstream_writer is not None:
+            _reset_socket(self.upstream_writer)
+
+    def reset(self, why: str) -> None:
+        self.proxy.stats.resets += 1
+        log.info("connection %d reset by the link: %s", self.number, why)
+        self._abort()
+
+    async def interrupt(self) -> None:
+        """Stop at once, but deliver what is in flight before closing."""
+        self.interrupted = True
+        self._cancel_tasks()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for pipe in self.pipes:
+            try:
+                pipe.flush()
+                if pipe.writer.can_write_eof():
+                    pipe.writer.write_eof()
+            except (ConnectionError, RuntimeError, OSError):
+                pass   # that side is gone; nothing can be delivered to it
+        for writer in (self.client_writer, self.upstream_writer):
+            if writer is not None:
+                writer.close()   # close() still sends what the transport has buffered
+
+
+class LinkProxy:
+    """A TCP proxy whose two directions follow a profile's uplink and downlink.
+
+        async with LinkProxy(upstream=("127.0.0.1", port), profile=get_profile("3g"), seed=1) as proxy:
+            connect to ("127.0.0.1", proxy.port)
+
+    For callers without an event loop of their own, `start_in_thread()` runs it in a thread.
+    """
+
+    def __init__(self, *, upstream: tuple[str, int], profile: Profile,
+                 listen: tuple[str, int] = ("127.0.0.1", 0), seed: int = 0,
+                 max_chunk_bytes: int = 8192, max_queue_bytes: int = 1 << 20) -> None:
+        self.upstream = upstream
+        self.profile = profile
+        self.listen = listen
+        self.seed = seed
+        self.max_chunk_bytes = max_chunk_bytes   # largest piece scheduled as one chunk (bytes)
+        self.max_queue_bytes = max_queue_bytes   # a direction stops reading beyond this backlog (bytes)
+        self.stats = ProxyStats()
+        self.epoch_s = 0.0       # loop time at start(): outages, traces and handovers count from here
+        self._server: asyncio.Server | None = None
+        self._address: tuple[str, int] | None = None
+        self._connections: set[_Connection] = set()
+        self._next_number = 0
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The (host, port) it listens on; kept after stop() for logs."""
+        if self._address is None:
+            raise RuntimeError("the proxy is not started")
+        return self._address
+
+    @property
+    def port(self) -> int:
+        return self.address[1]
+
+    async def start(self) -> None:
+        self.epoch_s = asyncio.get_running_loop().time()
+        self._server = await asyncio.start_server(self._handle, *self.listen)
+        self._address = self._server.sockets[0].getsockname()[:2]
+        log.info("netsim proxy on %s:%d -> %s:%d, profile %s, seed %d",
+                 *self.address, *self.upstream, self.profile.name, self.seed)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connection = _Connection(self, self._next_number, reader, writer)
+        self._next_number += 1
+        self.stats.connections += 1
+        self.stats.active += 1
+        self._connections.add(connection)
+        try:
+            await connection.run()
+        finally:
+            self._connections.discard(connection)
+            self.stats.active -= 1
+
+    async def stop(self) -> None:
+        """Stop accepting; deliver what is in flight on every connection, then close them."""
+        if self._server is None:
+            return
+        self._server.close()
+        await asyncio.gather(*(connection.interrupt() for connection in list(self._connections)))
+        await self._server.wait_closed()
+        log.info("netsim proxy stopped: %s", self.stats.as_dict())
+
+    async def __aenter__(self) -> LinkProxy:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.stop()
+
+    def start_in_thread(self) -> ProxyThread:
+        """Run the proxy on its own event loop in a daemon thread; returns once it listens."""
+        return ProxyThread(self)
+
+
+class ProxyThread:
+    """A LinkProxy running in a background thread: `.port`, `.stats`, `.stop()`."""
+
+    def __init__(self, proxy: LinkProxy) -> None:
+        self.proxy = proxy
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="netsim-proxy", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self.proxy.start())
+        except BaseException as exc:   # hand any start failure to the caller's thread
+            self._error = exc
+            self._started.set()
+            self._loop.close()
+            return
+        self._started.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            leftovers = asyncio.all_tasks(self._loop)
+            for task in leftovers:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+            self._loop.close()
+
+    @property
+    def port(self) -> int:
+        return self.proxy.port
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.proxy.address
+
+    @property
+    def stats(self) -> ProxyStats:
+        return self.proxy.stats
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if not self._thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self.proxy.stop(), self._loop).result(timeout_s)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> ProxyThread:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
