@@ -203,6 +203,7 @@ class EdgeClient:
         self.deadline_s, self.max_retries, self.max_replays, self.max_gamma = deadline_s, max_retries, max_replays, max_gamma
         self._channel = channel
         self._own_channel = channel is None
+        self._reached = False
         # Special tokens (EOS, <|im_end|>) end generation; they are not printed.
         self.hidden_ids = getattr(tokenizer, "eog_ids", frozenset())
 
@@ -234,7 +235,10 @@ class EdgeClient:
         for attempt in range(self.max_retries + 1):
             st.bytes_up += req.ByteSize() + GRPC_FRAME_BYTES
             try:
-                reply = await self._stub.Verify(req, timeout=self.deadline_s, wait_for_ready=True)
+                # Once a verifier has answered, wait for it to come back (restart) instead of failing fast;
+                # before that, an address with nothing behind it fails within the retry budget.
+                reply = await self._stub.Verify(req, timeout=self.deadline_s, wait_for_ready=self._reached)
+                self._reached = True
                 st.bytes_down += reply.ByteSize() + GRPC_FRAME_BYTES
                 return reply
             except grpc.aio.AioRpcError as e:
