@@ -28,7 +28,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="q on the wire: none | fixed[:TOPK[:BITS]] | float[:TOPK] (TOPK 0 = whole vocabulary)")
     s.add_argument("--drafter", choices=["gguf", "lookup", "synthetic"], default="gguf",
                    help="gguf: a draft model (--draft); lookup: prompt lookup, no model; synthetic: test pair")
-    s.add_argument("--draft", help="draft GGUF file (shares the target's tokenizer)")
+    s.add_argument("--draft", help="draft GGUF file sharing the target's tokenizer (default: models/smollm2-draft.gguf "
+                                   "when it exists)")
     s.add_argument("--tokenizer", help="GGUF file whose vocabulary to use with --drafter lookup (default: bundled)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
     s.add_argument("--synthetic-vocab", type=int, default=64)
@@ -50,6 +51,10 @@ def build_drafter(args):
         from llama_runtime import GGUFModel, bundled_model_path
         tok = GGUFModel(args.tokenizer or bundled_model_path(), vocab_only=True)
         return PromptLookupDrafter(fingerprint=tok.fingerprint), tok
+    if not args.draft:
+        from edge_client.demo import DEFAULT_DRAFT
+        if DEFAULT_DRAFT.is_file():
+            args.draft = str(DEFAULT_DRAFT)
     if not args.draft:
         raise SystemExit("--draft DRAFT.gguf is required with --drafter gguf "
                          "(make one with: edge-client make-draft --target TARGET.gguf --out DRAFT.gguf)")
@@ -94,7 +99,7 @@ def cmd_generate(args) -> int:
     try:
         stats = asyncio.run(run_generate(args, args.server))
     except EdgeError as e:
-        print(f"edge-client: the verifier refused the request: {e}", file=sys.stderr)
+        print(f"edge-client: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(stats.to_json()))
@@ -134,11 +139,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from edge_client import demo
     demo.add_parser(sub)
-    try:
-        from edge_client import draftcli
-        draftcli.add_parsers(sub)
-    except ImportError:  # the draft tools are optional at this stage
-        pass
+    from edge_client import draftcli
+    draftcli.add_parsers(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

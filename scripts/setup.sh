@@ -28,9 +28,9 @@ fi
 
 # The default demo draft, built from the target itself (never committed; see README, "Drafts").
 DRAFT=${HYBRIDSPEC_MODELS:-models}/smollm2-draft.gguf
-if [ ! -f "$DRAFT" ] && "$VENV/bin/edge-client" make-draft --help >/dev/null 2>&1; then
+if [ ! -f "$DRAFT" ]; then
   echo "[setup] building the default draft $DRAFT from the bundled target" >&2
   mkdir -p "$(dirname "$DRAFT")"
-  "$VENV/bin/edge-client" make-draft --default --out "$DRAFT" >&2
+  "$VENV/bin/edge-client" make-draft --method requant --type Q4_0 --out "$DRAFT" >&2
 fi
 echo "[setup] ready: $VENV" >&2

@@ -1,0 +1,422 @@
+"""eval-draft: how good a draft is for a target, and what it would buy on a weak link.
+
+Glossary (used in names below):
+  continuation   tokens the *target* generated after a prompt; drafts are scored on them.
+  teacher-forced both models read prompt + continuation in one batch (one llama_decode call
+                 per 512 tokens) and give logits for every continuation position; the draft
+                 never sees its own mistakes, as in a real round after each correction.
+  acceptance α_T mean over positions of sum_x min(p_T(x), q_T(x)), where p_T / q_T are the
+                 target's / draft's processed distributions at temperature T
+                 (spec_core.warping.processed_probs). It is the exact expected acceptance
+                 probability of one speculative-sampling step (Leviathan et al. 2023, sec. 3),
+                 computed from the distributions, not estimated by sampling. At T = 0 both are
+                 point masses, so α_0 = greedy agreement (share of positions where the draft's
+                 argmax equals the target's argmax).
+
+How continuations are made (`continuation=`):
+  "sampled" (default)  for T = 0 the target's greedy continuation; for T > 0 a continuation the
+                       target sampled at that T (seeded). α_T is then measured on the contexts
+                       that decoding at T actually visits.
+  "greedy"             one greedy continuation, used for every T (a third of the target's
+                       decoding work; slightly optimistic for T > 0, since greedy text is the
+                       most predictable text).
+A continuation stops early at an end-of-generation token (which is scored too).
+
+Speed: decode tokens/s is one token per llama_decode call after a prompt, as a drafter runs,
+median of `speed_repeats` runs, for 1 and 2 threads, the target and the drafts taking turns in
+each repeat. Verify cost is *measured*: the target's
+time to check a round of k = γ+1 tokens (logits for all k rows, KV rolled back between runs)
+with `verify_threads` threads, k = 1..max_gamma+1, median of repeats, then a least-squares line
+t(k) = a + b·k gives RoundCosts(t_verify_base_s = a + b, t_verify_per_token_s = b).
+
+Figure of merit (`hybrid`): expected hybrid tokens/s on the link profile (default netsim's "3g":
+300 ms RTT, 700 kbit/s uplink) at T = fom_temperature (0.7), maximised over γ with
+spec_core.costmodel.best_gamma. Per round: γ·t_draft (1 thread: the demo's edge) + RTT + γ·bytes
+per draft token / uplink rate + t_verify(γ). Bytes per draft token is the size of the q payload
+(fixed-point top-16, the CLI default) encoded from the draft's own distributions plus the token
+id. Loss and jitter are left out: the figure ranks drafts; netsim measures the real thing.
+
+JSON report keys (`EvalReport.to_json()`):
+  target, draft                {path, name, fingerprint}
+  settings                     {max_new_tokens, continuation, temperatures, seed, threads, prompts_file}
+  overall                      {prompts, positions{T}, alpha{T}, greedy_agreement}
+  categories                   {category: {prompts, positions{T}, alpha{T}}}
+  per_prompt                   [{category, prompt_tokens, positions{T}, alpha{T}}]
+  expected_tokens_per_round    {T: {γ: (1 − α^(γ+1)) / (1 − α)} for γ = 1..8}
+  speed                        {draft: {threads: tok/s}, target: {threads: tok/s}, tokens, repeats} or null
+  verify                       {threads, seconds_by_rows{k}, base_s, per_token_s, method} or null
+  hybrid                       {link, rtt_s, uplink_bytes_per_s, bytes_per_draft_token, temperature,
+                                alpha, draft_threads, t_draft_s, best_gamma, tokens_per_s,
+                                tokens_per_s_by_gamma{γ}, cloud_only_tokens_per_s} or null
+  elapsed_s
+T keys are formatted with "%g" ("0", "0.7", "1"); γ and thread keys are strings.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from spec_core.costmodel import RoundCosts, best_gamma, expected_tokens_per_round
+from spec_core.warping import processed_probs, sample
+
+log = logging.getLogger(__name__)
+
+PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
+DEFAULT_PROMPTS = PROMPTS_DIR / "eval.jsonl"
+CALIBRATION_PROMPTS = PROMPTS_DIR / "calibration.jsonl"
+DEFAULT_TEMPERATURES = (0.0, 0.7, 1.0)
+GAMMAS = range(1, 9)
+TOKEN_ID_BYTES = 3  # a draft token id as a protobuf varint (ids < 2^21)
+
+Progress = Callable[[str], None]
+
+
+def tkey(temperature: float) -> str:
+    return f"{temperature:g}"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    category: str
+    text: str
+    system: str | None = None
+
+
+def load_prompts(path: str | os.PathLike | None = None) -> list[Prompt]:
+    """JSON lines: {"category": ..., "prompt": ..., "system": optional}."""
+    path = Path(path) if path else DEFAULT_PROMPTS
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                out.append(Prompt(str(rec["category"]), str(rec["prompt"]), rec.get("system")))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: expected a JSON object with 'category' and 'prompt' ({e})") from e
+    if not out:
+        raise ValueError(f"{path} holds no prompts")
+    return out
+
+
+def prompt_ids(model, prompt: Prompt) -> list[int]:
+    """The model's chat template when its GGUF has one (an instruct model), else the plain text."""
+    if model.chat_template():
+        from edge_client.text import render_chat
+        return render_chat(model, prompt.text, prompt.system)
+    return model.tokenize(prompt.text, add_special=True)
+
+
+def target_continuation(ctx, ids: Sequence[int], n_tokens: int, temperature: float,
+                        rng: np.random.Generator, stop_ids: frozenset[int]) -> list[int]:
+    """The target's own next `n_tokens` (greedy at T = 0, else sampled), one token per decode."""
+    seq, out = list(ids), []
+    for _ in range(n_tokens):
+        logits = ctx.logits(seq, 1)[0]
+        tok = int(np.argmax(logits)) if temperature <= 0 else sample(processed_probs(logits, temperature), rng)
+        out.append(tok)
+        seq.append(tok)
+        if tok in stop_ids:
+            break
+    return out
+
+
+def teacher_forced_logits(ctx, ids: Sequence[int], continuation: Sequence[int]) -> np.ndarray:
+    """Logits predicting each continuation token, from one batched pass  # [len(cont), vocab]
+
+    The cache is cleared first so that the draft and the target compute every position the same
+    way (a model scored against itself then agrees exactly).
+    """
+    ctx.reset()
+    return ctx.logits(list(ids) + list(continuation[:-1]), rows=len(continuation))
+
+
+def acceptance(target_logits: np.ndarray, draft_logits: np.ndarray, temperature: float) -> np.ndarray:
+    """sum_x min(p_T, q_T) per row  # [rows, vocab] x2 -> [rows]"""
+    if temperature <= 0:
+        return (np.argmax(target_logits, axis=-1) == np.argmax(draft_logits, axis=-1)).astype(np.float64)
+    target_probs = processed_probs(target_logits, temperature)
+    draft_probs = processed_probs(draft_logits, temperature)
+    return np.minimum(target_probs, draft_probs).sum(axis=-1)
+
+
+# --- speed ---------------------------------------------------------------------------------------
+
+def decode_speeds(paths: Sequence[str | os.PathLike], n_threads: int, ids: Sequence[int], n_tokens: int = 32,
+                  repeats: int = 3) -> list[float]:
+    """Median tokens/s of each model decoding greedily one token per call after `ids`.
+
+    The models take turns within each repeat, so a burst of load from other jobs on a shared
+    machine hits them all rather than whichever happened to run at that moment.
+    """
+    from llama_runtime import GGUFModel
+    models = [GGUFModel(p, n_threads=n_threads) for p in paths]
+    ctxs = [m.new_context(n_ctx=len(ids) + n_tokens + 8) for m in models]
+    try:
+        rates: list[list[float]] = [[] for _ in models]
+        for ctx in ctxs:
+            ctx.logits(ids, 1)  # prefill and warm-up, not timed
+        for _ in range(repeats):
+            for ctx, r in zip(ctxs, rates):
+                seq = list(ids)
+                logits = ctx.logits(seq, 1)[0]
+                t0 = time.perf_counter()
+                for _ in range(n_tokens):
+                    seq.append(int(np.argmax(logits)))
+                    logits = ctx.logits(seq, 1)[0]
+                r.append(n_tokens / (time.perf_counter() - t0))
+        return [statistics.median(r) for r in rates]
+    finally:
+        for ctx in ctxs:
+            ctx.close()
+        for m in models:
+            m.close()
+
+
+def verify_cost(path: str | os.PathLike, n_threads: int, prefix: Sequence[int], draft_tokens: Sequence[int],
+                max_rows: int = 13, repeats: int = 5) -> dict[int, float]:
+    """Median seconds for the target to score k = 1..max_rows tokens after `prefix` (all rows' logits)."""
+    from llama_runtime import GGUFModel
+    model = GGUFModel(path, n_threads=n_threads)
+    draft_tokens = list(draft_tokens)
+    while len(draft_tokens) < max_rows:  # any tokens do; the cost does not depend on which
+        draft_tokens += draft_tokens or [0]
+    ctx = model.new_context(n_ctx=len(prefix) + max_rows + 8)
+    try:
+        ctx.logits(list(prefix), 1)
+        times: dict[int, list[float]] = {k: [] for k in range(1, max_rows + 1)}
+        for _ in range(repeats):
+            for k in times:  # interleaved, so load from other jobs spreads over all k
+                t0 = time.perf_counter()
+                ctx.logits(list(prefix) + draft_tokens[:k], rows=k)  # rolls back to the prefix first
+                times[k].append(time.perf_counter() - t0)
+        return {k: statistics.median(v) for k, v in times.items()}
+    finally:
+        ctx.close()
+        model.close()
+
+
+def fit_verify(seconds_by_rows: dict[int, float]) -> tuple[float, float]:
+    """Least-squares t(k) = a + b·k -> (t for a γ = 0 round, extra per draft token) = (a + b, b)."""
+    ks = np.array(sorted(seconds_by_rows), dtype=np.float64)
+    ts = np.array([seconds_by_rows[int(k)] for k in ks])
+    if len(ks) > 1:
+        b, a = np.polyfit(ks, ts, 1)
+    else:
+        b, a = 0.0, float(ts[0])
+    b = max(float(b), 0.0)
+    return max(float(a) + b, 1e-6), b
+
+
+def link_figures(name: str) -> tuple[float, float]:
+    """(RTT seconds, uplink bytes/s) of a netsim profile."""
+    from netsim.profiles import get_profile
+    profile = get_profile(name)
+    rate = profile.uplink.rate_kbit_s()
+    return profile.rtt_ms() / 1000.0, (rate * 1000.0 / 8.0) if rate else float("inf")
+
+
+def q_payload_bytes(draft_logits: np.ndarray, temperature: float, top_k: int = 16) -> float:
+    """Mean bytes on the wire per draft token: its id plus its fixed-point top-k q (CLI default)."""
+    from spec_core.qcodec import encode_fixed, to_proto
+    rows = draft_logits[: min(len(draft_logits), 32)]
+    probs = processed_probs(rows, temperature)
+    sizes = [to_proto([encode_fixed(p, top_k)]).ByteSize() for p in probs]
+    return float(np.mean(sizes)) + TOKEN_ID_BYTES
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+@dataclass
+class EvalReport:
+    target: dict
+    draft: dict
+    settings: dict
+    overall: dict
+    categories: dict
+    per_prompt: list
+    expected_tokens_per_round: dict
+    speed: dict | None = None
+    verify: dict | None = None
+    hybrid: dict | None = None
+    elapsed_s: float = 0.0
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Tally:
+    """Acceptance sums per temperature over a set of positions."""
+    prompts: int = 0
+    sums: dict = field(default_factory=dict)    # T key -> sum of per-position acceptance
+    counts: dict = field(default_factory=dict)  # T key -> positions
+
+    def add(self, t: str, values: np.ndarray) -> None:
+        self.sums[t] = self.sums.get(t, 0.0) + float(values.sum())
+        self.counts[t] = self.counts.get(t, 0) + len(values)
+
+    def summary(self) -> dict:
+        return {"prompts": self.prompts, "positions": dict(self.counts),
+                "alpha": {t: self.sums[t] / self.counts[t] for t in self.sums if self.counts[t]}}
+
+
+def evaluate_draft(target_path: str | os.PathLike, draft_path: str | os.PathLike,
+                   prompts: Sequence[Prompt] | None = None, **kwargs) -> EvalReport:
+    """Score `draft_path` against `target_path`; see the module docstring for what each figure means."""
+    return evaluate_drafts(target_path, [draft_path], prompts, **kwargs)[0]
+
+
+def evaluate_drafts(target_path: str | os.PathLike, draft_paths: Sequence[str | os.PathLike],
+                    prompts: Sequence[Prompt] | None = None, *, max_new_tokens: int = 48,
+                    temperatures: Sequence[float] = DEFAULT_TEMPERATURES, continuation: str = "sampled",
+                    seed: int = 0, threads: int = 1, measure_speed: bool = True, speed_tokens: int = 32,
+                    speed_repeats: int = 3, speed_threads: Sequence[int] = (1, 2), verify_threads: int = 1,
+                    verify_repeats: int = 5, link: str = "3g", fom_temperature: float = 0.7,
+                    draft_threads: int = 1, max_gamma: int = 12, prompts_file: str | None = None,
+                    progress: Progress | None = None) -> list[EvalReport]:
+    """One report per draft. The target's continuations, its logits and its speed are computed
+    once and shared, so comparing several drafts costs little more than scoring one."""
+    from llama_runtime import GGUFModel
+
+    if continuation not in ("sampled", "greedy"):
+        raise ValueError(f"continuation must be 'sampled' or 'greedy', not {continuation!r}")
+    if not draft_paths:
+        raise ValueError("no draft to evaluate")
+    temperatures = sorted({float(t) for t in temperatures} | {0.0, float(fom_temperature)})
+    note = progress or (lambda msg: log.info("%s", msg))
+    t_start = time.perf_counter()
+    if prompts is None:
+        prompts_file = str(prompts_file or DEFAULT_PROMPTS)
+        prompts = load_prompts(prompts_file)
+    prompts = list(prompts)
+
+    target = GGUFModel(target_path, n_threads=threads)
+    drafts = []
+    try:
+        for path in draft_paths:
+            drafts.append(GGUFModel(path, n_threads=threads))
+            if drafts[-1].fingerprint != target.fingerprint:
+                raise ValueError(f"{drafts[-1].name} and {target.name} do not share a tokenizer "
+                                 "(fingerprints differ); a draft must use the target's vocabulary")
+        target_ctx = target.new_context(n_ctx=2048)
+        draft_ctxs = [d.new_context(n_ctx=2048) for d in drafts]
+        stop_ids = target.eog_ids
+        overall = [_Tally() for _ in drafts]
+        by_cat: list[dict[str, _Tally]] = [{} for _ in drafts]
+        per_prompt: list[list[dict]] = [[] for _ in drafts]
+        bytes_rows: list[np.ndarray | None] = [None for _ in drafts]  # draft logits at fom T, for payload size
+        first_ids, first_cont = None, None
+        for i, prompt in enumerate(prompts):
+            note(f"prompt {i + 1}/{len(prompts)} ({prompt.category})")
+            ids = prompt_ids(target, prompt)
+            rows = [{"category": prompt.category, "prompt_tokens": len(ids), "positions": {}, "alpha": {}}
+                    for _ in drafts]
+            for d in range(len(drafts)):
+                by_cat[d].setdefault(prompt.category, _Tally()).prompts += 1
+                overall[d].prompts += 1
+            conts: dict[float, list[int]] = {}
+            for temp in temperatures:
+                sample_temp = 0.0 if continuation == "greedy" else temp
+                if sample_temp not in conts:
+                    rng = np.random.default_rng([seed, i, int(round(sample_temp * 1000))])
+                    conts[sample_temp] = target_continuation(target_ctx, ids, max_new_tokens, sample_temp,
+                                                             rng, stop_ids)
+                cont = conts[sample_temp]
+                if first_ids is None and sample_temp == 0.0:
+                    first_ids, first_cont = ids, cont
+                target_logits = teacher_forced_logits(target_ctx, ids, cont)
+                t = tkey(temp)
+                for d, ctx in enumerate(draft_ctxs):
+                    draft_logits = teacher_forced_logits(ctx, ids, cont)
+                    values = acceptance(target_logits, draft_logits, temp)
+                    overall[d].add(t, values)
+                    by_cat[d][prompt.category].add(t, values)
+                    rows[d]["positions"][t] = len(values)
+                    rows[d]["alpha"][t] = float(values.mean())
+                    if bytes_rows[d] is None and temp == fom_temperature:
+                        bytes_rows[d] = draft_logits
+            for d in range(len(drafts)):
+                per_prompt[d].append(rows[d])
+        target_ctx.close()
+        for ctx in draft_ctxs:
+            ctx.close()
+        target_fp = target.fingerprint
+    finally:
+        target.close()
+        for m in drafts:
+            m.close()
+
+    settings = {"max_new_tokens": max_new_tokens, "continuation": continuation,
+                "temperatures": [float(t) for t in temperatures], "seed": seed, "threads": threads,
+                "prompts_file": prompts_file}
+    reports = []
+    for d, path in enumerate(draft_paths):
+        summary = overall[d].summary()
+        summary["greedy_agreement"] = summary["alpha"][tkey(0.0)]
+        reports.append(EvalReport(
+            target={"path": str(target_path), "name": Path(target_path).name, "fingerprint": target_fp},
+            draft={"path": str(path), "name": Path(path).name, "fingerprint": target_fp},
+            settings=settings,
+            overall=summary,
+            categories={c: t.summary() for c, t in by_cat[d].items()},
+            per_prompt=per_prompt[d],
+            expected_tokens_per_round={t: {str(g): expected_tokens_per_round(a, g) for g in GAMMAS}
+                                       for t, a in summary["alpha"].items()},
+        ))
+    if measure_speed:
+        _speed_and_merit(reports, target_path, draft_paths, first_ids, first_cont, bytes_rows, fom_temperature,
+                         speed_tokens, speed_repeats, sorted(set(speed_threads) | {draft_threads}), verify_threads,
+                         verify_repeats, link, draft_threads, max_gamma, note)
+    for r in reports:
+        r.elapsed_s = time.perf_counter() - t_start
+    return reports
+
+
+def _speed_and_merit(reports, target_path, draft_paths, ids, cont, bytes_rows, fom_temperature, speed_tokens,
+                     speed_repeats, speed_threads, verify_threads, verify_repeats, link, draft_threads,
+                     max_gamma, note) -> None:
+    speeds: dict[str, list[float]] = {}
+    for threads in speed_threads:
+        note(f"decode speed, {threads} thread(s): target and {len(draft_paths)} draft(s), interleaved")
+        speeds[str(threads)] = decode_speeds([target_path, *draft_paths], threads, ids, speed_tokens, speed_repeats)
+    note(f"verify cost: target, {verify_threads} thread(s)")
+    by_rows = verify_cost(target_path, verify_threads, list(ids) + list(cont), cont[::-1] or [0],
+                          max_rows=max_gamma + 1, repeats=verify_repeats)
+    base_s, per_token_s = fit_verify(by_rows)
+    verify = {"threads": verify_threads, "seconds_by_rows": {str(k): v for k, v in by_rows.items()},
+              "base_s": base_s, "per_token_s": per_token_s,
+              "method": "measured: target logits for k = γ+1 rows after a rollback, median of "
+                        f"{verify_repeats}; least-squares line t(k) = a + b·k"}
+    rtt_s, up_bytes_per_s = link_figures(link)
+    for d, report in enumerate(reports):
+        report.speed = {"draft": {th: v[d + 1] for th, v in speeds.items()},
+                        "target": {th: v[0] for th, v in speeds.items()},
+                        "tokens": speed_tokens, "repeats": speed_repeats}
+        report.verify = verify
+        alpha = report.overall["alpha"][tkey(fom_temperature)]
+        t_draft_s = 1.0 / report.speed["draft"][str(draft_threads)]
+        bytes_per_token = q_payload_bytes(bytes_rows[d], fom_temperature) if bytes_rows[d] is not None else 0.0
+        costs = RoundCosts(t_draft_s=t_draft_s, rtt_s=rtt_s, t_verify_base_s=base_s,
+                           t_verify_per_token_s=per_token_s, bytes_per_draft_token=bytes_per_token,
+                           bytes_per_s=up_bytes_per_s)
+        by_gamma = {str(g): expected_tokens_per_round(alpha, g) / costs.round_time(g)
+                    for g in range(1, max_gamma + 1)}
+        g_best = best_gamma(alpha, costs, max_gamma)
+        report.hybrid = {
+            "link": link, "rtt_s": rtt_s, "uplink_bytes_per_s": up_bytes_per_s,
+            "bytes_per_draft_token": bytes_per_token, "temperature": fom_temperature, "alpha": alpha,
+            "draft_threads": draft_threads, "t_draft_s": t_draft_s, "best_gamma": g_best,
+            "tokens_per_s": by_gamma[str(g_best)], "tokens_per_s_by_gamma": by_gamma,
+            # What the same link gives without a draft: the verifier streams the target's own
+            # decoding (one request; after the first token the RTT no longer matters).
+            "cloud_only_tokens_per_s": 1.0 / by_rows[1]}
