@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    # The experiment draws a progress bar: per-connection INFO lines would scroll it away.
+    quiet = logging.WARNING if args.command == "experiment" else logging.INFO
+    logging.basicConfig(level=logging.DEBUG if args.verbose else quiet,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.run(args)
