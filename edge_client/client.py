@@ -151,13 +151,14 @@ class Generation:
             st.rounds += 1
             st.drafted += len(draft.tokens)
             st.accepted += reply.num_accepted
-            if reply.HasField("next_token_id") and reply.num_accepted < len(draft.tokens):
-                st.rejections += 1
+            rejected = reply.HasField("next_token_id") and reply.num_accepted < len(draft.tokens)
+            st.rejections += rejected
             st.draft_s += draft.seconds
             st.server_model_s += reply.timings.model_ms / 1e3
             gammas.append(len(draft.tokens))
             policy.observe(gamma=len(draft.tokens), num_accepted=reply.num_accepted, draft_s=draft.seconds,
-                           round_s=round_s, server_s=reply.timings.total_ms / 1e3, model_s=reply.timings.model_ms / 1e3)
+                           round_s=round_s, server_s=reply.timings.total_ms / 1e3, model_s=reply.timings.model_ms / 1e3,
+                           rejected=rejected)
             c.drafter.observe(committed, reply.num_accepted)
             if new and not st.ttft_s:
                 st.ttft_s = time.perf_counter() - t0

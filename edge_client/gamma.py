@@ -2,8 +2,8 @@
 
 The adaptive policy measures, as it goes, the draft time per token, the network round trip
 (round wall time minus drafting minus the server's own time), the verifier's time as a linear
-function of γ, and the acceptance α (a Beta(1, 1) prior on accepted / drafted, exponentially
-forgotten), then picks the γ that maximises expected tokens per second (spec_core.costmodel).
+function of γ, and the per-token acceptance α (accepted / tested drafts with a Beta(1, 1)
+prior, exponentially forgotten), then picks the γ that maximises expected tokens per second (spec_core.costmodel).
 On a slow link the round trip dominates and the best γ grows.
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ class AdaptiveGamma:
     min_gamma: int = 1
     start_gamma: int = 4
     decay: float = 0.9               # forgetting factor per round for every estimate
-    accepted: float = 1.0            # Beta prior: 1 accepted of 2 drafted (α = 0.5)
-    drafted: float = 2.0
+    accepted: float = 1.0            # Beta prior: 1 accepted of 2 tested drafts (α = 0.5)
+    tested: float = 2.0              # drafts actually tested: the accepted ones + the rejected one
     t_draft_s: float | None = None
     rtt_s: float | None = None
     _verify_points: list[tuple[int, float]] = field(default_factory=list)
@@ -42,16 +42,18 @@ class AdaptiveGamma:
 
     @property
     def alpha(self) -> float:
-        return self.accepted / self.drafted
+        return self.accepted / self.tested
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
     def observe(self, gamma: int, num_accepted: int, draft_s: float, round_s: float, server_s: float,
-                model_s: float) -> None:
+                model_s: float, rejected: bool = False) -> None:
         if gamma > 0:
+            # Drafts after the first rejection are never tested, so accepted / drafted would
+            # underestimate α and shrink γ; count only tested drafts (the geometric model's MLE).
             self.accepted = self.decay * self.accepted + num_accepted
-            self.drafted = self.decay * self.drafted + gamma
+            self.tested = self.decay * self.tested + num_accepted + (1 if rejected else 0)
             self.t_draft_s = self._ewma(self.t_draft_s, draft_s / gamma)
         self.rtt_s = self._ewma(self.rtt_s, max(0.0, round_s - draft_s - server_s))
         self._verify_points = (self._verify_points + [(gamma, model_s)])[-32:]

@@ -1,0 +1,47 @@
+"""Adaptive γ follows the cost model: longer drafts on slower links, shorter with poor acceptance."""
+from edge_client.gamma import AdaptiveGamma, FixedGamma
+from spec_core.costmodel import RoundCosts, best_gamma, expected_tokens_per_round
+
+
+def feed(policy, rounds, gamma, accepted, rejected, rtt_s, draft_per_token_s=0.01, verify_s=0.02):
+    for _ in range(rounds):
+        policy.next_gamma()
+        policy.observe(gamma=gamma, num_accepted=accepted, draft_s=draft_per_token_s * gamma,
+                       round_s=draft_per_token_s * gamma + rtt_s + verify_s, server_s=verify_s, model_s=verify_s,
+                       rejected=rejected)
+
+
+def test_expected_tokens_per_round_formula():
+    assert expected_tokens_per_round(0.0, 5) == 1.0
+    assert expected_tokens_per_round(1.0, 5) == 6.0
+    assert abs(expected_tokens_per_round(0.8, 4) - (1 - 0.8 ** 5) / 0.2) < 1e-12
+
+
+def test_slow_link_gets_longer_drafts():
+    fast, slow = AdaptiveGamma(max_gamma=12), AdaptiveGamma(max_gamma=12)
+    feed(fast, 30, 4, 3, True, rtt_s=0.001)
+    feed(slow, 30, 4, 3, True, rtt_s=0.6)
+    assert slow.next_gamma() > fast.next_gamma()
+
+
+def test_alpha_counts_only_tested_drafts():
+    p = AdaptiveGamma(decay=1.0)
+    p.observe(gamma=8, num_accepted=3, draft_s=0.08, round_s=0.2, server_s=0.02, model_s=0.02, rejected=True)
+    # prior 1/2 plus 3 accepted of 4 tested: (1 + 3) / (2 + 4); drafts 5..8 were never tested
+    assert abs(p.alpha - 4 / 6) < 1e-12
+
+
+def test_poor_acceptance_gets_shorter_drafts():
+    good, poor = AdaptiveGamma(max_gamma=12), AdaptiveGamma(max_gamma=12)
+    feed(good, 30, 6, 6, False, rtt_s=0.1)
+    feed(poor, 30, 6, 0, True, rtt_s=0.1)
+    assert poor.next_gamma() < good.next_gamma()
+
+
+def test_best_gamma_grows_with_rtt():
+    costs = lambda rtt: RoundCosts(t_draft_s=0.01, rtt_s=rtt, t_verify_base_s=0.02, t_verify_per_token_s=0.008)  # noqa
+    assert best_gamma(0.8, costs(0.6), 16) > best_gamma(0.8, costs(0.005), 16)
+
+
+def test_fixed_gamma():
+    assert FixedGamma(3).next_gamma() == 3
