@@ -6,10 +6,10 @@ that says what to fix; the servicer turns it into a status and the server keeps 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
-import secrets
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
@@ -23,7 +23,7 @@ from cloud_verifier.sessions import Session, SessionStore
 from spec_core import qcodec
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.verify import commit_round
-from spec_core.warping import SamplingSettings
+from spec_core.warping import GENERATE_STREAM, VERIFIER_STREAM, SamplingSettings, seeded_rng
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ class Limits:
     max_new_tokens_cap: int = 4096
 
 
+MAX_STOP_IDS = 64
+
+
 def _bad(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
@@ -52,13 +55,18 @@ class VerifierEngine:
         self.backend, self.limits, self.version = backend, limits, version
         self.info = backend.info
         self.sessions = SessionStore(limits.max_sessions, limits.session_ttl_s, backend.release)
+        self._streams = asyncio.Semaphore(limits.max_sessions)  # concurrent Generate streams
 
     # --- validation --------------------------------------------------------------------------
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
-        for i, t in enumerate(ids):
-            if t >= self.info.n_vocab:
-                raise _bad(f"{what}[{i}] = {t} is outside the vocabulary (n_vocab = {self.info.n_vocab})")
+        if not len(ids):
+            return
+        arr = np.asarray(ids, dtype=np.int64)
+        bad = np.flatnonzero(arr >= self.info.n_vocab)
+        if len(bad):
+            i = int(bad[0])
+            raise _bad(f"{what}[{i}] = {int(arr[i])} is outside the vocabulary (n_vocab = {self.info.n_vocab})")
 
     def _settings(self, sp: pb.SamplingParams, has_sampling: bool) -> SamplingSettings:
         if not has_sampling:
@@ -71,6 +79,8 @@ class VerifierEngine:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"sampling.max_new_tokens = {sp.max_new_tokens} is above this server's cap of "
                                f"{self.limits.max_new_tokens_cap}")
+        if len(sp.stop_token_ids) > MAX_STOP_IDS:
+            raise _bad(f"sampling.stop_token_ids has {len(sp.stop_token_ids)} ids; at most {MAX_STOP_IDS} are allowed")
         self._check_ids(sp.stop_token_ids, "sampling.stop_token_ids")
         return SamplingSettings(
             temperature=float(sp.temperature), top_k=int(sp.top_k),
@@ -100,6 +110,11 @@ class VerifierEngine:
         self._check_ids(drafts, "draft_token_ids")
         if req.round < 1:
             raise _bad("round must be >= 1 (1 is the first round of a session)")
+        # Everything a request can be refused for is checked before a session is created or touched.
+        try:
+            qs = qcodec.from_proto(req.q, drafts, self.info.n_vocab)
+        except qcodec.QError as e:
+            raise _bad(str(e)) from None
         if req.session_id:
             session = self.sessions.get(req.session_id)
             if session is None:
@@ -107,11 +122,16 @@ class VerifierEngine:
                                    f"session {req.session_id!r} is unknown here (evicted, expired, or the verifier "
                                    "restarted): resend the round with `open` to replay the committed tokens")
         elif req.HasField("open"):
-            session = self.sessions.by_open_key(req.open.open_key) or self._open(req)
+            session = self._reopen(req) or self._open(req)
         else:
             raise _bad("session_id is empty and `open` is missing: the first round must carry `open`")
 
         async with session.lock:
+            if self.sessions.get(session.id) is not session or session.state is None and \
+                    session.finish_reason == pb.NOT_FINISHED:
+                # Evicted or closed while this round waited for the lock.
+                raise RequestError(grpc.StatusCode.NOT_FOUND,
+                                   f"session {session.id!r} was evicted: resend the round with `open` to replay")
             digest = _round_digest(req)
             if req.round == session.round and session.last_reply is not None:
                 if digest != session.last_request_digest:
@@ -130,12 +150,14 @@ class VerifierEngine:
             if session.finish_reason != pb.NOT_FINISHED:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"generation already finished ({pb.FinishReason.Name(session.finish_reason)})")
-            try:
-                qs = qcodec.from_proto(req.q, drafts, self.info.n_vocab)
-            except qcodec.QError as e:
-                raise _bad(str(e)) from None
-            self._check_context(len(session.tokens), len(drafts))
-            result, queue_s, model_s = await asyncio.to_thread(
+            # Near the end of the context window verify only the drafts that fit: a prefix of the
+            # draft is still a valid draft, and the target alone would stop there too (CONTEXT).
+            room = self.info.n_ctx - len(session.tokens) - 1
+            if room < 0:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the context window is full")
+            if len(drafts) > room:
+                drafts, qs = drafts[:room], (qs[:room] if qs is not None else None)
+            result, queue_s, model_s = await run_in_thread(
                 self.backend.verify, session.state, session.tokens, drafts, qs, session.settings, session.rng)
             done = commit_round(drafts, result, session.stop_ids,
                                 remaining=session.settings.max_new_tokens - session.generated,
@@ -158,11 +180,24 @@ class VerifierEngine:
             metrics.observe_round(len(drafts), done.num_accepted, model_s, time.perf_counter() - t_start)
             return reply
 
+    def _reopen(self, req: pb.VerifyRequest) -> Session | None:
+        """A retried first round: the same open_key and the same `open` map to the same session."""
+        o = req.open
+        if o.open_key and len(o.open_key) != 16:
+            raise _bad(f"open.open_key must be 16 random bytes, got {len(o.open_key)}")
+        session = self.sessions.by_open_key(o.open_key)
+        if session is not None and session.open_digest != _open_digest(o):
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "open.open_key is already used by a session with a different prompt or settings; "
+                               "draw a fresh random key per generation")
+        return session
+
     def _open(self, req: pb.VerifyRequest) -> Session:
         o = req.open
         prompt, resume = list(o.prompt_token_ids), list(o.resume_token_ids)
         if not prompt:
             raise _bad("open.prompt_token_ids is empty: send at least one token (e.g. BOS)")
+        self._check_context(len(prompt) + len(resume), 0)
         self._check_ids(prompt, "open.prompt_token_ids")
         self._check_ids(resume, "open.resume_token_ids")
         if o.tokenizer_fingerprint and o.tokenizer_fingerprint != self.info.fingerprint:
@@ -172,7 +207,6 @@ class VerifierEngine:
                                "target must share a tokenizer")
         settings = self._settings(o.sampling, o.HasField("sampling"))
         tokens = prompt + resume
-        self._check_context(len(tokens), len(req.draft_token_ids))
         if req.round != 1:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"a round with `open` must be round 1, got {req.round}")
@@ -180,12 +214,15 @@ class VerifierEngine:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"committed_length {req.committed_length} does not match the prompt + resumed "
                                f"tokens sent ({len(tokens)})")
-        seed = settings.seed if settings.seed is not None else secrets.randbits(64)
+        # The verifier's stream must be independent of the edge's even when both get the same user
+        # seed (identical streams correlate draft sampling with acceptance and bias the output), and
+        # a replay must not restart a stream already used: key it by role and committed length.
+        rng = seeded_rng(settings.seed, VERIFIER_STREAM, len(tokens))
         try:
             session = self.sessions.add(lambda sid: Session(
-                id=sid, open_key=bytes(o.open_key), tokens=tokens, prompt_len=len(prompt),
-                settings=settings, stop_ids=self._stop_ids(settings),
-                rng=np.random.default_rng(seed), state=self.backend.new_state()))
+                id=sid, open_key=bytes(o.open_key), open_digest=_open_digest(o), tokens=tokens,
+                prompt_len=len(prompt), settings=settings, stop_ids=self._stop_ids(settings),
+                rng=rng, state=self.backend.new_state()))
         except OverflowError:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"all {self.limits.max_sessions} session slots are mid-round; retry shortly") from None
@@ -210,25 +247,33 @@ class VerifierEngine:
         settings = self._settings(req.sampling, req.HasField("sampling"))
         self._check_context(len(prompt), 0)
         stop = self._stop_ids(settings)
-        rng = np.random.default_rng(settings.seed if settings.seed is not None else secrets.randbits(64))
-        state = self.backend.new_state()
-        tokens = list(prompt)
-        try:
-            for n in range(1, settings.max_new_tokens + 1):
-                tok, _, model_s = await asyncio.to_thread(self.backend.sample_next, state, tokens, settings, rng)
-                tokens.append(tok)
-                reason = pb.NOT_FINISHED
-                if tok in stop:
-                    reason = pb.STOP
-                elif n >= settings.max_new_tokens:
-                    reason = pb.LENGTH
-                elif len(tokens) >= self.info.n_ctx:
-                    reason = pb.CONTEXT
-                yield pb.GenerateChunk(token_ids=[tok], finish_reason=reason, model_ms=model_s * 1e3)
-                if reason != pb.NOT_FINISHED:
-                    return
-        finally:
-            self.backend.release(state)
+        rng = seeded_rng(settings.seed, GENERATE_STREAM, len(prompt))
+        if self._streams.locked():
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"all {self.limits.max_sessions} Generate streams are busy; retry shortly")
+        async with self._streams:
+            state = await run_in_thread(self.backend.new_state)
+            tokens = list(prompt)
+            try:
+                async for chunk in self._generate_tokens(state, tokens, settings, stop, rng):
+                    yield chunk
+            finally:
+                self.backend.release(state)
+
+    async def _generate_tokens(self, state, tokens, settings, stop, rng) -> AsyncIterator[pb.GenerateChunk]:
+        for n in range(1, settings.max_new_tokens + 1):
+            tok, _, model_s = await run_in_thread(self.backend.sample_next, state, tokens, settings, rng)
+            tokens.append(tok)
+            reason = pb.NOT_FINISHED
+            if tok in stop:
+                reason = pb.STOP
+            elif n >= settings.max_new_tokens:
+                reason = pb.LENGTH
+            elif len(tokens) >= self.info.n_ctx:
+                reason = pb.CONTEXT
+            yield pb.GenerateChunk(token_ids=[tok], finish_reason=reason, model_ms=model_s * 1e3)
+            if reason != pb.NOT_FINISHED:
+                return
 
     def server_info(self) -> pb.ServerInfo:
         i = self.info
@@ -236,6 +281,23 @@ class VerifierEngine:
                              tokenizer_fingerprint=i.fingerprint, max_gamma=self.limits.max_gamma,
                              max_sessions=self.limits.max_sessions, eos_token_ids=sorted(i.eos_token_ids),
                              version=self.version)
+
+
+async def run_in_thread(fn, *args):
+    """Run a backend call in a worker thread. If the RPC is cancelled (client gone, deadline), wait
+    for the thread to finish before giving up the caller's locks and state: freeing a KV cache
+    that a thread is still decoding into crashes the process."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await fut
+        raise
+
+
+def _open_digest(o: pb.OpenSession) -> bytes:
+    return hashlib.sha256(o.SerializeToString(deterministic=True)).digest()
 
 
 def _round_digest(req: pb.VerifyRequest) -> bytes:

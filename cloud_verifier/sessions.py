@@ -23,6 +23,7 @@ from spec_core.warping import SamplingSettings
 class Session:
     id: str
     open_key: bytes
+    open_digest: bytes            # sha256 of the `open` message, so a reused key cannot hijack
     tokens: list[int]             # committed: prompt + generated
     prompt_len: int               # prompt tokens; everything after them counts as generated,
                                   # including tokens replayed from an earlier session
@@ -84,10 +85,21 @@ class SessionStore:
         if s is None:
             return False
         self._by_open_key.pop(s.open_key, None)
+        if s.lock.locked():
+            # A round is mid-flight on this state: free it once that round lets go of the session.
+            asyncio.get_running_loop().create_task(self._release_when_idle(s))
+        else:
+            self._release_now(s)
+        return True
+
+    def _release_now(self, s: Session) -> None:
         if s.state is not None:
             self._release(s.state)
             s.state = None
-        return True
+
+    async def _release_when_idle(self, s: Session) -> None:
+        async with s.lock:
+            self._release_now(s)
 
     def expire(self) -> None:
         cutoff = time.monotonic() - self.ttl_s

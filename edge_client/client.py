@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
 import grpc
-import numpy as np
 
 from edge_client.drafters import Drafter
 from edge_client.gamma import AdaptiveGamma, FixedGamma
@@ -32,7 +31,7 @@ from spec_core.costmodel import expected_tokens_per_round
 from spec_core.drafting import QMode
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
-from spec_core.warping import SamplingSettings
+from spec_core.warping import EDGE_STREAM, SamplingSettings, seeded_rng
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +109,7 @@ class Generation:
         c, st = self._client, self.stats
         settings = self.settings
         policy = AdaptiveGamma(max_gamma=c.max_gamma) if c.gamma == "adaptive" else FixedGamma(int(c.gamma))
-        rng = np.random.default_rng(settings.seed)
+        rng = seeded_rng(settings.seed, EDGE_STREAM)  # never the verifier's stream (see warping)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         committed = list(self.prompt_ids)
         prompt_len = len(committed)

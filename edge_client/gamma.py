@@ -1,7 +1,7 @@
 """How many tokens to draft per round: fixed, or adaptive from the measured cost model.
 
 The adaptive policy measures, as it goes, the draft time per token, the network round trip
-(round wall time minus drafting minus the server's own time), the verifier's time as a linear
+(the RPC's wall time minus the server's own time), the verifier's time as a linear
 function of γ, and the per-token acceptance α (accepted / tested drafts with a Beta(1, 1)
 prior, exponentially forgotten), then picks the γ that maximises expected tokens per second (spec_core.costmodel).
 On a slow link the round trip dominates and the best γ grows.
@@ -55,7 +55,8 @@ class AdaptiveGamma:
             self.accepted = self.decay * self.accepted + num_accepted
             self.tested = self.decay * self.tested + num_accepted + (1 if rejected else 0)
             self.t_draft_s = self._ewma(self.t_draft_s, draft_s / gamma)
-        self.rtt_s = self._ewma(self.rtt_s, max(0.0, round_s - draft_s - server_s))
+        # round_s is timed around the RPC alone (drafting happens before it).
+        self.rtt_s = self._ewma(self.rtt_s, max(0.0, round_s - server_s))
         self._verify_points = (self._verify_points + [(gamma, model_s)])[-32:]
 
     def _verify_line(self) -> tuple[float, float]:

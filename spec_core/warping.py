@@ -70,3 +70,14 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     while probs[idx] <= 0.0:
         idx -= 1
     return idx
+
+
+# Independent random streams from one user seed. The edge (drafting) and the verifier (accept
+# tests, corrected and bonus tokens) must never share a stream: identical uniforms on both ends
+# correlate the draft token with its acceptance test and bias the output.
+EDGE_STREAM, VERIFIER_STREAM, GENERATE_STREAM = 0, 1, 2
+
+
+def seeded_rng(seed: int | None, *stream: int) -> np.random.Generator:
+    """A generator for one role (and, e.g., one committed length); seed None = fresh entropy."""
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=tuple(stream)))

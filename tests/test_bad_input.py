@@ -15,8 +15,9 @@ FP = synthetic_fingerprint(VOCAB)
 
 
 def open_req(prompt=(0, 5, 6), drafts=(), q=None, fingerprint=FP, round=1, committed=None, **sampling):
+    # ignore_eos: the synthetic target may sample its EOS, which would end the session mid-test.
     sp = pb.SamplingParams(temperature=sampling.pop("temperature", 1.0), max_new_tokens=sampling.pop("max_new_tokens", 20),
-                           **sampling)
+                           ignore_eos=sampling.pop("ignore_eos", True), **sampling)
     return pb.VerifyRequest(round=round, committed_length=len(prompt) if committed is None else committed,
                             open=pb.OpenSession(prompt_token_ids=list(prompt), sampling=sp,
                                                 tokenizer_fingerprint=fingerprint, open_key=b"k" * 16),

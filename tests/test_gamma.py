@@ -7,7 +7,7 @@ def feed(policy, rounds, gamma, accepted, rejected, rtt_s, draft_per_token_s=0.0
     for _ in range(rounds):
         policy.next_gamma()
         policy.observe(gamma=gamma, num_accepted=accepted, draft_s=draft_per_token_s * gamma,
-                       round_s=draft_per_token_s * gamma + rtt_s + verify_s, server_s=verify_s, model_s=verify_s,
+                       round_s=rtt_s + verify_s, server_s=verify_s, model_s=verify_s,
                        rejected=rejected)
 
 

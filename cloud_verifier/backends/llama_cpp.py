@@ -23,8 +23,9 @@ class LlamaCppBackend(Backend):
         return self.model.new_context(self.n_ctx, self.n_batch)
 
     def release(self, state: KVContext) -> None:
-        self._decoded_by_released += state.tokens_decoded
-        state.close()
+        with self.model.lock:  # never free a context while a decode runs on this model
+            self._decoded_by_released += state.tokens_decoded
+            state.close()
 
     def target_logits(self, state: KVContext, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
         t0 = time.perf_counter()
@@ -35,7 +36,8 @@ class LlamaCppBackend(Backend):
         return logits, t1 - t0, t2 - t1
 
     def close(self) -> None:
-        self.model.close()
+        with self.model.lock:
+            self.model.close()
 
     def forward_tokens(self) -> int:
         return self._decoded_by_released  # live sessions add theirs in the engine's stats

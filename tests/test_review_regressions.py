@@ -1,0 +1,140 @@
+"""Regressions found in review: seeds, cancellation, orphan sessions, the context's end, open keys."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from cloud_verifier.backends.synthetic import SyntheticBackend
+from edge_client import EdgeClient
+from edge_client.drafters import SyntheticDrafter
+from edge_client.text import SyntheticTokenizer
+from helpers import running_server, stub_for
+from spec_core.proto import verifier_pb2 as pb
+from spec_core.synthetic import synthetic_fingerprint
+from spec_core.warping import SamplingSettings
+
+
+def first_tokens_with_user_seeds(edge_rng, verifier_rng, n=20_000):
+    """One γ = 1 round per user seed 0..n-1 with the q of Leviathan-style worst cases: the draft
+    prefers what the target does not."""
+    from spec_core.qcodec import encode_float
+    from spec_core.verify import verify_round
+    target = np.array([0.5, 0.3, 0.15, 0.05])
+    draft = np.array([0.1, 0.2, 0.3, 0.4])
+    counts = np.zeros(4)
+    for seed in range(n):
+        q = encode_float(draft)
+        x = q.sample(edge_rng(seed))
+        res = verify_round(np.stack([target, target]), [x], [q], verifier_rng(seed))
+        counts[x if res.num_accepted else res.next_token] += 1
+    return counts, target * n
+
+
+def test_same_user_seed_on_both_ends_keeps_the_output_exact():
+    """Edge and verifier get the same user seed; their streams (spec_core.warping.seeded_rng) must
+    be independent. N = 20000 seeds, chi-square p > 1e-4; the negative control (one shared stream,
+    the bug this guards against) must fail the same test."""
+    from spec_core.warping import EDGE_STREAM, VERIFIER_STREAM, seeded_rng
+    obs, exp = first_tokens_with_user_seeds(lambda s: seeded_rng(s, EDGE_STREAM),
+                                            lambda s: seeded_rng(s, VERIFIER_STREAM, 3))
+    assert chisquare(obs, exp).pvalue > 1e-4, obs
+    obs, exp = first_tokens_with_user_seeds(np.random.default_rng, np.random.default_rng)
+    assert chisquare(obs, exp).pvalue < 1e-4, obs
+
+
+class WatchedBackend(SyntheticBackend):
+    """Records any release of a state while a model call on it is still running."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.in_flight: dict[int, int] = {}
+        self.violations = 0
+        self.mu = threading.Lock()
+
+    def target_logits(self, state, tokens, rows):
+        with self.mu:
+            self.in_flight[id(state)] = self.in_flight.get(id(state), 0) + 1
+        try:
+            return super().target_logits(state, tokens, rows)
+        finally:
+            with self.mu:
+                self.in_flight[id(state)] -= 1
+
+    def release(self, state):
+        with self.mu:
+            if self.in_flight.get(id(state), 0):
+                self.violations += 1
+
+
+def open_req(key: bytes, drafts=(), q=None, prompt=(0, 5, 6)):
+    return pb.VerifyRequest(round=1, committed_length=len(prompt), draft_token_ids=list(drafts),
+                            q=q or pb.QPayload(),
+                            open=pb.OpenSession(prompt_token_ids=list(prompt), open_key=key,
+                                                tokenizer_fingerprint=synthetic_fingerprint(64),
+                                                sampling=pb.SamplingParams(temperature=1.0, max_new_tokens=20,
+                                                                           ignore_eos=True)))
+
+
+async def test_cancelled_calls_never_free_a_state_in_use():
+    backend = WatchedBackend(step_ms=300)
+    async with running_server(backend, max_sessions=1) as server:
+        async with stub_for(server) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Generate(pb.GenerateRequest(prompt_token_ids=[0, 5],
+                                                                sampling=pb.SamplingParams(temperature=1)),
+                                             timeout=0.05):
+                    pass
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Verify(open_req(b"a" * 16), timeout=0.05)      # times out mid-round
+            with pytest.raises(grpc.aio.AioRpcError) as e:                # its round still runs: no slot
+                await stub.Verify(open_req(b"b" * 16), timeout=5)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            await asyncio.sleep(1.0)  # the timed-out Generate call, then that round (300 ms each)
+            ok = await stub.Verify(open_req(b"b" * 16), timeout=5)        # now it evicts the first session
+            assert ok.committed_length == 4
+            await asyncio.sleep(0.7)
+    assert backend.violations == 0
+
+
+async def test_refused_first_round_leaves_no_session_behind():
+    bad_q = pb.QPayload(format=pb.QPayload.FLOAT32, positions=[pb.DraftDist(token_ids=[3], probs=[float("nan")])])
+    async with running_server(SyntheticBackend(), max_sessions=2) as server:
+        async with stub_for(server) as stub:
+            good = await stub.Verify(open_req(b"g" * 16), timeout=5)
+            for k in range(3):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Verify(open_req(bytes([k]) * 16, drafts=[3], q=bad_q), timeout=5)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert len(server.engine.sessions) == 1
+            nxt = await stub.Verify(pb.VerifyRequest(session_id=good.session_id, round=2,
+                                                     committed_length=good.committed_length), timeout=5)
+            assert nxt.round == 2
+
+
+async def test_generation_runs_to_the_end_of_the_context():
+    async with running_server(SyntheticBackend(vocab=64, n_ctx=40)) as server:
+        async with EdgeClient(f"127.0.0.1:{server.port}", SyntheticDrafter(64), SyntheticTokenizer(64),
+                              gamma=6) as c:
+            gen = c.generate([0, 5, 6], SamplingSettings(temperature=1.0, max_new_tokens=100, ignore_eos=True,
+                                                         seed=2))
+            await gen.text()
+    assert gen.stats.finish_reason == "context"
+    assert len(gen.stats.token_ids) == 40 - 3
+
+
+async def test_open_key_must_be_sixteen_bytes_and_not_reused_for_another_prompt():
+    async with running_server(SyntheticBackend()) as server:
+        async with stub_for(server) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Verify(open_req(b"short"), timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "16 random bytes" in e.value.details()
+            await stub.Verify(open_req(b"k" * 16), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Verify(open_req(b"k" * 16, prompt=(0, 9, 9)), timeout=5)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "already used" in e.value.details()
