@@ -97,11 +97,6 @@ def encode_float(probs: np.ndarray, top_k: int = 0) -> EncodedQ:
     return EncodedQ(None, probs.astype(np.float32), fixed=False)
 
 
-def point_mass(token: int) -> None:
-    """A draft with no q is a point mass; the wire carries nothing for it."""
-    return None
-
-
 # --- protobuf <-> EncodedQ -------------------------------------------------------------------
 
 def to_proto(positions: list[EncodedQ] | None, scale_bits: int = DEFAULT_SCALE_BITS) -> pb.QPayload:

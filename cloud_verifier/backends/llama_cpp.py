@@ -17,21 +17,22 @@ class LlamaCppBackend(Backend):
         self.n_batch = n_batch
         self.info = BackendInfo("llama.cpp", self.model.name, self.model.n_vocab, n_ctx,
                                 self.model.fingerprint, self.model.eog_ids)
-        self._decoded_by_released = 0
+        self._forwarded = 0  # tokens pushed through the target, all sessions
 
     def new_state(self) -> KVContext:
         return self.model.new_context(self.n_ctx, self.n_batch)
 
     def release(self, state: KVContext) -> None:
         with self.model.lock:  # never free a context while a decode runs on this model
-            self._decoded_by_released += state.tokens_decoded
             state.close()
 
     def target_logits(self, state: KVContext, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
         t0 = time.perf_counter()
         with self.model.lock:
             t1 = time.perf_counter()
+            before = state.tokens_decoded
             logits = state.logits(tokens, rows)
+            self._forwarded += state.tokens_decoded - before
             t2 = time.perf_counter()
         return logits, t1 - t0, t2 - t1
 
@@ -40,4 +41,4 @@ class LlamaCppBackend(Backend):
             self.model.close()
 
     def forward_tokens(self) -> int:
-        return self._decoded_by_released  # live sessions add theirs in the engine's stats
+        return self._forwarded
