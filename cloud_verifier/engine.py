@@ -122,7 +122,7 @@ class VerifierEngine:
                                    f"session {req.session_id!r} is unknown here (evicted, expired, or the verifier "
                                    "restarted): resend the round with `open` to replay the committed tokens")
         elif req.HasField("open"):
-            session = self._reopen(req) or self._open(req)
+            session = self._reopen(req) or await self._open(req)
         else:
             raise _bad("session_id is empty and `open` is missing: the first round must carry `open`")
 
@@ -192,7 +192,7 @@ class VerifierEngine:
                                "draw a fresh random key per generation")
         return session
 
-    def _open(self, req: pb.VerifyRequest) -> Session:
+    async def _open(self, req: pb.VerifyRequest) -> Session:
         o = req.open
         prompt, resume = list(o.prompt_token_ids), list(o.resume_token_ids)
         if not prompt:
@@ -218,12 +218,23 @@ class VerifierEngine:
         # seed (identical streams correlate draft sampling with acceptance and bias the output), and
         # a replay must not restart a stream already used: key it by role and committed length.
         rng = seeded_rng(settings.seed, VERIFIER_STREAM, len(tokens))
+        # Making a KV cache takes tens of milliseconds: not on the event loop.
+        state = await run_in_thread(self.backend.new_state)
+        try:
+            reopened = self._reopen(req)  # a concurrent retry of this first round may have won the race
+        except RequestError:
+            self.backend.release(state)
+            raise
+        if reopened is not None:
+            self.backend.release(state)
+            return reopened
         try:
             session = self.sessions.add(lambda sid: Session(
                 id=sid, open_key=bytes(o.open_key), open_digest=_open_digest(o), tokens=tokens,
                 prompt_len=len(prompt), settings=settings, stop_ids=self._stop_ids(settings),
-                rng=rng, state=self.backend.new_state()))
+                rng=rng, state=state))
         except OverflowError:
+            self.backend.release(state)
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"all {self.limits.max_sessions} session slots are mid-round; retry shortly") from None
         metrics.SESSIONS.set(len(self.sessions))
