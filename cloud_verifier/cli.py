@@ -50,19 +50,24 @@ def backend_from_args(args):
     return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cloud-verifier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cloud_verifier.process import READY
     from cloud_verifier.server import serve_forever
     backend = backend_from_args(args)
     limits = Limits(max_gamma=args.max_gamma, max_sessions=args.max_sessions, session_ttl_s=args.session_ttl,
                     default_max_new_tokens=args.max_new_tokens)
     asyncio.run(serve_forever(backend, args.host, args.port, limits, args.metrics_port,
-                              on_ready=lambda port: print(f"cloud-verifier serving on {args.host}:{port}", flush=True)))
+                              on_ready=lambda port: print(f"{READY} {args.host}:{port}", flush=True)))
     return 0
 
 

@@ -127,7 +127,7 @@ class Generation:
             if not session_id:
                 req.open.CopyFrom(pb.OpenSession(
                     prompt_token_ids=self.prompt_ids, resume_token_ids=committed[prompt_len:],
-                    sampling=_sampling_proto(settings), tokenizer_fingerprint=c.drafter.fingerprint or "",
+                    sampling=sampling_proto(settings), tokenizer_fingerprint=c.drafter.fingerprint or "",
                     open_key=os.urandom(16)))
             t_round = time.perf_counter()
             try:
@@ -184,13 +184,39 @@ class Generation:
         st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
 
 
-def _sampling_proto(s: SamplingSettings) -> pb.SamplingParams:
+def sampling_proto(s: SamplingSettings) -> pb.SamplingParams:
     p = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.top_p < 1 else 0.0,
                           max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids),
                           ignore_eos=s.ignore_eos)
     if s.seed is not None:
         p.seed = s.seed
     return p
+
+
+@dataclass
+class CloudOnlyStats:
+    """The cloud-only baseline: the target streams its own output (one request)."""
+
+    tokens: int
+    wall_s: float
+    ttft_s: float
+    token_ids: list[int]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+async def stream_cloud_only(stub: pb_grpc.VerifierStub, prompt_ids: Sequence[int], settings: SamplingSettings,
+                            timeout_s: float = 600.0) -> CloudOnlyStats:
+    """Run the Generate stream and time it (wall from the request, TTFT at the first token)."""
+    t0 = time.perf_counter()
+    ttft, ids = 0.0, []
+    async for chunk in stub.Generate(pb.GenerateRequest(prompt_token_ids=list(prompt_ids),
+                                                        sampling=sampling_proto(settings)), timeout=timeout_s):
+        ids.extend(chunk.token_ids)
+        ttft = ttft or time.perf_counter() - t0
+    return CloudOnlyStats(len(ids), time.perf_counter() - t0, ttft, ids)
 
 
 class EdgeClient:

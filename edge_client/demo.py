@@ -11,9 +11,7 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 DEFAULT_DRAFT = Path(os.environ.get("HYBRIDSPEC_MODELS", "models")) / "smollm2-draft.gguf"
@@ -32,34 +30,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_demo, prompt=DEFAULT_PROMPT, chat=True, threads=1, seed=1, top_p=0.95)
 
 
-def start_verifier(target: str, threads: int, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "cloud_verifier", "serve", "--model", target, "--port", "0",
-                             "--threads", str(threads), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    if "serving on" not in line:
-        proc.kill()
-        raise RuntimeError(f"the verifier did not start (printed {line!r})")
-    return proc, line.rsplit(" ", 1)[-1].strip()
-
-
 async def cloud_only(server: str, ids: list[int], settings) -> dict:
     import grpc
-    from edge_client.client import _sampling_proto
-    from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
+    from edge_client.client import stream_cloud_only
+    from spec_core.proto import verifier_pb2_grpc as pb_grpc
     async with grpc.aio.insecure_channel(server) as ch:
-        stub = pb_grpc.VerifierStub(ch)
-        t0 = time.perf_counter()
-        ttft, n = 0.0, 0
-        async for chunk in stub.Generate(pb.GenerateRequest(prompt_token_ids=ids, sampling=_sampling_proto(settings)),
-                                         timeout=600):
-            n += len(chunk.token_ids)
-            ttft = ttft or time.perf_counter() - t0
-        wall = time.perf_counter() - t0
-    return {"tokens": n, "wall_s": wall, "ttft_s": ttft, "tokens_per_s": n / wall if wall else 0.0}
+        st = await stream_cloud_only(pb_grpc.VerifierStub(ch), ids, settings)
+    return {"tokens": st.tokens, "wall_s": st.wall_s, "ttft_s": st.ttft_s, "tokens_per_s": st.tokens_per_s}
 
 
 def cmd_demo(args) -> int:
+    from cloud_verifier.process import spawn_verifier
     from edge_client.cli import prompt_ids, run_generate, settings_from_args
     from llama_runtime import GGUFModel, bundled_model_path
     target = args.target or str(bundled_model_path())
@@ -73,7 +54,7 @@ def cmd_demo(args) -> int:
     label = args.draft if args.drafter == "gguf" else f"{args.drafter} (no model)"
     print(f"[demo] target: {Path(target).name} on llama.cpp | draft: {label} | gamma {args.gamma} | q {args.qmode}",
           file=sys.stderr)
-    proc, server = start_verifier(target, args.verifier_threads)
+    proc, server = spawn_verifier(["--model", target, "--threads", str(args.verifier_threads)])
     try:
         print(f"[demo] verifier on {server}; edge output follows\n", file=sys.stderr)
         stats = asyncio.run(run_generate(args, server))

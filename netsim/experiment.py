@@ -16,7 +16,6 @@ import json
 import logging
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -25,11 +24,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from cloud_verifier.process import spawn_verifier
 from netsim.effects import Delay
 from netsim.link import Link
 from netsim.profiles import Profile, get_profile
 from netsim.proxy import LinkProxy
-from spec_core.costmodel import expected_tokens_per_round
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +102,8 @@ def load_workloads(categories: list[str], per_category: int) -> list[tuple[str, 
 
 
 def start_verifier(args: list[str]) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "cloud_verifier", "serve", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    if "serving on" not in line:
-        proc.kill()
-        raise RuntimeError(f"verifier failed to start: {line!r}")
-    return proc, int(line.rsplit(":", 1)[-1])
+    proc, address = spawn_verifier(args)
+    return proc, int(address.rsplit(":", 1)[-1])
 
 
 class Runner:
@@ -157,20 +151,15 @@ class Runner:
         label = mode if mode not in ("hybrid",) else f"hybrid-g{gamma}"
         if mode == "edge-only":
             return self._edge_only(profile, workload, index, prompt_ids, settings)
-        from edge_client.client import EdgeClient, _sampling_proto
+        from edge_client.client import EdgeClient, stream_cloud_only
         from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.VerifierStub(channel)
             await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=120)  # connect + warm up, not timed
             before = (proxy.stats.bytes_up, proxy.stats.bytes_down) if proxy else (0, 0)
             if mode == "cloud-only":
-                t0 = time.perf_counter()
-                ttft, tokens = 0.0, 0
-                async for chunk in stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt_ids,
-                                                                    sampling=_sampling_proto(settings)), timeout=600):
-                    tokens += len(chunk.token_ids)
-                    ttft = ttft or time.perf_counter() - t0
-                wall = time.perf_counter() - t0
+                base = await stream_cloud_only(stub, prompt_ids, settings)
+                tokens, wall, ttft = base.tokens, base.wall_s, base.ttft_s
                 rounds, acc, alpha, tpr, theory, passes, retries, replays = 1, None, None, None, None, tokens, 0, 0
             else:
                 g = 1 if mode == "per-token" else gamma

@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from cloud_verifier.process import spawn_verifier
+
 
 def test_help_of_both_programs():
     for mod in ("cloud_verifier", "edge_client"):
@@ -14,12 +16,8 @@ def test_help_of_both_programs():
 
 @pytest.fixture
 def verifier(tiny_models):
-    proc = subprocess.Popen([sys.executable, "-m", "cloud_verifier", "serve", "--model", str(tiny_models["target"]),
-                             "--port", "0", "--n-ctx", "512", "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    assert "serving on" in line, line
-    yield line.rsplit(" ", 1)[-1].strip()
+    proc, address = spawn_verifier(["--model", str(tiny_models["target"]), "--n-ctx", "512", "--threads", "1"])
+    yield address
     proc.terminate()
     assert proc.wait(20) == 0  # graceful shutdown on SIGTERM
 
@@ -52,3 +50,14 @@ def test_info(verifier):
                        capture_output=True, text=True, timeout=60)
     info = json.loads(r.stdout)
     assert info["backend"] == "llama.cpp" and info["n_vocab"] == 299
+
+
+def test_demo_runs_verifier_edge_and_baseline(tiny_models):
+    r = subprocess.run([sys.executable, "-m", "edge_client", "demo", "--target", str(tiny_models["target"]),
+                        "--draft", str(tiny_models["draft"]), "--max-tokens", "12", "--json"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    stats = json.loads(r.stdout.rstrip("\n").split("\n")[-1])
+    assert stats["tokens"] >= 1 and stats["rounds"] >= 1
+    assert stats["cloud_only"]["tokens"] >= 1 and stats["cloud_only"]["wall_s"] > 0
+    assert "[demo] hybrid:" in r.stderr and "[demo] cloud-only:" in r.stderr

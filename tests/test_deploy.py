@@ -54,37 +54,16 @@ def tool(name: str, package: str) -> str:
 
 # --- command lines, parsed by the project's own parsers ------------------------------------------
 
-class _Parsed(Exception):
-    def __init__(self, args):
-        self.args_ns = args
-
-
 def verifier_args(argv: list[str]) -> argparse.Namespace:
-    """cloud-verifier's real `main`, stopped before it loads a model."""
-    def capture(args):
-        raise _Parsed(args)
-    orig = cloud_verifier.cli.backend_from_args
-    cloud_verifier.cli.backend_from_args = capture
-    try:
-        cloud_verifier.cli.main(argv)
-    except _Parsed as p:
-        return p.args_ns
-    finally:
-        cloud_verifier.cli.backend_from_args = orig
-    raise AssertionError("cloud-verifier main returned without parsing")
+    """Parsed by cloud-verifier's own parser."""
+    return cloud_verifier.cli.build_parser().parse_args(argv)
 
 
 def edge_args(argv: list[str]) -> argparse.Namespace:
-    """edge-client's real `main`, with `generate` replaced by a recorder."""
-    seen = []
-    orig = edge_client.cli.cmd_generate
-    edge_client.cli.cmd_generate = lambda args: seen.append(args) or 0
-    try:
-        assert edge_client.cli.main(argv) == 0
-    finally:
-        edge_client.cli.cmd_generate = orig
-    assert len(seen) == 1, f"edge-client {argv[:1]} is not `generate`"
-    return seen[0]
+    """Parsed by edge-client's own parser; only `generate` command lines are expected here."""
+    args = edge_client.cli.build_parser().parse_args(argv)
+    assert args.func is edge_client.cli.cmd_generate, f"edge-client {argv[:1]} is not `generate`"
+    return args
 
 
 def flag(argv: list[str], name: str) -> str:
