@@ -92,11 +92,13 @@ class VerifierEngine:
     def _stop_ids(self, s: SamplingSettings) -> frozenset[int]:
         return frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else self.info.eos_token_ids)
 
-    def _check_context(self, n_tokens: int, gamma: int) -> None:
-        if n_tokens + gamma + 1 > self.info.n_ctx:
+    def _check_context(self, n_tokens: int) -> None:
+        """Room for the prompt (+ replayed tokens) and one generated token; drafts that do not fit
+        later are cut by the round itself."""
+        if n_tokens + 1 > self.info.n_ctx:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{n_tokens} committed tokens + {gamma} drafts + 1 do not fit the context window "
-                               f"of {self.info.n_ctx} tokens; shorten the prompt or lower gamma")
+                               f"{n_tokens} prompt tokens + 1 do not fit the context window of {self.info.n_ctx} "
+                               "tokens; shorten the prompt")
 
     # --- one round ----------------------------------------------------------------------------
 
@@ -197,7 +199,7 @@ class VerifierEngine:
         prompt, resume = list(o.prompt_token_ids), list(o.resume_token_ids)
         if not prompt:
             raise _bad("open.prompt_token_ids is empty: send at least one token (e.g. BOS)")
-        self._check_context(len(prompt) + len(resume), 0)
+        self._check_context(len(prompt) + len(resume))
         self._check_ids(prompt, "open.prompt_token_ids")
         self._check_ids(resume, "open.resume_token_ids")
         if o.tokenizer_fingerprint and o.tokenizer_fingerprint != self.info.fingerprint:
@@ -256,7 +258,7 @@ class VerifierEngine:
             raise _bad("prompt_token_ids is empty")
         self._check_ids(prompt, "prompt_token_ids")
         settings = self._settings(req.sampling, req.HasField("sampling"))
-        self._check_context(len(prompt), 0)
+        self._check_context(len(prompt))
         stop = self._stop_ids(settings)
         rng = seeded_rng(settings.seed, GENERATE_STREAM, len(prompt))
         if self._streams.locked():
