@@ -52,7 +52,7 @@ def build_drafter(args):
         tok = GGUFModel(args.tokenizer or bundled_model_path(), vocab_only=True)
         return PromptLookupDrafter(fingerprint=tok.fingerprint), tok
     if not args.draft:
-        from edge_client.demo import DEFAULT_DRAFT
+        from edge_client.drafters import DEFAULT_DRAFT
         if DEFAULT_DRAFT.is_file():
             args.draft = str(DEFAULT_DRAFT)
     if not args.draft:
@@ -137,8 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=10.0)
     p.set_defaults(func=cmd_info)
 
-    from edge_client import demo
-    demo.add_parser(sub)
     from edge_client import draftcli
     draftcli.add_parsers(sub)
     return parser

@@ -6,7 +6,9 @@ from (spec_core.drafting.draft_step does the encode-then-sample), or None for po
 from __future__ import annotations
 
 import abc
+import os
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -15,6 +17,9 @@ import numpy as np
 from spec_core.drafting import QMode, draft_step
 from spec_core.qcodec import EncodedQ
 from spec_core.warping import SamplingSettings
+
+# Where scripts/setup.sh puts the default draft (built from the bundled target; never committed).
+DEFAULT_DRAFT = Path(os.environ.get("HYBRIDSPEC_MODELS", "models")) / "smollm2-draft.gguf"
 
 
 @dataclass

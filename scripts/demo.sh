@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/edge-client demo "$@"
+exec .venv/bin/hybridspec demo "$@"

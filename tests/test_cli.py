@@ -53,7 +53,7 @@ def test_info(verifier):
 
 
 def test_demo_runs_verifier_edge_and_baseline(tiny_models):
-    r = subprocess.run([sys.executable, "-m", "edge_client", "demo", "--target", str(tiny_models["target"]),
+    r = subprocess.run([sys.executable, "-m", "hybridspec", "demo", "--target", str(tiny_models["target"]),
                         "--draft", str(tiny_models["draft"]), "--max-tokens", "12", "--json"],
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]

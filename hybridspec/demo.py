@@ -1,4 +1,4 @@
-"""edge-client demo: start a verifier on the bundled target, run the edge against it, print stats.
+"""hybridspec demo: start a verifier on the bundled target, run the edge against it, print stats.
 
 The verifier runs as its own process (as it would on another machine), on 127.0.0.1, with one
 llama.cpp thread; the edge drafts with one thread: on a 2-core box that keeps the two "devices"
@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-DEFAULT_DRAFT = Path(os.environ.get("HYBRIDSPEC_MODELS", "models")) / "smollm2-draft.gguf"
+from edge_client.drafters import DEFAULT_DRAFT
+
 DEFAULT_PROMPT = "Write a Python function that reverses a list."
 
 
