@@ -9,8 +9,10 @@ import argparse
 import json
 import shlex
 
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # rich is the `draft` extra: `edge-client generate` must not need it
+    from rich.console import Console
 
 # The default draft: the best expected hybrid tokens/s on the 3g link among the candidates in
 # bench/draft_results.md (bench/draft_compare.py), for the bundled SmolLM2-135M Q4_1 target.
@@ -84,6 +86,8 @@ def _target(args) -> str:
 
 
 def cmd_make_draft(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
     from edge_client.draftmaker.layers import parse_blocks
     from edge_client.draftmaker.make import DraftSpec, make_draft
 
@@ -162,6 +166,7 @@ def _block_count(path: str) -> int:
 
 
 def cmd_eval_draft(args) -> int:
+    from rich.console import Console
     from edge_client.draftmaker.evaluate import evaluate_drafts, load_prompts
 
     err = Console(stderr=True)
@@ -195,6 +200,7 @@ def cmd_eval_draft(args) -> int:
 
 
 def print_comparison(reps: list[dict], out: Console) -> None:
+    from rich.table import Table
     t = Table(title="drafts compared (same target continuations)")
     for col in ("draft", "greedy agr.", "α T=0.7", "α T=1", "draft tok/s 1t", "2t", "hybrid tok/s", "best γ"):
         t.add_column(col, justify="left" if col == "draft" else "right")
@@ -218,6 +224,7 @@ def _first_per_category(prompts, n: int):
 
 
 def print_report(rep: dict, out: Console) -> None:
+    from rich.table import Table
     temps = list(rep["overall"]["alpha"])
     t = Table(title=f"{rep['draft']['name']} as a draft for {rep['target']['name']} "
                     f"({rep['settings']['continuation']} continuations, ≤{rep['settings']['max_new_tokens']} tokens)")

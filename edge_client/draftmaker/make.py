@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Sequence
 
 from edge_client.draftmaker.evaluate import Progress
-from edge_client.draftmaker.layers import GGUFSource, format_blocks
 from edge_client.draftmaker.quantize import requantize
 
 log = logging.getLogger(__name__)
@@ -57,6 +56,8 @@ def make_draft(target: str | os.PathLike, out: str | os.PathLike, spec: DraftSpe
                progress: Progress | None = None) -> dict:
     """Build `out` from `target` as `spec` says; returns (and writes to OUT.json) the provenance."""
     from llama_runtime import GGUFModel
+
+    from edge_client.draftmaker.layers import GGUFSource, format_blocks  # gguf: the `draft` extra
 
     if spec.method not in METHODS:
         raise ValueError(f"unknown method {spec.method!r}; choose one of {', '.join(METHODS)}")
