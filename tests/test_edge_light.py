@@ -11,6 +11,7 @@ import ast
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -95,11 +96,15 @@ def test_a_fresh_venv_with_only_the_edge_extra_generates(tiny_models, tmp_path):
     built = json.loads(stamp.read_text())
     wheel_dirs = [p for p in (lb.CACHE_ROOT / f"llama-cpp-python-{lb.VERSION}").glob(f"*-{built['key']}")]
     assert wheel_dirs, "the wheel scripts/setup.sh built for this CPU is gone from its cache"
+    # Install from a copy: setuptools builds in the source tree (build/), which must stay clean.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "models", "results", "build", "*.egg-info", "__pycache__", ".pytest_cache", "deploy", "bench"))
     venv = tmp_path / "edge-venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
     r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--find-links", str(wheel_dirs[0]),
-                        "--only-binary", "llama-cpp-python", f"{ROOT}[edge]"],
+                        "--only-binary", "llama-cpp-python", f"{src}[edge]"],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     listing = subprocess.run([str(py), "-m", "pip", "list", "--format", "json"],
