@@ -19,7 +19,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -443,12 +445,19 @@ async def serve(app: FastAPI, host: str, port: int, on_ready: Callable[[int], No
         if on_ready is not None:
             on_ready(sock.getsockname()[1])
 
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again, so that the
+    # process ends "killed by SIGTERM"; with these no-op handlers in place it ends with 0 instead,
+    # like `cloud-verifier serve`.
+    ignored = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
     announcer = asyncio.create_task(announce())
     try:
         await server.serve(sockets=[sock])
     finally:
         announcer.cancel()
         sock.close()
+        for sig, handler in ignored.items():
+            signal.signal(sig, handler)
 
 
 def run(args, on_ready: Callable[[int, int | None], None] | None = None) -> int:
