@@ -209,6 +209,7 @@ def test_stop_strings_cut_exactly_across_token_boundaries(client, verifier, tiny
     stop = next(s for b in ends[2:-2] if 2 <= b <= len(text) - 2
                 for s in [text[b - 2: b + 2]] if text.find(s) == b - 2 and "\ufffd" not in s)
     cut = text.find(stop)
+    before = _unfinished(verifier)
     for stream in (False, True):
         kw = dict(model="any", prompt=prompt, max_tokens=32, temperature=0, stop=["never-there", stop])
         if stream:
@@ -222,6 +223,8 @@ def test_stop_strings_cut_exactly_across_token_boundaries(client, verifier, tiny
         if usage is not None:  # the tokens it took to complete the stop string, not the whole round
             n = usage.completion_tokens
             assert stop in vocab.detokenize(ids[:n]) and stop not in vocab.detokenize(ids[:n - 1])
+        # Generation stopped early: the verifier's session was closed before the answer came.
+        assert not (_unfinished(verifier) - before)
     # Of two stop strings, the one complete first in the text wins.
     later = text[cut + 2: cut + 6]
     r = client.completions.create(model="any", prompt=prompt, max_tokens=32, temperature=0, stop=[later, stop])
