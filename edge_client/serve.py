@@ -436,7 +436,9 @@ async def serve(app: FastAPI, host: str, port: int, on_ready: Callable[[int], No
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    config = uvicorn.Config(app, loop="asyncio", log_level="warning", timeout_graceful_shutdown=5)
+    # uvicorn logs through the root logger as configured by the CLI (-v shows the access log).
+    config = uvicorn.Config(app, loop="asyncio", log_config=None, log_level=logging.getLogger().getEffectiveLevel(),
+                            timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
 
     async def announce():

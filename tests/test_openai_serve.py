@@ -320,6 +320,25 @@ def test_verifier_down_gives_503_with_the_reason(tiny_models):
         proc.wait(30)
 
 
+def test_verifier_lost_mid_stream_is_reported_in_the_stream(tiny_models):
+    v = VerifierThread(SlowableBackend(str(tiny_models["target"]), n_ctx=N_CTX, n_threads=1))
+    v.backend.round_delay_s = 0.05
+    proc, url, _ = spawn_edge(v.address, tiny_models["draft"], "--deadline", "1", "--retries", "0")
+    try:
+        c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        chunks = iter(c.chat.completions.create(model="any", messages=[{"role": "user", "content": "hello"}],
+                                                max_tokens=400, stream=True, extra_body={"ignore_eos": True}))
+        next(chunks)
+        v.stop()  # the verifier goes away mid-generation and does not come back
+        with pytest.raises(openai.APIError) as e:
+            for _ in chunks:
+                pass
+        assert "unavailable" in e.value.message and e.value.body["code"] == "verifier_unavailable"
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
 # --- sessions on the verifier --------------------------------------------------------------------
 
 def _unfinished(verifier) -> set[str]:
