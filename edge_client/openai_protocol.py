@@ -186,9 +186,11 @@ def parse(model: type[SamplingRequest], body: Any) -> SamplingRequest:
         req = model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = [str(x) for x in err["loc"] if not str(x).startswith(("str", "list[", "int"))]
-        param = ".".join(loc) if loc else None
-        raise APIError(400, f"{param or 'body'}: {err['msg']}", param=param) from None
+        # loc is the path to the bad value, with pydantic's union branch names mixed in (`list[str]`)
+        path = [x for x in err["loc"] if isinstance(x, int) or x in model.model_fields]
+        param = str(path[0]) if path else None
+        where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in path).lstrip(".") or "body"
+        raise APIError(400, f"{where}: {err['msg']}", param=param) from None
     req.refuse_unsupported()
     return req
 
