@@ -258,6 +258,37 @@ def test_tokens_covering_counts_tokens_up_to_the_stop():
     assert tokens_covering([9, 1], pieces.get, frozenset({9}), 1) == 2      # hidden tokens print nothing
 
 
+# --- the EdgeClient hooks the server uses ---------------------------------------------------------
+
+async def test_edge_client_hooks_executor_on_round_and_close_when_left_early(tiny_models):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from edge_client import EdgeClient
+    from edge_client.drafters import GGUFDrafter
+    from helpers import running_server
+    from spec_core.warping import SamplingSettings
+
+    drafter = GGUFDrafter(str(tiny_models["draft"]), n_threads=1, n_ctx=N_CTX)
+    events, executor = [], ThreadPoolExecutor(1)
+    try:
+        async with running_server(LlamaCppBackend(str(tiny_models["target"]), n_ctx=N_CTX, n_threads=1)) as server:
+            async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=2,
+                                  draft_executor=executor, on_round=events.append) as c:
+                gen = c.generate("hello", SamplingSettings(temperature=0, max_new_tokens=200, ignore_eos=True))
+                async for _ in gen:
+                    break
+                assert len(server.engine.sessions) == 1
+                await gen.aclose()  # the app stops reading: the session is closed on the verifier
+                assert len(server.engine.sessions) == 0
+        st = gen.stats  # complete although generation stopped early
+        assert 1 <= st.tokens < 200 and st.finish_reason == "" and st.rounds == len(events) >= 1
+        assert sum(e.tokens for e in events) == st.tokens and sum(e.accepted for e in events) == st.accepted
+        assert all(e.rpc_s >= e.server_s >= 0 for e in events)
+    finally:
+        executor.shutdown()
+        drafter.close()
+
+
 # --- refusals and errors -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, param", [
