@@ -151,7 +151,7 @@ class Generation:
                         open_key=os.urandom(16)))
                 t_round = time.perf_counter()
                 try:
-                    reply = await c._verify(req, st)
+                    reply = await (c._verify(req, st) if session_id else c._open_round(req, st))
                 except EdgeError as e:
                     if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) and session_id \
                             and st.replays < c.max_replays:
@@ -262,6 +262,7 @@ class EdgeClient:
         # with many sessions); one worker serialises the sessions' drafting on the CPU.
         self.draft_executor = draft_executor
         self.on_round = on_round
+        self._background: set[asyncio.Task] = set()  # Close calls that outlive a cancelled generation
         self._reached = False
         # Special tokens (EOS, <|im_end|>) end generation; they are not printed.
         self.hidden_ids = getattr(tokenizer, "eog_ids", frozenset())
@@ -315,6 +316,21 @@ class EdgeClient:
                     continue
                 raise EdgeError(e.code(), e.details() or "") from None
         raise AssertionError("unreachable")
+
+    async def _open_round(self, req: pb.VerifyRequest, st: GenerationStats) -> pb.VerifyReply:
+        """A round that opens a session. If the caller is cancelled while it is in flight, the
+        verifier may still open the session; the round is left to finish and that session closed."""
+        call = asyncio.ensure_future(self._verify(req, st))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            def close_opened(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    task = asyncio.ensure_future(self._close(done.result().session_id))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+            call.add_done_callback(close_opened)
+            raise
 
     async def _close(self, session_id: str) -> None:
         try:
