@@ -337,3 +337,5 @@ class EdgeClient:
             await self._stub.Close(pb.CloseRequest(session_id=session_id), timeout=self.deadline_s)
         except grpc.aio.AioRpcError as e:  # best effort: the server's TTL frees it anyway
             log.debug("close failed: %s", e.code().name)
+        except grpc.aio.UsageError as e:  # the channel was closed first (a generation abandoned after its client)
+            log.debug("close failed: %s", e)
