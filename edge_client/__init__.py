@@ -3,7 +3,10 @@
 - `drafters`: where drafts come from (a GGUF model on llama.cpp, prompt lookup, synthetic).
 - `gamma`: fixed γ, or adaptive γ from the measured cost model.
 - `client`: the session loop (deadlines, idempotent retries, replay) and the Python API.
-- `cli`: `edge-client generate | info | make-draft | eval-draft`.
+- `cli`: `edge-client generate | info | serve | make-draft | eval-draft`.
+- `serve`: the OpenAI-compatible HTTP API on the edge (`openai_protocol`: request and response
+  shapes; `stopstrings`; `metrics`: Prometheus). FastAPI, uvicorn and prometheus_client are
+  imported only when `edge-client serve` runs.
 """
 from edge_client.client import EdgeClient, EdgeError, Generation, GenerationStats
 

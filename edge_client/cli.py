@@ -11,16 +11,18 @@ from spec_core.drafting import QMode
 from spec_core.warping import SamplingSettings
 
 
-def add_generation_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("prompt and sampling")
-    g.add_argument("--prompt", help="prompt text (default: read standard input)")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (GGUF metadata)")
-    g.add_argument("--system", help="system message for --chat")
-    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
-    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    g.add_argument("--seed", type=int, default=None, help="seed for the edge's and the verifier's samplers")
+def add_generation_args(p: argparse.ArgumentParser, prompt_and_sampling: bool = True) -> None:
+    """The options of a generation; `serve` takes the prompt and sampling from each request."""
+    if prompt_and_sampling:
+        g = p.add_argument_group("prompt and sampling")
+        g.add_argument("--prompt", help="prompt text (default: read standard input)")
+        g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (GGUF metadata)")
+        g.add_argument("--system", help="system message for --chat")
+        g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+        g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+        g.add_argument("--top-k", type=int, default=0, help="0 = off")
+        g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+        g.add_argument("--seed", type=int, default=None, help="seed for the edge's and the verifier's samplers")
     s = p.add_argument_group("speculation")
     s.add_argument("--gamma", default="5", help="draft tokens per round, or 'adaptive'")
     s.add_argument("--max-gamma", type=int, default=12, help="upper bound for adaptive gamma")
@@ -121,6 +123,19 @@ def cmd_info(args) -> int:
     return 0
 
 
+SERVE_READY = "edge-client serving on"  # printed by `edge-client serve` once it accepts requests
+
+
+def cmd_serve(args) -> int:
+    # FastAPI, uvicorn and prometheus_client are imported only here: `generate` needs none of them.
+    from edge_client import serve
+
+    def ready(port: int, metrics_port: int | None) -> None:
+        metrics = f" metrics http://{args.host}:{metrics_port}/metrics" if metrics_port is not None else ""
+        print(f"{SERVE_READY} http://{args.host}:{port}/v1{metrics}", flush=True)
+    return serve.run(args, on_ready=ready)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-client", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -136,6 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", default="127.0.0.1:50051")
     p.add_argument("--deadline", type=float, default=10.0)
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (chat, completions) in front of a verifier",
+                       description="Serve POST /v1/chat/completions, POST /v1/completions, GET /v1/models and "
+                                   "GET /health. Each request is drafted here and verified on --server.")
+    p.add_argument("--server", default="127.0.0.1:50051", help="verifier address host:port")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address to bind")
+    p.add_argument("--port", type=int, default=8080, help="HTTP port (0 picks a free one)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve the edge's Prometheus metrics on this port")
+    p.add_argument("--max-concurrent", type=int, default=8,
+                   help="requests generated at once, each with its own draft KV cache and verifier session; "
+                        "more wait (keep it at most the verifier's --max-sessions)")
+    p.add_argument("--served-model-name", help="model id in /v1/models and responses (default: the verifier's model)")
+    add_generation_args(p, prompt_and_sampling=False)
+    p.set_defaults(func=cmd_serve)
 
     from edge_client import draftcli
     draftcli.add_parsers(sub)

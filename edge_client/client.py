@@ -19,8 +19,9 @@ import codecs
 import logging
 import os
 import time
+from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field
-from typing import AsyncIterator, Protocol, Sequence
+from typing import AsyncIterator, Callable, Protocol, Sequence
 
 import grpc
 
@@ -88,8 +89,22 @@ class GenerationStats:
         return asdict(self)
 
 
+@dataclass
+class RoundEvent:
+    """One committed round, as seen by the edge (for metrics: `EdgeClient(on_round=...)`)."""
+
+    gamma: int          # draft tokens sent
+    accepted: int       # of them accepted
+    tokens: int         # committed this round: accepted + the corrected or bonus token
+    draft_s: float      # time drafting
+    rpc_s: float        # wall time of the Verify RPC, retries included (round trip + server)
+    server_s: float     # the server's own time for the round
+
+
 class Generation:
-    """Async iterator of text pieces as they are committed; `stats` is complete at the end."""
+    """Async iterator of text pieces as they are committed; `stats` is complete at the end,
+    also when the caller stops early (`aclose()`, cancellation): then the verifier's session is
+    closed, so it does not hold a KV cache until its idle TTL."""
 
     def __init__(self, client: "EdgeClient", prompt_ids: list[int], settings: SamplingSettings):
         self._client, self.prompt_ids, self.settings = client, prompt_ids, settings
@@ -105,6 +120,10 @@ class Generation:
     async def text(self) -> str:
         return "".join([p async for p in self])
 
+    async def aclose(self) -> None:
+        """Stop generating; an unfinished session is closed on the verifier."""
+        await self._it.aclose()
+
     async def _run(self) -> AsyncIterator[str]:
         c, st = self._client, self.stats
         settings = self.settings
@@ -118,70 +137,79 @@ class Generation:
         t0 = time.perf_counter()
         pieces: list[str] = []
         finished = False
-        while not finished:
-            remaining = settings.max_new_tokens - (len(committed) - prompt_len)
-            gamma = max(0, min(policy.next_gamma(), remaining - 1))
-            draft = c.drafter.propose(committed, gamma, settings, c.qmode, rng)
-            req = pb.VerifyRequest(session_id=session_id, round=last_round + 1, committed_length=len(committed),
-                                   draft_token_ids=draft.tokens, q=qcodec.to_proto(draft.qs, c.qmode.scale_bits))
-            if not session_id:
-                req.open.CopyFrom(pb.OpenSession(
-                    prompt_token_ids=self.prompt_ids, resume_token_ids=committed[prompt_len:],
-                    sampling=sampling_proto(settings), tokenizer_fingerprint=c.drafter.fingerprint or "",
-                    open_key=os.urandom(16)))
-            t_round = time.perf_counter()
-            try:
-                reply = await c._verify(req, st)
-            except EdgeError as e:
-                if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) and session_id \
-                        and st.replays < c.max_replays:
-                    log.warning("replaying %d committed tokens: %s", len(committed) - prompt_len, e)
-                    st.replays += 1
-                    session_id, last_round = "", 0
-                    continue
-                raise
-            round_s = time.perf_counter() - t_round
-            new = draft.tokens[: reply.num_accepted] + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
-            committed.extend(new)
-            if reply.committed_length != len(committed):
-                raise EdgeError(grpc.StatusCode.INTERNAL, f"server committed {reply.committed_length} tokens, "
-                                                          f"the edge {len(committed)}")
-            session_id, last_round = reply.session_id, reply.round
-            st.rounds += 1
-            st.drafted += len(draft.tokens)
-            st.accepted += reply.num_accepted
-            rejected = reply.HasField("next_token_id") and reply.num_accepted < len(draft.tokens)
-            st.rejections += rejected
-            st.draft_s += draft.seconds
-            st.server_model_s += reply.timings.model_ms / 1e3
-            gammas.append(len(draft.tokens))
-            policy.observe(gamma=len(draft.tokens), num_accepted=reply.num_accepted, draft_s=draft.seconds,
-                           round_s=round_s, server_s=reply.timings.total_ms / 1e3, model_s=reply.timings.model_ms / 1e3,
-                           rejected=rejected)
-            c.drafter.observe(committed, reply.num_accepted)
-            if new and not st.ttft_s:
-                st.ttft_s = time.perf_counter() - t0
-            finished = reply.finish_reason != pb.NOT_FINISHED
-            if finished:
-                st.finish_reason = pb.FinishReason.Name(reply.finish_reason).lower()
-            piece = decoder.decode(b"".join(c.tokenizer.token_bytes(t) for t in new if t not in c.hidden_ids))
-            if finished:
-                piece += decoder.decode(b"", final=True)
-            if piece:
-                pieces.append(piece)
-                yield piece
-        # A finished session needs no Close: the server frees its KV cache when generation ends.
-        st.wall_s = time.perf_counter() - t0
-        st.text = "".join(pieces)
-        st.token_ids = committed[prompt_len:]
-        st.tokens = len(st.token_ids)
-        st.acceptance_rate = st.accepted / st.drafted if st.drafted else 0.0
-        st.alpha = st.accepted / (st.accepted + st.rejections) if st.accepted + st.rejections else 0.0
-        st.tokens_per_round = st.tokens / st.rounds if st.rounds else 0.0
-        st.mean_gamma = sum(gammas) / len(gammas) if gammas else 0.0
-        st.gamma = policy.describe()
-        st.expected_tokens_per_round = expected_tokens_per_round(st.alpha, round(st.mean_gamma))
-        st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
+        try:
+            while not finished:
+                remaining = settings.max_new_tokens - (len(committed) - prompt_len)
+                gamma = max(0, min(policy.next_gamma(), remaining - 1))
+                draft = await c._propose(committed, gamma, settings, rng)
+                req = pb.VerifyRequest(session_id=session_id, round=last_round + 1, committed_length=len(committed),
+                                       draft_token_ids=draft.tokens, q=qcodec.to_proto(draft.qs, c.qmode.scale_bits))
+                if not session_id:
+                    req.open.CopyFrom(pb.OpenSession(
+                        prompt_token_ids=self.prompt_ids, resume_token_ids=committed[prompt_len:],
+                        sampling=sampling_proto(settings), tokenizer_fingerprint=c.drafter.fingerprint or "",
+                        open_key=os.urandom(16)))
+                t_round = time.perf_counter()
+                try:
+                    reply = await (c._verify(req, st) if session_id else c._open_round(req, st))
+                except EdgeError as e:
+                    if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) and session_id \
+                            and st.replays < c.max_replays:
+                        log.warning("replaying %d committed tokens: %s", len(committed) - prompt_len, e)
+                        st.replays += 1
+                        session_id, last_round = "", 0
+                        continue
+                    raise
+                round_s = time.perf_counter() - t_round
+                new = draft.tokens[: reply.num_accepted] + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
+                committed.extend(new)
+                if reply.committed_length != len(committed):
+                    raise EdgeError(grpc.StatusCode.INTERNAL, f"server committed {reply.committed_length} tokens, "
+                                                              f"the edge {len(committed)}")
+                session_id, last_round = reply.session_id, reply.round
+                st.rounds += 1
+                st.drafted += len(draft.tokens)
+                st.accepted += reply.num_accepted
+                rejected = reply.HasField("next_token_id") and reply.num_accepted < len(draft.tokens)
+                st.rejections += rejected
+                st.draft_s += draft.seconds
+                st.server_model_s += reply.timings.model_ms / 1e3
+                gammas.append(len(draft.tokens))
+                policy.observe(gamma=len(draft.tokens), num_accepted=reply.num_accepted, draft_s=draft.seconds,
+                               round_s=round_s, server_s=reply.timings.total_ms / 1e3, model_s=reply.timings.model_ms / 1e3,
+                               rejected=rejected)
+                c.drafter.observe(committed, reply.num_accepted)
+                if c.on_round is not None:
+                    c.on_round(RoundEvent(gamma=len(draft.tokens), accepted=reply.num_accepted, tokens=len(new),
+                                          draft_s=draft.seconds, rpc_s=round_s, server_s=reply.timings.total_ms / 1e3))
+                if new and not st.ttft_s:
+                    st.ttft_s = time.perf_counter() - t0
+                finished = reply.finish_reason != pb.NOT_FINISHED
+                if finished:
+                    st.finish_reason = pb.FinishReason.Name(reply.finish_reason).lower()
+                piece = decoder.decode(b"".join(c.tokenizer.token_bytes(t) for t in new if t not in c.hidden_ids))
+                if finished:
+                    piece += decoder.decode(b"", final=True)
+                if piece:
+                    pieces.append(piece)
+                    yield piece
+        finally:
+            st.wall_s = time.perf_counter() - t0
+            st.text = "".join(pieces)
+            st.token_ids = committed[prompt_len:]
+            st.tokens = len(st.token_ids)
+            st.acceptance_rate = st.accepted / st.drafted if st.drafted else 0.0
+            st.alpha = st.accepted / (st.accepted + st.rejections) if st.accepted + st.rejections else 0.0
+            st.tokens_per_round = st.tokens / st.rounds if st.rounds else 0.0
+            st.mean_gamma = sum(gammas) / len(gammas) if gammas else 0.0
+            st.gamma = policy.describe()
+            st.expected_tokens_per_round = expected_tokens_per_round(st.alpha, round(st.mean_gamma))
+            st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
+            # A finished session needs no Close: the server frees its KV cache when generation ends.
+            # One left early (the caller stopped reading, was cancelled, or a round failed) is closed
+            # now; shielded, so a cancelled caller still sends it.
+            if session_id and not finished:
+                await asyncio.shield(c._close(session_id))
 
 
 def sampling_proto(s: SamplingSettings) -> pb.SamplingParams:
@@ -222,13 +250,19 @@ async def stream_cloud_only(stub: pb_grpc.VerifierStub, prompt_ids: Sequence[int
 class EdgeClient:
     def __init__(self, server: str, drafter: Drafter, tokenizer: Tokenizer, *, gamma: int | str = 5,
                  qmode: QMode | str = "fixed", deadline_s: float = 30.0, max_retries: int = 8,
-                 max_replays: int = 8, max_gamma: int = 12, channel: grpc.aio.Channel | None = None):
+                 max_replays: int = 8, max_gamma: int = 12, channel: grpc.aio.Channel | None = None,
+                 draft_executor: Executor | None = None, on_round: Callable[[RoundEvent], None] | None = None):
         self.server, self.drafter, self.tokenizer = server, drafter, tokenizer
         self.gamma = gamma
         self.qmode = QMode.parse(qmode) if isinstance(qmode, str) else qmode
         self.deadline_s, self.max_retries, self.max_replays, self.max_gamma = deadline_s, max_retries, max_replays, max_gamma
         self._channel = channel
         self._own_channel = channel is None
+        # Drafting in an executor keeps the event loop free while the draft model runs (a server
+        # with many sessions); one worker serialises the sessions' drafting on the CPU.
+        self.draft_executor = draft_executor
+        self.on_round = on_round
+        self._background: set[asyncio.Task] = set()  # Close calls that outlive a cancelled generation
         self._reached = False
         # Special tokens (EOS, <|im_end|>) end generation; they are not printed.
         self.hidden_ids = getattr(tokenizer, "eog_ids", frozenset())
@@ -256,6 +290,12 @@ class EdgeClient:
     async def server_info(self) -> pb.ServerInfo:
         return await self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.deadline_s)
 
+    async def _propose(self, committed: list[int], gamma: int, settings: SamplingSettings, rng):
+        if self.draft_executor is None:
+            return self.drafter.propose(committed, gamma, settings, self.qmode, rng)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.draft_executor, self.drafter.propose, list(committed), gamma, settings, self.qmode, rng)
+
     async def _verify(self, req: pb.VerifyRequest, st: GenerationStats) -> pb.VerifyReply:
         delay = 0.05
         for attempt in range(self.max_retries + 1):
@@ -277,8 +317,25 @@ class EdgeClient:
                 raise EdgeError(e.code(), e.details() or "") from None
         raise AssertionError("unreachable")
 
+    async def _open_round(self, req: pb.VerifyRequest, st: GenerationStats) -> pb.VerifyReply:
+        """A round that opens a session. If the caller is cancelled while it is in flight, the
+        verifier may still open the session; the round is left to finish and that session closed."""
+        call = asyncio.ensure_future(self._verify(req, st))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            def close_opened(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    task = asyncio.ensure_future(self._close(done.result().session_id))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+            call.add_done_callback(close_opened)
+            raise
+
     async def _close(self, session_id: str) -> None:
         try:
             await self._stub.Close(pb.CloseRequest(session_id=session_id), timeout=self.deadline_s)
         except grpc.aio.AioRpcError as e:  # best effort: the server's TTL frees it anyway
             log.debug("close failed: %s", e.code().name)
+        except grpc.aio.UsageError as e:  # the channel was closed first (a generation abandoned after its client)
+            log.debug("close failed: %s", e)

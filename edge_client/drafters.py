@@ -56,9 +56,12 @@ class GGUFDrafter(Drafter):
 
     name = "gguf"
 
-    def __init__(self, path: str, n_threads: int | None = None, n_ctx: int = 2048):
+    def __init__(self, path, n_threads: int | None = None, n_ctx: int = 2048):
+        """`path`: a GGUF file, or a GGUFModel already loaded that several drafters share (each
+        has its own KV cache; the caller keeps the model and closes it)."""
         from llama_runtime import GGUFModel
-        self.model = GGUFModel(path, n_threads=n_threads)
+        self._owns_model = not isinstance(path, GGUFModel)
+        self.model = GGUFModel(path, n_threads=n_threads) if self._owns_model else path
         self.ctx = self.model.new_context(n_ctx)
         self.fingerprint = self.model.fingerprint
         self.tokens_decoded = 0
@@ -78,7 +81,8 @@ class GGUFDrafter(Drafter):
 
     def close(self) -> None:
         self.ctx.close()
-        self.model.close()
+        if self._owns_model:
+            self.model.close()
 
 
 class PromptLookupDrafter(Drafter):

@@ -9,10 +9,16 @@ from spec_core.synthetic import synthetic_fingerprint
 
 def render_chat(model, prompt: str, system: str | None = None) -> list[int]:
     """Apply the model's own chat template (GGUF `tokenizer.chat_template`) and tokenize."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return render_messages(model, messages)
+
+
+def render_messages(model, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation ({"role", "content"} dicts) through the model's chat template, tokenized,
+    ending with the assistant's turn opened."""
     template = model.chat_template()
     if not template:
         raise ValueError(f"{model.name} has no chat template in its GGUF metadata; drop --chat")
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
 
     def raise_exception(message):

