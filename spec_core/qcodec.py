@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from spec_core.proto import verifier_pb2 as pb
+from spec_core.warping import top_candidates
 
 DEFAULT_SCALE_BITS = 16
 DEFAULT_TOP_K = 16
@@ -72,19 +73,52 @@ def encode_fixed(probs: np.ndarray, top_k: int = DEFAULT_TOP_K, scale_bits: int 
     """
     probs = np.asarray(probs, dtype=np.float64)  # [vocab]
     if 0 < top_k < len(probs):
+        ids = _top_ids_fast(probs, top_k)
+        if ids is not None:
+            kept = np.zeros(top_k)  # the support's zeros sit at the end, as in the argpartition order
+            kept[: len(ids)] = probs[ids]
+            weights = _quantize(kept / kept.sum(), scale_bits)
+            if not weights[len(ids):].any():
+                nz = weights[: len(ids)] > 0
+                return EncodedQ(ids[nz].astype(np.uint32), weights[: len(ids)][nz], fixed=True)
+        # Ties (or a zero-probability token rounded up): the order argpartition leaves decides
+        # which tied token comes first, so take exactly that path.
         ids = np.argpartition(-probs, top_k - 1)[:top_k]
         ids = ids[np.argsort(-probs[ids], kind="stable")]
     else:
         ids = np.flatnonzero(probs > 0)
-    kept = probs[ids] / probs[ids].sum()
+    weights = _quantize(probs[ids] / probs[ids].sum(), scale_bits)
+    nz = weights > 0
+    return EncodedQ(ids[nz].astype(np.uint32), weights[nz], fixed=True)
+
+
+def _quantize(kept: np.ndarray, scale_bits: int) -> np.ndarray:
+    """Largest-remainder rounding of a distribution to integers summing to 2^scale_bits."""
     scale = 1 << scale_bits
     raw = kept * scale
     weights = np.floor(raw).astype(np.int64)
     short = scale - int(weights.sum())
     if short > 0:
         weights[np.argsort(-(raw - weights), kind="stable")[:short]] += 1
-    nz = weights > 0
-    return EncodedQ(ids[nz].astype(np.uint32), weights[nz], fixed=True)
+    return weights
+
+
+def _top_ids_fast(probs: np.ndarray, k: int) -> np.ndarray | None:
+    """The positive entries among the k largest, most likely first, in a few vectorised passes
+    over the vocabulary; None when ties make the order argpartition leaves matter."""
+    candidates = top_candidates(probs, k, nonnegative=True)
+    if candidates is None:
+        return None
+    values = probs[candidates]
+    if len(values) > k:
+        kth = np.partition(values, len(values) - k)[len(values) - k]
+        chosen = values >= kth
+        if np.count_nonzero(chosen) > k:
+            return None  # a tie at the k-th value: argpartition picks which tied tokens stay
+        candidates, values = candidates[chosen], values[chosen]
+    if len(np.unique(values)) < len(values):
+        return None  # tied tokens inside: their order is argpartition's
+    return candidates[np.argsort(-values, kind="stable")]
 
 
 def encode_float(probs: np.ndarray, top_k: int = 0) -> EncodedQ:
