@@ -171,25 +171,33 @@ def from_proto(payload: pb.QPayload, draft_tokens: list[int], vocab: int) -> lis
         other = d.probs if fixed else d.weights
         if len(other):
             raise QError(f"q.positions[{i}] mixes weights and probs; format says {'FIXED' if fixed else 'FLOAT32'}")
+        # A sparse support is a few dozen entries: plain Python lists check it faster than numpy.
         if d.token_ids:
-            if len(d.token_ids) != len(values):
-                raise QError(f"q.positions[{i}] has {len(d.token_ids)} token_ids but {len(values)} values")
-            ids = np.fromiter(d.token_ids, dtype=np.int64, count=len(d.token_ids))
-            if ids.max() >= vocab:
-                raise QError(f"q.positions[{i}] names token id {int(ids.max())}, outside the vocabulary (n_vocab={vocab})")
-            if len(np.unique(ids)) != len(ids):
+            id_list = list(d.token_ids)
+            if len(id_list) != len(values):
+                raise QError(f"q.positions[{i}] has {len(id_list)} token_ids but {len(values)} values")
+            if max(id_list) >= vocab:
+                raise QError(f"q.positions[{i}] names token id {max(id_list)}, outside the vocabulary (n_vocab={vocab})")
+            if len(set(id_list)) != len(id_list):
                 raise QError(f"q.positions[{i}] repeats a token id")
+            ids = np.array(id_list, dtype=np.uint32)
+            value_list = list(values)
+            token_value = value_list[id_list.index(token)] if token in id_list else 0
         else:
             ids = None
             if len(values) != vocab:
                 raise QError(f"q.positions[{i}] is dense with {len(values)} values; the vocabulary has {vocab}")
+            value_list = values
+            token_value = values[token] if token < len(values) else 0
         if fixed:
-            w = np.fromiter(values, dtype=np.int64, count=len(values))
+            w = np.array(value_list, dtype=np.int64) if ids is not None else \
+                np.fromiter(values, dtype=np.int64, count=len(values))
             total = int(w.sum())
             if total <= 0 or total > (1 << payload.scale_bits):
                 raise QError(f"q.positions[{i}] weights sum to {total}; must be in 1..2^{payload.scale_bits}")
         else:
-            w = np.fromiter(values, dtype=np.float32, count=len(values))
+            w = np.array(value_list, dtype=np.float32) if ids is not None else \
+                np.fromiter(values, dtype=np.float32, count=len(values))
             if not np.all(np.isfinite(w)):
                 raise QError(f"q.positions[{i}] has a NaN or infinite probability")
             if np.any(w < 0) or np.any(w > 1):
@@ -197,8 +205,8 @@ def from_proto(payload: pb.QPayload, draft_tokens: list[int], vocab: int) -> lis
             total = float(w.sum(dtype=np.float64))
             if total <= 0 or total > 1.0 + 1e-3:
                 raise QError(f"q.positions[{i}] probabilities sum to {total:.6g}; must be in (0, 1]")
-        q = EncodedQ(None if ids is None else ids.astype(np.uint32), w, fixed=fixed)
-        if q.prob_of(token) <= 0:
+        # q(token) = weight / total with total > 0, so q(token) = 0 exactly when its weight is 0.
+        if not token_value > 0:
             raise QError(f"draft token {token} at position {i} has q = 0, so it cannot have been sampled from q")
-        out.append(q)
+        out.append(EncodedQ(ids, w, fixed=fixed))
     return out

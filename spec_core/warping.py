@@ -163,21 +163,22 @@ def _top_p_kept(probs: np.ndarray, top_p: float) -> np.ndarray:
     descending order (ties: lower index first) is < top_p  # probs: [n] >= 0, zeros elsewhere."""
     n = len(probs)
     if n > _SHORT_ROW:
-        largest = float(probs.max())
-        for k in (32, 512):
-            if k * largest < top_p:
-                continue  # k entries cannot reach top_p: the row is flat
-            candidates = top_candidates(probs, k, nonnegative=True)
-            if candidates is None:
-                break
+        candidates = np.arange(n)
+        if top_p < 1.0 - 1e-6:
+            # An entry below this floor is not kept: it and the entries after it in the order weigh
+            # less than n * floor = (1 - top_p) / 4 together, so the mass before it exceeds top_p
+            # by far more than any rounding. On peaked rows a handful of entries clear it.
+            candidates = np.flatnonzero(probs >= (1.0 - top_p) / (4 * n))
+        if len(candidates) <= _SHORT_ROW:
             kept, mass = _kept_in_upper_set(probs, candidates, top_p)
             # Past the upper set the plain mass before a token is >= its total minus one rounding
             # (ulp(2) = 4.4e-16), so with this margin no later token is kept.
             if mass >= top_p + 1e-14:
                 return kept
-        kept = _top_p_kept_by_buckets(probs, top_p)
-        if kept is not None:
-            return kept
+        else:
+            kept = _top_p_kept_by_buckets(probs[candidates], top_p, n)
+            if kept is not None:
+                return candidates[kept]
     return _kept_in_upper_set(probs, np.arange(n), top_p)[0]
 
 
@@ -193,8 +194,9 @@ def _kept_in_upper_set(probs: np.ndarray, candidates: np.ndarray, top_p: float) 
     return candidates[order[keep]], float(cumulative[-1])
 
 
-def _top_p_kept_by_buckets(probs: np.ndarray, top_p: float) -> np.ndarray | None:
-    """top-p for flat rows, or None when the boundary is too close to call (then sort the row).
+def _top_p_kept_by_buckets(probs: np.ndarray, top_p: float, n: int) -> np.ndarray | None:
+    """top-p over an upper set of a row of n entries with a flat head, or None when the boundary
+    is too close to call (then the caller sorts the row).
 
     Rounding to float32 keeps the order, and non-negative float32 values order as their bits, so
     the top bits (exponent and 5 mantissa bits) bucket the entries by value: every bucket is a
@@ -203,10 +205,10 @@ def _top_p_kept_by_buckets(probs: np.ndarray, top_p: float) -> np.ndarray | None
     cumulative sums each differ from the exact ones by at most n + buckets roundings, hence `tol`:
     a token is decided only when its mass before is farther than tol from top_p.
     """
-    keys = probs.astype(np.float32).view(np.int32) >> 18  # [n], larger key = larger value
+    keys = probs.astype(np.float32).view(np.int32) >> 18  # larger key = larger value
     top = int(keys.max())
     cumulative = np.cumsum(np.bincount(keys, weights=probs, minlength=top + 1)[::-1])  # [top + 1]: from key top down
-    tol = 4.0 * (2 * len(probs) + len(cumulative) + 8) * _U
+    tol = 4.0 * (2 * n + len(cumulative) + 8) * _U
     first = int(np.searchsorted(cumulative, top_p - tol, side="left"))
     last = int(np.searchsorted(cumulative, top_p + tol, side="right"))
     if last >= len(cumulative):

@@ -11,6 +11,7 @@ give the token ids recorded from the code before the change (tests/data/).
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import warping_reference as ref
 from spec_core import qcodec, warping
 from spec_core.drafting import QMode, draft_step
 from spec_core.synthetic import synthetic_pair
-from spec_core.verify import commit_round, verify_round
+from spec_core.verify import commit_round, verify_round, verify_round_on_logits
 from spec_core.warping import (EDGE_STREAM, GENERATE_STREAM, VERIFIER_STREAM, SamplingSettings, processed_probs,
                                sample, seeded_rng)
 
@@ -206,7 +207,8 @@ def test_encode_fixed_with_ties_inside_and_at_the_kth():
 @pytest.mark.parametrize("qkind", ["fixed", "fixed:0", "float", "float:64", "none"])
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (0.7, 0, 0.95), (1.0, 50, 0.9), (0.0, 0, 1.0)])
 def test_draft_step_and_verify_round_match_the_reference(qkind, temperature, top_k, top_p):
-    """Same tokens, same q, same accept/reject decisions and the same RNG state afterwards."""
+    """Same tokens, same q, same accept/reject decisions and the same RNG state afterwards; the
+    verifier's row-by-row verify_round_on_logits too."""
     vocab, gamma = 6000, 5
     rng = np.random.default_rng(11)
     draft_logits = (rng.standard_normal((gamma, vocab)) * 3).astype(np.float32)
@@ -229,8 +231,11 @@ def test_draft_step_and_verify_round_match_the_reference(qkind, temperature, top
         qs_ref = None if any(q is None for q in qs_ref) else qs_ref
         p = processed_probs(target_logits, temperature, top_k, top_p)
         p_ref = ref.processed_probs(target_logits, temperature, top_k, top_p)
-        assert verify_round(p, drafts, qs, new_rng) == ref.verify_round(p_ref, drafts, qs_ref, ref_rng)
-        assert new_rng.random() == ref_rng.random()
+        lazy_rng = copy.deepcopy(new_rng)
+        result = ref.verify_round(p_ref, drafts, qs_ref, ref_rng)
+        assert verify_round(p, drafts, qs, new_rng) == result
+        assert verify_round_on_logits(target_logits, s, drafts, qs, lazy_rng) == result
+        assert new_rng.random() == ref_rng.random() == lazy_rng.random()
 
 
 # --- seeded generations: the token ids recorded before the change -------------------------------
