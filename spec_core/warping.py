@@ -13,13 +13,12 @@ without changing a number:
     and p is bit-for-bit the plain p.
   - top-k needs the k-th largest value, which any exact selection gives; we select among the
     entries at or above the k-th largest of 4k block maxima (at least k entries clear it).
-  - top-p keeps a token when the mass before it in the stable descending order is < top_p. Sorting
-    an upper set (every entry above some value) reproduces the head of that order exactly, so its
-    cumulative sums are the plain ones; once they pass top_p (with a margin for one rounding) the
-    tail cannot be kept. When the head is not enough (flat rows), a histogram of the values' float
-    bits locates the boundary, and only the boundary bucket is sorted; the decision is taken only
-    when it is certain under a bound on both sides' rounding, and otherwise the whole row is sorted
-    as the plain definition does.
+  - top-p keeps a token when the mass before it in the stable descending order is < top_p. No entry
+    below (1 - top_p) / (4 n) can be kept, and sorting the upper set above that floor reproduces
+    the head of the plain order exactly, so its cumulative sums are the plain ones. When that set is
+    large (flat rows), a histogram of the values' float32 bits locates the boundary and only the
+    boundary bucket is sorted; a token is decided there only when a bound on both sides' rounding
+    says the plain code decides the same, and otherwise the whole row is sorted as it does.
 """
 from __future__ import annotations
 
@@ -53,8 +52,9 @@ _U = 2.0 ** -53
 def processed_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """p for each row of `logits`  # [..., vocab] -> [..., vocab], float64, rows sum to 1."""
     logits = np.asarray(logits)
-    if logits.ndim == 1:
-        return processed_probs(logits[None, :], temperature, top_k, top_p)[0]
+    if logits.ndim != 2:
+        flat = processed_probs(logits.reshape(-1, logits.shape[-1]), temperature, top_k, top_p)
+        return flat.reshape(logits.shape)
     if logits.dtype != np.float32:
         logits = logits.astype(np.float64, copy=False)
     rows, vocab = logits.shape
@@ -163,22 +163,24 @@ def _top_p_kept(probs: np.ndarray, top_p: float) -> np.ndarray:
     descending order (ties: lower index first) is < top_p  # probs: [n] >= 0, zeros elsewhere."""
     n = len(probs)
     if n > _SHORT_ROW:
-        candidates = np.arange(n)
+        candidates = None
         if top_p < 1.0 - 1e-6:
             # An entry below this floor is not kept: it and the entries after it in the order weigh
             # less than n * floor = (1 - top_p) / 4 together, so the mass before it exceeds top_p
             # by far more than any rounding. On peaked rows a handful of entries clear it.
             candidates = np.flatnonzero(probs >= (1.0 - top_p) / (4 * n))
-        if len(candidates) <= _SHORT_ROW:
-            kept, mass = _kept_in_upper_set(probs, candidates, top_p)
-            # Past the upper set the plain mass before a token is >= its total minus one rounding
-            # (ulp(2) = 4.4e-16), so with this margin no later token is kept.
-            if mass >= top_p + 1e-14:
-                return kept
-        else:
-            kept = _top_p_kept_by_buckets(probs[candidates], top_p, n)
-            if kept is not None:
-                return candidates[kept]
+            if len(candidates) <= _SHORT_ROW:
+                kept, mass = _kept_in_upper_set(probs, candidates, top_p)
+                # Past the upper set the plain mass before a token is >= its total minus one
+                # rounding (ulp(2) = 4.4e-16), so with this margin no later token is kept.
+                if mass >= top_p + 1e-14:
+                    return kept
+                candidates = None
+            elif 2 * len(candidates) > n:
+                candidates = None  # gathering most of the row would cost more than it saves
+        kept = _top_p_kept_by_buckets(probs if candidates is None else probs[candidates], top_p, n)
+        if kept is not None:
+            return kept if candidates is None else candidates[kept]
     return _kept_in_upper_set(probs, np.arange(n), top_p)[0]
 
 
