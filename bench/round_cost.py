@@ -14,7 +14,9 @@ several runs (the machine is shared); "% model" divides by the model's decode ti
 1 thread (the edge's cost per drafted token) or its 6-row verification pass (the verifier's).
 
 Framework: the synthetic pair (vocabulary 64, free target) over real gRPC, verifier in its own
-process; wall time per round minus drafting, and a bare unary RPC (GetServerInfo) as the floor.
+process: wall time per round of the edge's session loop minus drafting; the same rounds made by
+hand, split into the edge's part, the Verify RPC and the server's own engine.verify time; and a bare
+unary RPC (GetServerInfo) as the floor.
 """
 from __future__ import annotations
 
@@ -155,14 +157,22 @@ class _Vocab64:
 
 
 async def framework_figures(tokens: int) -> None:
+    import os
+
+    import grpc
+
     from cloud_verifier.process import spawn_verifier
     from edge_client import EdgeClient
+    from edge_client.client import sampling_proto
     from edge_client.drafters import SyntheticDrafter
+    from spec_core import qcodec
     from spec_core.proto import verifier_pb2 as pb
+    from spec_core.proto import verifier_pb2_grpc as pb_grpc
 
     proc, address = spawn_verifier(["--backend", "synthetic", "--synthetic-vocab", "64"])
     try:
         drafter = SyntheticDrafter(vocab=64, seed=0, noise=1.0)
+        # 1. The edge's own session loop (EdgeClient), as `edge-client generate` runs it.
         async with EdgeClient(address, drafter, _Vocab64(), gamma=5, qmode="fixed") as client:
             settings = SamplingSettings(temperature=0.7, max_new_tokens=100, ignore_eos=True, seed=1)
             await client.generate([0], settings).text()  # warm up the channel and the server
@@ -179,12 +189,39 @@ async def framework_figures(tokens: int) -> None:
                 t0 = time.perf_counter()
                 await client._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=5)
                 rpc.append((time.perf_counter() - t0) * 1e3)
+        # 2. The same rounds by hand, to split a round: edge (draft + request), RPC, server engine.
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            settings = SamplingSettings(temperature=0.7, max_new_tokens=4096, ignore_eos=True, seed=9)
+            rng, qmode = np.random.default_rng(0), QMode("fixed")
+            committed, session, last_round = [0], "", 0
+            edge_ms, rpc_ms, engine_ms = [], [], []
+            for i in range(min(tokens, 700)):
+                t0 = time.perf_counter()
+                d = drafter.propose(committed, 5, settings, qmode, rng)
+                req = pb.VerifyRequest(session_id=session, round=last_round + 1, committed_length=len(committed),
+                                       draft_token_ids=d.tokens, q=qcodec.to_proto(d.qs))
+                if not session:
+                    req.open.CopyFrom(pb.OpenSession(prompt_token_ids=[0], sampling=sampling_proto(settings),
+                                                     open_key=os.urandom(16)))
+                t1 = time.perf_counter()
+                reply = await stub.Verify(req, timeout=10)
+                t2 = time.perf_counter()
+                committed.extend(d.tokens[: reply.num_accepted] + [reply.next_token_id])
+                session, last_round = reply.session_id, reply.round
+                if i >= 50:
+                    edge_ms.append((t1 - t0) * 1e3)
+                    rpc_ms.append((t2 - t1) * 1e3)
+                    engine_ms.append(reply.timings.total_ms)
         i = int(np.argmin(per_round))
+        med = statistics.median
         print("\n## Framework on loopback: synthetic pair (vocabulary 64, free target), gamma = 5, verifier in its own process")
-        print(f"wall per round {per_round[i]:.3f} ms (best of 3 runs of {tokens} tokens), of which drafting "
-              f"{draft[i]:.3f} ms: framework {per_round[i] - draft[i]:.3f} ms per round")
-        print(f"a bare unary RPC (GetServerInfo) on the same channel: median {statistics.median(rpc):.3f} ms, "
-              f"best {min(rpc):.3f} ms")
+        print(f"EdgeClient loop: wall per round {per_round[i]:.3f} ms (best of 3 runs of {tokens} tokens), of which "
+              f"drafting {draft[i]:.3f} ms: framework {per_round[i] - draft[i]:.3f} ms per round")
+        print(f"split (medians of {len(rpc_ms)} rounds): edge drafting + request {med(edge_ms):.3f} ms, Verify RPC "
+              f"{med(rpc_ms):.3f} ms, of which the server's engine.verify {med(engine_ms):.3f} ms "
+              f"(gRPC both ends: {med(rpc_ms) - med(engine_ms):.3f} ms)")
+        print(f"a bare unary RPC (GetServerInfo) on the same channel: median {med(rpc):.3f} ms, best {min(rpc):.3f} ms")
     finally:
         proc.terminate()
         proc.wait()
