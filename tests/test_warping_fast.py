@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import warping_reference as ref
 from spec_core import qcodec, warping
@@ -179,6 +180,19 @@ def adversarial_rows(vocab: int = 8192) -> list[tuple[str, np.ndarray, float, in
 def test_adversarial_logits(name, logits, temperature, top_k, top_p):
     got, want = check_same_probs(logits, temperature, top_k, top_p)
     check_same_codec_and_sampling(got, want)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.sampled_from([2049, 3000, 9000]), scale=st.floats(0.01, 40.0),
+       step=st.sampled_from([0.0, 0.25, 1.0]), temperature=st.floats(0.05, 3.0),
+       top_k=st.sampled_from([0, 1, 2, 16, 50, 1000]), top_p=st.floats(0.0, 1.0))
+def test_property_same_as_the_plain_code(seed, vocab, scale, step, temperature, top_k, top_p):
+    """Rows long enough for the fast paths, with ties wherever `step` quantizes the logits."""
+    logits = np.random.default_rng(seed).standard_normal((2, vocab)) * scale
+    if step:
+        logits = np.round(logits / step) * step
+    got, want = check_same_probs(logits.astype(np.float32), temperature, top_k, top_p)
+    check_same_codec_and_sampling(got[:1], want[:1], seed)
 
 
 def test_the_tie_group_case_really_straddles_the_boundary():
