@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from spec_core.proto import verifier_pb2 as pb
+from spec_core.warping import top_candidates
 
 DEFAULT_SCALE_BITS = 16
 DEFAULT_TOP_K = 16
@@ -72,19 +73,52 @@ def encode_fixed(probs: np.ndarray, top_k: int = DEFAULT_TOP_K, scale_bits: int 
     """
     probs = np.asarray(probs, dtype=np.float64)  # [vocab]
     if 0 < top_k < len(probs):
+        ids = _top_ids_fast(probs, top_k)
+        if ids is not None:
+            kept = np.zeros(top_k)  # the support's zeros sit at the end, as in the argpartition order
+            kept[: len(ids)] = probs[ids]
+            weights = _quantize(kept / kept.sum(), scale_bits)
+            if not weights[len(ids):].any():
+                nz = weights[: len(ids)] > 0
+                return EncodedQ(ids[nz].astype(np.uint32), weights[: len(ids)][nz], fixed=True)
+        # Ties (or a zero-probability token rounded up): the order argpartition leaves decides
+        # which tied token comes first, so take exactly that path.
         ids = np.argpartition(-probs, top_k - 1)[:top_k]
         ids = ids[np.argsort(-probs[ids], kind="stable")]
     else:
         ids = np.flatnonzero(probs > 0)
-    kept = probs[ids] / probs[ids].sum()
+    weights = _quantize(probs[ids] / probs[ids].sum(), scale_bits)
+    nz = weights > 0
+    return EncodedQ(ids[nz].astype(np.uint32), weights[nz], fixed=True)
+
+
+def _quantize(kept: np.ndarray, scale_bits: int) -> np.ndarray:
+    """Largest-remainder rounding of a distribution to integers summing to 2^scale_bits."""
     scale = 1 << scale_bits
     raw = kept * scale
     weights = np.floor(raw).astype(np.int64)
     short = scale - int(weights.sum())
     if short > 0:
         weights[np.argsort(-(raw - weights), kind="stable")[:short]] += 1
-    nz = weights > 0
-    return EncodedQ(ids[nz].astype(np.uint32), weights[nz], fixed=True)
+    return weights
+
+
+def _top_ids_fast(probs: np.ndarray, k: int) -> np.ndarray | None:
+    """The positive entries among the k largest, most likely first, in a few vectorised passes
+    over the vocabulary; None when ties make the order argpartition leaves matter."""
+    candidates = top_candidates(probs, k, nonnegative=True)
+    if candidates is None:
+        return None
+    values = probs[candidates]
+    if len(values) > k:
+        kth = np.partition(values, len(values) - k)[len(values) - k]
+        chosen = values >= kth
+        if np.count_nonzero(chosen) > k:
+            return None  # a tie at the k-th value: argpartition picks which tied tokens stay
+        candidates, values = candidates[chosen], values[chosen]
+    if len(np.unique(values)) < len(values):
+        return None  # tied tokens inside: their order is argpartition's
+    return candidates[np.argsort(-values, kind="stable")]
 
 
 def encode_float(probs: np.ndarray, top_k: int = 0) -> EncodedQ:
@@ -137,25 +171,33 @@ def from_proto(payload: pb.QPayload, draft_tokens: list[int], vocab: int) -> lis
         other = d.probs if fixed else d.weights
         if len(other):
             raise QError(f"q.positions[{i}] mixes weights and probs; format says {'FIXED' if fixed else 'FLOAT32'}")
+        # A sparse support is a few dozen entries: plain Python lists check it faster than numpy.
         if d.token_ids:
-            if len(d.token_ids) != len(values):
-                raise QError(f"q.positions[{i}] has {len(d.token_ids)} token_ids but {len(values)} values")
-            ids = np.fromiter(d.token_ids, dtype=np.int64, count=len(d.token_ids))
-            if ids.max() >= vocab:
-                raise QError(f"q.positions[{i}] names token id {int(ids.max())}, outside the vocabulary (n_vocab={vocab})")
-            if len(np.unique(ids)) != len(ids):
+            id_list = list(d.token_ids)
+            if len(id_list) != len(values):
+                raise QError(f"q.positions[{i}] has {len(id_list)} token_ids but {len(values)} values")
+            if max(id_list) >= vocab:
+                raise QError(f"q.positions[{i}] names token id {max(id_list)}, outside the vocabulary (n_vocab={vocab})")
+            if len(set(id_list)) != len(id_list):
                 raise QError(f"q.positions[{i}] repeats a token id")
+            ids = np.array(id_list, dtype=np.uint32)
+            value_list = list(values)
+            token_value = value_list[id_list.index(token)] if token in id_list else 0
         else:
             ids = None
             if len(values) != vocab:
                 raise QError(f"q.positions[{i}] is dense with {len(values)} values; the vocabulary has {vocab}")
+            value_list = values
+            token_value = values[token] if token < len(values) else 0
         if fixed:
-            w = np.fromiter(values, dtype=np.int64, count=len(values))
+            w = np.array(value_list, dtype=np.int64) if ids is not None else \
+                np.fromiter(values, dtype=np.int64, count=len(values))
             total = int(w.sum())
             if total <= 0 or total > (1 << payload.scale_bits):
                 raise QError(f"q.positions[{i}] weights sum to {total}; must be in 1..2^{payload.scale_bits}")
         else:
-            w = np.fromiter(values, dtype=np.float32, count=len(values))
+            w = np.array(value_list, dtype=np.float32) if ids is not None else \
+                np.fromiter(values, dtype=np.float32, count=len(values))
             if not np.all(np.isfinite(w)):
                 raise QError(f"q.positions[{i}] has a NaN or infinite probability")
             if np.any(w < 0) or np.any(w > 1):
@@ -163,8 +205,8 @@ def from_proto(payload: pb.QPayload, draft_tokens: list[int], vocab: int) -> lis
             total = float(w.sum(dtype=np.float64))
             if total <= 0 or total > 1.0 + 1e-3:
                 raise QError(f"q.positions[{i}] probabilities sum to {total:.6g}; must be in (0, 1]")
-        q = EncodedQ(None if ids is None else ids.astype(np.uint32), w, fixed=fixed)
-        if q.prob_of(token) <= 0:
+        # q(token) = weight / total with total > 0, so q(token) = 0 exactly when its weight is 0.
+        if not token_value > 0:
             raise QError(f"draft token {token} at position {i} has q = 0, so it cannot have been sampled from q")
-        out.append(q)
+        out.append(EncodedQ(ids, w, fixed=fixed))
     return out

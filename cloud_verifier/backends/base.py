@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from spec_core.qcodec import EncodedQ
-from spec_core.verify import RoundResult, verify_round
+from spec_core.verify import RoundResult, verify_round_on_logits
 from spec_core.warping import SamplingSettings, processed_probs, sample
 
 
@@ -50,8 +50,8 @@ class Backend(abc.ABC):
                rng: np.random.Generator) -> tuple[RoundResult, float, float]:
         gamma = len(draft_tokens)
         logits, queue_s, model_s = self.target_logits(state, list(committed) + list(draft_tokens), gamma + 1)
-        target_probs = processed_probs(logits, settings.temperature, settings.top_k, settings.top_p)  # [gamma+1, V]
-        return verify_round(target_probs, draft_tokens, draft_probs, rng), queue_s, model_s
+        # p is warped row by row as the round reaches it (rows after a rejection are not needed).
+        return verify_round_on_logits(logits, settings, draft_tokens, draft_probs, rng), queue_s, model_s
 
     def sample_next(self, state: object, tokens: Sequence[int], settings: SamplingSettings,
                     rng: np.random.Generator) -> tuple[int, float, float]:
