@@ -104,9 +104,6 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         sessions = self.engine.sessions
         if o.open_key and sessions.by_open_key(o.open_key) is not None:
             return   # a retried first round: its session exists already
-        if self.draining:
-            raise Refused("this verifier is draining (shutting down) and takes no new sessions; retry, a restarted "
-                          "or another replica will", 0.5, "draining", code=grpc.StatusCode.UNAVAILABLE)
         cap = self.policy.tenant_max_sessions
         if cap and sessions.unfinished(current_tenant.get()) >= cap:
             raise Refused(f"this tenant already has {cap} unfinished sessions (its limit)",
@@ -117,6 +114,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def Verify(self, request, context):
         try:
+            if self.draining:
+                # Rounds already inside finish; new ones go elsewhere: the edge retries, reaches a
+                # restarted or another replica, and replays its committed tokens there.
+                raise Refused("this verifier is draining (shutting down) and takes no new rounds; retry, a restarted "
+                              "or another replica will take the session", 0.5, "draining",
+                              code=grpc.StatusCode.UNAVAILABLE)
             self.rounds.admit(current_tenant.get())
             with self.inflight:
                 metrics.INFLIGHT.set(self.inflight.inflight)
@@ -207,8 +210,9 @@ class VerifierServer:
         return self
 
     async def stop(self) -> None:
-        """Drain: health NOT_SERVING and no new sessions at once; rounds in flight finish (up to
-        grace_s); then the port closes. Edges replay their sessions on the next verifier."""
+        """Drain: health NOT_SERVING and no new rounds at once (UNAVAILABLE with a retry hint);
+        rounds in flight finish (up to grace_s); then the port closes. Edges replay their
+        sessions on the next verifier."""
         if self.server is None:
             return
         self.servicer.draining = True
