@@ -168,9 +168,9 @@ async def test_chaos_many_edges_through_faulty_links_and_two_verifier_kills(tmp_
     n_edges, n_tokens = 8, 160
     verifier = Verifier(["--synthetic-step-ms", "8", "--max-sessions", "16", "--auth-tokens", token_file(tmp_path)])
     # Both directions: delay and jitter, 2% segment loss (retransmission stalls), a 0.4 s outage
-    # that stalls, and a 1.2 s outage that resets every connection after 0.3 s.
+    # that stalls, and two outages (1.2 s, 1.0 s) that reset every connection after 0.3 s.
     effects = (Delay(8), Jitter(3), Loss(0.02), Outage(windows_s=((1.0, 0.4),), mode="stall"),
-               Outage(windows_s=((2.5, 1.2),), mode="reset", reset_after_s=0.3))
+               Outage(windows_s=((2.5, 1.2), (7.0, 1.0)), mode="reset", reset_after_s=0.3))
     profile = Profile("chaos", Link(effects), Link(effects), description="test: loss, stalls, resets")
     proxy = LinkProxy(upstream=("127.0.0.1", verifier.port), profile=profile, seed=7)
     await proxy.start()
@@ -182,9 +182,13 @@ async def test_chaos_many_edges_through_faulty_links_and_two_verifier_kills(tmp_
     t0 = time.monotonic()
     try:
         for fraction in (0.25, 0.6):
-            # Kill once every edge still running is this far along (so each fault hits them all mid-run).
-            await wait_until(lambda: all(t.done() or e.generated >= fraction * n_tokens for e, t in zip(edges, tasks)),
-                             120, f"edges at {fraction:.0%}")
+            # Kill when the edge furthest along is this far (so the fault hits the others mid-run
+            # too), and only once every edge hit by the last kill has replayed and moved on (so
+            # each kill costs each edge its own replay).
+            await wait_until(lambda: any(e.generated >= fraction * n_tokens for e in edges) and all(
+                t.done() or e.gen.stats.replays == len(e.snapshots) and (not e.snapshots or
+                                                                          e.generated > e.faults_lived[-1])
+                for e, t in zip(edges, tasks)), 120, f"an edge at {fraction:.0%}")
             for e, t in zip(edges, tasks):
                 if not t.done():
                     e.snapshot()
@@ -241,13 +245,23 @@ async def test_overload_is_refused_early_with_bounded_memory_and_every_edge_fini
     edges = [Edge(k, address, n_tokens, deadline_s=10, max_wait_s=120) for k in range(n_edges)]
     try:
         tasks = [asyncio.create_task(e.run()) for e in edges]
-        # Meanwhile a flood: 300 concurrent rounds at once (far more than the verifier takes in).
+        # Meanwhile a flood: one session (admitted once a slot frees up), then 300 concurrent
+        # copies of its next round at once, far more than the verifier takes in.
         async with grpc.aio.insecure_channel(address) as ch:
             stub = pb_grpc.VerifierStub(ch)
             o = pb.OpenSession(prompt_token_ids=[0, 5], tokenizer_fingerprint=synthetic_fingerprint(VOCAB),
-                               open_key=b"f" * 16, sampling=pb.SamplingParams(temperature=1, max_new_tokens=5))
-            flood = [stub.Verify(pb.VerifyRequest(round=1, committed_length=2, open=o, draft_token_ids=[3] * 8),
-                                 timeout=30) for _ in range(300)]
+                               open_key=b"f" * 16, sampling=pb.SamplingParams(temperature=1, max_new_tokens=50,
+                                                                              ignore_eos=True))
+            while True:
+                try:
+                    first = await stub.Verify(pb.VerifyRequest(round=1, committed_length=2, open=o), timeout=30)
+                    break
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                    await asyncio.sleep(int(dict(e.trailing_metadata())["retry-after-ms"]) / 1000)
+            again = pb.VerifyRequest(session_id=first.session_id, round=2, committed_length=first.committed_length,
+                                     draft_token_ids=[3] * 8)
+            flood = [stub.Verify(again, timeout=30) for _ in range(300)]
             flood_codes = [r.code().name if isinstance(r, grpc.aio.AioRpcError) else "OK"
                            for r in await asyncio.gather(*flood, return_exceptions=True)]
         results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
