@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 def security_from_args(args):
     """(tls, tokens, policy) for serve_forever; a misconfiguration exits with a message."""
     from cloud_verifier.admission import ServerPolicy
-    from cloud_verifier.auth import TokenFile, TokenFileError
+    from cloud_verifier.auth import TokenFile
     from cloud_verifier.server import ServerTLS, is_loopback
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("cloud-verifier: --tls-cert and --tls-key go together")
@@ -95,7 +95,7 @@ def security_from_args(args):
     try:
         tls = ServerTLS.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         tokens = TokenFile(args.auth_tokens) if args.auth_tokens else None
-    except (OSError, TokenFileError) as e:
+    except (OSError, ValueError) as e:   # TokenFileError is a ValueError
         raise SystemExit(f"cloud-verifier: {e}") from None
     policy = ServerPolicy(tenant_max_sessions=args.tenant_max_sessions, tenant_rounds_per_s=args.tenant_rounds_per_s,
                           tenant_burst=args.tenant_burst, max_inflight_rounds=args.max_inflight_rounds,

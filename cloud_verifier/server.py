@@ -51,7 +51,16 @@ class ServerTLS:
 
     @classmethod
     def from_files(cls, cert: str, key: str, client_ca: str | None = None) -> "ServerTLS":
-        return cls(Path(cert).read_bytes(), Path(key).read_bytes(), Path(client_ca).read_bytes() if client_ca else None)
+        pems = {}
+        for what, path in (("certificate", cert), ("key", key), ("client CA", client_ca)):
+            if path is None:
+                continue
+            data = Path(path).read_bytes()
+            # grpc would only fail at the first handshake; say what is wrong at start instead.
+            if b"-----BEGIN " not in data or b"-----END " not in data:
+                raise ValueError(f"{path}: the TLS {what} is not in PEM format (-----BEGIN ...-----)")
+            pems[what] = data
+        return cls(pems["certificate"], pems["key"], pems.get("client CA"))
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.private_key, self.cert_chain)], root_certificates=self.client_ca,

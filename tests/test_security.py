@@ -403,3 +403,28 @@ async def test_drain_finishes_rounds_in_flight_and_refuses_new_sessions():
         reply = await in_flight   # the round in flight was finished, not cut
         assert reply.round == 1 and reply.committed_length == 4
         await stopping
+
+
+def test_cli_says_what_is_wrong_with_tls_and_token_files(tmp_path, pki):
+    from cloud_verifier.cli import main
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate")
+    cert, key = pki["server"].write(tmp_path, "server")
+    with pytest.raises(SystemExit, match="not in PEM format"):
+        main(["serve", "--backend", "synthetic", "--tls-cert", str(junk), "--tls-key", key])
+    with pytest.raises(SystemExit, match="No such file"):
+        main(["serve", "--backend", "synthetic", "--tls-cert", cert, "--tls-key", str(tmp_path / "missing.key")])
+    tokens = tmp_path / "tokens"
+    tokens.write_text("acme short\n")
+    with pytest.raises(SystemExit, match="shorter than"):
+        main(["serve", "--backend", "synthetic", "--auth-tokens", str(tokens)])
+
+
+def test_hash_token_cli(capsys, monkeypatch):
+    import io
+    from cloud_verifier.cli import main
+    monkeypatch.setattr(sys, "stdin", io.StringIO(TOKEN_A + "\n"))
+    assert main(["hash-token", "--tenant", "acme"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line == f"acme {hash_token(TOKEN_A)}"
+    assert parse_token_file(line)[0].tenant == "acme"
