@@ -178,7 +178,7 @@ async def test_chaos_many_edges_through_faulty_links_and_two_verifier_kills(tmp_
     edges = [Edge(k, f"127.0.0.1:{proxy.port}", n_tokens, token=tenants[k % 2], deadline_s=3, max_retries=60,
                   max_replays=20) for k in range(n_edges)]
     tasks = [asyncio.create_task(e.run()) for e in edges]
-    kills = 0
+    kills, peak_mb = 0, 0.0
     t0 = time.monotonic()
     try:
         for fraction in (0.25, 0.6):
@@ -192,11 +192,13 @@ async def test_chaos_many_edges_through_faulty_links_and_two_verifier_kills(tmp_
             for e, t in zip(edges, tasks):
                 if not t.done():
                     e.snapshot()
+            peak_mb = max(peak_mb, verifier.peak_rss_mb())
             verifier.kill()
             kills += 1
             await asyncio.sleep(0.3)
             verifier.start()   # same port: the edges' retries find it
         results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        peak_mb = max(peak_mb, verifier.peak_rss_mb())
     finally:
         for t in tasks:
             t.cancel()
@@ -218,7 +220,7 @@ async def test_chaos_many_edges_through_faulty_links_and_two_verifier_kills(tmp_
     print(f"\nchaos: {n_edges} sessions, {sum(r.tokens for r in results)} tokens in {wall_s:.1f} s; faults: "
           f"{kills} SIGKILL+restart, {stats.resets} connection resets, {stats.stalls} stalls "
           f"({stats.stall_s:.1f} s); edges: {sum(r.retries for r in results)} retries, "
-          f"{sum(r.replays for r in results)} replays; tokens lost = {lost}")
+          f"{sum(r.replays for r in results)} replays; tokens lost = {lost}; verifier peak RSS {peak_mb:.0f} MB")
     assert lost == 0
 
 

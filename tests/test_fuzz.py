@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import resource
 import threading
 
 import grpc
@@ -262,8 +263,10 @@ def test_fuzz_every_request_gets_a_fitting_status_and_the_server_keeps_serving()
         channel.close()
         srv.stop()
     total = sum(statuses.values())
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # server + client + hypothesis
     print(f"\nfuzz: {total} requests, statuses {dict(statuses.most_common())}; "
-          f"alongside: {alongside.completed} generations, {alongside.replays} replays")
+          f"alongside: {alongside.completed} generations, {alongside.replays} replays; "
+          f"peak RSS of the test process (server included) {peak_mb:.0f} MB")
     assert not problems, problems[:10]
     assert total >= 1000
     assert alongside.completed >= 1 and not alongside.failures, alongside.failures
