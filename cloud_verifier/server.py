@@ -8,6 +8,7 @@ a token sent in plain text over a real network is a token given away.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 import logging
 import math
@@ -89,6 +90,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.rounds = RoundLimiter(policy.tenant_rounds_per_s, policy.tenant_burst)
         self.inflight = InflightGate(policy.max_inflight_rounds or 4 * engine.limits.max_sessions)
         self.draining = False
+        self._opening: collections.defaultdict[str, list[bytes]] = collections.defaultdict(list)  # open keys admitted
 
     async def _fail(self, context, e: RequestError):
         metrics.ERRORS.labels(e.code.name).inc()
@@ -109,17 +111,22 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
                                f"session {session_id!r} was opened by another tenant; open a session of your own")
 
-    def _admit_open(self, o: pb.OpenSession) -> None:
+    def _admit_open(self, o: pb.OpenSession) -> bool:
+        """Refuse a new session for load; False for a retried first round (its session exists)."""
         sessions = self.engine.sessions
         if o.open_key and sessions.by_open_key(o.open_key) is not None:
-            return   # a retried first round: its session exists already
-        cap = self.policy.tenant_max_sessions
-        if cap and sessions.unfinished(current_tenant.get()) >= cap:
+            return False
+        cap, tenant = self.policy.tenant_max_sessions, current_tenant.get()
+        # Opens admitted but not stored yet (making their KV cache) count too, or concurrent opens
+        # would all pass. (A keyless open counts twice while it runs: edges always send a key.)
+        pending = sum(1 for key in self._opening[tenant] if sessions.by_open_key(key) is None)
+        if cap and sessions.unfinished(tenant) + pending >= cap:
             raise Refused(f"this tenant already has {cap} unfinished sessions (its limit)",
                           self.policy.session_retry_after_s, "tenant_sessions")
         if not sessions.has_room():
             raise Refused(f"all {self.engine.limits.max_sessions} session slots are in use",
                           self.policy.session_retry_after_s, "slots")
+        return True
 
     async def Verify(self, request, context):
         try:
@@ -132,13 +139,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self.rounds.admit(current_tenant.get())
             with self.inflight:
                 metrics.INFLIGHT.set(self.inflight.inflight)
+                tenant, opening = current_tenant.get(), None
                 try:
                     if request.session_id:
                         self._check_owner(request.session_id)
-                    elif request.HasField("open"):
-                        self._admit_open(request.open)
+                    elif request.HasField("open") and self._admit_open(request.open):
+                        opening = request.open.open_key
+                        self._opening[tenant].append(opening)
                     return await self.engine.verify(request)
                 finally:
+                    if opening is not None:
+                        self._opening[tenant].remove(opening)
+                        if not self._opening[tenant]:
+                            del self._opening[tenant]
                     metrics.INFLIGHT.set(self.inflight.inflight - 1)
         except Refused as r:
             await self._refuse(context, r)

@@ -428,3 +428,16 @@ def test_hash_token_cli(capsys, monkeypatch):
     line = capsys.readouterr().out.strip()
     assert line == f"acme {hash_token(TOKEN_A)}"
     assert parse_token_file(line)[0].tenant == "acme"
+
+
+async def test_concurrent_opens_cannot_overrun_the_tenant_cap():
+    backend = SyntheticBackend(vocab=VOCAB, step_ms=100)   # slow enough that the opens overlap
+    async with server(policy=ServerPolicy(tenant_max_sessions=2), backend=backend, max_sessions=16) as s:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") as ch:
+            stub = pb_grpc.VerifierStub(ch)
+            results = await asyncio.gather(*(stub.Verify(open_req(bytes([k]) * 16), timeout=10) for k in range(6)),
+                                           return_exceptions=True)
+            held = len(s.engine.sessions)
+    ok = [r for r in results if not isinstance(r, Exception)]
+    assert len(ok) == 2 and all(r.code() == EXHAUSTED for r in results if isinstance(r, Exception))
+    assert held == 2 and not any(s.servicer._opening.values())
