@@ -148,7 +148,12 @@ def cmd_info(args) -> int:
         async with open_channel(args.server, **security) as ch:
             return await pb_grpc.VerifierStub(ch).GetServerInfo(pb.ServerInfoRequest(), timeout=args.deadline,
                                                                 metadata=auth_metadata(token))
-    print(json.dumps(MessageToDict(asyncio.run(go()), preserving_proto_field_name=True), indent=2))
+    try:
+        info = asyncio.run(go())
+    except grpc.aio.AioRpcError as e:   # e.g. UNAUTHENTICATED, UNAVAILABLE: one line, not a traceback
+        print(f"edge-client: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2
+    print(json.dumps(MessageToDict(info, preserving_proto_field_name=True), indent=2))
     return 0
 
 

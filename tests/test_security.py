@@ -441,3 +441,32 @@ async def test_concurrent_opens_cannot_overrun_the_tenant_cap():
     ok = [r for r in results if not isinstance(r, Exception)]
     assert len(ok) == 2 and all(r.code() == EXHAUSTED for r in results if isinstance(r, Exception))
     assert held == 2 and not any(s.servicer._opening.values())
+
+
+async def test_a_handler_bug_is_internal_with_one_line_and_a_quiet_log(caplog, monkeypatch):
+    async with server() as s:
+        def broken():
+            raise ZeroDivisionError("a bug")
+        monkeypatch.setattr(s.engine, "server_info", broken)
+        caplog.set_level(logging.ERROR, logger="cloud_verifier.guard")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") as ch:
+            stub = pb_grpc.VerifierStub(ch)
+            for _ in range(20):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=3)
+                assert e.value.code() == grpc.StatusCode.INTERNAL and "\n" not in e.value.details()
+            assert (await stub.Verify(open_req(), timeout=3)).round == 1   # the rest still works
+    traces = [r for r in caplog.records if r.name == "cloud_verifier.guard" and r.exc_info]
+    assert len(traces) == 1   # one stack trace, not twenty
+
+
+async def test_edge_cli_with_tls_and_a_token_file(pki, token_file, tmp_path, capsys):
+    from edge_client.cli import main as edge_main
+    (tmp_path / "ca.crt").write_bytes(pki["ca"].pem)
+    (tmp_path / "edge.token").write_text(TOKEN_A + "\n")
+    async with server(tls=ServerTLS(pki["server"].cert, pki["server"].key), tokens=TokenFile(token_file)) as s:
+        base = ["info", "--server", f"localhost:{s.port}", "--tls-ca", str(tmp_path / "ca.crt")]
+        assert await asyncio.to_thread(edge_main, [*base, "--token-file", str(tmp_path / "edge.token")]) == 0
+        assert '"backend": "synthetic"' in capsys.readouterr().out
+        assert await asyncio.to_thread(edge_main, [*base, "--token", "wrong-token-" + "z" * 20]) == 2
+        assert "UNAUTHENTICATED: the bearer token is not valid here" in capsys.readouterr().err
