@@ -44,31 +44,73 @@ class InsecureBindError(ValueError):
 
 @dataclass(frozen=True)
 class ServerTLS:
-    """PEM bytes: the server's certificate chain and key; a client CA turns on mutual TLS."""
+    """PEM bytes: the server's certificate chain and key; a client CA turns on mutual TLS.
+
+    Made `from_files`, it reads the files again when they change (checked when a client
+    connects, through grpcio's dynamic_ssl_server_credentials), so a renewed certificate
+    (cert-manager, a rotated secret) takes effect for new connections without a restart."""
 
     cert_chain: bytes
     private_key: bytes
     client_ca: bytes | None = None
+    paths: tuple[str, str, str | None] | None = None   # (cert, key, client CA) to watch
 
     @classmethod
     def from_files(cls, cert: str, key: str, client_ca: str | None = None) -> "ServerTLS":
-        pems = {}
-        for what, path in (("certificate", cert), ("key", key), ("client CA", client_ca)):
-            if path is None:
-                continue
-            data = Path(path).read_bytes()
-            # grpc would only fail at the first handshake; say what is wrong at start instead.
-            if b"-----BEGIN " not in data or b"-----END " not in data:
-                raise ValueError(f"{path}: the TLS {what} is not in PEM format (-----BEGIN ...-----)")
-            pems[what] = data
-        return cls(pems["certificate"], pems["key"], pems.get("client CA"))
+        pems = _read_pems(cert, key, client_ca)
+        return cls(pems["certificate"], pems["key"], pems.get("client CA"), paths=(cert, key, client_ca))
 
     def credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.private_key, self.cert_chain)], root_certificates=self.client_ca,
-                                           require_client_auth=self.client_ca is not None)
+        require_client_auth = self.client_ca is not None
+        if self.paths is None:
+            return grpc.ssl_server_credentials([(self.private_key, self.cert_chain)], root_certificates=self.client_ca,
+                                               require_client_auth=require_client_auth)
+        initial = grpc.ssl_server_certificate_configuration([(self.private_key, self.cert_chain)],
+                                                            root_certificates=self.client_ca)
+        return grpc.dynamic_ssl_server_credentials(initial, _CertificateWatch(self.paths),
+                                                   require_client_authentication=require_client_auth)
 
     def describe(self) -> str:
         return "mutual TLS" if self.client_ca else "TLS"
+
+
+def _read_pems(cert: str, key: str, client_ca: str | None) -> dict[str, bytes]:
+    pems = {}
+    for what, path in (("certificate", cert), ("key", key), ("client CA", client_ca)):
+        if path is None:
+            continue
+        data = Path(path).read_bytes()
+        # grpc would only fail at the first handshake; say what is wrong at start instead.
+        if b"-----BEGIN " not in data or b"-----END " not in data:
+            raise ValueError(f"{path}: the TLS {what} is not in PEM format (-----BEGIN ...-----)")
+        pems[what] = data
+    return pems
+
+
+class _CertificateWatch:
+    """grpc calls this before each TLS handshake: a new configuration when the files changed, else None.
+    A half-written or broken set keeps the current one (logged once); the next change is tried again."""
+
+    def __init__(self, paths: tuple[str, str, str | None]):
+        self.paths = paths
+        self._stamp = self._files_stamp()
+
+    def _files_stamp(self) -> tuple:
+        return tuple((st.st_mtime_ns, st.st_size, st.st_ino) for st in (Path(p).stat() for p in self.paths if p))
+
+    def __call__(self):
+        try:
+            stamp = self._files_stamp()
+            if stamp == self._stamp:
+                return None
+            self._stamp = stamp   # one log line per change, not one per connection
+            pems = _read_pems(*self.paths)
+        except (OSError, ValueError) as e:
+            log.error("TLS files not reloaded, keeping the current certificate: %s", e)
+            return None
+        log.info("TLS certificate reloaded from %s", self.paths[0])
+        return grpc.ssl_server_certificate_configuration([(pems["key"], pems["certificate"])],
+                                                         root_certificates=pems.get("client CA"))
 
 
 def is_loopback(host: str) -> bool:

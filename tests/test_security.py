@@ -470,3 +470,25 @@ async def test_edge_cli_with_tls_and_a_token_file(pki, token_file, tmp_path, cap
         assert '"backend": "synthetic"' in capsys.readouterr().out
         assert await asyncio.to_thread(edge_main, [*base, "--token", "wrong-token-" + "z" * 20]) == 2
         assert "UNAUTHENTICATED: the bearer token is not valid here" in capsys.readouterr().err
+
+
+async def test_a_renewed_certificate_is_served_without_a_restart(pki, tmp_path):
+    cert, key = pki["server"].write(tmp_path, "server")
+    tls = ServerTLS.from_files(cert, key)
+    new_ca = CA("renewed CA")
+
+    async def info_with(ca_pem):
+        async with open_channel(f"127.0.0.1:{s.port}", tls_ca=ca_pem) as ch:
+            return await pb_grpc.VerifierStub(ch).GetServerInfo(pb.ServerInfoRequest(), timeout=3)
+
+    async with server(tls=tls) as s:
+        assert (await info_with(pki["ca"].pem)).n_vocab == VOCAB
+        new_ca.issue("localhost", server=True).write(tmp_path, "server")   # the files change in place
+        assert (await info_with(new_ca.pem)).n_vocab == VOCAB              # a new connection: the new one
+        with pytest.raises(grpc.aio.AioRpcError):
+            await info_with(pki["ca"].pem)
+        (tmp_path / "server.crt").write_text("half-written")               # broken files: keep serving
+        assert (await info_with(new_ca.pem)).n_vocab == VOCAB
+        final = CA("final CA")
+        final.issue("localhost", server=True).write(tmp_path, "server")    # fixed: taken up again
+        assert (await info_with(final.pem)).n_vocab == VOCAB
