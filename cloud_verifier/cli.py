@@ -30,6 +30,25 @@ def _add_serve(sub) -> None:
     p.add_argument("--synthetic-per-token-ms", type=float, default=0.0, help="(synthetic backend) cost per token")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="(vllm backend) engine argument, repeatable, e.g. tensor_parallel_size=2")
+    s = p.add_argument_group("security", "Without --tls-cert the server speaks plain text and binds only loopback "
+                                         "addresses unless --insecure is given.")
+    s.add_argument("--tls-cert", help="PEM certificate chain: serve TLS")
+    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow plain text on a non-loopback address (a proxy or mesh does TLS in front)")
+    s.add_argument("--auth-tokens", metavar="FILE",
+                   help="bearer tokens, one `TENANT TOKEN` or `TENANT sha256:HEX` per line; re-read when it "
+                        "changes and on SIGHUP. Without it anyone who reaches the port may call")
+    s.add_argument("--tenant-max-sessions", type=int, default=0, help="unfinished sessions per tenant (0 = no cap)")
+    s.add_argument("--tenant-rounds-per-s", type=float, default=0.0, help="rounds per second per tenant (0 = no cap)")
+    s.add_argument("--tenant-burst", type=int, default=0, help="rounds a tenant may send at once (0 = 2 s worth)")
+    s.add_argument("--max-inflight-rounds", type=int, default=0,
+                   help="rounds inside the server at once before new ones are refused (0 = 4 per session slot)")
+    s.add_argument("--evict-idle-after", type=float, default=5.0,
+                   help="seconds a session must be idle before a new session may evict it; until then newcomers "
+                        "get RESOURCE_EXHAUSTED with a retry hint")
+    s.add_argument("--grace", type=float, default=5.0, help="seconds for rounds in flight to finish on SIGTERM")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -54,20 +73,60 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cloud-verifier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    sub.add_parser("new-token", help="print a fresh random bearer token")
+    h = sub.add_parser("hash-token", help="print the at-rest form (sha256:HEX) of a token read from standard input, "
+                                          "for the --auth-tokens file")
+    h.add_argument("--tenant", help="print a whole `TENANT sha256:HEX` line")
     return parser
+
+
+def security_from_args(args):
+    """(tls, tokens, policy) for serve_forever; a misconfiguration exits with a message."""
+    from cloud_verifier.admission import ServerPolicy
+    from cloud_verifier.auth import TokenFile
+    from cloud_verifier.server import ServerTLS, is_loopback
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("cloud-verifier: --tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise SystemExit("cloud-verifier: --tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    if not args.tls_cert and not args.insecure and not is_loopback(args.host):
+        raise SystemExit(f"cloud-verifier: refusing plain text on {args.host}: give --tls-cert/--tls-key, bind "
+                         "127.0.0.1, or pass --insecure when a trusted proxy or mesh does TLS in front")
+    try:
+        tls = ServerTLS.from_files(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+        tokens = TokenFile(args.auth_tokens) if args.auth_tokens else None
+    except (OSError, ValueError) as e:   # TokenFileError is a ValueError
+        raise SystemExit(f"cloud-verifier: {e}") from None
+    policy = ServerPolicy(tenant_max_sessions=args.tenant_max_sessions, tenant_rounds_per_s=args.tenant_rounds_per_s,
+                          tenant_burst=args.tenant_burst, max_inflight_rounds=args.max_inflight_rounds,
+                          evict_idle_after_s=args.evict_idle_after)
+    return tls, tokens, policy
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "new-token":
+        from cloud_verifier.auth import new_token
+        print(new_token())
+        return 0
+    if args.command == "hash-token":
+        from cloud_verifier.auth import hash_token
+        token = sys.stdin.readline().strip()
+        if not token:
+            raise SystemExit("cloud-verifier: give the token on standard input")
+        print(f"{args.tenant} {hash_token(token)}" if args.tenant else hash_token(token))
+        return 0
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cloud_verifier.process import READY
     from cloud_verifier.server import serve_forever
+    tls, tokens, policy = security_from_args(args)
     backend = backend_from_args(args)
     limits = Limits(max_gamma=args.max_gamma, max_sessions=args.max_sessions, session_ttl_s=args.session_ttl,
                     default_max_new_tokens=args.max_new_tokens)
     asyncio.run(serve_forever(backend, args.host, args.port, limits, args.metrics_port,
-                              on_ready=lambda port: print(f"{READY} {args.host}:{port}", flush=True)))
+                              on_ready=lambda port: print(f"{READY} {args.host}:{port}", flush=True),
+                              tls=tls, tokens=tokens, policy=policy, insecure=args.insecure, grace_s=args.grace))
     return 0
 
 

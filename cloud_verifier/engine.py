@@ -29,9 +29,12 @@ log = logging.getLogger(__name__)
 
 
 class RequestError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
+    """`retry_after_s`: set when the request was refused for load, not for its content, so that
+    the same request may succeed later (the server sends it as a retry hint)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.retry_after_s = code, message, retry_after_s
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,8 @@ class VerifierEngine:
         except OverflowError:
             self.backend.release(state)
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"all {self.limits.max_sessions} session slots are mid-round; retry shortly") from None
+                               f"all {self.limits.max_sessions} session slots are in use; retry shortly",
+                               retry_after_s=1.0) from None
         metrics.SESSIONS.set(len(self.sessions))
         metrics.SESSIONS_OPENED.inc()
         if settings.max_new_tokens <= len(resume):
@@ -263,7 +267,8 @@ class VerifierEngine:
         rng = seeded_rng(settings.seed, GENERATE_STREAM, len(prompt))
         if self._streams.locked():
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"all {self.limits.max_sessions} Generate streams are busy; retry shortly")
+                               f"all {self.limits.max_sessions} Generate streams are busy; retry shortly",
+                               retry_after_s=1.0)
         async with self._streams:
             state = await run_in_thread(self.backend.new_state)
             tokens = list(prompt)

@@ -26,3 +26,13 @@ def observe_round(gamma: int, accepted: int, model_s: float, total_s: float) -> 
     ACCEPTED_TOKENS.inc(accepted)
     MODEL_SECONDS.observe(model_s)
     ROUND_SECONDS.observe(total_s)
+
+# Security and survival (cloud_verifier.guard, cloud_verifier.admission).
+UNDECODABLE = Counter("hybridspec_undecodable_requests", "Requests whose bytes are not the method's message",
+                      ["method"])
+AUTH_FAILURES = Counter("hybridspec_auth_failures", "Calls refused for a missing or invalid bearer token",
+                        ["reason"])
+PERMISSION_DENIED = Counter("hybridspec_permission_denied", "Calls naming a session of another tenant")
+REFUSED = Counter("hybridspec_refused_for_load", "Requests refused with a retry hint (admission control)",
+                  ["reason"])
+INFLIGHT = Gauge("hybridspec_inflight_rounds", "Verify calls inside the server (waiting or running)")

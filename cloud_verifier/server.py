@@ -1,16 +1,32 @@
-"""The grpc.aio server: the servicer adapts protobuf to the engine; health, metrics, shutdown."""
+"""The grpc.aio server: the servicer adapts protobuf to the engine; TLS, tokens, tenants,
+admission control, health, metrics, graceful drain.
+
+Transport: with a certificate (`ServerTLS`) the port is TLS, mutual when a client CA is given.
+Without one the server speaks plain text, and only on a loopback address unless `insecure=True`:
+a token sent in plain text over a real network is a token given away.
+"""
 from __future__ import annotations
 
 import asyncio
+import collections
+import ipaddress
 import logging
+import math
 import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_verifier import metrics
+from cloud_verifier.admission import InflightGate, Refused, RoundLimiter, ServerPolicy, RETRY_AFTER_KEY
+from cloud_verifier.auth import TokenFile
 from cloud_verifier.backends.base import Backend
 from cloud_verifier.engine import Limits, RequestError, VerifierEngine
+from cloud_verifier.guard import CallGuard
+from cloud_verifier.sessions import current_tenant
 from spec_core import __version__
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
@@ -22,27 +38,185 @@ SERVICE_NAME = "hybridspec.v1.Verifier"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+class InsecureBindError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """PEM bytes: the server's certificate chain and key; a client CA turns on mutual TLS.
+
+    Made `from_files`, it reads the files again when they change (checked when a client
+    connects, through grpcio's dynamic_ssl_server_credentials), so a renewed certificate
+    (cert-manager, a rotated secret) takes effect for new connections without a restart."""
+
+    cert_chain: bytes
+    private_key: bytes
+    client_ca: bytes | None = None
+    paths: tuple[str, str, str | None] | None = None   # (cert, key, client CA) to watch
+
+    @classmethod
+    def from_files(cls, cert: str, key: str, client_ca: str | None = None) -> "ServerTLS":
+        pems = _read_pems(cert, key, client_ca)
+        return cls(pems["certificate"], pems["key"], pems.get("client CA"), paths=(cert, key, client_ca))
+
+    def credentials(self) -> grpc.ServerCredentials:
+        require_client_auth = self.client_ca is not None
+        if self.paths is None:
+            return grpc.ssl_server_credentials([(self.private_key, self.cert_chain)], root_certificates=self.client_ca,
+                                               require_client_auth=require_client_auth)
+        initial = grpc.ssl_server_certificate_configuration([(self.private_key, self.cert_chain)],
+                                                            root_certificates=self.client_ca)
+        return grpc.dynamic_ssl_server_credentials(initial, _CertificateWatch(self.paths),
+                                                   require_client_authentication=require_client_auth)
+
+    def describe(self) -> str:
+        return "mutual TLS" if self.client_ca else "TLS"
+
+
+def _read_pems(cert: str, key: str, client_ca: str | None) -> dict[str, bytes]:
+    pems = {}
+    for what, path in (("certificate", cert), ("key", key), ("client CA", client_ca)):
+        if path is None:
+            continue
+        data = Path(path).read_bytes()
+        # grpc would only fail at the first handshake; say what is wrong at start instead.
+        if b"-----BEGIN " not in data or b"-----END " not in data:
+            raise ValueError(f"{path}: the TLS {what} is not in PEM format (-----BEGIN ...-----)")
+        pems[what] = data
+    return pems
+
+
+class _CertificateWatch:
+    """grpc calls this before each TLS handshake: a new configuration when the files changed, else None.
+    A half-written or broken set keeps the current one (logged once); the next change is tried again."""
+
+    def __init__(self, paths: tuple[str, str, str | None]):
+        self.paths = paths
+        self._stamp = self._files_stamp()
+
+    def _files_stamp(self) -> tuple:
+        return tuple((st.st_mtime_ns, st.st_size, st.st_ino) for st in (Path(p).stat() for p in self.paths if p))
+
+    def __call__(self):
+        try:
+            stamp = self._files_stamp()
+            if stamp == self._stamp:
+                return None
+            self._stamp = stamp   # one log line per change, not one per connection
+            pems = _read_pems(*self.paths)
+        except (OSError, ValueError) as e:
+            log.error("TLS files not reloaded, keeping the current certificate: %s", e)
+            return None
+        log.info("TLS certificate reloaded from %s", self.paths[0])
+        return grpc.ssl_server_certificate_configuration([(pems["key"], pems["certificate"])],
+                                                         root_certificates=pems.get("client CA"))
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class VerifierServicer(pb_grpc.VerifierServicer):
-    def __init__(self, engine: VerifierEngine):
-        self.engine = engine
+    """protobuf <-> engine, plus what belongs to the call rather than the round: the tenant's
+    right to the session it names, per-tenant limits, admission control, draining."""
+
+    def __init__(self, engine: VerifierEngine, policy: ServerPolicy = ServerPolicy()):
+        self.engine, self.policy = engine, policy
+        self.rounds = RoundLimiter(policy.tenant_rounds_per_s, policy.tenant_burst)
+        self.inflight = InflightGate(policy.max_inflight_rounds or 4 * engine.limits.max_sessions)
+        self.draining = False
+        self._opening: collections.defaultdict[str, list[bytes]] = collections.defaultdict(list)  # open keys admitted
 
     async def _fail(self, context, e: RequestError):
         metrics.ERRORS.labels(e.code.name).inc()
-        await context.abort(e.code, e.message)
+        if e.retry_after_s is None:
+            await context.abort(e.code, e.message)
+        ms = max(1, math.ceil(e.retry_after_s * 1000))
+        await context.abort(e.code, f"{e.message} (retry after {ms} ms)", trailing_metadata=((RETRY_AFTER_KEY, str(ms)),))
+
+    async def _refuse(self, context, r: Refused):
+        metrics.REFUSED.labels(r.reason).inc()
+        metrics.ERRORS.labels(r.code.name).inc()
+        await context.abort(r.code, r.message, trailing_metadata=r.trailing_metadata())
+
+    def _check_owner(self, session_id: str) -> None:
+        s = self.engine.sessions.peek(session_id)
+        if s is not None and s.tenant != current_tenant.get():
+            metrics.PERMISSION_DENIED.inc()
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"session {session_id!r} was opened by another tenant; open a session of your own")
+
+    def _admit_open(self, o: pb.OpenSession) -> bool:
+        """Refuse a new session for load; False for a retried first round (its session exists)."""
+        sessions = self.engine.sessions
+        if o.open_key and sessions.by_open_key(o.open_key) is not None:
+            return False
+        cap, tenant = self.policy.tenant_max_sessions, current_tenant.get()
+        # Opens admitted but not stored yet (making their KV cache) count too, or concurrent opens
+        # would all pass. (A keyless open counts twice while it runs: edges always send a key.)
+        pending = sum(1 for key in self._opening[tenant] if sessions.by_open_key(key) is None)
+        if cap and sessions.unfinished(tenant) + pending >= cap:
+            raise Refused(f"this tenant already has {cap} unfinished sessions (its limit)",
+                          self.policy.session_retry_after_s, "tenant_sessions")
+        if not sessions.has_room():
+            raise Refused(f"all {self.engine.limits.max_sessions} session slots are in use",
+                          self.policy.session_retry_after_s, "slots")
+        return True
 
     async def Verify(self, request, context):
         try:
-            return await self.engine.verify(request)
+            if self.draining:
+                # Rounds already inside finish; new ones go elsewhere: the edge retries, reaches a
+                # restarted or another replica, and replays its committed tokens there.
+                raise Refused("this verifier is draining (shutting down) and takes no new rounds; retry, a restarted "
+                              "or another replica will take the session", 0.5, "draining",
+                              code=grpc.StatusCode.UNAVAILABLE)
+            self.rounds.admit(current_tenant.get())
+            with self.inflight:
+                metrics.INFLIGHT.set(self.inflight.inflight)
+                tenant, opening = current_tenant.get(), None
+                try:
+                    if request.session_id:
+                        self._check_owner(request.session_id)
+                    elif request.HasField("open") and self._admit_open(request.open):
+                        opening = request.open.open_key
+                        self._opening[tenant].append(opening)
+                    return await self.engine.verify(request)
+                finally:
+                    if opening is not None:
+                        self._opening[tenant].remove(opening)
+                        if not self._opening[tenant]:
+                            del self._opening[tenant]
+                    metrics.INFLIGHT.set(self.inflight.inflight - 1)
+        except Refused as r:
+            await self._refuse(context, r)
         except RequestError as e:
             await self._fail(context, e)
 
     async def Close(self, request, context):
+        try:
+            self._check_owner(request.session_id)
+        except RequestError as e:
+            await self._fail(context, e)
         return pb.CloseReply(closed=self.engine.close(request.session_id))
 
     async def Generate(self, request, context):
         try:
+            self.rounds.admit(current_tenant.get())
+            if self.draining:
+                raise Refused("this verifier is draining (shutting down); retry on another replica", 0.5, "draining",
+                              code=grpc.StatusCode.UNAVAILABLE)
             async for chunk in self.engine.generate(request):
                 yield chunk
+        except Refused as r:
+            await self._refuse(context, r)
         except RequestError as e:
             await self._fail(context, e)
 
@@ -51,41 +225,66 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 
 class VerifierServer:
-    """Owns the grpc.aio server. `await start()`, then `.port`; `await stop()` drains gracefully."""
+    """Owns the grpc.aio server. `await start()`, then `.port`; `await stop()` drains gracefully.
+
+    tls: serve TLS (None: plain text, on loopback only unless `insecure`). tokens: require bearer
+    tokens (None: open, every caller is the tenant ""). policy: per-tenant limits and admission.
+    """
 
     def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 0, limits: Limits = Limits(),
-                 grace_s: float = 5.0):
+                 grace_s: float = 5.0, *, tls: ServerTLS | None = None, tokens: TokenFile | None = None,
+                 policy: ServerPolicy = ServerPolicy(), insecure: bool = False):
+        if tls is None and not insecure and not is_loopback(host):
+            raise InsecureBindError(
+                f"refusing to serve plain text on {host}: give a certificate (--tls-cert/--tls-key), bind a "
+                "loopback address, or pass --insecure if a trusted proxy or mesh does TLS in front of this server")
         self.engine = VerifierEngine(backend, limits, version=__version__)
+        self.engine.sessions.evict_idle_after_s = policy.evict_idle_after_s
         self.host, self.requested_port, self.grace_s = host, port, grace_s
+        self.tls, self.tokens, self.policy = tls, tokens, policy
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
+        self.servicer = VerifierServicer(self.engine, policy)
         self.port = 0
 
     async def start(self) -> "VerifierServer":
-        self.server = grpc.aio.server(options=[
+        self.server = grpc.aio.server(interceptors=[CallGuard(self.tokens)], options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # Edges on weak links keep connections alive with pings; let them.
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
         ])
-        pb_grpc.add_VerifierServicer_to_server(VerifierServicer(self.engine), self.server)
+        pb_grpc.add_VerifierServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        address = f"{self.host}:{self.requested_port}"
+        if self.tls is not None:
+            self.port = self.server.add_secure_port(address, self.tls.credentials())
+        else:
+            self.port = self.server.add_insecure_port(address)
         if not self.port:
             raise OSError(f"could not bind {self.host}:{self.requested_port}")
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("verifier listening on %s:%d (%s, model %s, vocab %d, ctx %d)", self.host, self.port,
+        log.info("verifier listening on %s:%d (%s, %s, %s, model %s, vocab %d, ctx %d)", self.host, self.port,
+                 self.tls.describe() if self.tls else "plain text",
+                 f"bearer tokens of {len(self.tokens.tenants)} tenants" if self.tokens else "no auth",
                  self.engine.info.name, self.engine.info.model, self.engine.info.n_vocab, self.engine.info.n_ctx)
         return self
 
     async def stop(self) -> None:
+        """Drain: health NOT_SERVING and no new rounds at once (UNAVAILABLE with a retry hint);
+        rounds in flight finish (up to grace_s); then the port closes. Edges replay their
+        sessions on the next verifier."""
         if self.server is None:
             return
+        self.servicer.draining = True
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.grace_s)
+        deadline = time.monotonic() + self.grace_s
+        while self.servicer.inflight.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await self.server.stop(max(0.0, deadline - time.monotonic()))
         self.engine.sessions.clear()
         self.server = None
 
@@ -97,17 +296,21 @@ class VerifierServer:
 
 
 async def serve_forever(backend: Backend, host: str, port: int, limits: Limits, metrics_port: int | None,
-                        on_ready=None) -> None:
+                        on_ready=None, *, tls: ServerTLS | None = None, tokens: TokenFile | None = None,
+                        policy: ServerPolicy = ServerPolicy(), insecure: bool = False, grace_s: float = 5.0) -> None:
+    server = VerifierServer(backend, host, port, limits, grace_s, tls=tls, tokens=tokens, policy=policy,
+                            insecure=insecure)
     if metrics_port is not None:
         from prometheus_client import start_http_server
         start_http_server(metrics_port, addr=host)
         log.info("metrics on http://%s:%d/metrics", host, metrics_port)
-    server = VerifierServer(backend, host, port, limits)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if tokens is not None:
+        loop.add_signal_handler(signal.SIGHUP, tokens.reload)
     if on_ready is not None:
         on_ready(server.port)
     try:

@@ -2,11 +2,18 @@
 
 Ids come from `secrets` (128 bits, unguessable). The store is an LRU bounded by `max_sessions`
 and an idle TTL; an evicted session's edge gets NOT_FOUND and replays (nothing is lost: the edge
-holds the committed sequence).
+holds the committed sequence). A session used within `evict_idle_after_s` is not evicted to make
+room for a new one: the newcomer is refused instead (admission control, see admission.py).
+
+Tenants: a session belongs to the tenant of the call that opened it (`current_tenant`, set by
+the server's interceptor from the bearer token; "" when the server runs without tokens). Open
+keys are looked up per tenant, and `get` does not return another tenant's session, so a session
+id or open key learned by someone else leads nowhere.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import secrets
 import time
 from collections import OrderedDict
@@ -17,6 +24,9 @@ import numpy as np
 
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.warping import SamplingSettings
+
+# The tenant the current call acts for; set per call by cloud_verifier.guard.CallGuard.
+current_tenant: contextvars.ContextVar[str] = contextvars.ContextVar("hybridspec_tenant", default="")
 
 
 @dataclass
@@ -37,6 +47,7 @@ class Session:
     finish_reason: int = pb.NOT_FINISHED
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tenant: str = ""              # who opened it (current_tenant at open); only they may use it
 
     @property
     def generated(self) -> int:
@@ -44,47 +55,70 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, max_sessions: int, ttl_s: float, release: Callable[[object], None]):
+    def __init__(self, max_sessions: int, ttl_s: float, release: Callable[[object], None],
+                 evict_idle_after_s: float = 0.0):
         self.max_sessions, self.ttl_s, self._release = max_sessions, ttl_s, release
+        self.evict_idle_after_s = evict_idle_after_s
         self._by_id: OrderedDict[str, Session] = OrderedDict()
-        self._by_open_key: dict[bytes, str] = {}
+        self._by_open_key: dict[tuple[str, bytes], str] = {}
         self.evicted = 0
 
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def peek(self, session_id: str) -> Session | None:
+        """The session with this id whoever owns it, without touching its LRU place (for owner checks)."""
+        return self._by_id.get(session_id)
+
     def get(self, session_id: str) -> Session | None:
         self.expire()
         s = self._by_id.get(session_id)
-        if s is not None:
-            s.last_used = time.monotonic()
-            self._by_id.move_to_end(session_id)
+        if s is None or s.tenant != current_tenant.get():
+            return None
+        s.last_used = time.monotonic()
+        self._by_id.move_to_end(session_id)
         return s
 
     def by_open_key(self, key: bytes) -> Session | None:
-        sid = self._by_open_key.get(key) if key else None
+        sid = self._by_open_key.get((current_tenant.get(), key)) if key else None
         return self.get(sid) if sid else None
+
+    def _evictable(self, s: Session, now: float) -> bool:
+        return not s.lock.locked() and (s.state is None or now - s.last_used >= self.evict_idle_after_s)
+
+    def has_room(self) -> bool:
+        """Whether add() would find a slot now (a free one, or an idle session to evict)."""
+        self.expire()
+        now = time.monotonic()
+        return len(self._by_id) < self.max_sessions or any(self._evictable(s, now) for s in self._by_id.values())
+
+    def unfinished(self, tenant: str) -> int:
+        """Sessions of `tenant` still generating (finished ones only wait for a retried last round)."""
+        return sum(1 for s in self._by_id.values() if s.tenant == tenant and s.state is not None)
 
     def add(self, make: Callable[[str], Session]) -> Session:
         self.expire()
+        now = time.monotonic()
         while len(self._by_id) >= self.max_sessions:
-            # Evict the least recently used session that is not mid-round.
-            victim = next((s for s in self._by_id.values() if not s.lock.locked()), None)
+            # Evict the least recently used session that is neither mid-round nor recently used.
+            victim = next((s for s in self._by_id.values() if self._evictable(s, now)), None)
             if victim is None:
                 raise OverflowError("every session slot is busy")
             self.remove(victim.id)
             self.evicted += 1
         s = make(secrets.token_urlsafe(16))
+        s.tenant = current_tenant.get()
         self._by_id[s.id] = s
         if s.open_key:
-            self._by_open_key[s.open_key] = s.id
+            self._by_open_key[(s.tenant, s.open_key)] = s.id
         return s
 
     def remove(self, session_id: str) -> bool:
         s = self._by_id.pop(session_id, None)
         if s is None:
             return False
-        self._by_open_key.pop(s.open_key, None)
+        if self._by_open_key.get((s.tenant, s.open_key)) == s.id:
+            del self._by_open_key[(s.tenant, s.open_key)]
         if s.lock.locked():
             # A round is mid-flight on this state: free it once that round lets go of the session.
             asyncio.get_running_loop().create_task(self._release_when_idle(s))

@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 
 from spec_core.drafting import QMode
@@ -40,6 +41,29 @@ def add_generation_args(p: argparse.ArgumentParser, prompt_and_sampling: bool = 
     n = p.add_argument_group("network")
     n.add_argument("--deadline", type=float, default=30.0, help="seconds allowed per RPC before it is retried")
     n.add_argument("--retries", type=int, default=8, help="retries of one round on UNAVAILABLE / DEADLINE_EXCEEDED")
+
+
+def add_security_args(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("security", "TLS to the verifier and the bearer token it asks for")
+    t.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    t.add_argument("--tls-ca", help="PEM CA bundle to trust for the verifier's certificate (implies --tls)")
+    t.add_argument("--tls-cert", help="PEM client certificate, for mutual TLS (with --tls-key)")
+    t.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    t.add_argument("--tls-server-name", help="name to check the verifier's certificate against, when it differs "
+                                             "from the address in --server")
+    t.add_argument("--token", help="bearer token (default: $HYBRIDSPEC_TOKEN); prefer --token-file or the "
+                                   "environment: a command line is visible to other users of the machine")
+    t.add_argument("--token-file", help="file holding the bearer token (e.g. a mounted secret)")
+
+
+def security_kwargs(args) -> dict:
+    """EdgeClient / open_channel keyword arguments from add_security_args' options."""
+    token = args.token
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    return dict(tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                tls_server_name=args.tls_server_name, token=token)
 
 
 def build_drafter(args):
@@ -82,8 +106,10 @@ async def run_generate(args, server: str, out=sys.stdout, quiet: bool = False):
     drafter, tokenizer = build_drafter(args)
     gamma = args.gamma if args.gamma == "adaptive" else int(args.gamma)
     try:
+        security = security_kwargs(args) if hasattr(args, "token_file") else {}
         async with EdgeClient(server, drafter, tokenizer, gamma=gamma, qmode=QMode.parse(args.qmode),
-                              deadline_s=args.deadline, max_retries=args.retries, max_gamma=args.max_gamma) as client:
+                              deadline_s=args.deadline, max_retries=args.retries, max_gamma=args.max_gamma,
+                              **security) as client:
             gen = client.generate(prompt_ids(args, tokenizer), settings_from_args(args))
             async for piece in gen:
                 if not quiet:
@@ -116,10 +142,20 @@ def cmd_info(args) -> int:
     from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
     from google.protobuf.json_format import MessageToDict
 
+    from edge_client.client import TOKEN_ENV, auth_metadata, open_channel
+    security = security_kwargs(args)
+    token = security.pop("token") or os.environ.get(TOKEN_ENV)
+
     async def go():
-        async with grpc.aio.insecure_channel(args.server) as ch:
-            return await pb_grpc.VerifierStub(ch).GetServerInfo(pb.ServerInfoRequest(), timeout=args.deadline)
-    print(json.dumps(MessageToDict(asyncio.run(go()), preserving_proto_field_name=True), indent=2))
+        async with open_channel(args.server, **security) as ch:
+            return await pb_grpc.VerifierStub(ch).GetServerInfo(pb.ServerInfoRequest(), timeout=args.deadline,
+                                                                metadata=auth_metadata(token))
+    try:
+        info = asyncio.run(go())
+    except grpc.aio.AioRpcError as e:   # e.g. UNAUTHENTICATED, UNAVAILABLE: one line, not a traceback
+        print(f"edge-client: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2
+    print(json.dumps(MessageToDict(info, preserving_proto_field_name=True), indent=2))
     return 0
 
 
@@ -145,11 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", default="127.0.0.1:50051", help="verifier address host:port")
     p.add_argument("--json", action="store_true", help="end with one JSON line of statistics")
     add_generation_args(p)
+    add_security_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("info", help="print the verifier's model, fingerprint and limits")
     p.add_argument("--server", default="127.0.0.1:50051")
     p.add_argument("--deadline", type=float, default=10.0)
+    add_security_args(p)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (chat, completions) in front of a verifier",
@@ -164,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "more wait (keep it at most the verifier's --max-sessions)")
     p.add_argument("--served-model-name", help="model id in /v1/models and responses (default: the verifier's model)")
     add_generation_args(p, prompt_and_sampling=False)
+    add_security_args(p)
     p.set_defaults(func=cmd_serve)
 
     from edge_client import draftcli

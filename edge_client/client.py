@@ -11,6 +11,13 @@ Every call has a deadline. UNAVAILABLE and DEADLINE_EXCEEDED are retried with th
 NOT_FOUND (the verifier lost the session: restart, eviction, another replica) and an
 out-of-step FAILED_PRECONDITION are answered by replay: the next round carries `open` with the
 prompt and every committed token, so nothing committed is lost or duplicated.
+A refusal for load (RESOURCE_EXHAUSTED or UNAVAILABLE with a `retry-after-ms` hint: the verifier's
+admission control, a tenant limit, a draining server) is waited out: at least the hint, plus
+random jitter so that refused edges do not come back together, up to `max_wait_s` per round.
+
+Security: `tls=True` (or any of tls_ca / tls_cert / tls_key) connects with TLS, mutual when a
+client certificate and key are given; `token` (default: $HYBRIDSPEC_TOKEN) is sent on every call
+as `authorization: Bearer <token>`.
 """
 from __future__ import annotations
 
@@ -18,9 +25,11 @@ import asyncio
 import codecs
 import logging
 import os
+import random
 import time
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import AsyncIterator, Callable, Protocol, Sequence
 
 import grpc
@@ -40,6 +49,54 @@ GRPC_FRAME_BYTES = 5  # gRPC length-prefixed message header
 # A server shutting down cancels in-flight calls (CANCELLED); our own cancellation arrives as
 # asyncio.CancelledError instead, so retrying CANCELLED is safe. Rounds are idempotent.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+RETRY_AFTER_KEY = "retry-after-ms"   # trailing metadata of a refusal for load (cloud_verifier.admission)
+TOKEN_ENV = "HYBRIDSPEC_TOKEN"
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.enable_retries", 0),  # we retry ourselves, idempotently
+]
+
+
+def _pem(value: str | bytes | None) -> bytes | None:
+    """PEM bytes, or a path to a PEM file."""
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+def open_channel(server: str, *, tls: bool = False, tls_ca: str | bytes | None = None,
+                 tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
+                 tls_server_name: str | None = None, options=()) -> grpc.aio.Channel:
+    """A channel to a verifier: plain text, or TLS (mutual with a client cert and key).
+    tls_ca: CA bundle to trust (None: the system's roots); tls_server_name: the name to check the
+    server's certificate against when it differs from the address (e.g. through a proxy)."""
+    options = list(CHANNEL_OPTIONS) + list(options)
+    if not (tls or tls_ca or tls_cert or tls_key):
+        return grpc.aio.insecure_channel(server, options=options)
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("tls_cert and tls_key go together (a client certificate for mutual TLS)")
+    creds = grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca), private_key=_pem(tls_key),
+                                         certificate_chain=_pem(tls_cert))
+    if tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    return grpc.aio.secure_channel(server, creds, options=options)
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def retry_after_s(e: grpc.aio.AioRpcError) -> float | None:
+    """The server's retry hint of a refusal for load, in seconds; None when there is none."""
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0.0, float(value) / 1000)
+            except ValueError:
+                return None
+    return None
 
 
 class Tokenizer(Protocol):
@@ -80,6 +137,8 @@ class GenerationStats:
     mean_gamma: float = 0.0
     retries: int = 0
     replays: int = 0
+    backoffs: int = 0               # refusals for load waited out (RESOURCE_EXHAUSTED / UNAVAILABLE + hint)
+    backoff_s: float = 0.0          # total time spent waiting them out
     draft_s: float = 0.0            # total time drafting
     server_model_s: float = 0.0     # total time in the target model (server's own timing)
     finish_reason: str = ""
@@ -236,12 +295,13 @@ class CloudOnlyStats:
 
 
 async def stream_cloud_only(stub: pb_grpc.VerifierStub, prompt_ids: Sequence[int], settings: SamplingSettings,
-                            timeout_s: float = 600.0) -> CloudOnlyStats:
+                            timeout_s: float = 600.0, token: str | None = None) -> CloudOnlyStats:
     """Run the Generate stream and time it (wall from the request, TTFT at the first token)."""
     t0 = time.perf_counter()
     ttft, ids = 0.0, []
     async for chunk in stub.Generate(pb.GenerateRequest(prompt_token_ids=list(prompt_ids),
-                                                        sampling=sampling_proto(settings)), timeout=timeout_s):
+                                                        sampling=sampling_proto(settings)), timeout=timeout_s,
+                                     metadata=auth_metadata(token)):
         ids.extend(chunk.token_ids)
         ttft = ttft or time.perf_counter() - t0
     return CloudOnlyStats(len(ids), time.perf_counter() - t0, ttft, ids)
@@ -251,8 +311,15 @@ class EdgeClient:
     def __init__(self, server: str, drafter: Drafter, tokenizer: Tokenizer, *, gamma: int | str = 5,
                  qmode: QMode | str = "fixed", deadline_s: float = 30.0, max_retries: int = 8,
                  max_replays: int = 8, max_gamma: int = 12, channel: grpc.aio.Channel | None = None,
-                 draft_executor: Executor | None = None, on_round: Callable[[RoundEvent], None] | None = None):
+                 draft_executor: Executor | None = None, on_round: Callable[[RoundEvent], None] | None = None,
+                 token: str | None = None, tls: bool = False, tls_ca: str | bytes | None = None,
+                 tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
+                 tls_server_name: str | None = None, max_wait_s: float = 300.0):
         self.server, self.drafter, self.tokenizer = server, drafter, tokenizer
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self._metadata = auth_metadata(self.token)
+        self._tls = dict(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, tls_server_name=tls_server_name)
+        self.max_wait_s = max_wait_s
         self.gamma = gamma
         self.qmode = QMode.parse(qmode) if isinstance(qmode, str) else qmode
         self.deadline_s, self.max_retries, self.max_replays, self.max_gamma = deadline_s, max_retries, max_replays, max_gamma
@@ -269,12 +336,7 @@ class EdgeClient:
 
     async def __aenter__(self) -> "EdgeClient":
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.server, options=[
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.enable_retries", 0),  # we retry ourselves, idempotently
-            ])
+            self._channel = open_channel(self.server, **self._tls)
         self._stub = pb_grpc.VerifierStub(self._channel)
         return self
 
@@ -288,7 +350,7 @@ class EdgeClient:
         return Generation(self, ids, settings)
 
     async def server_info(self) -> pb.ServerInfo:
-        return await self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.deadline_s)
+        return await self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.deadline_s, metadata=self._metadata)
 
     async def _propose(self, committed: list[int], gamma: int, settings: SamplingSettings, rng):
         if self.draft_executor is None:
@@ -297,25 +359,39 @@ class EdgeClient:
             self.draft_executor, self.drafter.propose, list(committed), gamma, settings, self.qmode, rng)
 
     async def _verify(self, req: pb.VerifyRequest, st: GenerationStats) -> pb.VerifyReply:
-        delay = 0.05
-        for attempt in range(self.max_retries + 1):
+        delay, attempt, waited_s = 0.05, 0, 0.0
+        while True:
             st.bytes_up += req.ByteSize() + GRPC_FRAME_BYTES
             try:
                 # Once a verifier has answered, wait for it to come back (restart) instead of failing fast;
                 # before that, an address with nothing behind it fails within the retry budget.
-                reply = await self._stub.Verify(req, timeout=self.deadline_s, wait_for_ready=self._reached)
+                reply = await self._stub.Verify(req, timeout=self.deadline_s, wait_for_ready=self._reached,
+                                                metadata=self._metadata)
                 self._reached = True
                 st.bytes_down += reply.ByteSize() + GRPC_FRAME_BYTES
                 return reply
             except grpc.aio.AioRpcError as e:
+                hint_s = retry_after_s(e)
+                if hint_s is not None and e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) \
+                        and waited_s < self.max_wait_s:
+                    # Refused for load: wait the hint plus up to as much again, drawn at random, so
+                    # that edges refused together do not return together.
+                    self._reached = True
+                    wait_s = min(hint_s * (1 + random.random()), self.max_wait_s - waited_s)
+                    st.backoffs += 1
+                    st.backoff_s += wait_s
+                    waited_s += wait_s
+                    log.info("round %d: %s, backing off %.2fs: %s", req.round, e.code().name, wait_s, e.details())
+                    await asyncio.sleep(wait_s)
+                    continue
                 if e.code() in RETRYABLE and attempt < self.max_retries:
+                    attempt += 1
                     st.retries += 1
                     log.info("round %d: %s, retrying in %.2fs", req.round, e.code().name, delay)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 2.0)
                     continue
                 raise EdgeError(e.code(), e.details() or "") from None
-        raise AssertionError("unreachable")
 
     async def _open_round(self, req: pb.VerifyRequest, st: GenerationStats) -> pb.VerifyReply:
         """A round that opens a session. If the caller is cancelled while it is in flight, the
@@ -334,7 +410,8 @@ class EdgeClient:
 
     async def _close(self, session_id: str) -> None:
         try:
-            await self._stub.Close(pb.CloseRequest(session_id=session_id), timeout=self.deadline_s)
+            await self._stub.Close(pb.CloseRequest(session_id=session_id), timeout=self.deadline_s,
+                                   metadata=self._metadata)
         except grpc.aio.AioRpcError as e:  # best effort: the server's TTL frees it anyway
             log.debug("close failed: %s", e.code().name)
         except grpc.aio.UsageError as e:  # the channel was closed first (a generation abandoned after its client)

@@ -31,6 +31,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from edge_client.cli import build_drafter, security_kwargs
 from edge_client.client import EdgeClient, EdgeError, GenerationStats, RoundEvent
 from edge_client.drafters import Drafter, GGUFDrafter
 from edge_client.metrics import EdgeMetrics
@@ -418,13 +419,12 @@ def service_from_args(args) -> EdgeService:
         model = GGUFModel(path, n_threads=args.threads)
         pool, tokenizer, on_close = DraftPool(args.max_concurrent, executor, model=model), model, model.close
     else:
-        from edge_client.cli import build_drafter
         drafter, tokenizer = build_drafter(args)
         pool = DraftPool(args.max_concurrent, executor, shared=drafter)
         on_close = drafter.close
     client_kwargs = dict(gamma=args.gamma if args.gamma == "adaptive" else int(args.gamma),
                          qmode=QMode.parse(args.qmode), deadline_s=args.deadline, max_retries=args.retries,
-                         max_gamma=args.max_gamma)
+                         max_gamma=args.max_gamma, **security_kwargs(args))
     return EdgeService(args.server, tokenizer, pool, client_kwargs, EdgeMetrics(), args.served_model_name,
                        on_close=on_close)
 

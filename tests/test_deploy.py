@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import copy
 import importlib.resources
+import importlib.util
 import inspect
 import json
 import re
@@ -64,6 +65,15 @@ def edge_args(argv: list[str]) -> argparse.Namespace:
     args = edge_client.cli.build_parser().parse_args(argv)
     assert args.func is edge_client.cli.cmd_generate, f"edge-client {argv[:1]} is not `generate`"
     return args
+
+
+def healthcheck_args(argv: list[str]) -> argparse.Namespace:
+    """A container health command (`python deploy/healthcheck.py ...`), parsed by the check's own parser."""
+    assert argv[0] in ("python", "python3") and argv[1] == "/opt/hybridspec/healthcheck.py", argv
+    spec = importlib.util.spec_from_file_location("deploy_healthcheck", DEPLOY / "healthcheck.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_parser().parse_args(argv[2:])
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -119,7 +129,7 @@ def test_the_schema_check_rejects_what_it_should(rendered):
         change(deployment["spec"]["template"]["spec"]["containers"][0])
         return deployment
 
-    wrong_type = broken(lambda c: c["readinessProbe"]["grpc"].update(port="grpc"))  # gRPC probes take a number
+    wrong_type = broken(lambda c: c["readinessProbe"].update(periodSeconds="5s"))  # a number of seconds
     typo = broken(lambda c: c.update(livenesProbe=c.pop("livenessProbe")))  # only strict mode sees this
     for deployment in (wrong_type, typo):
         with pytest.raises(kubernetes_validate.ValidationError):
@@ -142,8 +152,16 @@ def test_deployment_agrees_with_the_server(rendered, overlay):
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": args.port, "metrics": args.metrics_port} == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
 
+    # TLS and tokens from the mounted secrets; probes speak TLS (Kubernetes' gRPC probe cannot).
+    mounts_by_path = {m["mountPath"]: m for m in container["volumeMounts"]}
+    secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    for path in (args.tls_cert, args.tls_key, args.auth_tokens):
+        mount = mounts_by_path[str(Path(path).parent)]
+        assert mount["readOnly"] and mount["name"] in secrets, path
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"] == {"port": args.port, "service": SERVICE_NAME}, probe
+        health = healthcheck_args(container[probe]["exec"]["command"])
+        assert (health.addr, health.service) == (f"127.0.0.1:{args.port}", SERVICE_NAME), probe
+        assert Path(health.tls_ca).parent == Path(args.tls_cert).parent and health.tls_server_name, probe
 
     ann = pod["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true" and int(ann["prometheus.io/port"]) == args.metrics_port
@@ -233,9 +251,11 @@ def test_compose_matches_the_compose_spec_schema(compose):
 
 def test_compose_wiring(compose):
     services = compose["services"]
-    assert set(services) == {"verifier", "netsim", "edge"}
-    for name, needs in (("netsim", "verifier"), ("edge", "netsim")):
-        assert services[name]["depends_on"] == {needs: {"condition": "service_healthy"}}
+    assert set(services) == {"certs", "verifier", "netsim", "edge"}
+    made = {"certs": {"condition": "service_completed_successfully"}}
+    assert services["netsim"]["depends_on"] == {"verifier": {"condition": "service_healthy"}}
+    assert services["verifier"]["depends_on"] == made
+    assert services["edge"]["depends_on"] == {"netsim": {"condition": "service_healthy"}, **made}
     for name in ("verifier", "netsim"):
         assert services[name]["healthcheck"]["test"][0] == "CMD"
 
@@ -244,8 +264,18 @@ def test_compose_wiring(compose):
 
     v = verifier_args(argv("verifier"))
     assert v.host == "0.0.0.0" and v.backend == "llama.cpp"
-    health = services["verifier"]["healthcheck"]["test"]
-    assert flag(health, "--addr") == f"127.0.0.1:{v.port}" and flag(health, "--service") == SERVICE_NAME
+    health = healthcheck_args(services["verifier"]["healthcheck"]["test"][1:])
+    assert (health.addr, health.service) == (f"127.0.0.1:{v.port}", SERVICE_NAME)
+
+    # TLS and a token made at start: the certs job writes them into the volume both ends mount.
+    script = services["certs"]["command"][0]
+    volume_of = {name: {m.split(":")[1]: m.split(":")[0] for m in svc.get("volumes", [])}
+                 for name, svc in services.items()}
+    assert "certs" in compose["volumes"] and volume_of["certs"] == {"/certs": "certs"}
+    for path in (v.tls_cert, v.tls_key, v.auth_tokens, health.tls_ca):
+        assert volume_of["verifier"][str(Path(path).parent)] == "certs" and Path(path).name in script, path
+    assert "openssl req -x509" in script and "sha256" in script
+    assert re.search(r"subjectAltName=[^\"]*DNS:" + re.escape(health.tls_server_name), script)
 
     assert services["netsim"]["entrypoint"] == ["netsim"]
     raw_profile = flag(services["netsim"]["command"], "--profile")
@@ -259,6 +289,8 @@ def test_compose_wiring(compose):
     e = edge_args(argv("edge"))
     assert e.server == f"netsim:{n.listen[1]}"  # through the proxy, never straight to the verifier
     assert e.gamma == "adaptive" and e.drafter == "lookup"
+    assert volume_of["edge"][str(Path(e.tls_ca).parent)] == "certs" and Path(e.tls_ca).name in script
+    assert Path(e.token_file).name in script and e.tls_server_name == health.tls_server_name
 
     for name, svc in services.items():
         build = svc["build"]
@@ -358,6 +390,9 @@ def test_dockerfile_structure(path):
             args = verifier_args(cmd)
             assert args.host == "0.0.0.0" and (args.port, args.metrics_port) == (GRPC_PORT, METRICS_PORT)
             assert f"127.0.0.1:{args.port}" in health
+            # Secure by default: TLS and tokens from mounted files, and the check speaks TLS.
+            assert args.tls_cert and args.tls_key and args.auth_tokens and not args.insecure
+            assert "--tls-ca" in health and "--tls-server-name" in health
     copies = " ".join(rest for s in stages.values() for w, rest in s["ins"] if w == "COPY")
     assert "deploy/healthcheck.py /opt/hybridspec/healthcheck.py" in copies
 
@@ -407,3 +442,49 @@ async def test_healthcheck_command_against_a_real_server():
     assert rc == 1 and "UNAVAILABLE" in err
     rc, err = await _healthcheck("--tcp", "--addr", addr, "--timeout", "1")
     assert rc == 1 and "connect failed" in err
+
+
+async def test_healthcheck_speaks_tls(tmp_path):
+    from certs import CA
+    from cloud_verifier.server import ServerTLS
+    ca = CA()
+    pair = ca.issue("hybridspec-verifier", server=True)
+    (tmp_path / "ca.crt").write_bytes(ca.pem)
+    server = await VerifierServer(SyntheticBackend(vocab=16), "127.0.0.1", 0,
+                                  tls=ServerTLS(pair.cert, pair.key)).start()
+    addr = f"127.0.0.1:{server.port}"
+    try:
+        # The certificate names localhost and 127.0.0.1; the check may name either.
+        assert await _healthcheck("--addr", addr, "--tls-ca", str(tmp_path / "ca.crt")) == (0, "")
+        assert (await _healthcheck("--addr", addr, "--tls-ca", str(tmp_path / "ca.crt"),
+                                   "--tls-server-name", "localhost"))[0] == 0
+        rc, err = await _healthcheck("--addr", addr, "--tls-ca", str(tmp_path / "ca.crt"),
+                                     "--tls-server-name", "someone-else", "--timeout", "2")
+        assert rc == 1 and "UNAVAILABLE" in err
+        rc, err = await _healthcheck("--addr", addr, "--timeout", "2")   # plain text to a TLS port
+        assert rc == 1
+    finally:
+        await server.stop()
+
+
+def test_secrets_example_matches_the_deployment(rendered):
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "secrets.example.yaml").read_text()) if d]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+    namespace = by_kind(rendered["base"], "Namespace")["metadata"]["name"]
+    keys = {d["metadata"]["name"]: set(d["stringData"]) for d in docs if d["metadata"]["namespace"] == namespace}
+    spec = _pod(rendered["base"])["spec"]
+    (container,) = spec["containers"]
+    args = verifier_args(container["args"])
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    needed: dict[str, set[str]] = {}
+    for volume in spec["volumes"]:
+        if "secret" in volume:
+            directory = mounts[volume["name"]]
+            needed[volume["secret"]["secretName"]] = {
+                Path(p).name for p in (args.tls_cert, args.tls_key, args.auth_tokens,
+                                       healthcheck_args(container["readinessProbe"]["exec"]["command"]).tls_ca)
+                if str(Path(p).parent) == directory}
+    assert needed and all(needed[name] <= keys[name] for name in needed), (needed, keys)
+    from cloud_verifier.auth import parse_token_file
+    parse_token_file(next(d for d in docs if "tokens" in d["stringData"])["stringData"]["tokens"])

@@ -72,8 +72,14 @@ FROM runtime AS verifier-cpu
 # 50051: gRPC (Verifier + grpc.health.v1.Health); 9400: Prometheus /metrics.
 EXPOSE 50051 9400
 # Loading the 135M target takes seconds; a larger GGUF may need a longer start period.
+# TLS: the check dials 127.0.0.1, so it names the certificate's name (hybridspec-verifier).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "/opt/hybridspec/healthcheck.py", "--addr", "127.0.0.1:50051", "--service", "hybridspec.v1.Verifier"]
+    CMD ["python", "/opt/hybridspec/healthcheck.py", "--addr", "127.0.0.1:50051", "--service", "hybridspec.v1.Verifier", \
+         "--tls-ca", "/etc/hybridspec/tls/ca.crt", "--tls-server-name", "hybridspec-verifier"]
 # Exec form: cloud-verifier is PID 1 and gets SIGTERM itself (graceful shutdown, grace 5 s).
 ENTRYPOINT ["cloud-verifier"]
-CMD ["serve", "--backend", "llama.cpp", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400"]
+# Secure by default: TLS and bearer tokens from mounted files (deploy/README.md, "TLS and tokens");
+# the server refuses plain text on 0.0.0.0 unless --insecure is given.
+CMD ["serve", "--backend", "llama.cpp", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400", \
+     "--tls-cert", "/etc/hybridspec/tls/tls.crt", "--tls-key", "/etc/hybridspec/tls/tls.key", \
+     "--auth-tokens", "/etc/hybridspec/auth/tokens"]

@@ -39,8 +39,12 @@ USER 10001:10001
 EXPOSE 50051 9400
 # vLLM loads weights and captures CUDA graphs before the port opens: allow minutes.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
-    CMD ["python3", "/opt/hybridspec/healthcheck.py", "--addr", "127.0.0.1:50051", "--service", "hybridspec.v1.Verifier"]
+    CMD ["python3", "/opt/hybridspec/healthcheck.py", "--addr", "127.0.0.1:50051", "--service", "hybridspec.v1.Verifier", \
+         "--tls-ca", "/etc/hybridspec/tls/ca.crt", "--tls-server-name", "hybridspec-verifier"]
 ENTRYPOINT ["cloud-verifier"]
 # /models/target: a local Hugging Face model folder, mounted read-only (no model hub at run time).
+# TLS and bearer tokens from mounted files, as in the CPU image.
 CMD ["serve", "--backend", "vllm", "--model", "/models/target", "--host", "0.0.0.0", "--port", "50051", \
-     "--metrics-port", "9400", "--n-ctx", "4096", "--max-sessions", "64"]
+     "--metrics-port", "9400", "--n-ctx", "4096", "--max-sessions", "64", \
+     "--tls-cert", "/etc/hybridspec/tls/tls.crt", "--tls-key", "/etc/hybridspec/tls/tls.key", \
+     "--auth-tokens", "/etc/hybridspec/auth/tokens"]

@@ -1,0 +1,107 @@
+"""Who gets served when there is not enough for everyone: per-tenant limits and admission control.
+
+Everything here refuses early and cheaply, with RESOURCE_EXHAUSTED and a retry hint (trailing
+metadata `retry-after-ms`, also in the message), instead of queueing without bound:
+
+- per tenant: at most `tenant_max_sessions` unfinished sessions, and `tenant_rounds_per_s`
+  rounds per second (a token bucket with `tenant_burst` rounds of burst), so one tenant cannot
+  starve the others;
+- per server: at most `max_inflight_rounds` Verify calls inside the server at once (waiting
+  for a session's lock or for the model, or running); beyond that a call is refused before
+  it waits, which bounds the queue and the memory it holds;
+- a new session is admitted only when a slot is free or an idle one can be evicted: sessions
+  used within `evict_idle_after_s` are not evicted to make room (evicting busy sessions under
+  overload only makes every edge replay, and nobody finishes).
+
+An edge that sees the hint waits at least that long, plus jitter, and retries the same request
+(rounds are idempotent), so the load spreads out and every edge finishes once it drops.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import grpc
+
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
+@dataclass(frozen=True)
+class ServerPolicy:
+    tenant_max_sessions: int = 0          # unfinished sessions per tenant; 0 = no per-tenant cap
+    tenant_rounds_per_s: float = 0.0      # sustained rounds/s per tenant; 0 = no rate limit
+    tenant_burst: int = 0                 # rounds a tenant may send at once above the rate (0: 2 s worth)
+    max_inflight_rounds: int = 0          # Verify calls inside the server at once; 0 = 4 per session slot
+    evict_idle_after_s: float = 0.0       # a session idle less than this is never evicted for a newcomer
+    session_retry_after_s: float = 1.0    # hint when no session slot is free
+
+
+class Refused(Exception):
+    """A request refused for load, not for what it says: retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float, reason: str,
+                 code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED):
+        self.retry_after_ms = max(1, math.ceil(retry_after_s * 1000))
+        self.message = f"{message}; retry after {self.retry_after_ms} ms"
+        self.code, self.reason = code, reason   # reason: the metric label
+        super().__init__(self.message)
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((RETRY_AFTER_KEY, str(self.retry_after_ms)),)
+
+
+class TokenBucket:
+    """`rate` tokens a second, at most `burst` saved up. take() -> 0 or the seconds to wait."""
+
+    def __init__(self, rate: float, burst: float, clock=time.monotonic):
+        self.rate, self.burst, self._clock = rate, burst, clock
+        self.tokens, self.t = burst, clock()
+
+    def take(self) -> float:
+        now = self._clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
+        self.t = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
+
+
+class RoundLimiter:
+    """Per-tenant token buckets, made on a tenant's first round."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate = rate
+        self.burst = burst or max(1, math.ceil(2 * rate))
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def admit(self, tenant: str) -> None:
+        if self.rate <= 0:
+            return
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            bucket = self._buckets[tenant] = TokenBucket(self.rate, self.burst)
+        wait_s = bucket.take()
+        if wait_s > 0:
+            raise Refused(f"this tenant's limit of {self.rate:g} rounds/s is reached", wait_s, "tenant_rate")
+
+
+class InflightGate:
+    """Counts calls inside the server; refuses beyond `limit` instead of queueing them."""
+
+    def __init__(self, limit: int, retry_after_s: float = 0.2):
+        self.limit, self.retry_after_s = limit, retry_after_s
+        self.inflight = 0
+        self.peak = 0
+
+    def __enter__(self):
+        if self.inflight >= self.limit:
+            raise Refused(f"the verifier is at its limit of {self.limit} rounds in flight", self.retry_after_s,
+                          "inflight")
+        self.inflight += 1
+        self.peak = max(self.peak, self.inflight)
+        return self
+
+    def __exit__(self, *exc):
+        self.inflight -= 1
