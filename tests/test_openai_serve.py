@@ -461,3 +461,32 @@ def test_edge_metrics(edge, client):
     assert value("hybridspec_edge_requests_in_flight") == 0
     for name in ("hybridspec_edge_retries_total", "hybridspec_edge_replays_total"):
         assert name in text
+
+
+# --- the verifier asks for a token ---------------------------------------------------------------
+
+def test_serve_passes_its_token_to_a_verifier_that_asks_for_one(tiny_models, tmp_path):
+    """`edge-client serve --token-file` reaches a verifier with --auth-tokens; without it the app gets 502
+    (the upstream refused this edge) with the verifier's reason."""
+    from cloud_verifier.process import spawn_verifier
+    tokens, secret = tmp_path / "tokens", tmp_path / "edge-token"
+    tokens.write_text("app s3cret-token-for-the-edge\n")
+    secret.write_text("s3cret-token-for-the-edge\n")
+    vproc, address = spawn_verifier(["--model", str(tiny_models["target"]), "--n-ctx", str(N_CTX), "--threads", "1",
+                                     "--auth-tokens", str(tokens)])
+    try:
+        good, good_url, _ = spawn_edge(address, tiny_models["draft"], "--token-file", str(secret))
+        bad, bad_url, _ = spawn_edge(address, tiny_models["draft"])
+        try:
+            body = {"model": "any", "prompt": "hello", "max_tokens": 6, "temperature": 0}
+            status, r = http("POST", good_url + "/completions", body, timeout=120)
+            assert status == 200 and r["usage"]["completion_tokens"] == 6, r
+            status, r = http("POST", bad_url + "/completions", body, timeout=120)
+            assert status == 502 and "UNAUTHENTICATED" in r["error"]["message"], r
+        finally:
+            for p in (good, bad):
+                p.terminate()
+                p.wait(30)
+    finally:
+        vproc.terminate()
+        vproc.wait(30)
