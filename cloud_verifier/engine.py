@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 
 from cloud_verifier import metrics
-from cloud_verifier.backends.base import Backend
+from cloud_verifier.backends.base import Backend, NoFreeState
 from cloud_verifier.sessions import Session, SessionStore
 from spec_core import qcodec
 from spec_core.proto import verifier_pb2 as pb
@@ -54,8 +54,10 @@ class VerifierEngine:
     def __init__(self, backend: Backend, limits: Limits = Limits(), version: str = ""):
         self.backend, self.limits, self.version = backend, limits, version
         self.info = backend.info
-        self.sessions = SessionStore(limits.max_sessions, limits.session_ttl_s, backend.release)
-        self._streams = asyncio.Semaphore(limits.max_sessions)  # concurrent Generate streams
+        # A batching backend holds sessions in one KV cache: never promise more than it holds.
+        self.max_sessions = min(limits.max_sessions, backend.max_states or limits.max_sessions)
+        self.sessions = SessionStore(self.max_sessions, limits.session_ttl_s, backend.release)
+        self._streams = asyncio.Semaphore(self.max_sessions)  # concurrent Generate streams
 
     # --- validation --------------------------------------------------------------------------
 
@@ -220,8 +222,7 @@ class VerifierEngine:
         # seed (identical streams correlate draft sampling with acceptance and bias the output), and
         # a replay must not restart a stream already used: key it by role and committed length.
         rng = seeded_rng(settings.seed, VERIFIER_STREAM, len(tokens))
-        # Making a KV cache takes tens of milliseconds: not on the event loop.
-        state = await run_in_thread(self.backend.new_state)
+        state = await self._new_state()
         try:
             reopened = self._reopen(req)  # a concurrent retry of this first round may have won the race
         except RequestError:
@@ -238,12 +239,29 @@ class VerifierEngine:
         except OverflowError:
             self.backend.release(state)
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"all {self.limits.max_sessions} session slots are mid-round; retry shortly") from None
+                               f"all {self.max_sessions} session slots are mid-round; retry shortly") from None
         metrics.SESSIONS.set(len(self.sessions))
         metrics.SESSIONS_OPENED.inc()
         if settings.max_new_tokens <= len(resume):
             session.finish_reason = pb.LENGTH
         return session
+
+    async def _new_state(self):
+        """A KV cache for a session or stream. Making one takes tens of milliseconds: not on the
+        event loop. When the backend's KV memory is full, the least recently used idle session
+        is evicted (its edge replays later) and the allocation retried once."""
+        try:
+            return await run_in_thread(self.backend.new_state)
+        except NoFreeState as e:
+            refusal = str(e)
+        if self.sessions.evict_idle():
+            metrics.SESSIONS.set(len(self.sessions))
+            try:
+                return await run_in_thread(self.backend.new_state)
+            except NoFreeState as e:
+                refusal = str(e)
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{refusal}, and no session is idle to make room; retry shortly")
 
     def close(self, session_id: str) -> bool:
         closed = self.sessions.remove(session_id)
@@ -263,9 +281,9 @@ class VerifierEngine:
         rng = seeded_rng(settings.seed, GENERATE_STREAM, len(prompt))
         if self._streams.locked():
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"all {self.limits.max_sessions} Generate streams are busy; retry shortly")
+                               f"all {self.max_sessions} Generate streams are busy; retry shortly")
         async with self._streams:
-            state = await run_in_thread(self.backend.new_state)
+            state = await self._new_state()
             tokens = list(prompt)
             try:
                 async for chunk in self._generate_tokens(state, tokens, settings, stop, rng):
@@ -292,7 +310,7 @@ class VerifierEngine:
         i = self.info
         return pb.ServerInfo(backend=i.name, model=i.model, n_vocab=i.n_vocab, n_ctx=i.n_ctx,
                              tokenizer_fingerprint=i.fingerprint, max_gamma=self.limits.max_gamma,
-                             max_sessions=self.limits.max_sessions, eos_token_ids=sorted(i.eos_token_ids),
+                             max_sessions=self.max_sessions, eos_token_ids=sorted(i.eos_token_ids),
                              version=self.version)
 
 

@@ -80,6 +80,15 @@ class SessionStore:
             self._by_open_key[s.open_key] = s.id
         return s
 
+    def evict_idle(self) -> bool:
+        """Evict the least recently used session that is not mid-round (to free its KV cache)."""
+        victim = next((s for s in self._by_id.values() if not s.lock.locked() and s.state is not None), None)
+        if victim is None:
+            return False
+        self.remove(victim.id)
+        self.evicted += 1
+        return True
+
     def remove(self, session_id: str) -> bool:
         s = self._by_id.pop(session_id, None)
         if s is None:

@@ -5,6 +5,6 @@ The project's pinned build is non-native (see scripts/setup.sh); as a second gua
 sets `use_extra_bufts = False`, which keeps ggml's AMX/repack buffers (SIGILL on these Xeons in
 native builds) out of the way.
 """
-from llama_runtime.model import GGUFModel, KVContext, bundled_model_path, default_threads
+from llama_runtime.model import GGUFModel, KVContext, SharedKV, bundled_model_path, default_threads
 
-__all__ = ["GGUFModel", "KVContext", "bundled_model_path", "default_threads"]
+__all__ = ["GGUFModel", "KVContext", "SharedKV", "bundled_model_path", "default_threads"]
