@@ -24,13 +24,14 @@ def _add_serve(sub) -> None:
                    help="sessions kept; least recently used are evicted (default: what --kv-tokens holds, "
                         "8 with --batching off)")
     p.add_argument("--batching", choices=["on", "off"], default="on",
-                   help="(llama.cpp) on: sessions share one KV cache and waiting rounds are verified together; "
+                   help="on: waiting rounds of all sessions are verified together (llama.cpp: in one KV cache; "
+                        "synthetic: a pass costs step + per-token x tokens); "
                         "off: one context per session, one round at a time")
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="(llama.cpp, batching on) KV cache cells for all sessions; each session reserves --n-ctx "
                         "of them (default: 8 x --n-ctx)")
     p.add_argument("--batch-window-ms", type=float, default=0.0,
-                   help="(llama.cpp, batching on) when idle, wait this long after a round arrives for others "
+                   help="(batching on) when idle, wait this long after a round arrives for others "
                         "to join its pass (default 0: take what is queued)")
     p.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session is dropped")
     p.add_argument("--max-new-tokens", type=int, default=256, help="default when a request sets none")
@@ -48,7 +49,8 @@ def backend_from_args(args):
     from cloud_verifier.backends import load_backend
     if args.backend == "synthetic":
         return load_backend("synthetic", None, vocab=args.synthetic_vocab, seed=args.synthetic_seed,
-                            n_ctx=args.n_ctx, step_ms=args.synthetic_step_ms, per_token_ms=args.synthetic_per_token_ms)
+                            n_ctx=args.n_ctx, step_ms=args.synthetic_step_ms, per_token_ms=args.synthetic_per_token_ms,
+                            batching=args.batching == "on", batch_window_ms=args.batch_window_ms)
     model = args.model
     if model is None and args.backend == "llama.cpp":
         from llama_runtime import bundled_model_path

@@ -162,7 +162,8 @@ class VerifierEngine:
             if len(drafts) > room:
                 drafts, qs = drafts[:room], (qs[:room] if qs is not None else None)
             result, queue_s, model_s = await run_in_thread(
-                self.backend.verify, session.state, session.tokens, drafts, qs, session.settings, session.rng)
+                self.backend.verify, session.state, session.tokens, drafts, qs, session.settings,
+                _round_rng(session))
             done = commit_round(drafts, result, session.stop_ids,
                                 remaining=session.settings.max_new_tokens - session.generated,
                                 context_left=self.info.n_ctx - len(session.tokens))
@@ -325,6 +326,16 @@ async def run_in_thread(fn, *args):
         with contextlib.suppress(Exception):
             await fut
         raise
+
+
+def _round_rng(session: Session) -> np.random.Generator:
+    """With a user seed, each round draws from a stream keyed by the committed length it starts
+    from, so a session replayed after an eviction or restart draws exactly what the lost session
+    would have (same seed, same text); streams of different rounds never overlap. Without a seed
+    the session's own generator goes on."""
+    if session.settings.seed is None:
+        return session.rng
+    return seeded_rng(session.settings.seed, VERIFIER_STREAM, len(session.tokens))
 
 
 def _open_digest(o: pb.OpenSession) -> bytes:

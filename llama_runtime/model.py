@@ -141,13 +141,24 @@ class GGUFModel:
 # was chunked, provided that
 #   - flash attention is on: the non-flash path sums attention over KV cells in SIMD lanes, so a
 #     row depends on where other sequences' cells sit in a shared cache (0.36 logits measured);
-#   - no decode holds a single token: for one row ggml picks vec_dot instead of llamafile's
-#     tinyBLAS for matmuls, and a split-KV flash attention once the KV view reaches 512 cells
-#     (0.8-1.1 logits measured); such a decode gets a padding token in a scratch sequence;
+#   - no decode holds a single token, nor asks for a single row of logits: for one row ggml
+#     picks vec_dot instead of llamafile's tinyBLAS for matmuls (the output projection runs over
+#     the wanted rows only), and a split-KV flash attention once the KV view reaches 512 cells
+#     (0.8-1.1 logits measured); such a decode gets a padding token in a scratch sequence, whose
+#     row is computed too when one row is wanted;
 #   - no decode holds 64 tokens or more (GGML_FA_TILE_Q): from there ggml-cpu switches to a tiled
 #     flash attention (1.0 logits measured); decodes are cut at INVARIANT_UBATCH tokens.
-# The padding costs one extra row per single-token decode; the cut only splits long prefills.
+# The padding costs one extra token (and output row) per single-row decode; the cut only splits
+# long prefills. Contexts are made one token larger than the cut, for the padding.
 INVARIANT_UBATCH = 32
+
+
+def _pad(items: list, scratch: int) -> list:
+    """Add a scratch-sequence token when a decode would hold one token or want one row."""
+    wanted = sum(1 for it in items if it[3])
+    if len(items) == 1 or wanted == 1:
+        return items + [(scratch, 0, 0, wanted == 1)]
+    return items
 
 
 def _context_params(model: GGUFModel, n_ctx: int, n_ubatch: int, n_seq_max: int, invariant: bool):
@@ -191,7 +202,8 @@ class KVContext:
         self.invariant = invariant
         if invariant:
             n_batch = min(n_batch, INVARIANT_UBATCH)
-        params = _context_params(model, n_ctx + (1 if invariant else 0), n_batch, 2 if invariant else 1, invariant)
+        params = _context_params(model, n_ctx + (1 if invariant else 0), n_batch + (1 if invariant else 0),
+                                 2 if invariant else 1, invariant)
         self._ctx = llama_cpp.llama_init_from_model(model._model, params)
         if not self._ctx:
             raise MemoryError(f"llama.cpp could not create a context of {n_ctx} tokens")
@@ -224,9 +236,9 @@ class KVContext:
         while pos < len(tokens):
             chunk = tokens[pos: pos + self.n_batch]
             items = [(0, pos + i, tok, pos + i >= first_row) for i, tok in enumerate(chunk)]
-            if self.invariant and len(items) == 1:
+            if self.invariant:
                 llama_cpp.llama_memory_seq_rm(self._mem, self._SCRATCH, 0, -1)
-                items.append((self._SCRATCH, 0, 0, False))
+                items = _pad(items, self._SCRATCH)
             _fill_batch(self._batch, items)
             rc = llama_cpp.llama_decode(self._ctx, self._batch)
             if rc != 0:
@@ -275,7 +287,7 @@ class SharedKV:
         self.model, self.n_seqs, self.seq_ctx, self.invariant = model, n_seqs, seq_ctx, invariant
         self.n_ubatch = min(n_ubatch, INVARIANT_UBATCH) if invariant else n_ubatch
         self.scratch = n_seqs  # the padding sequence (see INVARIANT_UBATCH)
-        params = _context_params(model, n_seqs * seq_ctx + 1, self.n_ubatch, n_seqs + 1, invariant)
+        params = _context_params(model, n_seqs * seq_ctx + 1, self.n_ubatch + 1, n_seqs + 1, invariant)
         self._ctx = llama_cpp.llama_init_from_model(model._model, params)
         if not self._ctx:
             raise MemoryError(f"llama.cpp could not create a KV cache of {n_seqs} x {seq_ctx} tokens")
@@ -331,9 +343,9 @@ class SharedKV:
         items = list(items)
         if not 1 <= len(items) <= self.n_ubatch:
             raise ValueError(f"a decode takes 1..{self.n_ubatch} tokens, got {len(items)}")
-        if self.invariant and len(items) == 1:
+        if self.invariant:
             llama_cpp.llama_memory_seq_rm(self._mem, self.scratch, 0, -1)
-            items = items + [(self.scratch, 0, 0, False)]
+            items = _pad(items, self.scratch)
         _fill_batch(self._batch, items)
         rc = llama_cpp.llama_decode(self._ctx, self._batch)
         if rc != 0:
