@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -315,11 +317,17 @@ class VerifierEngine:
                              version=self.version)
 
 
+# Backend calls block their worker thread while a batching backend gathers a pass: every session
+# and stream in flight needs a thread of its own, or rounds queue here instead of in the batch
+# (asyncio's default pool has min(32, cores + 4) threads). Threads are made on demand.
+_WORKERS = ThreadPoolExecutor(max_workers=512, thread_name_prefix="verifier-worker")
+
+
 async def run_in_thread(fn, *args):
     """Run a backend call in a worker thread. If the RPC is cancelled (client gone, deadline), wait
     for the thread to finish before giving up the caller's locks and state: freeing a KV cache
     that a thread is still decoding into crashes the process."""
-    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    fut = asyncio.get_running_loop().run_in_executor(_WORKERS, functools.partial(fn, *args))
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
