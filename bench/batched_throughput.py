@@ -1,8 +1,8 @@
 """Server throughput with N concurrent edges on loopback: batched vs serial verifier, hybrid vs
 cloud-only, side by side in one run.
 
-For each verifier mode (`--batching on` / `off`, each its own `cloud-verifier serve` process)
-and each N, N edges run `--reps` generations of `--tokens` tokens each, concurrently:
+For each verifier mode (`--batching on` / `off`, each its own `cloud-verifier serve` process,
+rows alternating between them) and each N, N edges run `--reps` generations of `--tokens` tokens each, concurrently:
   hybrid      EdgeClient rounds (gamma 4, greedy) with a prompt-lookup drafter (no model on
               the edge, so the edges do not compete with the verifier for these 2 cores)
   cloud-only  the target's own Generate stream
@@ -12,6 +12,9 @@ verifier's Prometheus metrics the mean tokens, sessions and seconds per target p
 
     python bench/batched_throughput.py [--edges 1 4 16] [--tokens 32] [--reps 2]
     python bench/batched_throughput.py --target synthetic   # synthetic pair, 20 ms per pass
+    python bench/batched_throughput.py --target vllm        # SmolLM2 on vLLM (GPU): always batched
+
+The llama.cpp prefill is batch-invariant (ubatches of 32 tokens), which the per-pass figures show.
 """
 from __future__ import annotations
 
@@ -103,8 +106,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="tokens per generation")
     ap.add_argument("--reps", type=int, default=2, help="generations per edge, one after another")
     ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=2, help="verifier threads")
-    ap.add_argument("--target", choices=["bundled", "synthetic"], default="bundled")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="verifier threads (1: on a shared, oversubscribed machine ggml's spinning thread "
+                         "barriers cost more than a second thread gains)")
+    ap.add_argument("--target", choices=["bundled", "synthetic", "vllm"], default="bundled")
+    ap.add_argument("--vllm-model", default=None, help="HF folder (default: the bundled SmolLM2 dequantized)")
+    ap.add_argument("--vllm-arg", action="append", default=["gpu_memory_utilization=0.3"], metavar="KEY=VALUE")
     ap.add_argument("--synthetic-step-ms", type=float, default=20.0)
     ap.add_argument("--synthetic-per-token-ms", type=float, default=0.5)
     ap.add_argument("--modes", nargs="+", default=["hybrid", "cloud-only"])
@@ -117,6 +124,16 @@ def main(argv=None) -> int:
         make_drafter = lambda: SyntheticDrafter(64)  # noqa: E731
         target_args = ["--backend", "synthetic", "--synthetic-step-ms", str(args.synthetic_step_ms),
                        "--synthetic-per-token-ms", str(args.synthetic_per_token_ms)]
+    elif args.target == "vllm":
+        from edge_client.drafters import PromptLookupDrafter
+        from llama_runtime import GGUFModel, bundled_model_path
+        sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))
+        from vllm_model import smollm2_folder
+        tokenizer = GGUFModel(bundled_model_path(), vocab_only=True)
+        make_drafter = lambda: PromptLookupDrafter(fingerprint=tokenizer.fingerprint)  # noqa: E731
+        target_args = ["--backend", "vllm", "--model", args.vllm_model or str(smollm2_folder())]
+        for kv in args.vllm_arg:
+            target_args += ["--vllm-arg", kv]
     else:
         from edge_client.drafters import PromptLookupDrafter
         from llama_runtime import GGUFModel, bundled_model_path
@@ -131,23 +148,31 @@ def main(argv=None) -> int:
               f"{'passes':>6s} {'tok/pass':>8s} {'sess/pass':>9s} {'ms/pass':>8s}")
     print(header)
     rows = {}
-    for batching in ("off", "on"):
-        metrics_port = free_port()
-        proc, addr = spawn_verifier([*target_args, "--n-ctx", str(ctx), "--batching", batching,
-                                     "--kv-tokens", str(ctx * (n_max + 2)), "--max-sessions", str(n_max + 2),
-                                     "--metrics-port", str(metrics_port)])
-        try:
-            for mode in args.modes:
-                for n in args.edges:
+    # Both verifiers run side by side (an idle one costs nothing) and the rows alternate between
+    # them, so that the load of a shared machine drifts over both alike.
+    verifiers = ("vllm",) if args.target == "vllm" else ("off", "on")
+    procs = {}
+    try:
+        for v in verifiers:
+            metrics_port = free_port()
+            proc, addr = spawn_verifier([*target_args, "--n-ctx", str(ctx), "--batching", "off" if v == "off" else "on",
+                                         "--kv-tokens", str(ctx * (2 * n_max + 2)), "--max-sessions",
+                                         str(2 * n_max + 2), "--metrics-port", str(metrics_port)])
+            procs[v] = (proc, addr, metrics_port)
+        for mode in args.modes:
+            for n in args.edges:
+                for v in verifiers:
+                    _, addr, metrics_port = procs[v]
                     before = pass_stats(metrics_port)
                     wall, tpots, total = asyncio.run(run_edges(addr, mode, n, args, tokenizer, make_drafter))
                     tok_pass, sess_pass, s_pass, passes = delta_means(before, pass_stats(metrics_port))
                     tp = np.array([t for t in tpots if np.isfinite(t)])
-                    rows[batching, mode, n] = (total / wall, np.percentile(tp, 95))
-                    print(f"{batching:8s} {mode:10s} {n:3d} {total / wall:7.1f} {np.percentile(tp, 50) * 1e3:7.1f}ms "
+                    rows[v, mode, n] = (total / wall, np.percentile(tp, 95))
+                    print(f"{v:8s} {mode:10s} {n:3d} {total / wall:7.1f} {np.percentile(tp, 50) * 1e3:7.1f}ms "
                           f"{np.percentile(tp, 95) * 1e3:7.1f}ms {passes:6d} {tok_pass:8.1f} {sess_pass:9.2f} "
                           f"{s_pass * 1e3:8.1f}", flush=True)
-        finally:
+    finally:
+        for proc, _, _ in procs.values():
             proc.terminate()
             proc.wait(timeout=30)
     print()

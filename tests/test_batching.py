@@ -373,3 +373,64 @@ async def test_sequences_follow_the_target_with_sessions_in_shared_batches():
     bad = await _sequence_counts(control, n)
     control.close()
     assert _chi2_p(bad, probs, n) < 1e-4
+
+
+# --- memory: 64 sessions on the bundled target ------------------------------------------------
+
+RSS_BOUND_MB = 1024  # 64 sessions x 256 tokens of KV (377 MB) + weights + compute buffers
+
+
+def _peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM")
+
+
+@pytest.mark.slow
+async def test_sixty_four_sessions_on_the_bundled_target_stay_under_the_rss_bound():
+    """A verifier process with KV room for exactly 64 sessions of 256 tokens: 64 concurrent
+    sessions run three rounds each; the process's peak RSS stays under RSS_BOUND_MB; a 65th
+    session evicts the least recently used idle one (whose next round gets NOT_FOUND, to replay)
+    and nothing crashes."""
+    from cloud_verifier.process import spawn_verifier
+    from llama_runtime import bundled_model_path
+    from spec_core.proto import verifier_pb2_grpc as pb_grpc
+    model = GGUFModel(bundled_model_path(), vocab_only=True)
+    proc, addr = spawn_verifier(["--n-ctx", "256", "--kv-tokens", str(64 * 256), "--max-sessions", "64",
+                                 "--threads", "2"])
+    try:
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = pb_grpc.VerifierStub(ch)
+            info = await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=30)
+            assert info.max_sessions == 64
+
+            async def session(k: int):
+                reply = await stub.Verify(open_req(model, k.to_bytes(16, "big"), f"Item {k}: a list of",
+                                                   drafts=[28, 29, 30]), timeout=300)
+                for _ in range(2):
+                    reply = await stub.Verify(pb.VerifyRequest(
+                        session_id=reply.session_id, round=reply.round + 1, committed_length=reply.committed_length,
+                        draft_token_ids=[28, 29]), timeout=300)
+                return reply
+
+            replies = await asyncio.gather(*[session(k) for k in range(64)])
+            assert all(r.round == 3 for r in replies)
+            await stub.Verify(open_req(model, b"\xff" * 16, "one more"), timeout=60)   # evicts the LRU session
+            outcomes = []
+            for r in replies:
+                try:
+                    await stub.Verify(pb.VerifyRequest(session_id=r.session_id, round=4,
+                                                       committed_length=r.committed_length), timeout=60)
+                    outcomes.append("ok")
+                except grpc.aio.AioRpcError as e:
+                    outcomes.append(e.code())
+            assert outcomes.count(grpc.StatusCode.NOT_FOUND) == 1 and outcomes.count("ok") == 63, outcomes
+            peak = _peak_rss_mb(proc.pid)
+            print(f"verifier peak RSS with 64 sessions: {peak:.0f} MB (bound {RSS_BOUND_MB} MB)")
+            assert peak < RSS_BOUND_MB
+        assert proc.poll() is None, "the verifier must still be running"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
