@@ -7,8 +7,9 @@ and compares the continuation's logits bit for bit with a reference:
   chunks-5    the continuation in decodes of 5 tokens (how verify rounds run)
   batched     each continuation token decoded together with 7 other sequences' tokens
 Each under a configuration: flash attention on/off, and with or without the two remedies the
-batched backend uses (no decode of a single token: pad with a scratch sequence; ubatches of at
-most 32 tokens, below ggml's tiled flash-attention threshold of 64 query rows).
+batched backend uses (no decode of a single token or a single wanted row: pad with a scratch
+sequence; ubatches of at most 32 tokens, below ggml's tiled flash-attention threshold of 64 query
+rows).
 
     python bench/batch_invariance.py [--model GGUF] [--threads N]
 """
@@ -30,7 +31,7 @@ SCRATCH = 15  # sequence id used for padding tokens
 class Ctx:
     def __init__(self, model: GGUFModel, flash: bool, n_ubatch: int, pad: bool, threads: int):
         p = llama_cpp.llama_context_default_params()
-        p.n_ctx, p.n_batch, p.n_ubatch = 4096, n_ubatch, n_ubatch
+        p.n_ctx, p.n_batch, p.n_ubatch = 4096, n_ubatch + 1, n_ubatch + 1
         p.n_seq_max, p.kv_unified = 16, True
         p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.n_threads = p.n_threads_batch = threads
@@ -45,9 +46,10 @@ class Ctx:
         out = []
         for start in range(0, len(items), self.n_ubatch):
             part = list(items[start:start + self.n_ubatch])
-            if self.pad and len(part) == 1:
+            wanted = sum(1 for it in part if it[3])
+            if self.pad and (len(part) == 1 or wanted == 1):  # as llama_runtime.model._pad
                 llama_cpp.llama_memory_seq_rm(self.mem, SCRATCH, 0, -1)
-                part.append((SCRATCH, 0, 0, False))
+                part.append((SCRATCH, 0, 0, wanted == 1))
             b = self.batch
             for i, (seq, pos, tok, want) in enumerate(part):
                 b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, want

@@ -164,7 +164,9 @@ def _pad(items: list, scratch: int) -> list:
 def _context_params(model: GGUFModel, n_ctx: int, n_ubatch: int, n_seq_max: int, invariant: bool):
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = n_ctx
-    params.n_batch = n_ubatch
+    # Callers pass at most n_ubatch tokens per llama_decode (one ubatch, so they control its
+    # shape); llama.cpp wants the logical batch to have room for an output per sequence.
+    params.n_batch = max(n_ubatch, n_seq_max)
     params.n_ubatch = n_ubatch
     params.n_seq_max = n_seq_max
     params.kv_unified = True  # one pool of cells for all sequences (bounded by KV memory)
