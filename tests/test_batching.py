@@ -368,11 +368,14 @@ async def test_sequences_follow_the_target_with_sessions_in_shared_batches():
     backend.close()
     assert sum(counts.values()) == n
     assert shared < 0.5 * n * 2, f"rounds should have shared passes ({shared} passes)"
-    assert _chi2_p(counts, probs, n) > 1e-4
+    p_value = _chi2_p(counts, probs, n)
     control = AcceptEverything(vocab=V, seed=0, step_ms=2.0, batching=True)
     bad = await _sequence_counts(control, n)
     control.close()
-    assert _chi2_p(bad, probs, n) < 1e-4
+    p_control = _chi2_p(bad, probs, n)
+    print(f"{n} generations in {shared} passes; chi-square p = {p_value:.3g}, control p = {p_control:.3g}")
+    assert p_value > 1e-4
+    assert p_control < 1e-4
 
 
 # --- memory: 64 sessions on the bundled target ------------------------------------------------
