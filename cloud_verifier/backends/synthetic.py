@@ -13,9 +13,14 @@ from typing import Sequence
 
 import numpy as np
 
+from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, BackendInfo
-from cloud_verifier.backends.batcher import Batcher, Item
+from cloud_verifier.backends.batcher import Batcher, BatchStep, Item
 from spec_core.synthetic import SyntheticLM, synthetic_fingerprint
+
+
+def _observe_step(step: BatchStep) -> None:
+    metrics.observe_batch(step.tokens, step.sessions, step.seconds)
 
 
 class SyntheticBackend(Backend):
@@ -30,7 +35,6 @@ class SyntheticBackend(Backend):
         self._forwarded = 0
         self.batcher: Batcher | None = None
         if batching:
-            from cloud_verifier.backends.llama_cpp import _observe_step
             self._packer = _SyntheticPacker(self, batch_tokens)
             self.batcher = Batcher(self._packer, batch_window_ms / 1000, on_step=_observe_step,
                                    name="synthetic-batcher")
@@ -64,6 +68,7 @@ class SyntheticBackend(Backend):
             state["cached"] = len(tokens)
             self._cost(new)
             t2 = time.perf_counter()
+        _observe_step(BatchStep(new, 1, t2 - t1))
         return out, t1 - t0, t2 - t1
 
     def forward_tokens(self) -> int:
