@@ -68,8 +68,10 @@ class SessionStore:
     def add(self, make: Callable[[str], Session]) -> Session:
         self.expire()
         while len(self._by_id) >= self.max_sessions:
-            # Evict the least recently used session that is not mid-round.
-            victim = next((s for s in self._by_id.values() if not s.lock.locked()), None)
+            # Evict the least recently used session that is not mid-round, preferring finished ones
+            # (kept only to answer a retried last round; they hold no KV cache).
+            idle = [s for s in self._by_id.values() if not s.lock.locked()]
+            victim = next((s for s in idle if s.state is None), idle[0] if idle else None)
             if victim is None:
                 raise OverflowError("every session slot is busy")
             self.remove(victim.id)

@@ -21,7 +21,7 @@ from edge_client.text import SyntheticTokenizer
 from helpers import running_server, stub_for
 from llama_runtime import GGUFModel, SharedKV
 from spec_core.proto import verifier_pb2 as pb
-from spec_core.synthetic import synthetic_pair
+from spec_core.synthetic import synthetic_fingerprint, synthetic_pair
 from spec_core.warping import SamplingSettings, processed_probs
 
 PROMPTS = ["hello world, the list", "def return the list of a", "the the the", "a list of hello",
@@ -437,3 +437,20 @@ async def test_sixty_four_sessions_on_the_bundled_target_stay_under_the_rss_boun
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+async def test_a_full_store_evicts_finished_sessions_before_live_ones():
+    """Finished sessions (kept for a retried last round) hold no KV cache: they go first."""
+    def req(key, max_new):
+        return pb.VerifyRequest(round=1, committed_length=2, open=pb.OpenSession(
+            prompt_token_ids=[0, 5], open_key=key, tokenizer_fingerprint=synthetic_fingerprint(64),
+            sampling=pb.SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True)))
+    async with running_server(SyntheticBackend(), max_sessions=2) as server:
+        async with stub_for(server) as stub:
+            live = await stub.Verify(req(b"L" * 16, 50), timeout=10)          # older, still generating
+            done = await stub.Verify(req(b"D" * 16, 1), timeout=10)           # finishes in its first round
+            assert done.finish_reason == pb.LENGTH
+            await stub.Verify(req(b"N" * 16, 50), timeout=10)                 # the store is full: evict one
+            nxt = await stub.Verify(pb.VerifyRequest(session_id=live.session_id, round=2,
+                                                     committed_length=live.committed_length), timeout=10)
+            assert nxt.round == 2
