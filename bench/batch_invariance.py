@@ -98,6 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=300,
                     help="above 256 the KV view is 512 cells: ggml's split-KV flash attention for one row")
+    ap.add_argument("--cost-only", action="store_true", help="only time the remedy")
     args = ap.parse_args(argv)
     model = GGUFModel(args.model, n_threads=args.threads)
     text = ("The history of the printing press begins in the fifteenth century. " * 40)[:-1] + ", when"
@@ -108,6 +109,9 @@ def main(argv=None) -> int:
                                                  "The capital of France is", "import numpy as np\n")]
     print(f"model {model.name}, {len(prompt)} prompt + {len(cont)} continuation tokens, {args.threads} threads")
     print("max |logit - reference| over the continuation's rows (0 = bit-identical)")
+    if args.cost_only:
+        cost(model, prompt)
+        return 0
     configs = [("flash on,  ubatch 512, no pad", True, 512, False),
                ("flash off, ubatch 512, no pad", False, 512, False),
                ("flash on,  ubatch 512, pad", True, 512, True),
@@ -121,8 +125,33 @@ def main(argv=None) -> int:
                  for s in ("prefill", "chunks-5", "batched")]
         print(f"{name:34s} " + " ".join(f"{d:10.3g}" for d in diffs))
         ctx.close()
+    cost(model, prompt)
     model.close()
     return 0
+
+
+def cost(model: GGUFModel, prompt) -> None:
+    """What the remedy costs: a prefill and single-token steps, llama.cpp defaults vs invariant
+    (KVContext(invariant=True)), interleaved 3 times on one machine, medians."""
+    import statistics
+    times: dict[tuple[str, bool], list[float]] = {}
+    for _ in range(3):
+        for invariant in (False, True):
+            ctx = model.new_context(1024, invariant=invariant)
+            t0 = time.perf_counter()
+            ctx.logits(prompt, 1)
+            times.setdefault(("prefill", invariant), []).append(time.perf_counter() - t0)
+            seq = list(prompt)
+            t0 = time.perf_counter()
+            for k in range(16):
+                seq.append(28 + k)
+                ctx.logits(seq, 1)
+            times.setdefault(("step", invariant), []).append((time.perf_counter() - t0) / 16)
+            ctx.close()
+    print(f"cost, median of 3 ({len(prompt)}-token prefill; one-token steps after it):")
+    for what in ("prefill", "step"):
+        base, inv = statistics.median(times[what, False]), statistics.median(times[what, True])
+        print(f"  {what:8s} defaults {base * 1e3:8.1f} ms   invariant {inv * 1e3:8.1f} ms   ({inv / base:.2f}x)")
 
 
 if __name__ == "__main__":
