@@ -454,3 +454,51 @@ async def test_a_full_store_evicts_finished_sessions_before_live_ones():
             nxt = await stub.Verify(pb.VerifyRequest(session_id=live.session_id, round=2,
                                                      committed_length=live.committed_length), timeout=10)
             assert nxt.round == 2
+
+
+class RecordingPacker:
+    """A model-free packer: logits rows are zeros; records each pass's items."""
+
+    def __init__(self, n_ubatch=32, delay_s=0.0):
+        self.n_ubatch, self.delay_s = n_ubatch, delay_s
+        self.passes: list[list] = []
+
+    def prepare(self, seq, tokens, rows):
+        return [(seq, pos, tok, pos >= len(tokens) - rows) for pos, tok in enumerate(tokens)]
+
+    def decode(self, items):
+        self.passes.append(list(items))
+        time.sleep(self.delay_s)
+        return [np.zeros(4, dtype=np.float32) for it in items if it[3]]
+
+    def release(self, seq):
+        pass
+
+
+def test_a_long_prefill_does_not_hold_up_short_rounds():
+    """A 300-token prefill and four 5-token rounds arrive while a pass runs: the next pass holds
+    all four rounds and a share of the prefill, which is spread over the following passes."""
+    from cloud_verifier.backends.batcher import Batcher
+    packer = RecordingPacker(delay_s=0.05)
+    batcher = Batcher(packer)
+    out = {}
+
+    def call(seq, n, rows):
+        out[seq] = batcher.submit(seq, list(range(n)), rows)
+
+    first = threading.Thread(target=call, args=(9, 1, 1))  # keeps the batcher busy for 50 ms
+    first.start()
+    time.sleep(0.02)
+    threads = [threading.Thread(target=call, args=(0, 300, 1))] + \
+              [threading.Thread(target=call, args=(k, 5, 5)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads + [first]:
+        t.join(timeout=30)
+    batcher.close()
+    assert out[0][0].shape == (1, 4) and all(out[k][0].shape == (5, 4) for k in range(1, 5))
+    assert {it[0] for it in packer.passes[0]} == {9}
+    second_pass = {it[0] for it in packer.passes[1]}
+    assert second_pass == {0, 1, 2, 3, 4}, second_pass
+    assert all(len(p) <= 32 for p in packer.passes)
+    assert sum(1 for p in packer.passes for it in p if it[0] == 0) == 300
