@@ -16,7 +16,6 @@ rows).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 import time
 
@@ -33,7 +32,8 @@ class Ctx:
         p = llama_cpp.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch = 4096, n_ubatch + 1, n_ubatch + 1
         p.n_seq_max, p.kv_unified = 16, True
-        p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash
+                             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         p.n_threads = p.n_threads_batch = threads
         p.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(model._model, p)
