@@ -192,11 +192,24 @@ async def test_cloud_only_streams_batch_and_match_single_streams(tiny_models):
         async with stub_for(server) as stub:
             alone = [await stream(stub, k) for k in range(len(PROMPTS))]
             passes_alone = backend.batcher.passes
+            sessions_before, tokens_before = _histogram("sessions"), _histogram("tokens")
             together = await asyncio.gather(*[stream(stub, k) for k in range(len(PROMPTS))])
             passes_together = backend.batcher.passes - passes_alone
+            sessions_after, tokens_after = _histogram("sessions"), _histogram("tokens")
     backend.close()
     assert together == alone
     assert passes_together < 0.6 * passes_alone, (passes_together, passes_alone)
+    # The per-pass metrics saw the same passes, with more than one session in them on average.
+    assert sessions_after[1] - sessions_before[1] == passes_together
+    assert (sessions_after[0] - sessions_before[0]) / passes_together > 1.5
+    assert tokens_after[0] - tokens_before[0] >= 20 * len(PROMPTS)
+
+
+def _histogram(name: str) -> tuple[float, float]:
+    """(sum, count) of hybridspec_batch_<name>."""
+    from prometheus_client import REGISTRY
+    return (REGISTRY.get_sample_value(f"hybridspec_batch_{name}_sum"),
+            REGISTRY.get_sample_value(f"hybridspec_batch_{name}_count"))
 
 
 # --- limits -----------------------------------------------------------------------------------
