@@ -277,6 +277,12 @@ class SharedKV:
     """One llama.cpp context whose unified KV cache holds many sequences (like llama.cpp server's
     slots): a session is a sequence id, and one `decode` evaluates tokens of many sequences.
 
+    Known defect (bench/batch_invariance.py --shared-only): when rollbacks free cells that other
+    sequences then fill, a sequence's later tokens can land in cells before its earlier ones, and
+    llama.cpp's CPU attention then gives logits up to ~1.4 away from those of the same tokens in
+    order (flash attention, F16 or F32 cache alike). Rows are exact while each sequence's cells
+    stay in position order (no rollback, or no one else reusing the holes).
+
     Capacity is reserved, not guessed: each of `n_seqs` sequences may hold up to `seq_ctx` tokens,
     and the cache has room for all of them at once (`n_seqs * seq_ctx` cells), so a decode never
     fails for want of cells. Not thread-safe: one thread (the verifier's batcher) drives it.

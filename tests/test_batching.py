@@ -38,6 +38,7 @@ def drafters(tiny_models):
 
 def batched_backend(tiny_models, **kw):
     kw.setdefault("kv_tokens", 16 * 512)
+    kw.setdefault("batching", True)
     return LlamaCppBackend(str(tiny_models["target"]), n_ctx=512, n_threads=1, **kw)
 
 
@@ -46,10 +47,10 @@ def batched_backend(tiny_models, **kw):
 def test_shared_cache_rows_match_private_context_rows(tiny_models):
     """8 sequences with different prompts, driven by 8 threads through one batcher, random rounds
     with rollbacks, against the same calls on a private context each. No sequence sees another's
-    tokens, and the batch composition changes nothing, except where a rollback in the shared
-    cache left a sequence's cells out of position order: flash attention then sums the same terms
-    in another order. That residue is bounded here: every row within 1e-2 of its private value
-    with the same argmax (measured: 25-42% of rows bit-identical, max |diff| 2.8e-3 to 3.1e-3)."""
+    tokens; rows differ only where a rollback in the shared cache left a sequence's cells out of
+    position order (the known defect: see test_rows_do_not_depend_on_cell_order). On this tiny
+    model that stays within 1e-2 with the same argmax (measured: 25-42% of rows bit-identical,
+    max |diff| 2.8e-3 to 3.1e-3); on the bundled target it does not (README)."""
     backend = batched_backend(tiny_models)
     model = GGUFModel(str(tiny_models["target"]), n_threads=1)
     results: dict[int, list[np.ndarray]] = {}
@@ -414,7 +415,8 @@ async def test_sixty_four_sessions_on_the_bundled_target_stay_under_the_rss_boun
     from llama_runtime import bundled_model_path
     from spec_core.proto import verifier_pb2_grpc as pb_grpc
     model = GGUFModel(bundled_model_path(), vocab_only=True)
-    proc, addr = spawn_verifier(["--n-ctx", "256", "--kv-tokens", str(64 * 256), "--max-sessions", "64",
+    proc, addr = spawn_verifier(["--batching", "on", "--n-ctx", "256", "--kv-tokens", str(64 * 256),
+                                 "--max-sessions", "64",
                                  "--threads", "2"])
     try:
         async with grpc.aio.insecure_channel(addr) as ch:
@@ -515,3 +517,27 @@ def test_a_long_prefill_does_not_hold_up_short_rounds():
     assert second_pass == {0, 1, 2, 3, 4}, second_pass
     assert all(len(p) <= 32 for p in packer.passes)
     assert sum(1 for p in packer.passes for it in p if it[0] == 0) == 300
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known defect: llama.cpp's CPU attention depends on the order of a "
+                                       "sequence's cells in a shared KV cache (README, 'Many edges')")
+def test_rows_do_not_depend_on_cell_order():
+    """Bundled target: the same 7 rows with the sequence's cells in position order, and with its
+    later cells placed before its earlier ones (another sequence freed them). Measured: max
+    |diff| 1.44 logits. Fixing this (e.g. per-session cell regions kept in order) flips this test."""
+    from llama_runtime import bundled_model_path
+    m = GGUFModel(bundled_model_path(), n_threads=1)
+    a = m.tokenize("Write a short list of facts about chess. 1. The", False)[:12]
+    b = m.tokenize("Bread is made from flour water and yeast and salt", False)[:10]
+    rows = {}
+    for variant in ("ordered", "out of order"):
+        kv = SharedKV(m, 3, 256)
+        sb, sa = kv.acquire(), kv.acquire()
+        kv.decode(kv.prepare(sb, b, 1))              # b in cells 0..9
+        kv.decode(kv.prepare(sa, a[:5], 1))          # a's positions 0..4 in cells 10..14
+        if variant == "out of order":
+            kv.release(sb)                           # a's positions 5.. will land in cells 0..6
+        rows[variant] = np.stack(kv.decode(kv.prepare(sa, a, 7)))
+        kv.close()
+    np.testing.assert_array_equal(rows["ordered"], rows["out of order"])

@@ -1,14 +1,15 @@
 """The embedded default: a GGUF target on llama.cpp (CPU).
 
-batching=True (the default): one llama.cpp context whose KV cache holds every session as a
-sequence id; rounds and Generate steps of different sessions are evaluated together by a
-continuous `Batcher`. The number of sessions is bounded by KV memory: `kv_tokens` cells, each
-session reserving `n_ctx` of them.
-batching=False: today's serial verifier, one context per session and one round at a time.
+batching=False (the default): the serial verifier, one context per session and one round at
+a time. batching=True: one llama.cpp context whose KV cache holds every session as a sequence
+id; rounds and Generate steps of different sessions are evaluated together by a continuous
+`Batcher`. The number of sessions is bounded by KV memory: `kv_tokens` cells, each session
+reserving `n_ctx` of them.
 
-Both evaluate the target batch-invariantly (llama_runtime.model.INVARIANT_UBATCH), so a
-session's logits do not depend on which other sessions share a pass, nor on how its cache was
-built (rounds, single tokens, or a replay after a restart).
+Both evaluate the target batch-invariantly (llama_runtime.model.INVARIANT_UBATCH): a session's
+logits do not depend on how its cache was built (rounds, single tokens, or a replay after a
+restart) nor on which sessions share a pass, with one exception in the shared cache, which is
+why batching is not the default: see the known defect in llama_runtime.model.SharedKV.
 
 Where a tree round would plug in: its branches need scratch sequences of their own next to the
 session's. `Packer.prepare` would return items on several sequence ids (the shared prefix once,
@@ -40,7 +41,7 @@ class SeqState:
 
 class LlamaCppBackend(Backend):
     def __init__(self, model: str, n_ctx: int = 2048, n_threads: int | None = None, n_batch: int = 512,
-                 batching: bool = True, kv_tokens: int | None = None, batch_window_ms: float = 0.0,
+                 batching: bool = False, kv_tokens: int | None = None, batch_window_ms: float = 0.0,
                  invariant: bool = True):
         self.model = GGUFModel(model, n_threads=n_threads)
         self.n_ctx = n_ctx
