@@ -49,13 +49,24 @@ HYBRIDSPEC_VLLM_ARGS='{"enforce_eager": true}' timeout 240 "$VENV/bin/python" -m
   -q -ra -p no:cacheprovider --durations=5 2>&1 | tail -25 | tee -a "$RESULTS"
 
 # --- 3. cost per round ------------------------------------------------------------------------
-LEFT=$(( 570 - $(elapsed) ))
+LEFT=$(( 420 - $(elapsed) ))
 say "## cost per round (elapsed $(elapsed) s, ${LEFT} s left)"
 if [ "$LEFT" -gt 60 ]; then
   timeout "$LEFT" "$VENV/bin/python" bench/verify_cost.py --backends vllm,llama.cpp --contexts 512,2048,8000 \
     --gammas 4,8 --rounds 16 --prompt-logprobs --vllm-arg gpu_memory_utilization=0.3 \
     --out "$(dirname "$RESULTS")/verify_cost_gpu.md" 2>&1 | grep -v "INFO\|WARNING" | tail -20 | tee -a "$RESULTS"
   cat "$(dirname "$RESULTS")/verify_cost_gpu.md" >> "$RESULTS" 2>/dev/null
+else
+  say "skipped: not enough time left"
+fi
+# --- 4. many edges, one verifier -------------------------------------------------------------
+# N concurrent edges (prompt-lookup drafts) against vLLM on the GPU: vLLM's scheduler batches the
+# rounds of all sessions (each round's gamma + 1 requests are submitted together).
+LEFT=$(( 590 - $(elapsed) ))
+say "## many edges (elapsed $(elapsed) s, ${LEFT} s left)"
+if [ "$LEFT" -gt 60 ]; then
+  timeout "$LEFT" "$VENV/bin/python" bench/batched_throughput.py --target vllm --edges 1 4 16 64 --tokens 32 \
+    --reps 2 2>&1 | grep -v "INFO\|WARNING" | tail -14 | tee -a "$RESULTS"
 else
   say "skipped: not enough time left"
 fi

@@ -20,7 +20,19 @@ def _add_serve(sub) -> None:
     p.add_argument("--n-ctx", type=int, default=2048, help="context window per session, tokens")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for llama.cpp (default: all cores, max 8)")
     p.add_argument("--max-gamma", type=int, default=16, help="largest draft accepted per round")
-    p.add_argument("--max-sessions", type=int, default=8, help="sessions kept; least recently used are evicted")
+    p.add_argument("--max-sessions", type=int, default=None,
+                   help="sessions kept; least recently used are evicted (default: what --kv-tokens holds, "
+                        "8 with --batching off)")
+    p.add_argument("--batching", choices=["on", "off"], default="off",
+                   help="on: waiting rounds of all sessions are verified together (llama.cpp: in one KV cache, "
+                        "see the README for its one numerical caveat; synthetic: a pass costs step + per-token "
+                        "x tokens); off (default): one context per session, one round at a time")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help="(llama.cpp, batching on) KV cache cells for all sessions; each session reserves --n-ctx "
+                        "of them (default: 8 x --n-ctx)")
+    p.add_argument("--batch-window-ms", type=float, default=0.0,
+                   help="(batching on) when idle, wait this long after a round arrives for others "
+                        "to join its pass (default 0: take what is queued)")
     p.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session is dropped")
     p.add_argument("--max-new-tokens", type=int, default=256, help="default when a request sets none")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
@@ -56,7 +68,8 @@ def backend_from_args(args):
     from cloud_verifier.backends import load_backend
     if args.backend == "synthetic":
         return load_backend("synthetic", None, vocab=args.synthetic_vocab, seed=args.synthetic_seed,
-                            n_ctx=args.n_ctx, step_ms=args.synthetic_step_ms, per_token_ms=args.synthetic_per_token_ms)
+                            n_ctx=args.n_ctx, step_ms=args.synthetic_step_ms, per_token_ms=args.synthetic_per_token_ms,
+                            batching=args.batching == "on", batch_window_ms=args.batch_window_ms)
     model = args.model
     if model is None and args.backend == "llama.cpp":
         from llama_runtime import bundled_model_path
@@ -66,7 +79,9 @@ def backend_from_args(args):
     if args.backend == "vllm":
         engine_args = dict(kv.split("=", 1) for kv in args.vllm_arg)
         return load_backend("vllm", model, n_ctx=args.n_ctx, engine_args=engine_args)
-    return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads)
+    return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads,
+                        batching=args.batching == "on", kv_tokens=args.kv_tokens,
+                        batch_window_ms=args.batch_window_ms)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     from cloud_verifier.server import serve_forever
     tls, tokens, policy = security_from_args(args)
     backend = backend_from_args(args)
-    limits = Limits(max_gamma=args.max_gamma, max_sessions=args.max_sessions, session_ttl_s=args.session_ttl,
+    max_sessions = args.max_sessions or backend.max_states or Limits.max_sessions
+    limits = Limits(max_gamma=args.max_gamma, max_sessions=max_sessions, session_ttl_s=args.session_ttl,
                     default_max_new_tokens=args.max_new_tokens)
     asyncio.run(serve_forever(backend, args.host, args.port, limits, args.metrics_port,
                               on_ready=lambda port: print(f"{READY} {args.host}:{port}", flush=True),

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -18,7 +20,7 @@ import grpc
 import numpy as np
 
 from cloud_verifier import metrics
-from cloud_verifier.backends.base import Backend
+from cloud_verifier.backends.base import Backend, NoFreeState
 from cloud_verifier.sessions import Session, SessionStore
 from spec_core import qcodec
 from spec_core.proto import verifier_pb2 as pb
@@ -57,8 +59,10 @@ class VerifierEngine:
     def __init__(self, backend: Backend, limits: Limits = Limits(), version: str = ""):
         self.backend, self.limits, self.version = backend, limits, version
         self.info = backend.info
-        self.sessions = SessionStore(limits.max_sessions, limits.session_ttl_s, backend.release)
-        self._streams = asyncio.Semaphore(limits.max_sessions)  # concurrent Generate streams
+        # A batching backend holds sessions in one KV cache: never promise more than it holds.
+        self.max_sessions = min(limits.max_sessions, backend.max_states or limits.max_sessions)
+        self.sessions = SessionStore(self.max_sessions, limits.session_ttl_s, backend.release)
+        self._streams = asyncio.Semaphore(self.max_sessions)  # concurrent Generate streams
 
     # --- validation --------------------------------------------------------------------------
 
@@ -163,7 +167,8 @@ class VerifierEngine:
             if len(drafts) > room:
                 drafts, qs = drafts[:room], (qs[:room] if qs is not None else None)
             result, queue_s, model_s = await run_in_thread(
-                self.backend.verify, session.state, session.tokens, drafts, qs, session.settings, session.rng)
+                self.backend.verify, session.state, session.tokens, drafts, qs, session.settings,
+                _round_rng(session))
             done = commit_round(drafts, result, session.stop_ids,
                                 remaining=session.settings.max_new_tokens - session.generated,
                                 context_left=self.info.n_ctx - len(session.tokens))
@@ -223,8 +228,7 @@ class VerifierEngine:
         # seed (identical streams correlate draft sampling with acceptance and bias the output), and
         # a replay must not restart a stream already used: key it by role and committed length.
         rng = seeded_rng(settings.seed, VERIFIER_STREAM, len(tokens))
-        # Making a KV cache takes tens of milliseconds: not on the event loop.
-        state = await run_in_thread(self.backend.new_state)
+        state = await self._new_state()
         try:
             reopened = self._reopen(req)  # a concurrent retry of this first round may have won the race
         except RequestError:
@@ -241,13 +245,30 @@ class VerifierEngine:
         except OverflowError:
             self.backend.release(state)
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"all {self.limits.max_sessions} session slots are in use; retry shortly",
+                               f"all {self.max_sessions} session slots are in use; retry shortly",
                                retry_after_s=1.0) from None
         metrics.SESSIONS.set(len(self.sessions))
         metrics.SESSIONS_OPENED.inc()
         if settings.max_new_tokens <= len(resume):
             session.finish_reason = pb.LENGTH
         return session
+
+    async def _new_state(self):
+        """A KV cache for a session or stream. Making one takes tens of milliseconds: not on the
+        event loop. When the backend's KV memory is full, the least recently used idle session
+        is evicted (its edge replays later) and the allocation retried once."""
+        try:
+            return await run_in_thread(self.backend.new_state)
+        except NoFreeState as e:
+            refusal = str(e)
+        if self.sessions.evict_idle():
+            metrics.SESSIONS.set(len(self.sessions))
+            try:
+                return await run_in_thread(self.backend.new_state)
+            except NoFreeState as e:
+                refusal = str(e)
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{refusal}, and no session is idle to make room; retry shortly")
 
     def close(self, session_id: str) -> bool:
         closed = self.sessions.remove(session_id)
@@ -267,10 +288,10 @@ class VerifierEngine:
         rng = seeded_rng(settings.seed, GENERATE_STREAM, len(prompt))
         if self._streams.locked():
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"all {self.limits.max_sessions} Generate streams are busy; retry shortly",
+                               f"all {self.max_sessions} Generate streams are busy; retry shortly",
                                retry_after_s=1.0)
         async with self._streams:
-            state = await run_in_thread(self.backend.new_state)
+            state = await self._new_state()
             tokens = list(prompt)
             try:
                 async for chunk in self._generate_tokens(state, tokens, settings, stop, rng):
@@ -297,21 +318,37 @@ class VerifierEngine:
         i = self.info
         return pb.ServerInfo(backend=i.name, model=i.model, n_vocab=i.n_vocab, n_ctx=i.n_ctx,
                              tokenizer_fingerprint=i.fingerprint, max_gamma=self.limits.max_gamma,
-                             max_sessions=self.limits.max_sessions, eos_token_ids=sorted(i.eos_token_ids),
+                             max_sessions=self.max_sessions, eos_token_ids=sorted(i.eos_token_ids),
                              version=self.version)
+
+
+# Backend calls block their worker thread while a batching backend gathers a pass: every session
+# and stream in flight needs a thread of its own, or rounds queue here instead of in the batch
+# (asyncio's default pool has min(32, cores + 4) threads). Threads are made on demand.
+_WORKERS = ThreadPoolExecutor(max_workers=512, thread_name_prefix="verifier-worker")
 
 
 async def run_in_thread(fn, *args):
     """Run a backend call in a worker thread. If the RPC is cancelled (client gone, deadline), wait
     for the thread to finish before giving up the caller's locks and state: freeing a KV cache
     that a thread is still decoding into crashes the process."""
-    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    fut = asyncio.get_running_loop().run_in_executor(_WORKERS, functools.partial(fn, *args))
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
         with contextlib.suppress(Exception):
             await fut
         raise
+
+
+def _round_rng(session: Session) -> np.random.Generator:
+    """With a user seed, each round draws from a stream keyed by the committed length it starts
+    from, so a session replayed after an eviction or restart draws exactly what the lost session
+    would have (same seed, same text); streams of different rounds never overlap. Without a seed
+    the session's own generator goes on."""
+    if session.settings.seed is None:
+        return session.rng
+    return seeded_rng(session.settings.seed, VERIFIER_STREAM, len(session.tokens))
 
 
 def _open_digest(o: pb.OpenSession) -> bytes:

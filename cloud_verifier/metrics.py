@@ -36,3 +36,20 @@ PERMISSION_DENIED = Counter("hybridspec_permission_denied", "Calls naming a sess
 REFUSED = Counter("hybridspec_refused_for_load", "Requests refused with a retry hint (admission control)",
                   ["reason"])
 INFLIGHT = Gauge("hybridspec_inflight_rounds", "Verify calls inside the server (waiting or running)")
+
+# Per target pass (one llama_decode; in the serial verifier, one round's decodes). The load
+# test's simulator calibrates its cost-per-pass model from these three.
+_BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512)
+BATCH_TOKENS = Histogram("hybridspec_batch_tokens", "Tokens evaluated per target pass (padding excluded)",
+                         buckets=_BATCH_TOKEN_BUCKETS)
+BATCH_SESSIONS = Histogram("hybridspec_batch_sessions", "Sessions (sequences) per target pass",
+                           buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64))
+BATCH_SECONDS = Histogram("hybridspec_batch_seconds", "Seconds per target pass",
+                          buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                                   1, 2))
+
+
+def observe_batch(tokens: int, sessions: int, seconds: float) -> None:
+    BATCH_TOKENS.observe(tokens)
+    BATCH_SESSIONS.observe(sessions)
+    BATCH_SECONDS.observe(seconds)

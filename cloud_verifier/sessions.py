@@ -100,8 +100,10 @@ class SessionStore:
         self.expire()
         now = time.monotonic()
         while len(self._by_id) >= self.max_sessions:
-            # Evict the least recently used session that is neither mid-round nor recently used.
-            victim = next((s for s in self._by_id.values() if self._evictable(s, now)), None)
+            # Evict the least recently used session that is neither mid-round nor recently used,
+            # preferring finished ones (kept only to answer a retried last round; they hold no KV cache).
+            idle = [s for s in self._by_id.values() if self._evictable(s, now)]
+            victim = next((s for s in idle if s.state is None), idle[0] if idle else None)
             if victim is None:
                 raise OverflowError("every session slot is busy")
             self.remove(victim.id)
@@ -112,6 +114,15 @@ class SessionStore:
         if s.open_key:
             self._by_open_key[(s.tenant, s.open_key)] = s.id
         return s
+
+    def evict_idle(self) -> bool:
+        """Evict the least recently used session that is not mid-round (to free its KV cache)."""
+        victim = next((s for s in self._by_id.values() if not s.lock.locked() and s.state is not None), None)
+        if victim is None:
+            return False
+        self.remove(victim.id)
+        self.evicted += 1
+        return True
 
     def remove(self, session_id: str) -> bool:
         s = self._by_id.pop(session_id, None)

@@ -200,7 +200,10 @@ class Generation:
             while not finished:
                 remaining = settings.max_new_tokens - (len(committed) - prompt_len)
                 gamma = max(0, min(policy.next_gamma(), remaining - 1))
-                draft = await c._propose(committed, gamma, settings, rng)
+                # With a user seed, a round's draft depends only on the committed tokens (a stream per
+                # committed length, like the verifier's): a round redone after a replay drafts the same.
+                round_rng = rng if settings.seed is None else seeded_rng(settings.seed, EDGE_STREAM, len(committed))
+                draft = await c._propose(committed, gamma, settings, round_rng)
                 req = pb.VerifyRequest(session_id=session_id, round=last_round + 1, committed_length=len(committed),
                                        draft_token_ids=draft.tokens, q=qcodec.to_proto(draft.qs, c.qmode.scale_bits))
                 if not session_id:

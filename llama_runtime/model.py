@@ -121,8 +121,8 @@ class GGUFModel:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
-    def new_context(self, n_ctx: int = 2048, n_batch: int = 512) -> "KVContext":
-        return KVContext(self, n_ctx, n_batch)
+    def new_context(self, n_ctx: int = 2048, n_batch: int = 512, invariant: bool = False) -> "KVContext":
+        return KVContext(self, n_ctx, n_batch, invariant)
 
     def close(self) -> None:
         if getattr(self, "_model", None):
@@ -136,27 +136,83 @@ class GGUFModel:
             pass
 
 
+# Batch-invariant evaluation on ggml's CPU backend (measured by bench/batch_invariance.py): a
+# row's logits are bit-identical whatever else shares its llama_decode and however its KV cache
+# was chunked, provided that
+#   - flash attention is on: the non-flash path sums attention over KV cells in SIMD lanes, so a
+#     row depends on where other sequences' cells sit in a shared cache (0.36 logits measured);
+#   - no decode holds a single token, nor asks for a single row of logits: for one row ggml
+#     picks vec_dot instead of llamafile's tinyBLAS for matmuls (the output projection runs over
+#     the wanted rows only), and a split-KV flash attention once the KV view reaches 512 cells
+#     (0.8-1.1 logits measured); such a decode gets a padding token in a scratch sequence, whose
+#     row is computed too when one row is wanted;
+#   - no decode holds 64 tokens or more (GGML_FA_TILE_Q): from there ggml-cpu switches to a tiled
+#     flash attention (1.0 logits measured); decodes are cut at INVARIANT_UBATCH tokens.
+# The padding costs one extra token (and output row) per single-row decode; the cut only splits
+# long prefills. Contexts are made one token larger than the cut, for the padding.
+INVARIANT_UBATCH = 32
+
+
+def _pad(items: list, scratch: int) -> list:
+    """Add a scratch-sequence token when a decode would hold one token or want one row."""
+    wanted = sum(1 for it in items if it[3])
+    if len(items) == 1 or wanted == 1:
+        return items + [(scratch, 0, 0, wanted == 1)]
+    return items
+
+
+def _context_params(model: GGUFModel, n_ctx: int, n_ubatch: int, n_seq_max: int, invariant: bool):
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = n_ctx
+    # Callers pass at most n_ubatch tokens per llama_decode (one ubatch, so they control its
+    # shape); llama.cpp wants the logical batch to have room for an output per sequence.
+    params.n_batch = max(n_ubatch, n_seq_max)
+    params.n_ubatch = n_ubatch
+    params.n_seq_max = n_seq_max
+    params.kv_unified = True  # one pool of cells for all sequences (bounded by KV memory)
+    params.n_threads = model.n_threads
+    params.n_threads_batch = model.n_threads
+    params.no_perf = True
+    if invariant:
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    return params
+
+
+def _fill_batch(batch, items) -> None:
+    """items: (seq, pos, token, want_logits) per token."""
+    for i, (seq, pos, tok, want) in enumerate(items):
+        batch.token[i] = tok
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = want
+    batch.n_tokens = len(items)
+
+
 class KVContext:
     """One sequence's KV cache. `logits(tokens, rows)` brings the cache to hold exactly `tokens`,
     reusing the longest common prefix and rolling back the rest, and returns raw logits for the
-    last `rows` positions only  # [rows, n_vocab] float32 copy."""
+    last `rows` positions only  # [rows, n_vocab] float32 copy.
 
-    def __init__(self, model: GGUFModel, n_ctx: int, n_batch: int):
+    invariant=True evaluates in the batch-invariant way described at INVARIANT_UBATCH, so logits
+    do not depend on how the cache was built (token by token, in rounds, or replayed at once)."""
+
+    _SCRATCH = 1  # the padding sequence of an invariant context
+
+    def __init__(self, model: GGUFModel, n_ctx: int, n_batch: int, invariant: bool = False):
         self.model = model
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_ctx
-        params.n_batch = n_batch
-        params.n_ubatch = n_batch
-        params.n_threads = model.n_threads
-        params.n_threads_batch = model.n_threads
-        params.no_perf = True
+        self.invariant = invariant
+        if invariant:
+            n_batch = min(n_batch, INVARIANT_UBATCH)
+        params = _context_params(model, n_ctx + (1 if invariant else 0), n_batch + (1 if invariant else 0),
+                                 2 if invariant else 1, invariant)
         self._ctx = llama_cpp.llama_init_from_model(model._model, params)
         if not self._ctx:
             raise MemoryError(f"llama.cpp could not create a context of {n_ctx} tokens")
-        self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
+        self.n_ctx = n_ctx if invariant else int(llama_cpp.llama_n_ctx(self._ctx))
         self.n_batch = n_batch
         self._mem = llama_cpp.llama_get_memory(self._ctx)
-        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._batch = llama_cpp.llama_batch_init(n_batch + 1, 0, 1)
         self.tokens: list[int] = []  # what the KV cache holds, in order
         self.tokens_decoded = 0      # forward-pass token count, for stats
 
@@ -181,15 +237,12 @@ class KVContext:
         pos = keep
         while pos < len(tokens):
             chunk = tokens[pos: pos + self.n_batch]
-            b = self._batch
-            for i, tok in enumerate(chunk):
-                b.token[i] = tok
-                b.pos[i] = pos + i
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0
-                b.logits[i] = pos + i >= first_row
-            b.n_tokens = len(chunk)
-            rc = llama_cpp.llama_decode(self._ctx, b)
+            items = [(0, pos + i, tok, pos + i >= first_row) for i, tok in enumerate(chunk)]
+            if self.invariant:
+                llama_cpp.llama_memory_seq_rm(self._mem, self._SCRATCH, 0, -1)
+                items = _pad(items, self._SCRATCH)
+            _fill_batch(self._batch, items)
+            rc = llama_cpp.llama_decode(self._ctx, self._batch)
             if rc != 0:
                 # Leave the cache consistent with what we know it holds.
                 llama_cpp.llama_memory_seq_rm(self._mem, 0, pos, -1)
@@ -206,6 +259,117 @@ class KVContext:
     def reset(self) -> None:
         llama_cpp.llama_memory_clear(self._mem, True)
         self.tokens.clear()
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class SharedKV:
+    """One llama.cpp context whose unified KV cache holds many sequences (like llama.cpp server's
+    slots): a session is a sequence id, and one `decode` evaluates tokens of many sequences.
+
+    Known defect (bench/batch_invariance.py --shared-only): when rollbacks free cells that other
+    sequences then fill, a sequence's later tokens can land in cells before its earlier ones, and
+    llama.cpp's CPU attention then gives logits up to ~1.4 away from those of the same tokens in
+    order (flash attention, F16 or F32 cache alike). Rows are exact while each sequence's cells
+    stay in position order (no rollback, or no one else reusing the holes).
+
+    Capacity is reserved, not guessed: each of `n_seqs` sequences may hold up to `seq_ctx` tokens,
+    and the cache has room for all of them at once (`n_seqs * seq_ctx` cells), so a decode never
+    fails for want of cells. Not thread-safe: one thread (the verifier's batcher) drives it.
+    """
+
+    def __init__(self, model: GGUFModel, n_seqs: int, seq_ctx: int, n_ubatch: int = INVARIANT_UBATCH,
+                 invariant: bool = True):
+        if not 1 <= n_seqs <= 255:  # llama.cpp's LLAMA_MAX_SEQ is 256; one is the scratch sequence
+            raise ValueError(f"n_seqs must be in 1..255, got {n_seqs}")
+        self.model, self.n_seqs, self.seq_ctx, self.invariant = model, n_seqs, seq_ctx, invariant
+        self.n_ubatch = min(n_ubatch, INVARIANT_UBATCH) if invariant else n_ubatch
+        self.scratch = n_seqs  # the padding sequence (see INVARIANT_UBATCH)
+        params = _context_params(model, n_seqs * seq_ctx + 1, self.n_ubatch + 1, n_seqs + 1, invariant)
+        self._ctx = llama_cpp.llama_init_from_model(model._model, params)
+        if not self._ctx:
+            raise MemoryError(f"llama.cpp could not create a KV cache of {n_seqs} x {seq_ctx} tokens")
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(self.n_ubatch + 1, 0, 1)
+        self._free = list(range(n_seqs - 1, -1, -1))
+        self.held: dict[int, list[int]] = {}  # sequence id -> the tokens its cells hold, in order
+        self.tokens_decoded = 0
+
+    @property
+    def free_seqs(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int | None:
+        """A free sequence id, or None when all are taken."""
+        if not self._free:
+            return None
+        seq = self._free.pop()
+        self.held[seq] = []
+        return seq
+
+    def release(self, seq: int) -> None:
+        if self.held.pop(seq, None) is None:
+            return
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, 0, -1)
+        self._free.append(seq)
+
+    def prepare(self, seq: int, tokens: Sequence[int], rows: int) -> list[tuple[int, int, int, bool]]:
+        """Roll `seq` back to the longest prefix of `tokens` it holds that leaves the last `rows`
+        positions to compute, and return what must be decoded: (seq, pos, token, want_logits)."""
+        tokens = list(tokens)
+        if not 1 <= rows <= len(tokens):
+            raise ValueError(f"rows must be in 1..{len(tokens)}, got {rows}")
+        if len(tokens) > self.seq_ctx:
+            raise ValueError(f"{len(tokens)} tokens do not fit a context of {self.seq_ctx}")
+        held = self.held[seq]
+        keep = 0
+        for a, b in zip(held, tokens):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(tokens) - rows)
+        if keep < len(held):
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, keep, -1)
+            del held[keep:]
+        first_row = len(tokens) - rows
+        return [(seq, pos, tokens[pos], pos >= first_row) for pos in range(keep, len(tokens))]
+
+    def decode(self, items: Sequence[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+        """Evaluate up to `n_ubatch` tokens of any sequences in one llama_decode; each sequence's
+        tokens must continue what it holds, in order. Returns the wanted rows, in item order
+        # each [n_vocab] float32 copy. On failure every sequence is rolled back to what it held."""
+        items = list(items)
+        if not 1 <= len(items) <= self.n_ubatch:
+            raise ValueError(f"a decode takes 1..{self.n_ubatch} tokens, got {len(items)}")
+        if self.invariant:
+            llama_cpp.llama_memory_seq_rm(self._mem, self.scratch, 0, -1)
+            items = _pad(items, self.scratch)
+        _fill_batch(self._batch, items)
+        rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            for seq in {it[0] for it in items if it[0] != self.scratch}:
+                llama_cpp.llama_memory_seq_rm(self._mem, seq, len(self.held[seq]), -1)
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        out = []
+        for i, (seq, _, tok, want) in enumerate(items):
+            if seq == self.scratch:
+                continue
+            self.held[seq].append(tok)
+            if want:
+                ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
+                out.append(np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy())
+        self.tokens_decoded += sum(1 for it in items if it[0] != self.scratch)
+        return out
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):

@@ -28,8 +28,14 @@ class BackendInfo:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
 
+class NoFreeState(Exception):
+    """`new_state` found no room (every KV slot is held); the engine may evict an idle session."""
+
+
 class Backend(abc.ABC):
     info: BackendInfo
+    # Sessions + Generate streams the backend can hold at once; None: only the engine's limits.
+    max_states: int | None = None
 
     @abc.abstractmethod
     def new_state(self) -> object:

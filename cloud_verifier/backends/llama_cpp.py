@@ -1,44 +1,115 @@
-"""The embedded default: a GGUF target on llama.cpp (CPU), one KV cache per session."""
+"""The embedded default: a GGUF target on llama.cpp (CPU).
+
+batching=False (the default): the serial verifier, one context per session and one round at
+a time. batching=True: one llama.cpp context whose KV cache holds every session as a sequence
+id; rounds and Generate steps of different sessions are evaluated together by a continuous
+`Batcher`. The number of sessions is bounded by KV memory: `kv_tokens` cells, each session
+reserving `n_ctx` of them.
+
+Both evaluate the target batch-invariantly (llama_runtime.model.INVARIANT_UBATCH): a session's
+logits do not depend on how its cache was built (rounds, single tokens, or a replay after a
+restart) nor on which sessions share a pass, with one exception in the shared cache, which is
+why batching is not the default: see the known defect in llama_runtime.model.SharedKV.
+
+Where a tree round would plug in: its branches need scratch sequences of their own next to the
+session's. `Packer.prepare` would return items on several sequence ids (the shared prefix once,
+each branch on its own id, or one token on several ids with llama_batch's n_seq_id), and the
+batcher already packs any items; the session's state would then hold a few sequence ids.
+"""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from cloud_verifier.backends.base import Backend, BackendInfo
-from llama_runtime import GGUFModel, KVContext
+from cloud_verifier import metrics
+from cloud_verifier.backends.base import Backend, BackendInfo, NoFreeState
+from cloud_verifier.backends.batcher import Batcher, BatchStep
+from llama_runtime import GGUFModel, KVContext, SharedKV
+
+# Default KV pool: as many cells as today's default of 8 sessions of 2048 tokens.
+DEFAULT_KV_SESSIONS = 8
+
+
+@dataclass
+class SeqState:
+    """A session's place in the shared KV cache; seq is None once released."""
+    seq: int | None
 
 
 class LlamaCppBackend(Backend):
-    def __init__(self, model: str, n_ctx: int = 2048, n_threads: int | None = None, n_batch: int = 512):
+    def __init__(self, model: str, n_ctx: int = 2048, n_threads: int | None = None, n_batch: int = 512,
+                 batching: bool = False, kv_tokens: int | None = None, batch_window_ms: float = 0.0,
+                 invariant: bool = True):
         self.model = GGUFModel(model, n_threads=n_threads)
         self.n_ctx = n_ctx
         self.n_batch = n_batch
+        self.batching, self.invariant = batching, invariant
         self.info = BackendInfo("llama.cpp", self.model.name, self.model.n_vocab, n_ctx,
                                 self.model.fingerprint, self.model.eog_ids)
-        self._forwarded = 0  # tokens pushed through the target, all sessions
+        self._forwarded = 0  # tokens pushed through the target, all sessions (serial mode)
+        self.kv: SharedKV | None = None
+        self.batcher: Batcher | None = None
+        if batching:
+            kv_tokens = kv_tokens or DEFAULT_KV_SESSIONS * n_ctx
+            n_seqs = kv_tokens // n_ctx
+            if n_seqs < 1:
+                raise ValueError(f"--kv-tokens {kv_tokens} cannot hold one session of --n-ctx {n_ctx} tokens")
+            self.kv = SharedKV(self.model, min(n_seqs, 255), n_ctx, invariant=invariant)
+            self.batcher = Batcher(self.kv, batch_window_ms / 1000, on_step=_observe_step, name="llama-batcher")
 
-    def new_state(self) -> KVContext:
-        return self.model.new_context(self.n_ctx, self.n_batch)
+    @property
+    def max_states(self) -> int | None:
+        """Sessions + Generate streams the KV cache can hold at once (None: unbounded here)."""
+        return self.kv.n_seqs if self.kv is not None else None
 
-    def release(self, state: KVContext) -> None:
+    def new_state(self):
+        if self.kv is None:
+            return self.model.new_context(self.n_ctx, self.n_batch, invariant=self.invariant)
+        seq = self.batcher.acquire(self.kv.acquire)
+        if seq is None:
+            raise NoFreeState(f"the KV cache holds {self.kv.n_seqs} sessions of {self.n_ctx} tokens and all are "
+                              "in use")
+        return SeqState(seq)
+
+    def release(self, state) -> None:
+        if isinstance(state, SeqState):
+            if state.seq is not None:
+                seq, state.seq = state.seq, None
+                self.batcher.release(seq)
+            return
         with self.model.lock:  # never free a context while a decode runs on this model
             state.close()
 
-    def target_logits(self, state: KVContext, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
+    def target_logits(self, state, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
+        if isinstance(state, SeqState):
+            if state.seq is None:
+                raise RuntimeError("this session's KV cache was released")
+            return self.batcher.submit(state.seq, tokens, rows)
         t0 = time.perf_counter()
         with self.model.lock:
             t1 = time.perf_counter()
             before = state.tokens_decoded
             logits = state.logits(tokens, rows)
-            self._forwarded += state.tokens_decoded - before
+            decoded = state.tokens_decoded - before
+            self._forwarded += decoded
             t2 = time.perf_counter()
+        _observe_step(BatchStep(decoded, 1, t2 - t1))
         return logits, t1 - t0, t2 - t1
 
     def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
         with self.model.lock:
+            if self.kv is not None:
+                self.kv.close()
             self.model.close()
 
     def forward_tokens(self) -> int:
-        return self._forwarded
+        return self.kv.tokens_decoded if self.kv is not None else self._forwarded
+
+
+def _observe_step(step: BatchStep) -> None:
+    metrics.observe_batch(step.tokens, step.sessions, step.seconds)

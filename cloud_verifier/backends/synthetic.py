@@ -1,5 +1,10 @@
-"""A synthetic target (spec_core.synthetic) with a configurable per-forward cost, for fast sweeps
-and for simulating a loaded cloud. Its distributions are exact, so tests can compare against them."""
+"""A synthetic target (spec_core.synthetic) with a configurable per-pass cost, for fast sweeps
+and for simulating a loaded cloud. Its distributions are exact, so tests can compare against them.
+
+batching=True runs it behind the same continuous `Batcher` as the llama.cpp backend: waiting
+rounds share a pass that costs step_ms + per_token_ms x (tokens in the pass), a simple model of
+a batched target (the llama.cpp backend's measured cost per pass is in its metrics).
+"""
 from __future__ import annotations
 
 import threading
@@ -8,24 +13,52 @@ from typing import Sequence
 
 import numpy as np
 
+from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, BackendInfo
+from cloud_verifier.backends.batcher import Batcher, BatchStep, Item
 from spec_core.synthetic import SyntheticLM, synthetic_fingerprint
+
+
+def _observe_step(step: BatchStep) -> None:
+    metrics.observe_batch(step.tokens, step.sessions, step.seconds)
 
 
 class SyntheticBackend(Backend):
     def __init__(self, vocab: int = 64, seed: int = 0, order: int = 1, n_ctx: int = 4096,
-                 step_ms: float = 0.0, per_token_ms: float = 0.0, eos_token_ids: Sequence[int] = (1,)):
+                 step_ms: float = 0.0, per_token_ms: float = 0.0, eos_token_ids: Sequence[int] = (1,),
+                 batching: bool = False, batch_tokens: int = 512, batch_window_ms: float = 0.0):
         self.lm = SyntheticLM(vocab, seed, order=order)
         self.step_s, self.per_token_s = step_ms / 1000, per_token_ms / 1000
         self.info = BackendInfo("synthetic", f"synthetic-v{vocab}-s{seed}", vocab, n_ctx,
                                 synthetic_fingerprint(vocab), frozenset(eos_token_ids))
         self._lock = threading.Lock()
         self._forwarded = 0
+        self.batcher: Batcher | None = None
+        if batching:
+            self._packer = _SyntheticPacker(self, batch_tokens)
+            self.batcher = Batcher(self._packer, batch_window_ms / 1000, on_step=_observe_step,
+                                   name="synthetic-batcher")
 
     def new_state(self) -> dict:
+        if self.batcher is not None:
+            return {"seq": self.batcher.acquire(self._packer.acquire)}
         return {"cached": 0}
 
+    def release(self, state: dict) -> None:
+        if self.batcher is not None and state.get("seq") is not None:
+            seq, state["seq"] = state["seq"], None
+            self.batcher.release(seq)
+
+    def _cost(self, new_tokens: int) -> None:
+        cost = self.step_s + self.per_token_s * new_tokens
+        if cost > 0:
+            time.sleep(cost)
+
     def target_logits(self, state: dict, tokens: Sequence[int], rows: int):
+        if self.batcher is not None:
+            if state.get("seq") is None:
+                raise RuntimeError("this session's state was released")
+            return self.batcher.submit(state["seq"], tokens, rows)
         t0 = time.perf_counter()
         with self._lock:
             t1 = time.perf_counter()
@@ -33,11 +66,55 @@ class SyntheticBackend(Backend):
             self._forwarded += new
             out = np.stack([self.lm.logits(tokens[: len(tokens) - rows + 1 + i]) for i in range(rows)])
             state["cached"] = len(tokens)
-            cost = self.step_s + self.per_token_s * new
-            if cost > 0:
-                time.sleep(cost)
+            self._cost(new)
             t2 = time.perf_counter()
+        _observe_step(BatchStep(new, 1, t2 - t1))
         return out, t1 - t0, t2 - t1
 
     def forward_tokens(self) -> int:
         return self._forwarded
+
+    def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
+
+
+class _SyntheticPacker:
+    """The batcher's view of the synthetic target: per sequence, the tokens it 'holds'."""
+
+    def __init__(self, backend: SyntheticBackend, n_ubatch: int):
+        self.backend, self.n_ubatch = backend, n_ubatch
+        self.held: dict[int, list[int]] = {}
+        self._next = 0
+
+    def acquire(self) -> int:
+        seq, self._next = self._next, self._next + 1
+        self.held[seq] = []
+        return seq
+
+    def release(self, seq: int) -> None:
+        self.held.pop(seq, None)
+
+    def prepare(self, seq: int, tokens: Sequence[int], rows: int) -> list[Item]:
+        tokens, held = list(tokens), self.held[seq]
+        if not 1 <= rows <= len(tokens):
+            raise ValueError(f"rows must be in 1..{len(tokens)}, got {rows}")
+        keep = 0
+        for a, b in zip(held, tokens):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(tokens) - rows)
+        del held[keep:]
+        return [(seq, pos, tokens[pos], pos >= len(tokens) - rows) for pos in range(keep, len(tokens))]
+
+    def decode(self, items: Sequence[Item]) -> list[np.ndarray]:
+        out = []
+        for seq, _, tok, want in items:
+            held = self.held[seq]
+            held.append(tok)
+            if want:
+                out.append(self.backend.lm.logits(held))
+        self.backend._forwarded += len(items)
+        self.backend._cost(len(items))
+        return out

@@ -1,0 +1,207 @@
+"""Continuous batching: rounds (and Generate steps) of many sessions share target passes.
+
+Callers block in `Batcher.submit` from their worker threads. One batcher thread owns the model:
+when a pass finishes it takes every request that has arrived since (a round never waits for a
+batch to fill; `window_s` optionally waits that long after the first arrival when the batcher is
+idle), and packs the pending tokens of all active requests into the next pass. Each active
+request gets a fair share of a pass (long prefills are spread over several passes and do not
+hold up short rounds), and the rest of the pass is filled in arrival order.
+
+The model is a `Packer`: `prepare` rolls a request's sequence back and lists the tokens to
+evaluate as (seq, pos, token, want_logits) items; `decode` runs one pass over such items. A
+request's items need not come from a single sequence: a tree round would list its branches as
+sequences of its own (see LlamaCppBackend).
+
+Freeing a sequence (`release`) never blocks the caller (the event loop frees sessions): it is
+queued and applied between passes, so a pass never decodes into freed cells, and a released
+sequence's pending request fails instead. `acquire` applies queued releases first.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+Item = tuple[int, int, int, bool]  # (sequence id, position, token, whether its logits are wanted)
+
+
+class Packer(Protocol):
+    n_ubatch: int
+
+    def prepare(self, seq: int, tokens: Sequence[int], rows: int) -> list[Item]: ...
+
+    def decode(self, items: Sequence[Item]) -> list[np.ndarray]: ...
+
+    def release(self, seq: int) -> None: ...
+
+
+@dataclass
+class BatchStep:
+    """What one pass did, for metrics: real tokens (no padding), distinct sessions, seconds."""
+    tokens: int
+    sessions: int
+    seconds: float
+
+
+@dataclass
+class _Request:
+    seq: int
+    tokens: Sequence[int]
+    rows: int
+    t_submit: float = field(default_factory=time.perf_counter)
+    items: list[Item] = field(default_factory=list)
+    cursor: int = 0
+    out: list[np.ndarray] = field(default_factory=list)
+    t_first: float | None = None
+    t_done: float = 0.0
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Batcher:
+    def __init__(self, packer: Packer, window_s: float = 0.0,
+                 on_step: Callable[[BatchStep], None] | None = None, name: str = "batcher"):
+        self.packer, self.window_s, self.on_step = packer, window_s, on_step
+        self._cond = threading.Condition()
+        self._queue: list[_Request] = []
+        self._active: list[_Request] = []
+        self._releases: list[int] = []
+        self._model_lock = threading.Lock()   # a pass or a release, never both
+        self._closed = False
+        self.passes = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, seq: int, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
+        """Logits of the last `rows` positions of `tokens` on sequence `seq`  # [rows, vocab];
+        blocks until computed. Returns (logits, queue_s, model_s)."""
+        req = _Request(seq, tokens, rows)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the batcher is closed")
+            self._queue.append(req)
+            self._cond.notify()
+        req.done.wait()
+        if req.error is not None:
+            raise req.error
+        t_first = req.t_first if req.t_first is not None else req.t_done
+        return np.stack(req.out), t_first - req.t_submit, req.t_done - t_first
+
+    def release(self, seq: int) -> None:
+        """Free `seq` before the next pass; returns at once."""
+        with self._cond:
+            self._releases.append(seq)
+            self._cond.notify()
+
+    def acquire(self, take: Callable[[], object]):
+        """Run `take` (e.g. allocate a sequence) between passes, after queued releases."""
+        with self._model_lock:
+            self._apply_releases()
+            return take()
+
+    def _apply_releases(self) -> None:
+        with self._cond:
+            seqs, self._releases = self._releases, []
+        for seq in seqs:
+            for req in [r for r in self._active if r.seq == seq]:
+                self._finish(req, RuntimeError(f"sequence {seq} was released mid-request"))
+            self.packer.release(seq)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    # --- the batcher thread -------------------------------------------------------------------
+
+    def _take_arrivals(self) -> list[_Request]:
+        with self._cond:
+            while not self._queue and not self._active and not self._releases and not self._closed:
+                self._cond.wait()
+            if self.window_s > 0 and not self._active and self._queue and not self._closed:
+                deadline = self._queue[0].t_submit + self.window_s
+                while (left := deadline - time.perf_counter()) > 0 and not self._closed:
+                    self._cond.wait(left)
+            new, self._queue = self._queue, []
+            return new
+
+    def _run(self) -> None:
+        while True:
+            new = self._take_arrivals()
+            if self._closed:
+                with self._model_lock:
+                    self._apply_releases()
+                for req in self._active + new:
+                    self._finish(req, RuntimeError("the verifier is shutting down"))
+                self._active = []
+                return
+            with self._model_lock:
+                self._apply_releases()
+                for req in new:
+                    try:
+                        req.items = self.packer.prepare(req.seq, req.tokens, req.rows)
+                    except Exception as e:  # noqa: BLE001 - the caller gets it
+                        self._finish(req, e)
+                        continue
+                    self._active.append(req)
+                if self._active:
+                    self._step()
+
+    def _plan(self) -> list[tuple[_Request, int]]:
+        """How many pending tokens of each active request go into the next pass."""
+        budget = self.packer.n_ubatch
+        share = max(1, budget // len(self._active))
+        plan = []
+        for req in self._active:
+            n = min(len(req.items) - req.cursor, share, budget)
+            if n:
+                plan.append([req, n])
+                budget -= n
+        for entry in plan:
+            if budget <= 0:
+                break
+            req, n = entry
+            extra = min(len(req.items) - req.cursor - n, budget)
+            entry[1] += extra
+            budget -= extra
+        return [(req, n) for req, n in plan]
+
+    def _step(self) -> None:
+        plan = self._plan()
+        items = [it for req, n in plan for it in req.items[req.cursor:req.cursor + n]]
+        t0 = time.perf_counter()
+        for req, _ in plan:
+            if req.t_first is None:
+                req.t_first = t0
+        try:
+            rows = self.packer.decode(items)
+        except Exception as e:  # noqa: BLE001
+            log.exception("a batched pass failed; failing its %d requests", len(plan))
+            for req, _ in plan:
+                self._finish(req, e)
+            return
+        seconds = time.perf_counter() - t0
+        self.passes += 1
+        at = 0
+        for req, n in plan:
+            wanted = sum(1 for it in req.items[req.cursor:req.cursor + n] if it[3])
+            req.out.extend(rows[at:at + wanted])
+            at += wanted
+            req.cursor += n
+            if req.cursor == len(req.items):
+                self._finish(req, None)
+        if self.on_step is not None:
+            self.on_step(BatchStep(len(items), len({it[0] for it in items}), seconds))
+
+    def _finish(self, req: _Request, error: BaseException | None) -> None:
+        req.error, req.t_done = error, time.perf_counter()
+        if req in self._active:
+            self._active.remove(req)
+        req.done.set()

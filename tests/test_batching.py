@@ -1,0 +1,543 @@
+"""Batched verification: many sessions share target passes, and nothing about a session's output
+depends on who else was in its passes (llama.cpp on the tiny GGUF models; the synthetic target
+for the statistical test)."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from cloud_verifier.backends.llama_cpp import LlamaCppBackend
+from cloud_verifier.backends.synthetic import SyntheticBackend
+from edge_client import EdgeClient
+from edge_client.drafters import GGUFDrafter, SyntheticDrafter
+from edge_client.text import SyntheticTokenizer
+from helpers import running_server, stub_for
+from llama_runtime import GGUFModel, SharedKV
+from spec_core.proto import verifier_pb2 as pb
+from spec_core.synthetic import synthetic_fingerprint, synthetic_pair
+from spec_core.warping import SamplingSettings, processed_probs
+
+PROMPTS = ["hello world, the list", "def return the list of a", "the the the", "a list of hello",
+           "world", "return a", "of the world def", "list list hello world the a"]
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_models):
+    ds = [GGUFDrafter(str(tiny_models["draft"]), n_threads=1, n_ctx=512) for _ in PROMPTS]
+    yield ds
+    for d in ds:
+        d.close()
+
+
+def batched_backend(tiny_models, **kw):
+    kw.setdefault("kv_tokens", 16 * 512)
+    kw.setdefault("batching", True)
+    return LlamaCppBackend(str(tiny_models["target"]), n_ctx=512, n_threads=1, **kw)
+
+
+# --- the runtime: rows do not depend on the batch ----------------------------------------------
+
+def test_shared_cache_rows_match_private_context_rows(tiny_models):
+    """8 sequences with different prompts, driven by 8 threads through one batcher, random rounds
+    with rollbacks, against the same calls on a private context each. No sequence sees another's
+    tokens; rows differ only where a rollback in the shared cache left a sequence's cells out of
+    position order (the known defect: see test_rows_do_not_depend_on_cell_order). On this tiny
+    model that stays within 1e-2 with the same argmax (measured: 25-42% of rows bit-identical,
+    max |diff| 2.8e-3 to 3.1e-3); on the bundled target it does not (README)."""
+    backend = batched_backend(tiny_models)
+    model = GGUFModel(str(tiny_models["target"]), n_threads=1)
+    results: dict[int, list[np.ndarray]] = {}
+
+    def calls(k: int):
+        rng = np.random.default_rng(k)
+        seq = model.tokenize(PROMPTS[k])
+        for _ in range(12):
+            drafts = [int(t) for t in rng.integers(3, model.n_vocab, size=int(rng.integers(0, 6)))]
+            yield seq + drafts, len(drafts) + 1
+            seq = seq + drafts[:int(rng.integers(0, len(drafts) + 1))] + [int(rng.integers(3, model.n_vocab))]
+
+    def run_batched(k: int):
+        state = backend.new_state()
+        results[k] = [backend.target_logits(state, toks, rows)[0] for toks, rows in calls(k)]
+        backend.release(state)
+
+    threads = [threading.Thread(target=run_batched, args=(k,)) for k in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    passes = backend.batcher.passes
+    backend.close()
+    assert passes < sum(len(list(calls(k))) for k in range(len(PROMPTS))), "the calls should have shared passes"
+    identical = total = 0
+    worst = 0.0
+    for k in range(len(PROMPTS)):
+        ctx = model.new_context(512, invariant=True)
+        alone = np.concatenate([ctx.logits(toks, rows) for toks, rows in calls(k)])
+        ctx.close()
+        batched = np.concatenate(results[k])
+        assert alone.shape == batched.shape
+        diff = np.abs(alone - batched).max(axis=1)
+        identical += int((diff == 0).sum())
+        total += len(diff)
+        worst = max(worst, float(diff.max()))
+        np.testing.assert_array_equal(alone.argmax(axis=1), batched.argmax(axis=1))
+    print(f"{identical}/{total} rows bit-identical, max |diff| {worst:.3g}")
+    assert worst < 1e-2, (identical, total, worst)
+
+
+def test_replayed_cache_equals_the_cache_built_in_rounds(tiny_models):
+    """The same rows after the cache was built token by token, in rounds of 5, or in one replay."""
+    model = GGUFModel(str(tiny_models["target"]), n_threads=1)
+    tokens = model.tokenize("hello world, the list of the world " * 12)[:150]
+    ref_ctx = model.new_context(512, invariant=True)
+    ref = [ref_ctx.logits(tokens[:n], 1)[0] for n in range(100, 150)]  # one token at a time
+    kv = SharedKV(model, 2, 512)
+    seq = kv.acquire()
+    rounds = []
+    for n in range(100, 150, 5):
+        rows = kv.decode(kv.prepare(seq, tokens[:n + 5], 5)) if n > 100 else []
+        rounds.extend(rows)
+        if n == 100:
+            items = kv.prepare(seq, tokens[:105], 6)  # 100 prompt tokens in chunks of 32, then rows
+            got = []
+            for i in range(0, len(items), kv.n_ubatch):
+                got += kv.decode(items[i:i + kv.n_ubatch])
+            rounds.extend(got[1:])
+    replay_seq = kv.acquire()
+    items = kv.prepare(replay_seq, tokens[:150], 50)
+    replay = []
+    for i in range(0, len(items), kv.n_ubatch):
+        replay += kv.decode(items[i:i + kv.n_ubatch])
+    kv.close()
+    ref_ctx.close()
+    np.testing.assert_array_equal(np.stack(ref[1:]), np.stack(rounds[:49]))
+    np.testing.assert_array_equal(np.stack(ref[1:]), np.stack(replay[:49]))
+
+
+# --- end to end: same seed, same text ---------------------------------------------------------
+
+async def _generate(port, drafter, prompt, seed, n=24, gamma=4, **client_kw):
+    async with EdgeClient(f"127.0.0.1:{port}", drafter, drafter.model, gamma=gamma, **client_kw) as c:
+        gen = c.generate(prompt, SamplingSettings(temperature=0.9, top_p=0.95, max_new_tokens=n, ignore_eos=True,
+                                                  seed=seed))
+        await gen.text()
+    return gen.stats
+
+
+async def test_eight_concurrent_sessions_equal_their_single_session_runs(tiny_models, drafters):
+    """Seeded sampling with q: each of 8 sessions (different prompts) gives the same tokens alone
+    on the serial verifier, alone on the batched one, and inside a batch of 8."""
+    serial = LlamaCppBackend(str(tiny_models["target"]), n_ctx=512, n_threads=1, batching=False)
+    async with running_server(serial) as server:
+        alone_serial = [(await _generate(server.port, d, p, seed=k)).token_ids
+                        for k, (d, p) in enumerate(zip(drafters, PROMPTS))]
+    serial.close()
+    backend = batched_backend(tiny_models)
+    async with running_server(backend) as server:
+        alone = [(await _generate(server.port, d, p, seed=k)).token_ids
+                 for k, (d, p) in enumerate(zip(drafters, PROMPTS))]
+        together = await asyncio.gather(*[_generate(server.port, d, p, seed=k)
+                                          for k, (d, p) in enumerate(zip(drafters, PROMPTS))])
+    backend.close()
+    assert alone == alone_serial
+    assert [s.token_ids for s in together] == alone
+    assert len({tuple(t) for t in alone}) == len(PROMPTS), "different prompts should give different texts"
+
+
+async def test_same_text_across_replays(tiny_models, drafters):
+    """4 concurrent sessions while idle sessions are evicted every few milliseconds: each is
+    replayed (its KV cache rebuilt in other shapes, among other sessions) and still gives the
+    tokens of its undisturbed run."""
+    backend = batched_backend(tiny_models)
+    async with running_server(backend) as server:
+        alone = [(await _generate(server.port, d, p, seed=k, n=40)).token_ids
+                 for k, (d, p) in enumerate(zip(drafters[:4], PROMPTS))]
+
+        async def evict_often(stop: asyncio.Event):
+            while not stop.is_set():
+                server.engine.sessions.evict_idle()
+                await asyncio.sleep(0.005)
+
+        stop = asyncio.Event()
+        evictor = asyncio.create_task(evict_often(stop))
+        runs = await asyncio.gather(*[_generate(server.port, d, p, seed=k, n=40, max_replays=1000)
+                                      for k, (d, p) in enumerate(zip(drafters[:4], PROMPTS))])
+        stop.set()
+        await evictor
+    backend.close()
+    assert sum(s.replays for s in runs) >= 4, "the test needs replays"
+    assert [s.token_ids for s in runs] == alone
+
+
+async def test_cloud_only_streams_batch_and_match_single_streams(tiny_models):
+    """Concurrent Generate streams share passes (one token per stream per pass) and each gives
+    the tokens it gives alone."""
+    backend = batched_backend(tiny_models)
+    model = GGUFModel(str(tiny_models["target"]), vocab_only=True)
+
+    async def stream(stub, k):
+        req = pb.GenerateRequest(prompt_token_ids=model.tokenize(PROMPTS[k]),
+                                 sampling=pb.SamplingParams(temperature=0.8, max_new_tokens=20, ignore_eos=True,
+                                                            seed=k))
+        return [t async for chunk in stub.Generate(req, timeout=60) for t in chunk.token_ids]
+
+    async with running_server(backend) as server:
+        async with stub_for(server) as stub:
+            alone = [await stream(stub, k) for k in range(len(PROMPTS))]
+            passes_alone = backend.batcher.passes
+            sessions_before, tokens_before = _histogram("sessions"), _histogram("tokens")
+            together = await asyncio.gather(*[stream(stub, k) for k in range(len(PROMPTS))])
+            passes_together = backend.batcher.passes - passes_alone
+            sessions_after, tokens_after = _histogram("sessions"), _histogram("tokens")
+    backend.close()
+    assert together == alone
+    assert passes_together < 0.6 * passes_alone, (passes_together, passes_alone)
+    # The per-pass metrics saw the same passes, with more than one session in them on average.
+    assert sessions_after[1] - sessions_before[1] == passes_together
+    assert (sessions_after[0] - sessions_before[0]) / passes_together > 1.5
+    assert tokens_after[0] - tokens_before[0] >= 20 * len(PROMPTS)
+
+
+def _histogram(name: str) -> tuple[float, float]:
+    """(sum, count) of hybridspec_batch_<name>."""
+    from prometheus_client import REGISTRY
+    return (REGISTRY.get_sample_value(f"hybridspec_batch_{name}_sum"),
+            REGISTRY.get_sample_value(f"hybridspec_batch_{name}_count"))
+
+
+# --- limits -----------------------------------------------------------------------------------
+
+def open_req(model, key: bytes, prompt: str, drafts=(), max_new=20):
+    ids = model.tokenize(prompt)
+    return pb.VerifyRequest(round=1, committed_length=len(ids), draft_token_ids=list(drafts),
+                            open=pb.OpenSession(prompt_token_ids=ids, open_key=key,
+                                                tokenizer_fingerprint=model.fingerprint,
+                                                sampling=pb.SamplingParams(temperature=0, max_new_tokens=max_new,
+                                                                           ignore_eos=True)))
+
+
+async def test_full_kv_cache_evicts_idle_sessions_or_refuses_clearly(tiny_models):
+    backend = batched_backend(tiny_models, kv_tokens=2 * 512)
+    backend.batcher.packer = SlowPacker(backend.kv, 0.01)  # streams of 400 tokens last > 4 s
+    model = GGUFModel(str(tiny_models["target"]), vocab_only=True)
+    assert backend.max_states == 2
+    async with running_server(backend, max_sessions=8) as server:
+        assert server.engine.max_sessions == 2
+        async with stub_for(server) as stub:
+            first = await stub.Verify(open_req(model, b"a" * 16, "hello"), timeout=30)
+            await stub.Verify(open_req(model, b"b" * 16, "world"), timeout=30)
+            await stub.Verify(open_req(model, b"c" * 16, "the list"), timeout=30)  # evicts "a" (LRU)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Verify(pb.VerifyRequest(session_id=first.session_id, round=2,
+                                                   committed_length=first.committed_length), timeout=30)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            # Two long Generate streams hold both KV slots: a new session finds no idle one to evict.
+            for sid in [s.id for s in server.engine.sessions.sessions()]:
+                server.engine.close(sid)
+            gen = [stub.Generate(pb.GenerateRequest(prompt_token_ids=model.tokenize("hello"),
+                                                    sampling=pb.SamplingParams(temperature=0, max_new_tokens=400,
+                                                                               ignore_eos=True)), timeout=60)
+                   for _ in range(2)]
+            firsts = [await g.read() for g in gen]
+            assert all(f.token_ids for f in firsts)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Verify(open_req(model, b"d" * 16, "hello"), timeout=30)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "KV cache" in e.value.details() and "retry" in e.value.details()
+            for g in gen:
+                g.cancel()
+            await asyncio.sleep(0.5)
+            ok = await stub.Verify(open_req(model, b"e" * 16, "hello"), timeout=30)  # slots came back
+            assert ok.committed_length > 0
+    backend.close()
+
+
+class SlowPacker:
+    """Wraps a packer: every pass takes at least `delay_s`; records releases during a pass."""
+
+    def __init__(self, inner, delay_s):
+        self.inner, self.delay_s, self.n_ubatch = inner, delay_s, inner.n_ubatch
+        self.in_pass: set[int] = set()
+        self.violations = 0
+
+    def prepare(self, seq, tokens, rows):
+        return self.inner.prepare(seq, tokens, rows)
+
+    def decode(self, items):
+        self.in_pass = {it[0] for it in items}
+        time.sleep(self.delay_s)
+        try:
+            return self.inner.decode(items)
+        finally:
+            self.in_pass = set()
+
+    def release(self, seq):
+        if seq in self.in_pass:
+            self.violations += 1
+        self.inner.release(seq)
+
+
+async def test_an_edge_that_disappears_mid_round_does_not_stall_the_others(tiny_models, drafters):
+    backend = batched_backend(tiny_models)
+    slow = SlowPacker(backend.kv, 0.15)
+    backend.batcher.packer = slow
+    model = drafters[0].model
+    async with running_server(backend) as server:
+        async with stub_for(server) as stub:
+            async def vanishing(k):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Verify(open_req(model, bytes([k]) * 16, PROMPTS[k], drafts=[5, 6, 7]), timeout=0.05)
+                assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            t0 = time.perf_counter()
+            results = await asyncio.gather(vanishing(1), vanishing(2),
+                                           _generate(server.port, drafters[3], PROMPTS[3], seed=3, n=8),
+                                           _generate(server.port, drafters[4], PROMPTS[4], seed=4, n=8))
+            elapsed = time.perf_counter() - t0
+            await asyncio.sleep(0.5)
+    backend.close()
+    assert [len(s.token_ids) for s in results[2:]] == [8, 8]
+    assert elapsed < 30, "the others finished (a generous bound: nothing waited on the vanished edges)"
+    assert slow.violations == 0
+
+
+# --- statistics over real concurrent sessions -------------------------------------------------
+
+V, L = 5, 3
+
+
+def _exact_sequence_probs(target, prompt, s):
+    out = {}
+    for seq in itertools.product(range(V), repeat=L):
+        ctx, prob = list(prompt), 1.0
+        for tok in seq:
+            prob *= processed_probs(target.logits(ctx), s.temperature, s.top_k, s.top_p)[tok]
+            ctx.append(tok)
+        out[seq] = prob
+    return out
+
+
+def _chi2_p(counts, probs, n):
+    obs, exp, so, se = [], [], 0.0, 0.0
+    for seq, p in probs.items():
+        if p * n < 5:
+            so += counts.get(seq, 0)
+            se += p * n
+        else:
+            obs.append(counts.get(seq, 0))
+            exp.append(p * n)
+    if se > 0:
+        obs.append(so)
+        exp.append(se)
+    exp = np.array(exp) * (sum(obs) / sum(exp))
+    return chisquare(obs, exp).pvalue
+
+
+class AcceptEverything(SyntheticBackend):
+    """Negative control: a verifier that accepts every draft (biased toward the draft)."""
+
+    def verify(self, state, committed, draft_tokens, draft_probs, settings, rng):
+        result, queue_s, model_s = super().verify(state, committed, draft_tokens, draft_probs, settings, rng)
+        from spec_core.verify import RoundResult
+        return RoundResult(len(draft_tokens), result.next_token), queue_s, model_s
+
+
+async def _sequence_counts(backend, n, concurrency=48):
+    counts: dict[tuple, int] = {}
+    tok = SyntheticTokenizer(V)
+    sem = asyncio.Semaphore(concurrency)
+    settings = SamplingSettings(temperature=1.0, max_new_tokens=L, ignore_eos=True)
+    async with running_server(backend, max_sessions=concurrency + 8) as server:
+        async with EdgeClient(f"127.0.0.1:{server.port}", SyntheticDrafter(V, seed=0, noise=1.0), tok,
+                              gamma=2, qmode="float:0") as c:
+            async def one():
+                async with sem:
+                    gen = c.generate([0], settings)
+                    await gen.text()
+                    key = tuple(gen.stats.token_ids)
+                    counts[key] = counts.get(key, 0) + 1
+            await asyncio.gather(*[one() for _ in range(n)])
+    return counts
+
+
+@pytest.mark.slow
+async def test_sequences_follow_the_target_with_sessions_in_shared_batches():
+    """N = 3000 generations of L = 3 tokens (V = 5, gamma = 2, T = 1, float q), 48 at a time on
+    a batching synthetic target (a pass costs 2 ms, so rounds queue and share passes): the counts
+    of the 125 sequences match the target's exact probabilities (chi-square, p > 1e-4; cells
+    with expected count < 5 pooled). Negative control: accepting every draft fails the same test."""
+    n = 3000
+    target, _ = synthetic_pair(V, 0, 1.0, 1)
+    probs = _exact_sequence_probs(target, [0], SamplingSettings(temperature=1.0))
+    backend = SyntheticBackend(vocab=V, seed=0, step_ms=2.0, batching=True)
+    counts = await _sequence_counts(backend, n)
+    shared = backend.batcher.passes
+    backend.close()
+    assert sum(counts.values()) == n
+    assert shared < 0.5 * n * 2, f"rounds should have shared passes ({shared} passes)"
+    p_value = _chi2_p(counts, probs, n)
+    control = AcceptEverything(vocab=V, seed=0, step_ms=2.0, batching=True)
+    bad = await _sequence_counts(control, n)
+    control.close()
+    p_control = _chi2_p(bad, probs, n)
+    print(f"{n} generations in {shared} passes; chi-square p = {p_value:.3g}, control p = {p_control:.3g}")
+    assert p_value > 1e-4
+    assert p_control < 1e-4
+
+
+# --- memory: 64 sessions on the bundled target ------------------------------------------------
+
+RSS_BOUND_MB = 1024  # 64 sessions x 256 tokens of KV (377 MB) + weights + compute buffers
+
+
+def _peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM")
+
+
+@pytest.mark.slow
+async def test_sixty_four_sessions_on_the_bundled_target_stay_under_the_rss_bound():
+    """A verifier process with KV room for exactly 64 sessions of 256 tokens: 64 concurrent
+    sessions run three rounds each; the process's peak RSS stays under RSS_BOUND_MB; a 65th
+    session evicts the least recently used idle one (whose next round gets NOT_FOUND, to replay)
+    and nothing crashes."""
+    from cloud_verifier.process import spawn_verifier
+    from llama_runtime import bundled_model_path
+    from spec_core.proto import verifier_pb2_grpc as pb_grpc
+    model = GGUFModel(bundled_model_path(), vocab_only=True)
+    proc, addr = spawn_verifier(["--batching", "on", "--n-ctx", "256", "--kv-tokens", str(64 * 256),
+                                 "--max-sessions", "64",
+                                 "--threads", "2"])
+    try:
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = pb_grpc.VerifierStub(ch)
+            info = await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=30)
+            assert info.max_sessions == 64
+
+            async def session(k: int):
+                reply = await stub.Verify(open_req(model, k.to_bytes(16, "big"), f"Item {k}: a list of",
+                                                   drafts=[28, 29, 30]), timeout=300)
+                for _ in range(2):
+                    reply = await stub.Verify(pb.VerifyRequest(
+                        session_id=reply.session_id, round=reply.round + 1, committed_length=reply.committed_length,
+                        draft_token_ids=[28, 29]), timeout=300)
+                return reply
+
+            replies = await asyncio.gather(*[session(k) for k in range(64)])
+            assert all(r.round == 3 for r in replies)
+            await stub.Verify(open_req(model, b"\xff" * 16, "one more"), timeout=60)   # evicts the LRU session
+            outcomes = []
+            for r in replies:
+                try:
+                    await stub.Verify(pb.VerifyRequest(session_id=r.session_id, round=4,
+                                                       committed_length=r.committed_length), timeout=60)
+                    outcomes.append("ok")
+                except grpc.aio.AioRpcError as e:
+                    outcomes.append(e.code())
+            assert outcomes.count(grpc.StatusCode.NOT_FOUND) == 1 and outcomes.count("ok") == 63, outcomes
+            peak = _peak_rss_mb(proc.pid)
+            print(f"verifier peak RSS with 64 sessions: {peak:.0f} MB (bound {RSS_BOUND_MB} MB)")
+            assert peak < RSS_BOUND_MB
+        assert proc.poll() is None, "the verifier must still be running"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+async def test_a_full_store_evicts_finished_sessions_before_live_ones():
+    """Finished sessions (kept for a retried last round) hold no KV cache: they go first."""
+    def req(key, max_new):
+        return pb.VerifyRequest(round=1, committed_length=2, open=pb.OpenSession(
+            prompt_token_ids=[0, 5], open_key=key, tokenizer_fingerprint=synthetic_fingerprint(64),
+            sampling=pb.SamplingParams(temperature=1.0, max_new_tokens=max_new, ignore_eos=True)))
+    async with running_server(SyntheticBackend(), max_sessions=2) as server:
+        async with stub_for(server) as stub:
+            live = await stub.Verify(req(b"L" * 16, 50), timeout=10)          # older, still generating
+            done = await stub.Verify(req(b"D" * 16, 1), timeout=10)           # finishes in its first round
+            assert done.finish_reason == pb.LENGTH
+            await stub.Verify(req(b"N" * 16, 50), timeout=10)                 # the store is full: evict one
+            nxt = await stub.Verify(pb.VerifyRequest(session_id=live.session_id, round=2,
+                                                     committed_length=live.committed_length), timeout=10)
+            assert nxt.round == 2
+
+
+class RecordingPacker:
+    """A model-free packer: logits rows are zeros; records each pass's items."""
+
+    def __init__(self, n_ubatch=32, delay_s=0.0):
+        self.n_ubatch, self.delay_s = n_ubatch, delay_s
+        self.passes: list[list] = []
+
+    def prepare(self, seq, tokens, rows):
+        return [(seq, pos, tok, pos >= len(tokens) - rows) for pos, tok in enumerate(tokens)]
+
+    def decode(self, items):
+        self.passes.append(list(items))
+        time.sleep(self.delay_s)
+        return [np.zeros(4, dtype=np.float32) for it in items if it[3]]
+
+    def release(self, seq):
+        pass
+
+
+def test_a_long_prefill_does_not_hold_up_short_rounds():
+    """A 300-token prefill and four 5-token rounds arrive while a pass runs: the next pass holds
+    all four rounds and a share of the prefill, which is spread over the following passes."""
+    from cloud_verifier.backends.batcher import Batcher
+    packer = RecordingPacker(delay_s=0.05)
+    batcher = Batcher(packer)
+    out = {}
+
+    def call(seq, n, rows):
+        out[seq] = batcher.submit(seq, list(range(n)), rows)
+
+    first = threading.Thread(target=call, args=(9, 1, 1))  # keeps the batcher busy for 50 ms
+    first.start()
+    time.sleep(0.02)
+    threads = [threading.Thread(target=call, args=(0, 300, 1))] + \
+              [threading.Thread(target=call, args=(k, 5, 5)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads + [first]:
+        t.join(timeout=30)
+    batcher.close()
+    assert out[0][0].shape == (1, 4) and all(out[k][0].shape == (5, 4) for k in range(1, 5))
+    assert {it[0] for it in packer.passes[0]} == {9}
+    second_pass = {it[0] for it in packer.passes[1]}
+    assert second_pass == {0, 1, 2, 3, 4}, second_pass
+    assert all(len(p) <= 32 for p in packer.passes)
+    assert sum(1 for p in packer.passes for it in p if it[0] == 0) == 300
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known defect: llama.cpp's CPU attention depends on the order of a "
+                                       "sequence's cells in a shared KV cache (README, 'Many edges')")
+def test_rows_do_not_depend_on_cell_order():
+    """Bundled target: the same 7 rows with the sequence's cells in position order, and with its
+    later cells placed before its earlier ones (another sequence freed them). Measured: max
+    |diff| 1.44 logits. Fixing this (e.g. per-session cell regions kept in order) flips this test."""
+    from llama_runtime import bundled_model_path
+    m = GGUFModel(bundled_model_path(), n_threads=1)
+    a = m.tokenize("Write a short list of facts about chess. 1. The", False)[:12]
+    b = m.tokenize("Bread is made from flour water and yeast and salt", False)[:10]
+    rows = {}
+    for variant in ("ordered", "out of order"):
+        kv = SharedKV(m, 3, 256)
+        sb, sa = kv.acquire(), kv.acquire()
+        kv.decode(kv.prepare(sb, b, 1))              # b in cells 0..9
+        kv.decode(kv.prepare(sa, a[:5], 1))          # a's positions 0..4 in cells 10..14
+        if variant == "out of order":
+            kv.release(sb)                           # a's positions 5.. will land in cells 0..6
+        rows[variant] = np.stack(kv.decode(kv.prepare(sa, a, 7)))
+        kv.close()
+    np.testing.assert_array_equal(rows["ordered"], rows["out of order"])
