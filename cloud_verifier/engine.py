@@ -22,7 +22,8 @@ from cloud_verifier.backends.base import Backend
 from cloud_verifier.sessions import Session, SessionStore
 from spec_core import qcodec
 from spec_core.proto import verifier_pb2 as pb
-from spec_core.verify import commit_round
+from spec_core.tree import DraftTree, TreeError, prune_to_fit, validate_tree
+from spec_core.verify import RoundResult, commit_round
 from spec_core.warping import GENERATE_STREAM, VERIFIER_STREAM, SamplingSettings, seeded_rng
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class Limits:
     session_ttl_s: float = 600.0
     default_max_new_tokens: int = 256
     max_new_tokens_cap: int = 4096
+    max_tree_nodes: int = 64       # nodes in one tree round (its depth is bounded by max_gamma)
+    max_tree_branching: int = 8    # children of one tree node
 
 
 MAX_STOP_IDS = 64
@@ -105,7 +108,8 @@ class VerifierEngine:
     async def verify(self, req: pb.VerifyRequest) -> pb.VerifyReply:
         t_start = time.perf_counter()
         drafts = list(req.draft_token_ids)
-        if len(drafts) > self.limits.max_gamma:
+        tree = self._tree(req, drafts)
+        if tree is None and len(drafts) > self.limits.max_gamma:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"gamma = {len(drafts)} draft tokens is above this server's limit of "
                                f"{self.limits.max_gamma}")
@@ -157,10 +161,24 @@ class VerifierEngine:
             room = self.info.n_ctx - len(session.tokens) - 1
             if room < 0:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the context window is full")
-            if len(drafts) > room:
-                drafts, qs = drafts[:room], (qs[:room] if qs is not None else None)
-            result, queue_s, model_s = await run_in_thread(
-                self.backend.verify, session.state, session.tokens, drafts, qs, session.settings, session.rng)
+            kept_nodes: list[int] = []
+            if tree is not None:
+                # A tree is cut like a chain: whole levels past the room, then nodes in index order.
+                fit = prune_to_fit(tree, room)
+                if len(fit) < len(tree):
+                    tree, qs = tree.subtree(fit), ([qs[i] for i in fit] if qs is not None else None)
+                tree_result, queue_s, model_s = await run_in_thread(
+                    self.backend.verify_tree, session.state, session.tokens, tree, qs, session.settings, session.rng)
+                kept_nodes = [fit[i] for i in tree_result.path]
+                n_verified = len(tree)
+                drafts = [tree.tokens[i] for i in tree_result.path]
+                result = RoundResult(len(drafts), tree_result.next_token)
+            else:
+                if len(drafts) > room:
+                    drafts, qs = drafts[:room], (qs[:room] if qs is not None else None)
+                n_verified = len(drafts)
+                result, queue_s, model_s = await run_in_thread(
+                    self.backend.verify, session.state, session.tokens, drafts, qs, session.settings, session.rng)
             done = commit_round(drafts, result, session.stop_ids,
                                 remaining=session.settings.max_new_tokens - session.generated,
                                 context_left=self.info.n_ctx - len(session.tokens))
@@ -174,13 +192,26 @@ class VerifierEngine:
                                          total_ms=(time.perf_counter() - t_start) * 1e3))
             if done.has_next_token:
                 reply.next_token_id = done.tokens[-1]
+            reply.kept_nodes.extend(kept_nodes[: done.num_accepted])
             session.last_reply, session.last_request_digest = reply, digest
             if done.finish_reason != pb.NOT_FINISHED:
                 # Keep the (small) session for retries of this last round; free its KV cache now.
                 self.backend.release(session.state)
                 session.state = None
-            metrics.observe_round(len(drafts), done.num_accepted, model_s, time.perf_counter() - t_start)
+            metrics.observe_round(n_verified, done.num_accepted, model_s, time.perf_counter() - t_start)
             return reply
+
+    def _tree(self, req: pb.VerifyRequest, drafts: list[int]) -> DraftTree | None:
+        """The round's tree, validated; None for a chain (no draft_parents)."""
+        if not req.draft_parents:
+            return None
+        if not self.backend.supports_trees or self.limits.max_tree_nodes == 0:
+            raise _bad(f"this server ({self.info.name}) verifies chains only: send the drafts without draft_parents")
+        try:
+            return validate_tree(drafts, list(req.draft_parents), self.info.n_vocab, self.limits.max_tree_nodes,
+                                 self.limits.max_gamma, self.limits.max_tree_branching)
+        except TreeError as e:
+            raise _bad(str(e)) from None
 
     def _reopen(self, req: pb.VerifyRequest) -> Session | None:
         """A retried first round: the same open_key and the same `open` map to the same session."""
@@ -293,7 +324,9 @@ class VerifierEngine:
         return pb.ServerInfo(backend=i.name, model=i.model, n_vocab=i.n_vocab, n_ctx=i.n_ctx,
                              tokenizer_fingerprint=i.fingerprint, max_gamma=self.limits.max_gamma,
                              max_sessions=self.limits.max_sessions, eos_token_ids=sorted(i.eos_token_ids),
-                             version=self.version)
+                             version=self.version,
+                             max_tree_nodes=self.limits.max_tree_nodes if self.backend.supports_trees else 0,
+                             max_tree_branching=self.limits.max_tree_branching)
 
 
 async def run_in_thread(fn, *args):
@@ -318,5 +351,6 @@ def _round_digest(req: pb.VerifyRequest) -> bytes:
     h = hashlib.sha256()
     h.update(f"{req.round}:{req.committed_length}:".encode())
     h.update(np.asarray(req.draft_token_ids, dtype=np.uint32).tobytes())
+    h.update(b"parents:" + np.asarray(req.draft_parents, dtype=np.int32).tobytes())
     h.update(req.q.SerializeToString(deterministic=True))
     return h.digest()

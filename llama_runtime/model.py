@@ -121,8 +121,8 @@ class GGUFModel:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
-    def new_context(self, n_ctx: int = 2048, n_batch: int = 512) -> "KVContext":
-        return KVContext(self, n_ctx, n_batch)
+    def new_context(self, n_ctx: int = 2048, n_batch: int = 512, n_seq_max: int = 1) -> "KVContext":
+        return KVContext(self, n_ctx, n_batch, n_seq_max)
 
     def close(self) -> None:
         if getattr(self, "_model", None):
@@ -141,9 +141,21 @@ class KVContext:
     reusing the longest common prefix and rolling back the rest, and returns raw logits for the
     last `rows` positions only  # [rows, n_vocab] float32 copy."""
 
-    def __init__(self, model: GGUFModel, n_ctx: int, n_batch: int):
+    def __init__(self, model: GGUFModel, n_ctx: int, n_batch: int, n_seq_max: int = 1):
         self.model = model
         params = llama_cpp.llama_context_default_params()
+        if n_seq_max > 1:
+            # Scratch sequence ids for trees (tree_logits); one unified cache, so a token shared by
+            # several branches takes one cell and n_ctx is not split between sequences. Flash
+            # attention off: on CPU it accumulates in F16 in cell order, and a tree round leaves the
+            # kept path's cells out of order, which moved next-round logits by ~1e-3; without it
+            # they equal a chain's (same settings) to ~1e-6 (tests/test_tree_llama.py).
+            params.n_seq_max = n_seq_max
+            params.kv_unified = True
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.n_seq_max = n_seq_max
+        self._tree_batch = None
+        self._tree_state: tuple[int, list[list[int]]] | None = None  # committed length, seq ids per node
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_ubatch = n_batch
@@ -203,6 +215,102 @@ class KVContext:
             pos += len(chunk)
         return out
 
+    def tree_logits(self, committed: Sequence[int], node_tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """Raw logits after `committed` and after each tree node, in one llama_decode  # [n + 1, n_vocab].
+
+        Row 0 predicts the root's children, row i + 1 node i's children. Leaf j owns scratch sequence
+        id j + 1; a node carries the ids of every leaf below it (several ids for a token on several
+        branches), and the committed tokens carry all of them, so each node attends to exactly its
+        ancestors, as in a chain. Call `keep_tree_path` next: it leaves committed + the kept path in
+        sequence 0 and drops the rest. parents[i] is -1 (the committed sequence) or an index < i.
+        """
+        committed, n = list(committed), len(node_tokens)
+        has_child = set(parents)
+        leaves = [i for i in range(n) if i not in has_child]
+        if len(leaves) + 1 > self.n_seq_max:
+            raise ValueError(f"a tree with {len(leaves)} leaves needs n_seq_max >= {len(leaves) + 1}, "
+                             f"this context has {self.n_seq_max}")
+        if len(committed) + n > self.n_ctx:
+            raise ValueError(f"{len(committed)} tokens + {n} nodes do not fit a context of {self.n_ctx}")
+        if n + 1 > self.n_batch:
+            raise ValueError(f"a tree of {n} nodes does not fit a batch of {self.n_batch}")
+        seqs: list[list[int]] = [[] for _ in range(n)]
+        for j, leaf in enumerate(leaves):
+            node = leaf
+            while node != -1:
+                seqs[node].append(j + 1)
+                node = parents[node]
+        depth = []
+        for p in parents:
+            depth.append(0 if p == -1 else depth[p] + 1)
+        scratch = list(range(1, len(leaves) + 1))
+        self._drop_scratch()
+        # Bring sequence 0 to committed[:-1] (or less); what is left of committed goes in this pass.
+        keep = 0
+        for a, b in zip(self.tokens, committed):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(committed) - 1)
+        if len(committed) - keep + n > self.n_batch:
+            self.logits(committed[:-1], 1)  # a long uncached tail (first round): decode it on its own
+            keep = len(committed) - 1
+        if keep < len(self.tokens):
+            llama_cpp.llama_memory_seq_rm(self._mem, 0, keep, -1)
+            del self.tokens[keep:]
+        for s in scratch:
+            llama_cpp.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
+        if self._tree_batch is None:
+            self._tree_batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_seq_max)
+        b = self._tree_batch
+        tail = committed[keep:]
+        i = 0
+        for k, tok in enumerate(tail):
+            b.token[i], b.pos[i], b.logits[i] = tok, keep + k, k == len(tail) - 1
+            ids = [0] + scratch
+            b.n_seq_id[i] = len(ids)
+            for m, s in enumerate(ids):
+                b.seq_id[i][m] = s
+            i += 1
+        for node, tok in enumerate(node_tokens):
+            b.token[i], b.pos[i], b.logits[i] = tok, len(committed) + depth[node], True
+            b.n_seq_id[i] = len(seqs[node])
+            for m, s in enumerate(seqs[node]):
+                b.seq_id[i][m] = s
+            i += 1
+        b.n_tokens = i
+        rc = llama_cpp.llama_decode(self._ctx, b)
+        if rc != 0:
+            llama_cpp.llama_memory_seq_rm(self._mem, 0, keep, -1)
+            self._drop_scratch(scratch)
+            raise RuntimeError(f"llama_decode failed with code {rc} on a tree of {n} nodes")
+        self.tokens.extend(tail)
+        self.tokens_decoded += i
+        self._tree_state = (len(committed), seqs, scratch)
+        out = np.empty((n + 1, self.model.n_vocab), dtype=np.float32)
+        for row, idx in enumerate(range(len(tail) - 1, i)):
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, idx)
+            out[row] = np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+        return out
+
+    def keep_tree_path(self, path: Sequence[int], path_tokens: Sequence[int]) -> None:
+        """After `tree_logits`: sequence 0 gains the kept path's cells (node indices `path`, root
+        first, with their tokens); every scratch sequence is dropped, freeing the other branches."""
+        assert self._tree_state is not None, "keep_tree_path without tree_logits"
+        n_committed, seqs, scratch = self._tree_state
+        if path:
+            leaf_seq = seqs[path[-1]][0]  # a branch through the last kept node holds the whole path
+            llama_cpp.llama_memory_seq_cp(self._mem, leaf_seq, 0, n_committed, n_committed + len(path))
+            self.tokens.extend(path_tokens)
+        self._drop_scratch(scratch)
+
+    def _drop_scratch(self, scratch: Sequence[int] | None = None) -> None:
+        if scratch is None:
+            scratch = self._tree_state[2] if self._tree_state else []
+        for s in scratch:
+            llama_cpp.llama_memory_seq_rm(self._mem, s, -1, -1)
+        self._tree_state = None
+
     def reset(self) -> None:
         llama_cpp.llama_memory_clear(self._mem, True)
         self.tokens.clear()
@@ -210,6 +318,8 @@ class KVContext:
     def close(self) -> None:
         if getattr(self, "_ctx", None):
             llama_cpp.llama_batch_free(self._batch)
+            if self._tree_batch is not None:
+                llama_cpp.llama_batch_free(self._tree_batch)
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from cloud_verifier.backends.base import Backend, BackendInfo
 from spec_core.synthetic import SyntheticLM, synthetic_fingerprint
+from spec_core.tree import DraftTree
 
 
 class SyntheticBackend(Backend):
@@ -38,6 +39,27 @@ class SyntheticBackend(Backend):
                 time.sleep(cost)
             t2 = time.perf_counter()
         return out, t1 - t0, t2 - t1
+
+    def tree_logits(self, state: dict, committed: Sequence[int], tree: DraftTree):
+        """One pass for the tree: costs step + per_token × (new committed tokens + nodes), like a
+        backend that batches every node (a GPU's cost is nearly flat in the node count: per_token ≈ 0)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            t1 = time.perf_counter()
+            committed = list(committed)
+            new = max(1, len(committed) - state["cached"]) + len(tree)
+            self._forwarded += new
+            ctxs = [committed] + [committed + [tree.tokens[j] for j in tree.path_to(i)] for i in range(len(tree))]
+            out = np.stack([self.lm.logits(c) for c in ctxs])
+            state["cached"] = len(committed)
+            cost = self.step_s + self.per_token_s * new
+            if cost > 0:
+                time.sleep(cost)
+            t2 = time.perf_counter()
+        return out, t1 - t0, t2 - t1
+
+    def keep_tree_path(self, state: dict, committed, tree, path) -> None:
+        state["cached"] = len(committed) + len(path)  # as a KV cache keeping the kept path would
 
     def forward_tokens(self) -> int:
         return self._forwarded

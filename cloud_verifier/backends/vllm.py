@@ -180,6 +180,11 @@ def hf_tokenizer_facts(folder: str) -> tuple[str, int, frozenset[int]]:
 
 
 class VllmBackend(Backend):
+    # Tree rounds are refused for now: this backend's verify sees one sampled logprob per
+    # position, not full rows, so the tree rule (residual p after each rejected sibling) needs its
+    # own mechanism; see the README's trees section.
+    supports_trees = False
+
     def __init__(self, model: str, n_ctx: int = 2048, engine_args: dict | None = None):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
