@@ -32,6 +32,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                                    "when it exists)")
     s.add_argument("--tokenizer", help="GGUF file whose vocabulary to use with --drafter lookup (default: bundled)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
+    s.add_argument("--tree", default="off",
+                   help="token trees: 'off' (chains), 'auto' (the cost model picks chain or tree each round), or a "
+                        "shape 'budget=16,depth=4,branching=2,width=4' (that tree every round)")
+    s.add_argument("--max-tree-nodes", type=int, default=64, help="largest tree --tree auto may send")
     s.add_argument("--synthetic-vocab", type=int, default=64)
     s.add_argument("--synthetic-seed", type=int, default=0)
     s.add_argument("--synthetic-noise", type=float, default=1.0)
@@ -58,7 +62,8 @@ def build_drafter(args):
     if not args.draft:
         raise SystemExit("--draft DRAFT.gguf is required with --drafter gguf "
                          "(make one with: edge-client make-draft --target TARGET.gguf --out DRAFT.gguf)")
-    d = GGUFDrafter(args.draft, n_threads=args.threads)
+    tree_nodes = 0 if getattr(args, "tree", "off") == "off" else max(args.max_tree_nodes, 64)
+    d = GGUFDrafter(args.draft, n_threads=args.threads, max_tree_nodes=tree_nodes)
     return d, d.model
 
 
@@ -81,7 +86,9 @@ async def run_generate(args, server: str, out=sys.stdout, quiet: bool = False):
     gamma = args.gamma if args.gamma == "adaptive" else int(args.gamma)
     try:
         async with EdgeClient(server, drafter, tokenizer, gamma=gamma, qmode=QMode.parse(args.qmode),
-                              deadline_s=args.deadline, max_retries=args.retries, max_gamma=args.max_gamma) as client:
+                              deadline_s=args.deadline, max_retries=args.retries, max_gamma=args.max_gamma,
+                              tree=getattr(args, "tree", "off"),
+                              max_tree_nodes=getattr(args, "max_tree_nodes", 64)) as client:
             gen = client.generate(prompt_ids(args, tokenizer), settings_from_args(args))
             async for piece in gen:
                 if not quiet:

@@ -25,12 +25,13 @@ from typing import AsyncIterator, Protocol, Sequence
 import grpc
 
 from edge_client.drafters import Drafter
-from edge_client.gamma import AdaptiveGamma, FixedGamma
+from edge_client.gamma import AdaptiveGamma, FixedGamma, TreePolicy
 from spec_core import qcodec
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.drafting import QMode
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
+from spec_core.tree import TreeShape
 from spec_core.warping import EDGE_STREAM, SamplingSettings, seeded_rng
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,11 @@ class GenerationStats:
     draft_s: float = 0.0            # total time drafting
     server_model_s: float = 0.0     # total time in the target model (server's own timing)
     finish_reason: str = ""
+    nodes_per_round: float = 0.0    # draft tokens (chain) or tree nodes sent per round
+    tree_rounds: int = 0            # rounds that carried a tree
+    plans: str = ""                 # how often each chain/tree plan was chosen
+    reused_drafts: int = 0          # drafted tokens reused from proactive drafting (--proactive)
+    discarded_rounds: int = 0       # pipelined rounds dropped because their base was not committed
     token_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -109,6 +115,8 @@ class Generation:
         c, st = self._client, self.stats
         settings = self.settings
         policy = AdaptiveGamma(max_gamma=c.max_gamma) if c.gamma == "adaptive" else FixedGamma(int(c.gamma))
+        planner = TreePolicy(policy, c.tree, max_nodes=c.max_tree_nodes)
+        nodes_sent = 0
         rng = seeded_rng(settings.seed, EDGE_STREAM)  # never the verifier's stream (see warping)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         committed = list(self.prompt_ids)
@@ -120,10 +128,16 @@ class Generation:
         finished = False
         while not finished:
             remaining = settings.max_new_tokens - (len(committed) - prompt_len)
-            gamma = max(0, min(policy.next_gamma(), remaining - 1))
-            draft = c.drafter.propose(committed, gamma, settings, c.qmode, rng)
+            plan = planner.plan(remaining)
+            if plan.shape is None:
+                draft = c.drafter.propose(committed, plan.gamma, settings, c.qmode, rng)
+                parents, rows = [], len(draft.tokens)
+            else:
+                draft = c.drafter.propose_tree(committed, plan.shape, settings, c.qmode, rng)
+                parents, rows = draft.parents, draft.rows
             req = pb.VerifyRequest(session_id=session_id, round=last_round + 1, committed_length=len(committed),
-                                   draft_token_ids=draft.tokens, q=qcodec.to_proto(draft.qs, c.qmode.scale_bits))
+                                   draft_token_ids=draft.tokens, draft_parents=parents,
+                                   q=qcodec.to_proto(draft.qs, c.qmode.scale_bits))
             if not session_id:
                 req.open.CopyFrom(pb.OpenSession(
                     prompt_token_ids=self.prompt_ids, resume_token_ids=committed[prompt_len:],
@@ -141,7 +155,17 @@ class Generation:
                     continue
                 raise
             round_s = time.perf_counter() - t_round
-            new = draft.tokens[: reply.num_accepted] + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
+            if parents:
+                kept = list(reply.kept_nodes)
+                is_path = len(kept) == reply.num_accepted and all(
+                    k < len(draft.tokens) and draft.parents[k] == (kept[j - 1] if j else -1) for j, k in enumerate(kept))
+                if not is_path:
+                    raise EdgeError(grpc.StatusCode.INTERNAL, f"kept_nodes {list(reply.kept_nodes)} is not a path "
+                                                              f"from the root of {reply.num_accepted} nodes")
+                accepted = [draft.tokens[i] for i in kept]
+            else:
+                accepted = draft.tokens[: reply.num_accepted]
+            new = accepted + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
             committed.extend(new)
             if reply.committed_length != len(committed):
                 raise EdgeError(grpc.StatusCode.INTERNAL, f"server committed {reply.committed_length} tokens, "
@@ -150,14 +174,20 @@ class Generation:
             st.rounds += 1
             st.drafted += len(draft.tokens)
             st.accepted += reply.num_accepted
-            rejected = reply.HasField("next_token_id") and reply.num_accepted < len(draft.tokens)
+            depth = plan.gamma if parents else len(draft.tokens)
+            rejected = reply.HasField("next_token_id") and reply.num_accepted < depth
             st.rejections += rejected
             st.draft_s += draft.seconds
             st.server_model_s += reply.timings.model_ms / 1e3
-            gammas.append(len(draft.tokens))
-            policy.observe(gamma=len(draft.tokens), num_accepted=reply.num_accepted, draft_s=draft.seconds,
-                           round_s=round_s, server_s=reply.timings.total_ms / 1e3, model_s=reply.timings.model_ms / 1e3,
-                           rejected=rejected)
+            nodes_sent += len(draft.tokens)
+            st.tree_rounds += bool(parents)
+            gammas.append(depth)
+            server_s, model_s = reply.timings.total_ms / 1e3, reply.timings.model_ms / 1e3
+            if not parents:  # the chain's α and γ model; a tree round's acceptance is not geometric
+                policy.observe(gamma=len(draft.tokens), num_accepted=reply.num_accepted, draft_s=draft.seconds,
+                               round_s=round_s, server_s=server_s, model_s=model_s, rejected=rejected)
+            planner.observe(plan, nodes=len(draft.tokens), rows=rows, tokens=len(new), draft_s=draft.seconds,
+                            round_s=round_s, server_s=server_s, model_s=model_s)
             c.drafter.observe(committed, reply.num_accepted)
             if new and not st.ttft_s:
                 st.ttft_s = time.perf_counter() - t0
@@ -180,6 +210,8 @@ class Generation:
         st.tokens_per_round = st.tokens / st.rounds if st.rounds else 0.0
         st.mean_gamma = sum(gammas) / len(gammas) if gammas else 0.0
         st.gamma = policy.describe()
+        st.nodes_per_round = nodes_sent / st.rounds if st.rounds else 0.0
+        st.plans = planner.describe()
         st.expected_tokens_per_round = expected_tokens_per_round(st.alpha, round(st.mean_gamma))
         st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
 
@@ -222,13 +254,19 @@ async def stream_cloud_only(stub: pb_grpc.VerifierStub, prompt_ids: Sequence[int
 class EdgeClient:
     def __init__(self, server: str, drafter: Drafter, tokenizer: Tokenizer, *, gamma: int | str = 5,
                  qmode: QMode | str = "fixed", deadline_s: float = 30.0, max_retries: int = 8,
-                 max_replays: int = 8, max_gamma: int = 12, channel: grpc.aio.Channel | None = None):
+                 max_replays: int = 8, max_gamma: int = 12, channel: grpc.aio.Channel | None = None,
+                 tree: "str | TreeShape" = "off", max_tree_nodes: int = 64):
         self.server, self.drafter, self.tokenizer = server, drafter, tokenizer
         self.gamma = gamma
         self.qmode = QMode.parse(qmode) if isinstance(qmode, str) else qmode
         self.deadline_s, self.max_retries, self.max_replays, self.max_gamma = deadline_s, max_retries, max_replays, max_gamma
         self._channel = channel
         self._own_channel = channel is None
+        # "off": chains; "auto": the cost model picks chain or tree each round; a TreeShape: always.
+        self.tree = TreeShape.parse(tree) if isinstance(tree, str) and tree not in ("off", "auto") else tree
+        self.max_tree_nodes = max_tree_nodes
+        if self.tree != "off" and not drafter.supports_trees:
+            raise ValueError(f"the {drafter.name} drafter does not build trees; use tree='off'")
         self._reached = False
         # Special tokens (EOS, <|im_end|>) end generation; they are not printed.
         self.hidden_ids = getattr(tokenizer, "eog_ids", frozenset())

@@ -304,6 +304,53 @@ class KVContext:
             self.tokens.extend(path_tokens)
         self._drop_scratch(scratch)
 
+    def draft_tree_begin(self, committed: Sequence[int]) -> np.ndarray:
+        """Start growing a draft tree after `committed`: raw logits after it  # [n_vocab].
+        Then `draft_tree_extend` decodes nodes level by level, each node once, in one batch per
+        call: node k owns scratch sequence k + 1, copied from its parent's (metadata only), so it
+        sees exactly committed + its ancestors. `draft_tree_end` drops the scratch sequences."""
+        self._drop_scratch()
+        row = self.logits(committed, 1)[0]
+        self._tree_state = (len(committed), [], [])
+        self._draft_depth: dict[int, int] = {}
+        return row
+
+    def draft_tree_extend(self, nodes: Sequence[tuple[int, int, int]]) -> np.ndarray:
+        """nodes: (node id, parent id or -1, token); returns raw logits after each  # [len(nodes), n_vocab]."""
+        assert self._tree_state is not None, "draft_tree_extend without draft_tree_begin"
+        n_committed, _, scratch = self._tree_state
+        if len(nodes) > self.n_batch:
+            raise ValueError(f"{len(nodes)} nodes do not fit a batch of {self.n_batch}")
+        if self._tree_batch is None:
+            self._tree_batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_seq_max)
+        b = self._tree_batch
+        for i, (node, parent, tok) in enumerate(nodes):
+            seq = node + 1
+            if seq >= self.n_seq_max:
+                raise ValueError(f"node {node} needs n_seq_max > {seq}; this context has {self.n_seq_max}")
+            depth = 0 if parent == -1 else self._draft_depth[parent] + 1
+            if n_committed + depth >= self.n_ctx:
+                raise ValueError(f"node {node} at depth {depth + 1} does not fit a context of {self.n_ctx}")
+            self._draft_depth[node] = depth
+            llama_cpp.llama_memory_seq_cp(self._mem, 0 if parent == -1 else parent + 1, seq, -1, -1)
+            scratch.append(seq)
+            b.token[i], b.pos[i], b.logits[i] = tok, n_committed + depth, True
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(nodes)
+        rc = llama_cpp.llama_decode(self._ctx, b)
+        if rc != 0:
+            self._drop_scratch()
+            raise RuntimeError(f"llama_decode failed with code {rc} on {len(nodes)} draft tree nodes")
+        self.tokens_decoded += len(nodes)
+        out = np.empty((len(nodes), self.model.n_vocab), dtype=np.float32)
+        for i in range(len(nodes)):
+            out[i] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, i), shape=(self.model.n_vocab,))
+        return out
+
+    def draft_tree_end(self) -> None:
+        self._drop_scratch()
+
     def _drop_scratch(self, scratch: Sequence[int] | None = None) -> None:
         if scratch is None:
             scratch = self._tree_state[2] if self._tree_state else []

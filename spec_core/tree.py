@@ -241,8 +241,9 @@ class GrownTree:
 def grow_tree(next_probs, shape: TreeShape, rng: np.random.Generator, encode=None) -> GrownTree:
     """Grow a draft tree level by level, expanding the most probable frontier nodes.
 
-    next_probs(paths)  # list of token lists (after the committed sequence) -> [len(paths), vocab]:
-        the draft's processed distribution after each path, computed in one batch.
+    next_probs(nodes, tokens, parents) -> [len(nodes), vocab]: the draft's distribution after each
+        node in `nodes` (ROOT = after the committed sequence) of the tree grown so far (tokens,
+        parents), computed in one batch; used to pick children (and, with `encode`, to make q).
     encode(probs) -> EncodedQ, or None: deterministic children (the most likely tokens, point masses).
         With `encode`, children are sampled without replacement from the encoded q, and how many
         children a node gets is fixed before any is drawn (a rule that kept or dropped a child after
@@ -260,7 +261,7 @@ def grow_tree(next_probs, shape: TreeShape, rng: np.random.Generator, encode=Non
             break
         frontier.sort(key=lambda f: -f[0])
         expand = frontier[: min(shape.width, left)]
-        probs = next_probs([path for _, _, path in expand])  # [len(expand), vocab]
+        probs = next_probs([node for _, node, _ in expand], tokens, parents)  # [len(expand), vocab]
         rows += len(expand)
         candidates = []  # (path prob, order, parent, token, q)
         for order, ((pp, node, path), row) in enumerate(zip(expand, probs)):
@@ -296,3 +297,23 @@ def grow_tree(next_probs, shape: TreeShape, rng: np.random.Generator, encode=Non
             frontier.append((pp, len(tokens) - 1, path + [tok]))
     tree = DraftTree(tuple(tokens), tuple(parents))
     return GrownTree(tree, qs if encode is not None and qs else None, path_probs, rows)
+
+
+def tree_sampling(settings, qmode):
+    """(to_probs(logits) -> probs, encode or None) for growing a tree with these settings.
+
+    Greedy or q mode 'none' gives deterministic children (point masses): ranked by the draft's
+    softmax (at temperature 1 when greedy, where the processed p is one-hot and would rank nothing).
+    Otherwise children are sampled without replacement from the encoded q (quantize, then sample).
+    """
+    from spec_core.qcodec import encode_fixed as _fixed, encode_float as _float
+    from spec_core.warping import processed_probs
+
+    if settings.greedy or qmode.kind == "none":
+        temperature = 1.0 if settings.greedy else settings.temperature
+        top_k, top_p = (0, 1.0) if settings.greedy else (settings.top_k, settings.top_p)
+        return (lambda logits: processed_probs(logits, temperature, top_k, top_p)), None
+    to_probs = lambda logits: processed_probs(logits, settings.temperature, settings.top_k, settings.top_p)  # noqa: E731
+    if qmode.kind == "fixed":
+        return to_probs, lambda probs: _fixed(probs, qmode.top_k, qmode.scale_bits)
+    return to_probs, lambda probs: _float(probs, qmode.top_k)

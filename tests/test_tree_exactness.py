@@ -42,7 +42,9 @@ def speculative_tree_sequence(target, draft, prompt, s, shape, kind, rng, verify
     committed = list(prompt)
     encode = encoder_for(kind)
     while len(committed) - len(prompt) < L:
-        def next_probs(paths, base=list(committed)):
+        def next_probs(nodes, tokens, parents, base=list(committed)):
+            tree = DraftTree(tuple(tokens), tuple(parents))
+            paths = [[] if n == ROOT else [tokens[j] for j in tree.path_to(n)] for n in nodes]
             return np.stack([processed_probs(draft.logits(base + p), s.temperature, s.top_k, s.top_p) for p in paths])
         grown = grow_tree(next_probs, shape, rng, encode)
         p = tree_target_probs(target, committed, grown.tree, s)
@@ -236,11 +238,11 @@ def test_grow_tree_respects_the_shape():
     rng = np.random.default_rng(0)
     probs = np.array([0.4, 0.3, 0.2, 0.1])
     for encode in (None, lambda p: encode_fixed(p, 0, 8)):
-        g = grow_tree(lambda paths: np.tile(probs, (len(paths), 1)), TreeShape(budget=7, depth=3, branching=2,
+        g = grow_tree(lambda nodes, *_: np.tile(probs, (len(nodes), 1)), TreeShape(budget=7, depth=3, branching=2,
                                                                                width=2), rng, encode)
         validate_tree(g.tree.tokens, g.tree.parents, 4, 7, 3, 2)
         assert len(g.tree) == 7 and max(g.tree.depths()) == 3
-    g = grow_tree(lambda paths: np.tile(probs, (len(paths), 1)), TreeShape(budget=6, depth=3, branching=2,
+    g = grow_tree(lambda nodes, *_: np.tile(probs, (len(nodes), 1)), TreeShape(budget=6, depth=3, branching=2,
                                                                            width=2), rng, None)
     # Deterministic children: the two most likely tokens, best-first frontier.
     assert g.tree.tokens[:2] == (0, 1) and g.tree.parents[:2] == (-1, -1)
