@@ -44,6 +44,7 @@ class Limits:
     max_new_tokens_cap: int = 4096
     max_tree_nodes: int = 64       # nodes in one tree round (its depth is bounded by max_gamma)
     max_tree_branching: int = 8    # children of one tree node
+    pipeline_wait_s: float = 30.0  # longest a pipelined round waits for its predecessor
 
 
 MAX_STOP_IDS = 64
@@ -132,6 +133,13 @@ class VerifierEngine:
         else:
             raise _bad("session_id is empty and `open` is missing: the first round must carry `open`")
 
+        assumed = list(req.assumed_tokens)
+        if len(assumed) > self.limits.max_gamma + 1:
+            raise _bad(f"assumed_tokens has {len(assumed)} ids; at most max_gamma + 1 = {self.limits.max_gamma + 1}")
+        self._check_ids(assumed, "assumed_tokens")
+        if assumed:
+            await self._wait_for_round(session, req.round - 1)
+
         async with session.lock:
             if self.sessions.get(session.id) is not session or session.state is None and \
                     session.finish_reason == pb.NOT_FINISHED:
@@ -145,6 +153,14 @@ class VerifierEngine:
                                        f"round {req.round} was already verified with different drafts")
                 metrics.RETRIES.inc()
                 return session.last_reply
+            if assumed and req.round == session.round + 1 and (
+                    req.committed_length != len(session.tokens) or session.tokens[-len(assumed):] != assumed
+                    or session.finish_reason != pb.NOT_FINISHED):
+                # A pipelined round on a base that was not committed: answered, never verified, not
+                # cached, and the round number stays free.
+                metrics.PIPELINE_DISCARDS.inc()
+                return pb.VerifyReply(session_id=session.id, round=req.round, committed_length=len(session.tokens),
+                                      finish_reason=session.finish_reason, base_mismatch=True)
             if req.round != session.round + 1:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"round {req.round} is out of step: this session expects round {session.round + 1} "
@@ -194,12 +210,27 @@ class VerifierEngine:
                 reply.next_token_id = done.tokens[-1]
             reply.kept_nodes.extend(kept_nodes[: done.num_accepted])
             session.last_reply, session.last_request_digest = reply, digest
+            session.round_done.set()
+            session.round_done = asyncio.Event()
             if done.finish_reason != pb.NOT_FINISHED:
                 # Keep the (small) session for retries of this last round; free its KV cache now.
                 self.backend.release(session.state)
                 session.state = None
             metrics.observe_round(n_verified, done.num_accepted, model_s, time.perf_counter() - t_start)
             return reply
+
+    async def _wait_for_round(self, session: Session, round_: int) -> None:
+        """Let a pipelined round's predecessor finish first (it may arrive later on the wire)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.pipeline_wait_s
+        while session.round < round_ and session.finish_reason == pb.NOT_FINISHED:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(session.round_done.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     def _tree(self, req: pb.VerifyRequest, drafts: list[int]) -> DraftTree | None:
         """The round's tree, validated; None for a chain (no draft_parents)."""
@@ -352,5 +383,6 @@ def _round_digest(req: pb.VerifyRequest) -> bytes:
     h.update(f"{req.round}:{req.committed_length}:".encode())
     h.update(np.asarray(req.draft_token_ids, dtype=np.uint32).tobytes())
     h.update(b"parents:" + np.asarray(req.draft_parents, dtype=np.int32).tobytes())
+    h.update(b"assumed:" + np.asarray(req.assumed_tokens, dtype=np.uint32).tobytes())
     h.update(req.q.SerializeToString(deterministic=True))
     return h.digest()

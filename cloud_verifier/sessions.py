@@ -37,6 +37,8 @@ class Session:
     finish_reason: int = pb.NOT_FINISHED
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    round_done: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) per round;
+                                                                       # pipelined rounds wait on it
 
     @property
     def generated(self) -> int:

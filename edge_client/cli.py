@@ -36,6 +36,12 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="token trees: 'off' (chains), 'auto' (the cost model picks chain or tree each round), or a "
                         "shape 'budget=16,depth=4,branching=2,width=4' (that tree every round)")
     s.add_argument("--max-tree-nodes", type=int, default=64, help="largest tree --tree auto may send")
+    s.add_argument("--proactive", action="store_true",
+                   help="while a round is in flight, draft the next one from its most likely outcome; reuse it "
+                        "when the reply matches")
+    s.add_argument("--pipeline", action="store_true",
+                   help="also send that next round before the reply (verified only if its base was committed, "
+                        "discarded and counted otherwise)")
     s.add_argument("--synthetic-vocab", type=int, default=64)
     s.add_argument("--synthetic-seed", type=int, default=0)
     s.add_argument("--synthetic-noise", type=float, default=1.0)
@@ -88,7 +94,9 @@ async def run_generate(args, server: str, out=sys.stdout, quiet: bool = False):
         async with EdgeClient(server, drafter, tokenizer, gamma=gamma, qmode=QMode.parse(args.qmode),
                               deadline_s=args.deadline, max_retries=args.retries, max_gamma=args.max_gamma,
                               tree=getattr(args, "tree", "off"),
-                              max_tree_nodes=getattr(args, "max_tree_nodes", 64)) as client:
+                              max_tree_nodes=getattr(args, "max_tree_nodes", 64),
+                              proactive=getattr(args, "proactive", False),
+                              pipeline=getattr(args, "pipeline", False)) as client:
             gen = client.generate(prompt_ids(args, tokenizer), settings_from_args(args))
             async for piece in gen:
                 if not quiet:

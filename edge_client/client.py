@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import logging
 import os
 import time
@@ -24,8 +25,8 @@ from typing import AsyncIterator, Protocol, Sequence
 
 import grpc
 
-from edge_client.drafters import Drafter
-from edge_client.gamma import AdaptiveGamma, FixedGamma, TreePolicy
+from edge_client.drafters import Draft, Drafter, TreeDraft
+from edge_client.gamma import AdaptiveGamma, FixedGamma, RoundPlan, TreePolicy
 from spec_core import qcodec
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.drafting import QMode
@@ -88,6 +89,7 @@ class GenerationStats:
     plans: str = ""                 # how often each chain/tree plan was chosen
     reused_drafts: int = 0          # drafted tokens reused from proactive drafting (--proactive)
     discarded_rounds: int = 0       # pipelined rounds dropped because their base was not committed
+    pipelined_rounds: int = 0       # pipelined rounds whose base was committed (verified, kept)
     token_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -116,52 +118,61 @@ class Generation:
         settings = self.settings
         policy = AdaptiveGamma(max_gamma=c.max_gamma) if c.gamma == "adaptive" else FixedGamma(int(c.gamma))
         planner = TreePolicy(policy, c.tree, max_nodes=c.max_tree_nodes)
-        nodes_sent = 0
         rng = seeded_rng(settings.seed, EDGE_STREAM)  # never the verifier's stream (see warping)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         committed = list(self.prompt_ids)
         prompt_len = len(committed)
         session_id, last_round = "", 0
         gammas: list[int] = []
+        nodes_sent = 0
         t0 = time.perf_counter()
         pieces: list[str] = []
         finished = False
-        while not finished:
-            remaining = settings.max_new_tokens - (len(committed) - prompt_len)
-            plan = planner.plan(remaining)
+        stop_ids = frozenset(settings.stop_token_ids) | (frozenset() if settings.ignore_eos else c.hidden_ids)
+        ahead: _Prepared | None = None  # drafted during the last round trip, for a guessed base
+
+        def prepare(base: list[int], plan: RoundPlan) -> _Prepared:
+            """Draft a chain or tree after `base` (called in a worker thread while a round is in flight)."""
             if plan.shape is None:
-                draft = c.drafter.propose(committed, plan.gamma, settings, c.qmode, rng)
-                parents, rows = [], len(draft.tokens)
-            else:
-                draft = c.drafter.propose_tree(committed, plan.shape, settings, c.qmode, rng)
-                parents, rows = draft.parents, draft.rows
-            req = pb.VerifyRequest(session_id=session_id, round=last_round + 1, committed_length=len(committed),
-                                   draft_token_ids=draft.tokens, draft_parents=parents,
-                                   q=qcodec.to_proto(draft.qs, c.qmode.scale_bits))
+                d = c.drafter.propose(base, plan.gamma, settings, c.qmode, rng)
+                return _Prepared(base, plan, d, [], len(d.tokens))
+            d = c.drafter.propose_tree(base, plan.shape, settings, c.qmode, rng)
+            return _Prepared(base, plan, d, d.parents, d.rows)
+
+        def guess_and_prepare(prep: _Prepared, remaining: int) -> tuple[list[int], _Prepared] | None:
+            """The most likely outcome (every draft, or the most probable branch, accepted; the next token
+            the draft's argmax), and a draft after it. None when the round may end generation."""
+            path = prep.guess_path()
+            if not path or len(path) + 1 >= remaining or stop_ids & set(path):
+                return None
+            bonus = c.drafter.propose(prep.base + path, 1, GREEDY, QMode("none"), rng).tokens
+            if not bonus or bonus[0] in stop_ids:
+                return None
+            guess = path + bonus
+            return guess, prepare(prep.base + guess, planner.plan(remaining - len(guess)))
+
+        def build(prep: _Prepared, round_: int, assumed: Sequence[int] = ()) -> pb.VerifyRequest:
+            req = pb.VerifyRequest(session_id=session_id, round=round_, committed_length=len(prep.base),
+                                   draft_token_ids=prep.draft.tokens, draft_parents=prep.parents,
+                                   q=qcodec.to_proto(prep.draft.qs, c.qmode.scale_bits), assumed_tokens=list(assumed))
             if not session_id:
                 req.open.CopyFrom(pb.OpenSession(
-                    prompt_token_ids=self.prompt_ids, resume_token_ids=committed[prompt_len:],
+                    prompt_token_ids=self.prompt_ids, resume_token_ids=prep.base[prompt_len:],
                     sampling=sampling_proto(settings), tokenizer_fingerprint=c.drafter.fingerprint or "",
                     open_key=os.urandom(16)))
-            t_round = time.perf_counter()
-            try:
-                reply = await c._verify(req, st)
-            except EdgeError as e:
-                if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) and session_id \
-                        and st.replays < c.max_replays:
-                    log.warning("replaying %d committed tokens: %s", len(committed) - prompt_len, e)
-                    st.replays += 1
-                    session_id, last_round = "", 0
-                    continue
-                raise
-            round_s = time.perf_counter() - t_round
+            return req
+
+        def apply(prep: _Prepared, reply: pb.VerifyReply, round_s: float) -> list[int]:
+            """Commit a reply's tokens (checked against the server's view) and learn from the round."""
+            nonlocal session_id, last_round, nodes_sent
+            draft, parents = prep.draft, prep.parents
             if parents:
                 kept = list(reply.kept_nodes)
                 is_path = len(kept) == reply.num_accepted and all(
                     k < len(draft.tokens) and draft.parents[k] == (kept[j - 1] if j else -1) for j, k in enumerate(kept))
                 if not is_path:
-                    raise EdgeError(grpc.StatusCode.INTERNAL, f"kept_nodes {list(reply.kept_nodes)} is not a path "
-                                                              f"from the root of {reply.num_accepted} nodes")
+                    raise EdgeError(grpc.StatusCode.INTERNAL, f"kept_nodes {kept} is not a path from the root of "
+                                                              f"{reply.num_accepted} nodes")
                 accepted = [draft.tokens[i] for i in kept]
             else:
                 accepted = draft.tokens[: reply.num_accepted]
@@ -174,7 +185,7 @@ class Generation:
             st.rounds += 1
             st.drafted += len(draft.tokens)
             st.accepted += reply.num_accepted
-            depth = plan.gamma if parents else len(draft.tokens)
+            depth = prep.plan.gamma if parents else len(draft.tokens)
             rejected = reply.HasField("next_token_id") and reply.num_accepted < depth
             st.rejections += rejected
             st.draft_s += draft.seconds
@@ -186,14 +197,69 @@ class Generation:
             if not parents:  # the chain's α and γ model; a tree round's acceptance is not geometric
                 policy.observe(gamma=len(draft.tokens), num_accepted=reply.num_accepted, draft_s=draft.seconds,
                                round_s=round_s, server_s=server_s, model_s=model_s, rejected=rejected)
-            planner.observe(plan, nodes=len(draft.tokens), rows=rows, tokens=len(new), draft_s=draft.seconds,
+            planner.observe(prep.plan, nodes=len(draft.tokens), rows=prep.rows, tokens=len(new), draft_s=draft.seconds,
                             round_s=round_s, server_s=server_s, model_s=model_s)
             c.drafter.observe(committed, reply.num_accepted)
+            return new
+
+        while not finished:
+            remaining = settings.max_new_tokens - (len(committed) - prompt_len)
+            if ahead is not None and ahead.base == committed:
+                prep = ahead  # the round trip's guess came true: this draft is ready
+                st.reused_drafts += len(prep.draft.tokens)
+            else:
+                prep = prepare(list(committed), planner.plan(remaining))
+            ahead = None
+            req = build(prep, last_round + 1)
+            t_round = time.perf_counter()
+            reply_task = asyncio.ensure_future(c._verify(req, st))
+            overlap = (c.proactive or c.pipeline) and session_id and prep.draft.tokens
+            ahead_job = asyncio.ensure_future(asyncio.to_thread(guess_and_prepare, prep, remaining)) if overlap else None
+            spec_task = spec = None
+            if ahead_job is not None and c.pipeline:
+                # Send the next round before this one's reply, if the draft for it is ready in time.
+                done, _ = await asyncio.wait({reply_task, ahead_job}, return_when=asyncio.FIRST_COMPLETED)
+                if ahead_job in done and not reply_task.done() and ahead_job.result() is not None:
+                    guess, spec = ahead_job.result()
+                    spec_req = build(spec, req.round + 1, assumed=guess)
+                    spec_task = asyncio.ensure_future(c._verify(spec_req, st, retries=0))
+            try:
+                reply = await reply_task
+            except EdgeError as e:
+                await _settle(ahead_job, spec_task)
+                st.discarded_rounds += spec_task is not None
+                if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) and session_id \
+                        and st.replays < c.max_replays:
+                    log.warning("replaying %d committed tokens: %s", len(committed) - prompt_len, e)
+                    st.replays += 1
+                    session_id, last_round = "", 0
+                    continue
+                raise
+            round_s = time.perf_counter() - t_round
+            guessed = await ahead_job if ahead_job is not None else None  # the drafter is free again
+            new = apply(prep, reply, round_s)
+            final = reply  # the last reply applied: its finish reason is the generation's
+            finished = reply.finish_reason != pb.NOT_FINISHED
+            if guessed is not None and not finished:
+                guess, next_prep = guessed
+                if spec_task is not None:
+                    spec_reply = await _settle(None, spec_task)
+                    if committed == next_prep.base and spec_reply is not None and not spec_reply.base_mismatch:
+                        new += apply(next_prep, spec_reply, time.perf_counter() - t_round)
+                        st.pipelined_rounds += 1
+                        final = spec_reply
+                        finished = spec_reply.finish_reason != pb.NOT_FINISHED
+                    else:
+                        st.discarded_rounds += 1
+                elif committed == next_prep.base:
+                    ahead = next_prep
+            elif spec_task is not None:
+                await _settle(None, spec_task)
+                st.discarded_rounds += 1
             if new and not st.ttft_s:
                 st.ttft_s = time.perf_counter() - t0
-            finished = reply.finish_reason != pb.NOT_FINISHED
             if finished:
-                st.finish_reason = pb.FinishReason.Name(reply.finish_reason).lower()
+                st.finish_reason = pb.FinishReason.Name(final.finish_reason).lower()
             piece = decoder.decode(b"".join(c.tokenizer.token_bytes(t) for t in new if t not in c.hidden_ids))
             if finished:
                 piece += decoder.decode(b"", final=True)
@@ -214,6 +280,48 @@ class Generation:
         st.plans = planner.describe()
         st.expected_tokens_per_round = expected_tokens_per_round(st.alpha, round(st.mean_gamma))
         st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
+
+
+GREEDY = SamplingSettings(temperature=0.0)
+
+
+@dataclass
+class _Prepared:
+    """A draft (chain or tree) made for one base (the committed sequence it follows)."""
+
+    base: list[int]
+    plan: RoundPlan
+    draft: "Draft | TreeDraft"
+    parents: list[int]      # empty for a chain
+    rows: int               # draft forward rows it cost
+
+    def guess_path(self) -> list[int]:
+        """The tokens of the most likely full acceptance: every draft, or the most probable branch."""
+        if not self.parents:
+            return list(self.draft.tokens)
+        has_child = set(self.parents)
+        leaves = [i for i in range(len(self.parents)) if i not in has_child]
+        if not leaves:
+            return []
+        node = max(leaves, key=lambda i: (self.draft.path_probs[i], -i))
+        path = []
+        while node != -1:
+            path.append(self.draft.tokens[node])
+            node = self.parents[node]
+        return path[::-1]
+
+
+async def _settle(job, spec_task):
+    """Wait for background work we no longer need; a speculative round's failure is only a discard."""
+    if job is not None:
+        with contextlib.suppress(Exception):
+            await job
+    if spec_task is not None:
+        try:
+            return await spec_task
+        except (EdgeError, grpc.aio.AioRpcError):
+            return None
+    return None
 
 
 def sampling_proto(s: SamplingSettings) -> pb.SamplingParams:
@@ -255,7 +363,8 @@ class EdgeClient:
     def __init__(self, server: str, drafter: Drafter, tokenizer: Tokenizer, *, gamma: int | str = 5,
                  qmode: QMode | str = "fixed", deadline_s: float = 30.0, max_retries: int = 8,
                  max_replays: int = 8, max_gamma: int = 12, channel: grpc.aio.Channel | None = None,
-                 tree: "str | TreeShape" = "off", max_tree_nodes: int = 64):
+                 tree: "str | TreeShape" = "off", max_tree_nodes: int = 64, proactive: bool = False,
+                 pipeline: bool = False):
         self.server, self.drafter, self.tokenizer = server, drafter, tokenizer
         self.gamma = gamma
         self.qmode = QMode.parse(qmode) if isinstance(qmode, str) else qmode
@@ -265,6 +374,9 @@ class EdgeClient:
         # "off": chains; "auto": the cost model picks chain or tree each round; a TreeShape: always.
         self.tree = TreeShape.parse(tree) if isinstance(tree, str) and tree not in ("off", "auto") else tree
         self.max_tree_nodes = max_tree_nodes
+        # proactive: draft the next round during the round trip, from the most likely outcome;
+        # pipeline: also send it before the reply (the server verifies it only on that base).
+        self.proactive, self.pipeline = proactive, pipeline
         if self.tree != "off" and not drafter.supports_trees:
             raise ValueError(f"the {drafter.name} drafter does not build trees; use tree='off'")
         self._reached = False
@@ -294,9 +406,10 @@ class EdgeClient:
     async def server_info(self) -> pb.ServerInfo:
         return await self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.deadline_s)
 
-    async def _verify(self, req: pb.VerifyRequest, st: GenerationStats) -> pb.VerifyReply:
+    async def _verify(self, req: pb.VerifyRequest, st: GenerationStats, retries: int | None = None) -> pb.VerifyReply:
         delay = 0.05
-        for attempt in range(self.max_retries + 1):
+        max_retries = self.max_retries if retries is None else retries
+        for attempt in range(max_retries + 1):
             st.bytes_up += req.ByteSize() + GRPC_FRAME_BYTES
             try:
                 # Once a verifier has answered, wait for it to come back (restart) instead of failing fast;
@@ -306,7 +419,7 @@ class EdgeClient:
                 st.bytes_down += reply.ByteSize() + GRPC_FRAME_BYTES
                 return reply
             except grpc.aio.AioRpcError as e:
-                if e.code() in RETRYABLE and attempt < self.max_retries:
+                if e.code() in RETRYABLE and attempt < max_retries:
                     st.retries += 1
                     log.info("round %d: %s, retrying in %.2fs", req.round, e.code().name, delay)
                     await asyncio.sleep(delay)

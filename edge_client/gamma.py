@@ -157,7 +157,6 @@ class TreePolicy:
         return self._take(ranked[0])
 
     def _take(self, plan: RoundPlan) -> RoundPlan:
-        self.chosen[plan.arm] = self.chosen.get(plan.arm, 0) + 1
         return plan
 
     def _verify_line(self) -> tuple[float, float]:
@@ -187,6 +186,7 @@ class TreePolicy:
 
     def observe(self, plan: RoundPlan, nodes: int, rows: int, tokens: int, draft_s: float, round_s: float,
                 server_s: float, model_s: float) -> None:
+        self.chosen[plan.arm] = self.chosen.get(plan.arm, 0) + 1  # rounds sent with this plan
         arm = self.arms.setdefault(plan.arm, _Arm())
         arm.tokens = tokens if arm.tokens is None else self.decay * arm.tokens + (1 - self.decay) * tokens
         arm.rounds += 1
