@@ -63,6 +63,7 @@ class ExperimentConfig:
     synthetic_alpha_noise: float = 1.0
     synthetic_draft_ms: float = 2.0
     synthetic_step_ms: float = 20.0
+    synthetic_per_token_ms: float = 0.0  # verifier cost per token / tree node (0: flat, GPU-like)
     crossover: bool = True
     crossover_rtts_ms: list[float] = field(default_factory=lambda: [5, 50, 150, 300, 600])
     crossover_steps_ms: list[float] = field(default_factory=lambda: [5, 20, 60, 150])
@@ -142,7 +143,8 @@ class Runner:
         c = self.cfg
         if c.synthetic:
             return ["--backend", "synthetic", "--synthetic-vocab", "64",
-                    "--synthetic-step-ms", str(c.synthetic_step_ms if step_ms is None else step_ms)]
+                    "--synthetic-step-ms", str(c.synthetic_step_ms if step_ms is None else step_ms),
+                    "--synthetic-per-token-ms", str(c.synthetic_per_token_ms)]
         return ["--model", self.target, "--threads", str(c.verifier_threads)]
 
     def prompt_ids(self, prompt: str) -> list[int]:

@@ -114,7 +114,7 @@ def round_trip_section(summary: list[dict]) -> list[str]:
     Round-trip reduction = RT/token of cloud-stepwise ÷ RT/token of the mode; the seed document's
     claim is "about γ-fold", its theory (1 − α^(γ+1))/(1 − α) at the mode's measured α and mean γ
     (for trees, the chain of the same depth: what a tree adds shows as measured above theory).
-    Waited RT/token leaves out pipelined rounds, whose round trip overlapped the previous one.
+    Waited RT/token leaves out pipelined rounds (kept or discarded): their trip overlapped the previous one.
     """
     lines = ["", "## Round trips against cloud-stepwise, and tokens/s ratios", "",
              "| profile | mode | RT/token | waited RT/token | RT reduction vs cloud-stepwise | theory (1−α^(γ+1))/(1−α) "
@@ -130,7 +130,8 @@ def round_trip_section(summary: list[dict]) -> list[str]:
                 continue
             any_row = True
             rt = s["round_trips_per_token"]
-            waited = rt - s.get("pipelined_rounds", 0) / s["tokens"]
+            # Pipelined rounds, kept or discarded, travel during the previous round's trip.
+            waited = rt - (s.get("pipelined_rounds", 0) + s.get("discarded_rounds", 0)) / s["tokens"]
             reduction = step["round_trips_per_token"] / rt if step and rt else None
             vs = {o: (s["tokens_per_s"] / by[o]["tokens_per_s"] if o in by and by[o]["tokens_per_s"] else None)
                   for o in ("per-token", "cloud-only")}
