@@ -13,7 +13,6 @@ the untouched p) must be caught, which shows the test has power.
 import numpy as np
 import pytest
 
-from spec_core.drafting import QMode
 from spec_core.qcodec import encode_fixed, encode_float
 from spec_core.synthetic import synthetic_pair
 from spec_core.tree import (ROOT, DraftTree, TreeError, TreeResult, TreeShape, grow_tree, prune_to_fit,

@@ -2,7 +2,6 @@
 and the llama.cpp backend's single-pass tree verification (greedy = the target's greedy path)."""
 from __future__ import annotations
 
-import grpc
 import numpy as np
 import pytest
 
@@ -11,7 +10,7 @@ from cloud_verifier.backends.synthetic import SyntheticBackend
 from helpers import running_server, stub_for
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.synthetic import SyntheticLM
-from test_bad_input import FP, INVALID, PRECOND, VOCAB, expect, fixed_q, open_req
+from test_bad_input import INVALID, PRECOND, VOCAB, expect, fixed_q, open_req
 
 
 def tree_req(drafts, parents, **kw):
@@ -92,18 +91,15 @@ async def test_tree_that_does_not_fit_the_context_is_cut():
 
 
 async def test_stop_token_inside_the_kept_path(stub):
-    """Synthetic EOS is 1: a greedy branch through a stop token commits up to it and finishes."""
+    """The target's second greedy token is made a stop token: the kept path ends there, finished."""
     prompt = (0, 5, 6)
-    lm = SyntheticLM(VOCAB, 0)
-    # Find a prompt whose greedy next token we can use, then put the stop token after it.
-    g = greedy_path(prompt, 1)
-    req = tree_req((g[0], 1, 7), (-1, 0, -1), temperature=0.0)
-    req.open.sampling.ignore_eos = False
+    g = greedy_path(prompt, 2)
+    other = next(t for t in range(2, VOCAB) if t not in g)
+    req = tree_req((g[0], g[1], other, other), (-1, 0, 1, -1), temperature=0.0)
+    req.open.sampling.stop_token_ids.append(g[1])
     r = await stub.Verify(req, timeout=5)
-    if int(np.argmax(lm.logits(list(prompt) + g))) == 1:
-        assert list(r.kept_nodes) == [0, 1] and r.finish_reason == pb.STOP and not r.HasField("next_token_id")
-    else:
-        assert list(r.kept_nodes) == [0] and r.next_token_id == int(np.argmax(lm.logits(list(prompt) + g)))
+    assert list(r.kept_nodes) == [0, 1] and r.num_accepted == 2 and r.finish_reason == pb.STOP
+    assert not r.HasField("next_token_id") and r.committed_length == len(prompt) + 2
 
 
 async def test_chains_only_backend_refuses_trees():
