@@ -245,3 +245,49 @@ def test_grow_tree_respects_the_shape():
                                                                            width=2), rng, None)
     # Deterministic children: the two most likely tokens, best-first frontier.
     assert g.tree.tokens[:2] == (0, 1) and g.tree.parents[:2] == (-1, -1)
+
+
+# --- the vLLM backend's rule: the same trees from per-node scores (no full rows) ---------------
+
+def scores_verifier(keep_test=True):
+    """verify_tree_from_scores fed like the vLLM backend: per node a sample y ~ p (its own random
+    stream, as vLLM's sampler), p(y), and p on the tokens the rule needs; full rows on demand."""
+    from cloud_verifier.backends.vllm import NodeScore, tree_tokens_needed, verify_tree_from_scores
+    sampler = np.random.default_rng(99)
+
+    def verify(p, tree, qs, rng):
+        scores = []
+        for node in [ROOT] + list(range(len(tree))):
+            row = p[node + 1]
+            y = sample(row, sampler)
+            need = tree_tokens_needed(tree, qs, node)
+            tokens = range(len(row)) if need is None else need
+            scores.append(NodeScore(y, float(row[y]), {int(t): float(row[t]) for t in tokens}))
+        if not keep_test:  # biased: always keep vLLM's y as the corrected token
+            res = verify_tree(p, tree, qs, np.random.default_rng(int(rng.integers(2**32))))
+            return TreeResult(res.path, scores[(res.path[-1] if res.path else ROOT) + 1].sample)
+        result, _ = verify_tree_from_scores(tree, qs, scores, lambda node: p[node + 1], rng)
+        return result
+    return verify
+
+
+@pytest.mark.parametrize("kind", ["deterministic", "sampled-fixed", "sampled-float"])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.5, 4, 0.9)], ids=["T1", "T0.5-topk-topp"])
+def test_tree_from_scores_follows_the_target(temperature, top_k, top_p, kind):
+    counts, probs = run_tree_setting(temperature, top_k, top_p, kind, verify=scores_verifier())
+    p = chi_square_p(counts, probs, N)
+    assert p > P_MIN, f"chi-square p = {p:.2e} for the scores rule, T={temperature} tree={kind}"
+
+
+def test_tree_from_scores_negative_control_is_caught():
+    counts, probs = run_tree_setting(1.0, 0, 1.0, "sampled-fixed", verify=scores_verifier(keep_test=False))
+    assert chi_square_p(counts, probs, N) < P_MIN
+
+
+def test_tree_from_scores_greedy_follows_the_argmax():
+    from cloud_verifier.backends.vllm import NodeScore, verify_tree_from_scores
+    tree = DraftTree((3, 4, 5, 6), (-1, 0, -1, 2))
+    p = one_hot_rows(5, 0, 0, 6, 7)
+    scores = [NodeScore(int(np.argmax(r)), 1.0, {t: float(r[t]) for t in range(8)}) for r in p]
+    result, used_full = verify_tree_from_scores(tree, None, scores, lambda n: p[n + 1], np.random.default_rng(0))
+    assert result == TreeResult([2, 3], 7) and not used_full
