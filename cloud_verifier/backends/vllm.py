@@ -273,11 +273,6 @@ def hf_tokenizer_facts(folder: str) -> tuple[str, int, frozenset[int]]:
 
 
 class VllmBackend(Backend):
-    # Tree rounds are refused for now: this backend's verify sees one sampled logprob per
-    # position, not full rows, so the tree rule (residual p after each rejected sibling) needs its
-    # own mechanism; see the README's trees section.
-    supports_trees = False
-
     def __init__(self, model: str, n_ctx: int = 2048, engine_args: dict | None = None):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -380,6 +375,58 @@ class VllmBackend(Backend):
             return _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
 
         result, _ = verify_from_scores(drafts, draft_probs, scores, full_row, rng)
+        return result, 0.0, time.perf_counter() - t0
+
+    def verify_tree(self, state, committed: Sequence[int], tree: DraftTree,
+                    draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
+                    rng: np.random.Generator) -> tuple[TreeResult, float, float]:
+        """The chain's mechanism per node: one request after the root and after every node
+        (prompt = committed + the node's path, prefix-cached, max_tokens = 1, a seed from the
+        session's generator) scores p on the children and their q supports
+        (`logprob_token_ids`) and samples y ~ p; a node whose children carry a dense q asks for
+        its whole processed row instead. verify_tree_from_scores runs the rule (proof there)."""
+        t0 = time.perf_counter()
+        committed = list(committed)
+        nodes = [ROOT] + list(range(len(tree)))
+        seeds = rng.integers(0, 2**62, size=len(nodes))
+        score_reqs, full_reqs = [], []  # (index in nodes, prompt, params, tokens needed)
+        for k, node in enumerate(nodes):
+            prompt = committed + ([] if node == ROOT else [tree.tokens[j] for j in tree.path_to(node)])
+            need = tree_tokens_needed(tree, draft_probs, node)
+            if settings.greedy or need == []:
+                score_reqs.append((k, prompt, self._params(settings, int(seeds[k])), need or []))
+            elif need is None:
+                full_reqs.append((k, prompt, self._params(settings, int(seeds[k]), logprobs=-1, flat_logprobs=True),
+                                  None))
+            else:
+                score_reqs.append((k, prompt, self._params(settings, int(seeds[k]), logprob_token_ids=need), need))
+        scores: list[NodeScore | None] = [None] * len(nodes)
+        if score_reqs:
+            outs = self._run(self._batch([(pr, sp) for _, pr, sp, _ in score_reqs]))
+            for (k, _, _, need), out in zip(score_reqs, outs):
+                comp = out.outputs[0]
+                y = int(comp.token_ids[0])
+                if settings.greedy:
+                    scores[k] = NodeScore(y, 1.0, {t: float(t == y) for t in need})
+                else:
+                    lp = comp.logprobs[0]
+                    scores[k] = NodeScore(y, math.exp(lp[y].logprob), {t: math.exp(lp[t].logprob) for t in need})
+        if full_reqs:
+            outs = self._run(self._batch([(pr, sp) for _, pr, sp, _ in full_reqs], kind="full"))
+            for (k, _, _, _), out in zip(full_reqs, outs):
+                row = _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
+                y = int(out.outputs[0].token_ids[0])
+                scores[k] = NodeScore(y, float(row[y]), {int(t): float(row[t]) for t in np.flatnonzero(row)})
+
+        def full_row(node: int) -> np.ndarray:
+            with self._stats_lock:
+                self.full_row_requests += 1
+            prompt = committed + ([] if node == ROOT else [tree.tokens[j] for j in tree.path_to(node)])
+            params = self._params(settings, int(rng.integers(0, 2**62)), logprobs=-1, flat_logprobs=True)
+            out, = self._run(self._batch([(prompt, params)], kind="full"))
+            return _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
+
+        result, _ = verify_tree_from_scores(tree, draft_probs, scores, full_row, rng)
         return result, 0.0, time.perf_counter() - t0
 
     def sample_next(self, state, tokens: Sequence[int], settings: SamplingSettings,
