@@ -153,3 +153,18 @@ async def test_pipelined_round_for_an_unknown_session_is_not_found():
                 await stub.Verify(pb.VerifyRequest(session_id="gone", round=3, committed_length=8,
                                                    assumed_tokens=[1, 2]), timeout=5)
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("assumed, message", [(list(range(2, 20)), "at most max_gamma + 1"),
+                                              ([3, 999], "assumed_tokens[1] = 999 is outside the vocabulary")])
+async def test_bad_assumed_tokens_are_refused(assumed, message):
+    async with running_server(SyntheticBackend(vocab=VOCAB), max_gamma=8) as server:
+        async with stub_for(server) as stub:
+            first = await stub.Verify(open_round(), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Verify(pb.VerifyRequest(session_id=first.session_id, round=3, committed_length=7,
+                                                   assumed_tokens=assumed), timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
+            ok = await stub.Verify(pb.VerifyRequest(session_id=first.session_id, round=2, committed_length=5),
+                                   timeout=5)
+            assert ok.committed_length == 6  # the session goes on
