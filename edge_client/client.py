@@ -222,7 +222,8 @@ class Generation:
                 if ahead_job in done and not reply_task.done() and ahead_job.result() is not None:
                     guess, spec = ahead_job.result()
                     spec_req = build(spec, req.round + 1, assumed=guess)
-                    spec_task = asyncio.ensure_future(c._verify(spec_req, st, retries=0))
+                    # Retried like any round: a lost reply is answered from the server's cache.
+                    spec_task = asyncio.ensure_future(c._verify(spec_req, st))
             try:
                 reply = await reply_task
             except EdgeError as e:

@@ -35,7 +35,8 @@ def synthetic_client(port, noise=0.3, **kw):
                                   {"pipeline": True, "tree": "budget=8,depth=3,branching=2,width=2"}],
                          ids=["proactive", "pipeline", "pipeline-tree"])
 async def test_greedy_synthetic_equals_target_and_reuses_work(mode):
-    async with running_server(SyntheticBackend(vocab=VOCAB)) as server:
+    # A 10 ms verifier pass: the draft made during the round trip is ready before the reply.
+    async with running_server(SyntheticBackend(vocab=VOCAB, step_ms=10)) as server:
         async with synthetic_client(server.port, noise=0.3, gamma=3, **mode) as c:
             gen = c.generate("5 6 7", SamplingSettings(temperature=0.0, max_new_tokens=N, ignore_eos=True))
             await gen.text()
@@ -74,14 +75,16 @@ async def test_greedy_gguf_hybrid_with_rounds_in_flight_equals_target(tiny_model
 
 
 async def test_sampled_pipeline_commits_every_token_once():
-    """T = 1 with lost replies (retried) and pipelining: the count adds up, nothing doubled."""
-    async with running_server(SyntheticBackend(vocab=VOCAB)) as server:
+    """T = 1 with lost replies (retried, pipelined rounds too) and pipelining: the count adds up,
+    nothing doubled. A 10 ms verifier pass lets the next round leave before the reply."""
+    async with running_server(SyntheticBackend(vocab=VOCAB, step_ms=10)) as server:
         async with synthetic_client(server.port, noise=0.3, gamma=3, pipeline=True) as c:
             c._stub = LosingReplies(c._stub, every=4)
             gen = c.generate("5 6 7", SamplingSettings(temperature=1.0, max_new_tokens=N, ignore_eos=True, seed=2))
             await gen.text()
     st = gen.stats
     assert st.tokens == N == len(st.token_ids) and c._stub.lost > 0
+    assert st.pipelined_rounds + st.discarded_rounds > 0, "no round left before its predecessor's reply"
     assert st.tokens == st.rounds + st.accepted  # every applied round adds accepted + 1
 
 
