@@ -24,7 +24,8 @@ from cloud_verifier.backends.base import Backend, NoFreeState
 from cloud_verifier.sessions import Session, SessionStore
 from spec_core import qcodec
 from spec_core.proto import verifier_pb2 as pb
-from spec_core.verify import commit_round
+from spec_core.tree import DraftTree, TreeError, prune_to_fit, validate_tree
+from spec_core.verify import RoundResult, commit_round
 from spec_core.warping import GENERATE_STREAM, VERIFIER_STREAM, SamplingSettings, seeded_rng
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ class Limits:
     session_ttl_s: float = 600.0
     default_max_new_tokens: int = 256
     max_new_tokens_cap: int = 4096
+    max_tree_nodes: int = 64       # nodes in one tree round (its depth is bounded by max_gamma)
+    max_tree_branching: int = 8    # children of one tree node
+    pipeline_wait_s: float = 30.0  # longest a pipelined round waits for its predecessor
 
 
 MAX_STOP_IDS = 64
@@ -112,7 +116,8 @@ class VerifierEngine:
     async def verify(self, req: pb.VerifyRequest) -> pb.VerifyReply:
         t_start = time.perf_counter()
         drafts = list(req.draft_token_ids)
-        if len(drafts) > self.limits.max_gamma:
+        tree = self._tree(req, drafts)
+        if tree is None and len(drafts) > self.limits.max_gamma:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"gamma = {len(drafts)} draft tokens is above this server's limit of "
                                f"{self.limits.max_gamma}")
@@ -135,6 +140,13 @@ class VerifierEngine:
         else:
             raise _bad("session_id is empty and `open` is missing: the first round must carry `open`")
 
+        assumed = list(req.assumed_tokens)
+        if len(assumed) > self.limits.max_gamma + 1:
+            raise _bad(f"assumed_tokens has {len(assumed)} ids; at most max_gamma + 1 = {self.limits.max_gamma + 1}")
+        self._check_ids(assumed, "assumed_tokens")
+        if assumed:
+            await self._wait_for_round(session, req.round - 1)
+
         async with session.lock:
             if self.sessions.get(session.id) is not session or session.state is None and \
                     session.finish_reason == pb.NOT_FINISHED:
@@ -148,6 +160,14 @@ class VerifierEngine:
                                        f"round {req.round} was already verified with different drafts")
                 metrics.RETRIES.inc()
                 return session.last_reply
+            if assumed and req.round == session.round + 1 and (
+                    req.committed_length != len(session.tokens) or session.tokens[-len(assumed):] != assumed
+                    or session.finish_reason != pb.NOT_FINISHED):
+                # A pipelined round on a base that was not committed: answered, never verified, not
+                # cached, and the round number stays free.
+                metrics.PIPELINE_DISCARDS.inc()
+                return pb.VerifyReply(session_id=session.id, round=req.round, committed_length=len(session.tokens),
+                                      finish_reason=session.finish_reason, base_mismatch=True)
             if req.round != session.round + 1:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"round {req.round} is out of step: this session expects round {session.round + 1} "
@@ -164,11 +184,26 @@ class VerifierEngine:
             room = self.info.n_ctx - len(session.tokens) - 1
             if room < 0:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the context window is full")
-            if len(drafts) > room:
-                drafts, qs = drafts[:room], (qs[:room] if qs is not None else None)
-            result, queue_s, model_s = await run_in_thread(
-                self.backend.verify, session.state, session.tokens, drafts, qs, session.settings,
-                _round_rng(session))
+            kept_nodes: list[int] = []
+            if tree is not None:
+                # A tree is cut like a chain: whole levels past the room, then nodes in index order.
+                fit = prune_to_fit(tree, room)
+                if len(fit) < len(tree):
+                    tree, qs = tree.subtree(fit), ([qs[i] for i in fit] if qs is not None else None)
+                tree_result, queue_s, model_s = await run_in_thread(
+                    self.backend.verify_tree, session.state, session.tokens, tree, qs, session.settings,
+                    _round_rng(session))
+                kept_nodes = [fit[i] for i in tree_result.path]
+                n_verified = len(tree)
+                drafts = [tree.tokens[i] for i in tree_result.path]
+                result = RoundResult(len(drafts), tree_result.next_token)
+            else:
+                if len(drafts) > room:
+                    drafts, qs = drafts[:room], (qs[:room] if qs is not None else None)
+                n_verified = len(drafts)
+                result, queue_s, model_s = await run_in_thread(
+                    self.backend.verify, session.state, session.tokens, drafts, qs, session.settings,
+                    _round_rng(session))
             done = commit_round(drafts, result, session.stop_ids,
                                 remaining=session.settings.max_new_tokens - session.generated,
                                 context_left=self.info.n_ctx - len(session.tokens))
@@ -182,13 +217,41 @@ class VerifierEngine:
                                          total_ms=(time.perf_counter() - t_start) * 1e3))
             if done.has_next_token:
                 reply.next_token_id = done.tokens[-1]
+            reply.kept_nodes.extend(kept_nodes[: done.num_accepted])
             session.last_reply, session.last_request_digest = reply, digest
+            session.round_done.set()
+            session.round_done = asyncio.Event()
             if done.finish_reason != pb.NOT_FINISHED:
                 # Keep the (small) session for retries of this last round; free its KV cache now.
                 self.backend.release(session.state)
                 session.state = None
-            metrics.observe_round(len(drafts), done.num_accepted, model_s, time.perf_counter() - t_start)
+            metrics.observe_round(n_verified, done.num_accepted, model_s, time.perf_counter() - t_start)
             return reply
+
+    async def _wait_for_round(self, session: Session, round_: int) -> None:
+        """Let a pipelined round's predecessor finish first (it may arrive later on the wire)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.pipeline_wait_s
+        while session.round < round_ and session.finish_reason == pb.NOT_FINISHED:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(session.round_done.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    def _tree(self, req: pb.VerifyRequest, drafts: list[int]) -> DraftTree | None:
+        """The round's tree, validated; None for a chain (no draft_parents)."""
+        if not req.draft_parents:
+            return None
+        if not self.backend.supports_trees or self.limits.max_tree_nodes == 0:
+            raise _bad(f"this server ({self.info.name}) verifies chains only: send the drafts without draft_parents")
+        try:
+            return validate_tree(drafts, list(req.draft_parents), self.info.n_vocab, self.limits.max_tree_nodes,
+                                 self.limits.max_gamma, self.limits.max_tree_branching)
+        except TreeError as e:
+            raise _bad(str(e)) from None
 
     def _reopen(self, req: pb.VerifyRequest) -> Session | None:
         """A retried first round: the same open_key and the same `open` map to the same session."""
@@ -319,7 +382,9 @@ class VerifierEngine:
         return pb.ServerInfo(backend=i.name, model=i.model, n_vocab=i.n_vocab, n_ctx=i.n_ctx,
                              tokenizer_fingerprint=i.fingerprint, max_gamma=self.limits.max_gamma,
                              max_sessions=self.max_sessions, eos_token_ids=sorted(i.eos_token_ids),
-                             version=self.version)
+                             version=self.version,
+                             max_tree_nodes=self.limits.max_tree_nodes if self.backend.supports_trees else 0,
+                             max_tree_branching=self.limits.max_tree_branching)
 
 
 # Backend calls block their worker thread while a batching backend gathers a pass: every session
@@ -360,5 +425,7 @@ def _round_digest(req: pb.VerifyRequest) -> bytes:
     h = hashlib.sha256()
     h.update(f"{req.round}:{req.committed_length}:".encode())
     h.update(np.asarray(req.draft_token_ids, dtype=np.uint32).tobytes())
+    h.update(b"parents:" + np.asarray(req.draft_parents, dtype=np.int32).tobytes())
+    h.update(b"assumed:" + np.asarray(req.assumed_tokens, dtype=np.uint32).tobytes())
     h.update(req.q.SerializeToString(deterministic=True))
     return h.digest()

@@ -48,6 +48,8 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tenant: str = ""              # who opened it (current_tenant at open); only they may use it
+    round_done: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) per round;
+                                                                       # pipelined rounds wait on it
 
     @property
     def generated(self) -> int:

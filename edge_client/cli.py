@@ -35,6 +35,16 @@ def add_generation_args(p: argparse.ArgumentParser, prompt_and_sampling: bool = 
                                    "when it exists)")
     s.add_argument("--tokenizer", help="GGUF file whose vocabulary to use with --drafter lookup (default: bundled)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
+    s.add_argument("--tree", default="off",
+                   help="token trees: 'off' (chains), 'auto' (the cost model picks chain or tree each round), or a "
+                        "shape 'budget=16,depth=4,branching=2,width=4' (that tree every round)")
+    s.add_argument("--max-tree-nodes", type=int, default=64, help="largest tree --tree auto may send")
+    s.add_argument("--proactive", action="store_true",
+                   help="while a round is in flight, draft the next one from its most likely outcome; reuse it "
+                        "when the reply matches")
+    s.add_argument("--pipeline", action="store_true",
+                   help="also send that next round before the reply (verified only if its base was committed, "
+                        "discarded and counted otherwise)")
     s.add_argument("--synthetic-vocab", type=int, default=64)
     s.add_argument("--synthetic-seed", type=int, default=0)
     s.add_argument("--synthetic-noise", type=float, default=1.0)
@@ -84,7 +94,8 @@ def build_drafter(args):
     if not args.draft:
         raise SystemExit("--draft DRAFT.gguf is required with --drafter gguf "
                          "(make one with: edge-client make-draft --target TARGET.gguf --out DRAFT.gguf)")
-    d = GGUFDrafter(args.draft, n_threads=args.threads)
+    tree_nodes = 0 if getattr(args, "tree", "off") == "off" else max(args.max_tree_nodes, 64)
+    d = GGUFDrafter(args.draft, n_threads=args.threads, max_tree_nodes=tree_nodes)
     return d, d.model
 
 
@@ -109,6 +120,10 @@ async def run_generate(args, server: str, out=sys.stdout, quiet: bool = False):
         security = security_kwargs(args) if hasattr(args, "token_file") else {}
         async with EdgeClient(server, drafter, tokenizer, gamma=gamma, qmode=QMode.parse(args.qmode),
                               deadline_s=args.deadline, max_retries=args.retries, max_gamma=args.max_gamma,
+                              tree=getattr(args, "tree", "off"),
+                              max_tree_nodes=getattr(args, "max_tree_nodes", 64),
+                              proactive=getattr(args, "proactive", False),
+                              pipeline=getattr(args, "pipeline", False),
                               **security) as client:
             gen = client.generate(prompt_ids(args, tokenizer), settings_from_args(args))
             async for piece in gen:

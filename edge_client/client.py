@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import logging
 import os
 import random
@@ -34,13 +35,14 @@ from typing import AsyncIterator, Callable, Protocol, Sequence
 
 import grpc
 
-from edge_client.drafters import Drafter
-from edge_client.gamma import AdaptiveGamma, FixedGamma
+from edge_client.drafters import Draft, Drafter, TreeDraft
+from edge_client.gamma import AdaptiveGamma, FixedGamma, RoundPlan, TreePolicy
 from spec_core import qcodec
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.drafting import QMode
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
+from spec_core.tree import TreeShape
 from spec_core.warping import EDGE_STREAM, SamplingSettings, seeded_rng
 
 log = logging.getLogger(__name__)
@@ -142,6 +144,12 @@ class GenerationStats:
     draft_s: float = 0.0            # total time drafting
     server_model_s: float = 0.0     # total time in the target model (server's own timing)
     finish_reason: str = ""
+    nodes_per_round: float = 0.0    # draft tokens (chain) or tree nodes sent per round
+    tree_rounds: int = 0            # rounds that carried a tree
+    plans: str = ""                 # how often each chain/tree plan was chosen
+    reused_drafts: int = 0          # drafted tokens reused from proactive drafting (--proactive)
+    discarded_rounds: int = 0       # pipelined rounds dropped because their base was not committed
+    pipelined_rounds: int = 0       # pipelined rounds whose base was committed (verified, kept)
     token_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -187,34 +195,128 @@ class Generation:
         c, st = self._client, self.stats
         settings = self.settings
         policy = AdaptiveGamma(max_gamma=c.max_gamma) if c.gamma == "adaptive" else FixedGamma(int(c.gamma))
+        planner = TreePolicy(policy, c.tree, max_nodes=c.max_tree_nodes)
         rng = seeded_rng(settings.seed, EDGE_STREAM)  # never the verifier's stream (see warping)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         committed = list(self.prompt_ids)
         prompt_len = len(committed)
         session_id, last_round = "", 0
         gammas: list[int] = []
+        nodes_sent = 0
         t0 = time.perf_counter()
         pieces: list[str] = []
         finished = False
+        stop_ids = frozenset(settings.stop_token_ids) | (frozenset() if settings.ignore_eos else c.hidden_ids)
+        ahead: _Prepared | None = None  # drafted during the last round trip, for a guessed base
+
+        def base_rng(base: list[int]):
+            # With a user seed, a round's draft depends only on the committed tokens (a stream per
+            # committed length, like the verifier's): a round redone after a replay drafts the same.
+            return rng if settings.seed is None else seeded_rng(settings.seed, EDGE_STREAM, len(base))
+
+        def prepare(base: list[int], plan: RoundPlan) -> _Prepared:
+            """Draft a chain or tree after `base` (in the drafting executor while a round is in flight)."""
+            if plan.shape is None:
+                d = c.drafter.propose(base, plan.gamma, settings, c.qmode, base_rng(base))
+                return _Prepared(base, plan, d, [], len(d.tokens))
+            d = c.drafter.propose_tree(base, plan.shape, settings, c.qmode, base_rng(base))
+            return _Prepared(base, plan, d, d.parents, d.rows)
+
+        def guess_and_prepare(prep: _Prepared, remaining: int) -> tuple[list[int], _Prepared] | None:
+            """The most likely outcome (every draft, or the most probable branch, accepted; the next token
+            the draft's argmax), and a draft after it. None when the round may end generation."""
+            path = prep.guess_path()
+            if not path or len(path) + 1 >= remaining or stop_ids & set(path):
+                return None
+            bonus = c.drafter.propose(prep.base + path, 1, GREEDY, QMode("none"), base_rng(prep.base + path)).tokens
+            if not bonus or bonus[0] in stop_ids:
+                return None
+            guess = path + bonus
+            return guess, prepare(prep.base + guess, planner.plan(remaining - len(guess)))
+
+        def build(prep: _Prepared, round_: int, assumed: Sequence[int] = ()) -> pb.VerifyRequest:
+            req = pb.VerifyRequest(session_id=session_id, round=round_, committed_length=len(prep.base),
+                                   draft_token_ids=prep.draft.tokens, draft_parents=prep.parents,
+                                   q=qcodec.to_proto(prep.draft.qs, c.qmode.scale_bits), assumed_tokens=list(assumed))
+            if not session_id:
+                req.open.CopyFrom(pb.OpenSession(
+                    prompt_token_ids=self.prompt_ids, resume_token_ids=prep.base[prompt_len:],
+                    sampling=sampling_proto(settings), tokenizer_fingerprint=c.drafter.fingerprint or "",
+                    open_key=os.urandom(16)))
+            return req
+
+        def apply(prep: _Prepared, reply: pb.VerifyReply, round_s: float) -> list[int]:
+            """Commit a reply's tokens (checked against the server's view) and learn from the round."""
+            nonlocal session_id, last_round, nodes_sent
+            draft, parents = prep.draft, prep.parents
+            if parents:
+                kept = list(reply.kept_nodes)
+                is_path = len(kept) == reply.num_accepted and all(
+                    k < len(draft.tokens) and draft.parents[k] == (kept[j - 1] if j else -1) for j, k in enumerate(kept))
+                if not is_path:
+                    raise EdgeError(grpc.StatusCode.INTERNAL, f"kept_nodes {kept} is not a path from the root of "
+                                                              f"{reply.num_accepted} nodes")
+                accepted = [draft.tokens[i] for i in kept]
+            else:
+                accepted = draft.tokens[: reply.num_accepted]
+            new = accepted + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
+            committed.extend(new)
+            if reply.committed_length != len(committed):
+                raise EdgeError(grpc.StatusCode.INTERNAL, f"server committed {reply.committed_length} tokens, "
+                                                          f"the edge {len(committed)}")
+            session_id, last_round = reply.session_id, reply.round
+            st.rounds += 1
+            st.drafted += len(draft.tokens)
+            st.accepted += reply.num_accepted
+            depth = prep.plan.gamma if parents else len(draft.tokens)
+            rejected = reply.HasField("next_token_id") and reply.num_accepted < depth
+            st.rejections += rejected
+            st.draft_s += draft.seconds
+            st.server_model_s += reply.timings.model_ms / 1e3
+            nodes_sent += len(draft.tokens)
+            st.tree_rounds += bool(parents)
+            gammas.append(depth)
+            server_s, model_s = reply.timings.total_ms / 1e3, reply.timings.model_ms / 1e3
+            if not parents:  # the chain's α and γ model; a tree round's acceptance is not geometric
+                policy.observe(gamma=len(draft.tokens), num_accepted=reply.num_accepted, draft_s=draft.seconds,
+                               round_s=round_s, server_s=server_s, model_s=model_s, rejected=rejected)
+            planner.observe(prep.plan, nodes=len(draft.tokens), rows=prep.rows, tokens=len(new), draft_s=draft.seconds,
+                            round_s=round_s, server_s=server_s, model_s=model_s)
+            c.drafter.observe(committed, reply.num_accepted)
+            if c.on_round is not None:
+                c.on_round(RoundEvent(gamma=depth, accepted=reply.num_accepted, tokens=len(new),
+                                      draft_s=draft.seconds, rpc_s=round_s, server_s=server_s))
+            return new
+
+        ahead_job = spec_task = None
         try:
             while not finished:
                 remaining = settings.max_new_tokens - (len(committed) - prompt_len)
-                gamma = max(0, min(policy.next_gamma(), remaining - 1))
-                # With a user seed, a round's draft depends only on the committed tokens (a stream per
-                # committed length, like the verifier's): a round redone after a replay drafts the same.
-                round_rng = rng if settings.seed is None else seeded_rng(settings.seed, EDGE_STREAM, len(committed))
-                draft = await c._propose(committed, gamma, settings, round_rng)
-                req = pb.VerifyRequest(session_id=session_id, round=last_round + 1, committed_length=len(committed),
-                                       draft_token_ids=draft.tokens, q=qcodec.to_proto(draft.qs, c.qmode.scale_bits))
-                if not session_id:
-                    req.open.CopyFrom(pb.OpenSession(
-                        prompt_token_ids=self.prompt_ids, resume_token_ids=committed[prompt_len:],
-                        sampling=sampling_proto(settings), tokenizer_fingerprint=c.drafter.fingerprint or "",
-                        open_key=os.urandom(16)))
+                if ahead is not None and ahead.base == committed:
+                    prep = ahead  # the round trip's guess came true: this draft is ready
+                    st.reused_drafts += len(prep.draft.tokens)
+                else:
+                    prep = await c._in_drafter(prepare, list(committed), planner.plan(remaining))
+                ahead = None
+                req = build(prep, last_round + 1)
                 t_round = time.perf_counter()
+                reply_task = asyncio.ensure_future(c._verify(req, st) if session_id else c._open_round(req, st))
+                overlap = (c.proactive or c.pipeline) and session_id and prep.draft.tokens
+                ahead_job = asyncio.ensure_future(c._in_drafter(guess_and_prepare, prep, remaining, thread=True)) if overlap else None
+                spec_task = spec = None
+                if ahead_job is not None and c.pipeline:
+                    # Send the next round before this one's reply, if the draft for it is ready in time.
+                    done, _ = await asyncio.wait({reply_task, ahead_job}, return_when=asyncio.FIRST_COMPLETED)
+                    if ahead_job in done and not reply_task.done() and ahead_job.result() is not None:
+                        guess, spec = ahead_job.result()
+                        spec_req = build(spec, req.round + 1, assumed=guess)
+                        # Retried like any round: a lost reply is answered from the server's cache.
+                        spec_task = asyncio.ensure_future(c._verify(spec_req, st))
                 try:
-                    reply = await (c._verify(req, st) if session_id else c._open_round(req, st))
+                    reply = await reply_task
                 except EdgeError as e:
+                    await _settle(ahead_job, spec_task)
+                    st.discarded_rounds += spec_task is not None
                     if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) and session_id \
                             and st.replays < c.max_replays:
                         log.warning("replaying %d committed tokens: %s", len(committed) - prompt_len, e)
@@ -223,32 +325,30 @@ class Generation:
                         continue
                     raise
                 round_s = time.perf_counter() - t_round
-                new = draft.tokens[: reply.num_accepted] + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
-                committed.extend(new)
-                if reply.committed_length != len(committed):
-                    raise EdgeError(grpc.StatusCode.INTERNAL, f"server committed {reply.committed_length} tokens, "
-                                                              f"the edge {len(committed)}")
-                session_id, last_round = reply.session_id, reply.round
-                st.rounds += 1
-                st.drafted += len(draft.tokens)
-                st.accepted += reply.num_accepted
-                rejected = reply.HasField("next_token_id") and reply.num_accepted < len(draft.tokens)
-                st.rejections += rejected
-                st.draft_s += draft.seconds
-                st.server_model_s += reply.timings.model_ms / 1e3
-                gammas.append(len(draft.tokens))
-                policy.observe(gamma=len(draft.tokens), num_accepted=reply.num_accepted, draft_s=draft.seconds,
-                               round_s=round_s, server_s=reply.timings.total_ms / 1e3, model_s=reply.timings.model_ms / 1e3,
-                               rejected=rejected)
-                c.drafter.observe(committed, reply.num_accepted)
-                if c.on_round is not None:
-                    c.on_round(RoundEvent(gamma=len(draft.tokens), accepted=reply.num_accepted, tokens=len(new),
-                                          draft_s=draft.seconds, rpc_s=round_s, server_s=reply.timings.total_ms / 1e3))
+                guessed = await ahead_job if ahead_job is not None else None  # the drafter is free again
+                new = apply(prep, reply, round_s)
+                final = reply  # the last reply applied: its finish reason is the generation's
+                finished = reply.finish_reason != pb.NOT_FINISHED
+                if guessed is not None and not finished:
+                    guess, next_prep = guessed
+                    if spec_task is not None:
+                        spec_reply = await _settle(None, spec_task)
+                        if committed == next_prep.base and spec_reply is not None and not spec_reply.base_mismatch:
+                            new += apply(next_prep, spec_reply, time.perf_counter() - t_round)
+                            st.pipelined_rounds += 1
+                            final = spec_reply
+                            finished = spec_reply.finish_reason != pb.NOT_FINISHED
+                        else:
+                            st.discarded_rounds += 1
+                    elif committed == next_prep.base:
+                        ahead = next_prep
+                elif spec_task is not None:
+                    await _settle(None, spec_task)
+                    st.discarded_rounds += 1
                 if new and not st.ttft_s:
                     st.ttft_s = time.perf_counter() - t0
-                finished = reply.finish_reason != pb.NOT_FINISHED
                 if finished:
-                    st.finish_reason = pb.FinishReason.Name(reply.finish_reason).lower()
+                    st.finish_reason = pb.FinishReason.Name(final.finish_reason).lower()
                 piece = decoder.decode(b"".join(c.tokenizer.token_bytes(t) for t in new if t not in c.hidden_ids))
                 if finished:
                     piece += decoder.decode(b"", final=True)
@@ -256,6 +356,7 @@ class Generation:
                     pieces.append(piece)
                     yield piece
         finally:
+            await _settle(ahead_job, spec_task)
             st.wall_s = time.perf_counter() - t0
             st.text = "".join(pieces)
             st.token_ids = committed[prompt_len:]
@@ -265,6 +366,8 @@ class Generation:
             st.tokens_per_round = st.tokens / st.rounds if st.rounds else 0.0
             st.mean_gamma = sum(gammas) / len(gammas) if gammas else 0.0
             st.gamma = policy.describe()
+            st.nodes_per_round = nodes_sent / st.rounds if st.rounds else 0.0
+            st.plans = planner.describe()
             st.expected_tokens_per_round = expected_tokens_per_round(st.alpha, round(st.mean_gamma))
             st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
             # A finished session needs no Close: the server frees its KV cache when generation ends.
@@ -272,6 +375,48 @@ class Generation:
             # now; shielded, so a cancelled caller still sends it.
             if session_id and not finished:
                 await asyncio.shield(c._close(session_id))
+
+
+GREEDY = SamplingSettings(temperature=0.0)
+
+
+@dataclass
+class _Prepared:
+    """A draft (chain or tree) made for one base (the committed sequence it follows)."""
+
+    base: list[int]
+    plan: RoundPlan
+    draft: "Draft | TreeDraft"
+    parents: list[int]      # empty for a chain
+    rows: int               # draft forward rows it cost
+
+    def guess_path(self) -> list[int]:
+        """The tokens of the most likely full acceptance: every draft, or the most probable branch."""
+        if not self.parents:
+            return list(self.draft.tokens)
+        has_child = set(self.parents)
+        leaves = [i for i in range(len(self.parents)) if i not in has_child]
+        if not leaves:
+            return []
+        node = max(leaves, key=lambda i: (self.draft.path_probs[i], -i))
+        path = []
+        while node != -1:
+            path.append(self.draft.tokens[node])
+            node = self.parents[node]
+        return path[::-1]
+
+
+async def _settle(job, spec_task):
+    """Wait for background work we no longer need; a speculative round's failure is only a discard."""
+    if job is not None:
+        with contextlib.suppress(Exception):
+            await job
+    if spec_task is not None:
+        try:
+            return await spec_task
+        except (EdgeError, grpc.aio.AioRpcError):
+            return None
+    return None
 
 
 def sampling_proto(s: SamplingSettings) -> pb.SamplingParams:
@@ -317,7 +462,9 @@ class EdgeClient:
                  draft_executor: Executor | None = None, on_round: Callable[[RoundEvent], None] | None = None,
                  token: str | None = None, tls: bool = False, tls_ca: str | bytes | None = None,
                  tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
-                 tls_server_name: str | None = None, max_wait_s: float = 300.0):
+                 tls_server_name: str | None = None, max_wait_s: float = 300.0,
+                 tree: "str | TreeShape" = "off", max_tree_nodes: int = 64, proactive: bool = False,
+                 pipeline: bool = False):
         self.server, self.drafter, self.tokenizer = server, drafter, tokenizer
         self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self._metadata = auth_metadata(self.token)
@@ -333,6 +480,14 @@ class EdgeClient:
         self.draft_executor = draft_executor
         self.on_round = on_round
         self._background: set[asyncio.Task] = set()  # Close calls that outlive a cancelled generation
+        # "off": chains; "auto": the cost model picks chain or tree each round; a TreeShape: always.
+        self.tree = TreeShape.parse(tree) if isinstance(tree, str) and tree not in ("off", "auto") else tree
+        self.max_tree_nodes = max_tree_nodes
+        # proactive: draft the next round during the round trip, from the most likely outcome;
+        # pipeline: also send it before the reply (the server verifies it only on that base).
+        self.proactive, self.pipeline = proactive, pipeline
+        if self.tree != "off" and not drafter.supports_trees:
+            raise ValueError(f"the {drafter.name} drafter does not build trees; use tree='off'")
         self._reached = False
         # Special tokens (EOS, <|im_end|>) end generation; they are not printed.
         self.hidden_ids = getattr(tokenizer, "eog_ids", frozenset())
@@ -355,14 +510,9 @@ class EdgeClient:
     async def server_info(self) -> pb.ServerInfo:
         return await self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.deadline_s, metadata=self._metadata)
 
-    async def _propose(self, committed: list[int], gamma: int, settings: SamplingSettings, rng):
-        if self.draft_executor is None:
-            return self.drafter.propose(committed, gamma, settings, self.qmode, rng)
-        return await asyncio.get_running_loop().run_in_executor(
-            self.draft_executor, self.drafter.propose, list(committed), gamma, settings, self.qmode, rng)
-
-    async def _verify(self, req: pb.VerifyRequest, st: GenerationStats) -> pb.VerifyReply:
+    async def _verify(self, req: pb.VerifyRequest, st: GenerationStats, retries: int | None = None) -> pb.VerifyReply:
         delay, attempt, waited_s = 0.05, 0, 0.0
+        max_retries = self.max_retries if retries is None else retries
         while True:
             st.bytes_up += req.ByteSize() + GRPC_FRAME_BYTES
             try:
@@ -387,7 +537,7 @@ class EdgeClient:
                     log.info("round %d: %s, backing off %.2fs: %s", req.round, e.code().name, wait_s, e.details())
                     await asyncio.sleep(wait_s)
                     continue
-                if e.code() in RETRYABLE and attempt < self.max_retries:
+                if e.code() in RETRYABLE and attempt < max_retries:
                     attempt += 1
                     st.retries += 1
                     log.info("round %d: %s, retrying in %.2fs", req.round, e.code().name, delay)
@@ -395,6 +545,16 @@ class EdgeClient:
                     delay = min(delay * 2, 2.0)
                     continue
                 raise EdgeError(e.code(), e.details() or "") from None
+
+    async def _in_drafter(self, fn, *args, thread: bool = False):
+        """Run drafting work in the drafting executor when there is one (a server: one worker
+        serialises the sessions' drafting); else inline, or in a thread for work that overlaps a
+        round trip."""
+        if self.draft_executor is not None:
+            return await asyncio.get_running_loop().run_in_executor(self.draft_executor, fn, *args)
+        if thread:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
     async def _open_round(self, req: pb.VerifyRequest, st: GenerationStats) -> pb.VerifyReply:
         """A round that opens a session. If the caller is cancelled while it is in flight, the

@@ -16,6 +16,7 @@ import numpy as np
 
 from spec_core.drafting import QMode, draft_step
 from spec_core.qcodec import EncodedQ
+from spec_core.tree import ROOT, DraftTree, TreeShape, grow_tree, tree_sampling
 from spec_core.warping import SamplingSettings
 
 # Where scripts/setup.sh puts the default draft (built from the bundled target; never committed).
@@ -29,14 +30,48 @@ class Draft:
     seconds: float                      # time spent drafting
 
 
+@dataclass
+class TreeDraft:
+    tokens: list[int]                   # [n] node tokens
+    parents: list[int]                  # [n] parent index, -1 = after the committed sequence
+    qs: list[EncodedQ] | None           # [n] each node's shipped q, or None: point masses
+    seconds: float                      # time spent drafting
+    rows: int                           # draft forward rows computed (expanded nodes, root included)
+    path_probs: list[float]             # [n] the draft's probability of reaching each node
+
+
 class Drafter(abc.ABC):
     name: str = "drafter"
     fingerprint: str | None = None      # tokenizer fingerprint, checked by the verifier
+    supports_trees: bool = False        # whether propose_tree works
 
     @abc.abstractmethod
     def propose(self, committed: Sequence[int], gamma: int, settings: SamplingSettings, qmode: QMode,
                 rng: np.random.Generator) -> Draft:
         """Up to `gamma` draft tokens following `committed`."""
+
+    def propose_tree(self, committed: Sequence[int], shape: TreeShape, settings: SamplingSettings, qmode: QMode,
+                     rng: np.random.Generator) -> TreeDraft:
+        """A draft tree after `committed` (spec_core.tree.grow_tree: most probable frontier first)."""
+        t0 = time.perf_counter()
+        to_probs, encode = tree_sampling(settings, qmode)
+        expand = self._tree_expander(committed)
+
+        def next_probs(nodes, tokens, parents):
+            return np.stack([to_probs(row) for row in expand(nodes, tokens, parents)])
+        try:
+            grown = grow_tree(next_probs, shape, rng, encode)
+        finally:
+            self._tree_done()
+        return TreeDraft(list(grown.tree.tokens), list(grown.tree.parents), grown.qs, time.perf_counter() - t0,
+                         grown.draft_rows, grown.path_probs)
+
+    def _tree_expander(self, committed: Sequence[int]):
+        """(nodes, tokens, parents) -> raw draft logits after each node  # [len(nodes), vocab]."""
+        raise NotImplementedError(f"the {self.name} drafter does not build trees; use --tree off")
+
+    def _tree_done(self) -> None:
+        pass
 
     def observe(self, committed: Sequence[int], num_accepted: int) -> None:
         """Learn from a round's result (committed now holds the round's tokens)."""
@@ -56,13 +91,17 @@ class GGUFDrafter(Drafter):
 
     name = "gguf"
 
-    def __init__(self, path, n_threads: int | None = None, n_ctx: int = 2048):
+    supports_trees = True
+
+    def __init__(self, path, n_threads: int | None = None, n_ctx: int = 2048, max_tree_nodes: int = 0):
         """`path`: a GGUF file, or a GGUFModel already loaded that several drafters share (each
         has its own KV cache; the caller keeps the model and closes it)."""
         from llama_runtime import GGUFModel
         self._owns_model = not isinstance(path, GGUFModel)
         self.model = GGUFModel(path, n_threads=n_threads) if self._owns_model else path
-        self.ctx = self.model.new_context(n_ctx)
+        # Trees decode each expanded node once, in one batch per level, on scratch sequence ids.
+        self.ctx = self.model.new_context(n_ctx, n_seq_max=max_tree_nodes + 1)
+        self.max_tree_nodes = max_tree_nodes
         self.fingerprint = self.model.fingerprint
         self.tokens_decoded = 0
 
@@ -78,6 +117,24 @@ class GGUFDrafter(Drafter):
             qs.append(q)
             seq.append(tok)
         return Draft(tokens, _collect(tokens, qs), time.perf_counter() - t0)
+
+    def _tree_expander(self, committed):
+        if self.max_tree_nodes <= 0:
+            raise ValueError("this GGUF drafter was made without tree support: pass max_tree_nodes")
+        committed = list(committed)
+
+        def expand(nodes, tokens, parents):
+            out = []
+            if ROOT in nodes:
+                out.append(self.ctx.draft_tree_begin(committed))
+            rest = [(n, parents[n], tokens[n]) for n in nodes if n != ROOT]
+            if rest:
+                out.extend(self.ctx.draft_tree_extend(rest))
+            return out
+        return expand
+
+    def _tree_done(self) -> None:
+        self.ctx.draft_tree_end()
 
     def close(self) -> None:
         self.ctx.close()
@@ -130,3 +187,17 @@ class SyntheticDrafter(Drafter):
         if self.per_token_s:
             time.sleep(self.per_token_s * gamma)
         return Draft(tokens, _collect(tokens, qs), time.perf_counter() - t0)
+
+    supports_trees = True
+
+    def _tree_expander(self, committed):
+        committed = list(committed)
+
+        def expand(nodes, tokens, parents):
+            tree = DraftTree(tuple(tokens), tuple(parents))
+            rows = [self.lm.logits(committed + ([] if n == ROOT else [tokens[j] for j in tree.path_to(n)]))
+                    for n in nodes]
+            if self.per_token_s:
+                time.sleep(self.per_token_s * len(nodes))  # a row costs what a chain token does
+            return rows
+        return expand

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spec_core.costmodel import RoundCosts, best_gamma
+from spec_core.costmodel import RoundCosts, best_gamma, expected_tokens_per_round
+from spec_core.tree import TreeShape
 
 
 class FixedGamma:
@@ -84,3 +85,116 @@ class AdaptiveGamma:
     def describe(self) -> str:
         mean = sum(self.chosen) / len(self.chosen) if self.chosen else self.start_gamma
         return f"adaptive(mean {mean:.2f})"
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    arm: str                         # "chain" or the tree's name, e.g. "tree8"
+    gamma: int                       # chain length, or the tree's depth
+    shape: TreeShape | None = None   # None: a chain
+
+
+@dataclass
+class _Arm:
+    tokens: float | None = None      # EWMA of tokens committed per round
+    rounds: int = 0
+
+
+class TreePolicy:
+    """Chain or tree, each round, from the cost model with measured inputs.
+
+    Predicted time of a round with `nodes` nodes and `rows` draft forward rows:
+        rows · t_row + rtt + t_verify_base + nodes · t_verify_node
+    with t_row (draft time per forward row), rtt (the RPC's wall time minus the server's) and the
+    verifier's line (least squares of model time over nodes sent, chains and trees alike: nearly
+    flat on a GPU, growing on a CPU) measured as rounds go. Tokens per round are measured per arm
+    (EWMA). Each arm is tried `warmup` times, then the best predicted tokens per second is taken,
+    and every `explore_every` rounds the runner-up is tried again so a changed link or load is seen.
+    Trees keep the chain's depth (γ from the gamma policy) and spend 2γ or 4γ nodes.
+    mode: "off" (chains only), "auto", or a TreeShape (that tree every round).
+    """
+
+    def __init__(self, gamma_policy, mode: "str | TreeShape" = "off", max_nodes: int = 64,
+                 warmup: int = 2, explore_every: int = 16, decay: float = 0.8):
+        self.gamma_policy, self.mode, self.max_nodes = gamma_policy, mode, max_nodes
+        self.warmup, self.explore_every, self.decay = warmup, explore_every, decay
+        self.arms: dict[str, _Arm] = {}
+        self.t_row_s: float | None = None
+        self.rtt_s: float | None = None
+        self._verify_points: list[tuple[int, float]] = []
+        self.rounds = 0
+        self.chosen: dict[str, int] = {}
+
+    def _shapes(self, gamma: int) -> dict[str, TreeShape]:
+        if self.mode != "auto" or gamma < 1:
+            return {}
+        out = {}
+        for mult, width in ((2, 1), (4, 2)):
+            budget = min(mult * gamma, self.max_nodes)
+            if budget > gamma:
+                out[f"tree{mult}x"] = TreeShape(budget=budget, depth=gamma, branching=2, width=width)
+        return out
+
+    def plan(self, remaining: int) -> RoundPlan:
+        if isinstance(self.mode, TreeShape):
+            depth = min(self.mode.depth, remaining - 1)
+            if depth >= 1:
+                shape = TreeShape(self.mode.budget, depth, self.mode.branching, self.mode.width)
+                return self._take(RoundPlan(f"tree{shape.budget}", depth, shape))
+            return self._take(RoundPlan("chain", 0))
+        gamma = max(0, min(self.gamma_policy.next_gamma(), remaining - 1))
+        shapes = self._shapes(gamma)
+        arms = {"chain": RoundPlan("chain", gamma)} | {k: RoundPlan(k, s.depth, s) for k, s in shapes.items()}
+        if len(arms) == 1:
+            return self._take(arms["chain"])
+        for name, arm in arms.items():  # warm-up: measure every arm first
+            if self.arms.get(name, _Arm()).rounds < self.warmup:
+                return self._take(arm)
+        ranked = sorted(arms.values(), key=lambda a: -self.predicted_rate(a))
+        self.rounds += 1
+        if self.rounds % self.explore_every == 0 and len(ranked) > 1:
+            return self._take(ranked[1])
+        return self._take(ranked[0])
+
+    def _take(self, plan: RoundPlan) -> RoundPlan:
+        return plan
+
+    def _verify_line(self) -> tuple[float, float]:
+        pts = self._verify_points
+        if not pts:
+            return 0.0, 0.0
+        n = len(pts)
+        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+        var = sum((x - mx) ** 2 for x, _ in pts)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / var) if var > 0 else 0.0
+        return max(0.0, my - slope * mx), slope
+
+    def predicted_round_s(self, plan: RoundPlan) -> float:
+        nodes = plan.gamma if plan.shape is None else plan.shape.budget
+        # A tree expands `width` nodes per level (the root once); a chain one row per token.
+        rows = plan.gamma if plan.shape is None else 1 + (plan.shape.depth - 1) * plan.shape.width
+        base, per_node = self._verify_line()
+        return rows * (self.t_row_s or 0.0) + (self.rtt_s or 0.0) + base + nodes * per_node
+
+    def predicted_rate(self, plan: RoundPlan) -> float:
+        arm = self.arms.get(plan.arm)
+        if arm and arm.tokens is not None:
+            tokens = arm.tokens
+        else:  # not measured yet (warm-up covers every arm; a chain's γ may be new): the geometric model
+            tokens = expected_tokens_per_round(min(getattr(self.gamma_policy, "alpha", 0.5), 0.999), plan.gamma)
+        return tokens / max(self.predicted_round_s(plan), 1e-9)
+
+    def observe(self, plan: RoundPlan, nodes: int, rows: int, tokens: int, draft_s: float, round_s: float,
+                server_s: float, model_s: float) -> None:
+        self.chosen[plan.arm] = self.chosen.get(plan.arm, 0) + 1  # rounds sent with this plan
+        arm = self.arms.setdefault(plan.arm, _Arm())
+        arm.tokens = tokens if arm.tokens is None else self.decay * arm.tokens + (1 - self.decay) * tokens
+        arm.rounds += 1
+        ew = lambda old, new: new if old is None else self.decay * old + (1 - self.decay) * new  # noqa: E731
+        if rows > 0:
+            self.t_row_s = ew(self.t_row_s, draft_s / rows)
+        self.rtt_s = ew(self.rtt_s, max(0.0, round_s - server_s))
+        self._verify_points = (self._verify_points + [(nodes, model_s)])[-48:]
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}×{v}" for k, v in sorted(self.chosen.items()))

@@ -152,10 +152,12 @@ def _add_experiment_command(subparsers) -> None:
     parser = subparsers.add_parser(
         "experiment", help="run every mode over link profiles and workloads, write results and a report",
         description="Start a verifier, put each profile's link between it and the edge, and measure "
-                    "edge-only, cloud-only, per-token, hybrid (fixed γ) and adaptive γ on each workload.")
+                    "edge-only, cloud-only, cloud-stepwise (γ = 0), per-token, hybrid (fixed γ), adaptive γ, "
+                    "token trees, proactive drafting and pipelined rounds on each workload.")
     parser.add_argument("--profiles", default="lan,lte,3g,edge-lossy,geo-sat", help="comma-separated profile names")
     parser.add_argument("--modes", default="all", help="all, or a comma-separated subset of " + ", ".join(
-        ("edge-only", "cloud-only", "per-token", "hybrid", "adaptive")))
+        ("edge-only", "cloud-only", "cloud-stepwise", "per-token", "hybrid", "adaptive", "tree", "proactive",
+         "pipeline")) + " (hybrid, tree, proactive and pipeline run once per γ in --gammas)")
     parser.add_argument("--workloads", default="all",
                         help="all, or a subset of code,json,summarisation,translation,chat,creative")
     parser.add_argument("--prompts-per-workload", type=int, default=1)

@@ -7,7 +7,12 @@ prompt over a warmed-up gRPC channel. Bytes are the proxy's wire counts (HTTP/2 
 included); round trips are Verify RPCs (retries included) or the one Generate request.
 
 Modes: edge-only (the draft model alone, no network), cloud-only (the target streams its own
-output: one request), per-token (γ = 1), hybrid-γN (fixed γ), adaptive (γ from the cost model).
+output: one request), cloud-stepwise (γ = 0: one Verify round trip per token, as a thin client of a
+per-token cloud API), per-token (γ = 1), hybrid-gN (fixed γ), adaptive (γ from the cost model),
+tree-gN (a token tree of depth N and 4N nodes every round, 2 children per node, the 2 most
+probable frontier nodes expanded per level), proactive-gN (fixed γ; the next round is drafted
+during the round trip from the most likely outcome) and pipeline-gN (that round is also sent
+before the reply; verified only on a committed base).
 """
 from __future__ import annotations
 
@@ -34,7 +39,9 @@ log = logging.getLogger(__name__)
 
 # Sampling per workload category: creative writing runs hot, structured output cold.
 TEMPERATURE = {"code": 0.2, "json": 0.2, "summarisation": 0.7, "translation": 0.7, "chat": 0.7, "creative": 1.0}
-ALL_MODES = ("edge-only", "cloud-only", "per-token", "hybrid", "adaptive")
+ALL_MODES = ("edge-only", "cloud-only", "cloud-stepwise", "per-token", "hybrid", "adaptive", "tree", "proactive",
+             "pipeline")
+PER_GAMMA_MODES = ("hybrid", "tree", "proactive", "pipeline")  # one run per γ in --gammas, labelled mode-gN
 
 
 @dataclass
@@ -56,6 +63,7 @@ class ExperimentConfig:
     synthetic_alpha_noise: float = 1.0
     synthetic_draft_ms: float = 2.0
     synthetic_step_ms: float = 20.0
+    synthetic_per_token_ms: float = 0.0  # verifier cost per token / tree node (0: flat, GPU-like)
     crossover: bool = True
     crossover_rtts_ms: list[float] = field(default_factory=lambda: [5, 50, 150, 300, 600])
     crossover_steps_ms: list[float] = field(default_factory=lambda: [5, 20, 60, 150])
@@ -87,6 +95,10 @@ class Row:
     retries: int = 0
     replays: int = 0
     rtt_ms: float = 0.0
+    nodes_per_round: float | None = None   # draft tokens or tree nodes sent per round
+    reused_drafts: int = 0                 # proactive drafts reused (their draft time hidden in a round trip)
+    pipelined_rounds: int = 0              # rounds sent before the previous reply and kept
+    discarded_rounds: int = 0              # pipelined rounds dropped (base not committed)
 
 
 def load_workloads(categories: list[str], per_category: int) -> list[tuple[str, int, str]]:
@@ -117,20 +129,22 @@ class Runner:
             self.drafter = SyntheticDrafter(64, 0, cfg.synthetic_alpha_noise, per_token_ms=cfg.synthetic_draft_ms)
             self.tokenizer = SyntheticTokenizer(64)
         else:
-            from edge_client.demo import DEFAULT_DRAFT
+            from edge_client.drafters import DEFAULT_DRAFT
             from llama_runtime import bundled_model_path
             self.target = cfg.target or str(bundled_model_path())
             draft = cfg.draft or str(DEFAULT_DRAFT)
             if not Path(draft).is_file():
                 raise FileNotFoundError(f"no draft at {draft}: run scripts/setup.sh or edge-client make-draft")
-            self.drafter = GGUFDrafter(draft, n_threads=cfg.draft_threads)
+            self.drafter = GGUFDrafter(draft, n_threads=cfg.draft_threads,
+                                       max_tree_nodes=64 if "tree" in cfg.modes else 0)
             self.tokenizer = self.drafter.model
 
     def verifier_args(self, step_ms: float | None = None) -> list[str]:
         c = self.cfg
         if c.synthetic:
             return ["--backend", "synthetic", "--synthetic-vocab", "64",
-                    "--synthetic-step-ms", str(c.synthetic_step_ms if step_ms is None else step_ms)]
+                    "--synthetic-step-ms", str(c.synthetic_step_ms if step_ms is None else step_ms),
+                    "--synthetic-per-token-ms", str(c.synthetic_per_token_ms)]
         return ["--model", self.target, "--threads", str(c.verifier_threads)]
 
     def prompt_ids(self, prompt: str) -> list[int]:
@@ -148,7 +162,7 @@ class Runner:
     async def measure(self, proxy: LinkProxy | None, port: int, profile: Profile, mode: str, gamma: int | str,
                       workload: str, index: int, prompt_ids: list[int], max_tokens: int) -> Row:
         settings = self.settings(workload, max_tokens)
-        label = mode if mode not in ("hybrid",) else f"hybrid-g{gamma}"
+        label = f"{mode}-g{gamma}" if mode in PER_GAMMA_MODES else mode
         if mode == "edge-only":
             return self._edge_only(profile, workload, index, prompt_ids, settings)
         from edge_client.client import EdgeClient, stream_cloud_only
@@ -162,14 +176,17 @@ class Runner:
                 tokens, wall, ttft = base.tokens, base.wall_s, base.ttft_s
                 rounds, acc, alpha, tpr, theory, passes, retries, replays = 1, None, None, None, None, tokens, 0, 0
             else:
-                g = 1 if mode == "per-token" else gamma
+                g = {"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)
+                extra = {"proactive": {"proactive": True}, "pipeline": {"pipeline": True}}.get(mode, {})
+                if mode == "tree":
+                    extra = {"tree": f"budget={4 * int(gamma)},depth={gamma},branching=2,width=2"}
                 async with EdgeClient(f"127.0.0.1:{port}", self.drafter, self.tokenizer, gamma=g,
-                                      qmode=self.cfg.qmode, channel=channel, deadline_s=120) as client:
+                                      qmode=self.cfg.qmode, channel=channel, deadline_s=120, **extra) as client:
                     gen = client.generate(prompt_ids, settings)
                     await gen.text()
                 st = gen.stats
                 tokens, wall, ttft = st.tokens, st.wall_s, st.ttft_s
-                rounds = st.rounds + st.retries
+                rounds = st.rounds + st.retries + st.discarded_rounds
                 acc, alpha, tpr = st.acceptance_rate, st.alpha, st.tokens_per_round
                 theory = st.expected_tokens_per_round
                 passes, retries, replays = st.rounds, st.retries, st.replays
@@ -177,9 +194,14 @@ class Runner:
             up = (proxy.stats.bytes_up - before[0]) if proxy else 0
             down = (proxy.stats.bytes_down - before[1]) if proxy else 0
         n = max(tokens, 1)
-        return Row(profile.name, label, workload, index, str(gamma if mode != "per-token" else 1), tokens, wall,
-                   tokens / wall if wall else 0.0, ttft, rounds, rounds / n, up, down, up / n, down / n, acc, alpha, tpr,
-                   theory, passes, passes / n, retries, replays, profile.rtt_ms())
+        row = Row(profile.name, label, workload, index, str({"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)),
+                  tokens, wall, tokens / wall if wall else 0.0, ttft, rounds, rounds / n, up, down, up / n, down / n, acc,
+                  alpha, tpr, theory, passes, passes / n, retries, replays, profile.rtt_ms())
+        if mode != "cloud-only":
+            row.nodes_per_round = st.nodes_per_round
+            row.reused_drafts, row.pipelined_rounds, row.discarded_rounds = (st.reused_drafts, st.pipelined_rounds,
+                                                                             st.discarded_rounds)
+        return row
 
     def _edge_only(self, profile, workload, index, prompt_ids, settings) -> Row:
         from spec_core.drafting import QMode
@@ -205,8 +227,8 @@ async def run_experiment(cfg: ExperimentConfig, progress=None) -> dict:
     workloads = load_workloads(cfg.workloads, cfg.prompts_per_workload)
     modes: list[tuple[str, int | str]] = []
     for m in cfg.modes:
-        if m == "hybrid":
-            modes += [("hybrid", g) for g in cfg.gammas]
+        if m in PER_GAMMA_MODES:
+            modes += [(m, g) for g in cfg.gammas]
         else:
             modes.append((m, "adaptive" if m == "adaptive" else 1))
     rows: list[Row] = []
@@ -222,7 +244,7 @@ async def run_experiment(cfg: ExperimentConfig, progress=None) -> dict:
                 for mode, gamma in modes:
                     for workload, index, prompt in workloads:
                         if progress:
-                            progress.update(task, description=f"{name} {mode}{'' if mode != 'hybrid' else gamma} "
+                            progress.update(task, description=f"{name} {mode}{'' if mode not in PER_GAMMA_MODES else gamma} "
                                                               f"{workload}")
                         row = await runner.measure(thread.proxy, thread.port, profile, mode, gamma, workload, index,
                                                    runner.prompt_ids(prompt), cfg.max_tokens)
@@ -300,8 +322,18 @@ def summarise(rows: list[dict]) -> list[dict]:
             "tokens_per_round": statistics.mean(tpr) if tpr else None,
             "theory_tokens_per_round": statistics.mean(theory) if theory else None,
             "forward_passes_per_token": sum(r["target_forward_passes"] for r in rs) / max(tokens, 1),
+            "bytes_per_round": (sum(r["bytes_up"] + r["bytes_down"] for r in rs) / max(sum(r["round_trips"] for r in rs), 1)),
+            "nodes_per_round": _mean([r.get("nodes_per_round") for r in rs]),
+            "reused_drafts": sum(r.get("reused_drafts", 0) for r in rs),
+            "pipelined_rounds": sum(r.get("pipelined_rounds", 0) for r in rs),
+            "discarded_rounds": sum(r.get("discarded_rounds", 0) for r in rs),
         })
     return out
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None
 
 
 def _mode_order(mode: str) -> tuple[int, str]:

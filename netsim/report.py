@@ -81,6 +81,7 @@ def markdown(result: dict, summary: list[dict]) -> str:
             lines += ["", f"**Cloud-only is faster in tokens/s on: {', '.join(wins)}.** Streaming lets the target "
                       "pay the link's round trip once, while every hybrid round pays it again; the hybrid's case "
                       "there is the cloud's forward passes per token (see the last column) and a loaded cloud."]
+    lines += round_trip_section(summary)
     workloads = sorted({r["workload"] for r in result["rows"] if r["acceptance_rate"] is not None})
     if workloads:
         lines += ["", "## Acceptance by workload (all hybrid modes, all profiles)", "", "| workload | α | tokens/round |",
@@ -105,6 +106,41 @@ def markdown(result: dict, summary: list[dict]) -> str:
                       "(cloud-only: 1.00)."]
     lines += ["", "Plots: tokens_per_s.png, round_trips_per_100_tokens.png" + (", crossover.png" if cross else ""), ""]
     return "\n".join(lines)
+
+
+def round_trip_section(summary: list[dict]) -> list[str]:
+    """Every networked mode against cloud-stepwise (one round trip per token) and per-token / cloud-only.
+
+    Round-trip reduction = RT/token of cloud-stepwise ÷ RT/token of the mode; the seed document's
+    claim is "about γ-fold", its theory (1 − α^(γ+1))/(1 − α) at the mode's measured α and mean γ
+    (for trees, the chain of the same depth: what a tree adds shows as measured above theory).
+    Waited RT/token leaves out pipelined rounds (kept or discarded): their trip overlapped the previous one.
+    """
+    lines = ["", "## Round trips against cloud-stepwise, and tokens/s ratios", "",
+             "| profile | mode | RT/token | waited RT/token | RT reduction vs cloud-stepwise | theory (1−α^(γ+1))/(1−α) "
+             "| nodes/round | bytes/round | reused drafts | pipelined / discarded rounds | tok/s ÷ per-token "
+             "| tok/s ÷ cloud-only |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    any_row = False
+    for profile in dict.fromkeys(s["profile"] for s in summary):
+        by = {s["mode"]: s for s in summary if s["profile"] == profile}
+        step = by.get("cloud-stepwise")
+        for mode, s in by.items():
+            if mode in ("edge-only", "cloud-only") or not s["tokens"]:
+                continue
+            any_row = True
+            rt = s["round_trips_per_token"]
+            # Pipelined rounds, kept or discarded, travel during the previous round's trip.
+            waited = rt - (s.get("pipelined_rounds", 0) + s.get("discarded_rounds", 0)) / s["tokens"]
+            reduction = step["round_trips_per_token"] / rt if step and rt else None
+            vs = {o: (s["tokens_per_s"] / by[o]["tokens_per_s"] if o in by and by[o]["tokens_per_s"] else None)
+                  for o in ("per-token", "cloud-only")}
+            lines.append(f"| {profile} | {mode} | {_fmt(rt)} | {_fmt(waited)} | {_fmt(reduction)} | "
+                         f"{_fmt(s['theory_tokens_per_round'])} | {_fmt(s.get('nodes_per_round'), 1)} | "
+                         f"{_fmt(s.get('bytes_per_round'), 0)} | {s.get('reused_drafts', 0)} | "
+                         f"{s.get('pipelined_rounds', 0)} / {s.get('discarded_rounds', 0)} | {_fmt(vs['per-token'])} | "
+                         f"{_fmt(vs['cloud-only'])} |")
+    return lines if any_row else []
 
 
 def plot(summary: list[dict], crossover: list[dict], out: Path) -> dict[str, Path]:

@@ -37,6 +37,20 @@ def test_generate_streams_text_and_ends_with_json(verifier, tiny_models):
     assert "\n".join(text) == stats["text"]
 
 
+@pytest.mark.parametrize("extra", [["--tree", "auto", "--proactive"], ["--tree", "budget=8,depth=3", "--pipeline"]],
+                         ids=["tree-auto-proactive", "tree-shape-pipeline"])
+def test_generate_with_trees_and_rounds_in_flight(verifier, tiny_models, extra):
+    r = subprocess.run([sys.executable, "-m", "edge_client", "generate", "--server", verifier,
+                        "--draft", str(tiny_models["draft"]), "--prompt", "hello world", "--max-tokens", "24",
+                        "--temperature", "0", "--gamma", "4", "--json", *extra],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout.rstrip("\n").split("\n")[-1])
+    assert stats["tokens"] == 24 and stats["tree_rounds"] > 0 and stats["nodes_per_round"] > 1
+    for key in ("reused_drafts", "discarded_rounds", "pipelined_rounds", "plans"):
+        assert key in stats
+
+
 def test_generate_reports_a_refusal_plainly(verifier, tiny_models):
     r = subprocess.run([sys.executable, "-m", "edge_client", "generate", "--server", verifier,
                         "--draft", str(tiny_models["other_vocab"]), "--prompt", "hi", "--max-tokens", "4"],

@@ -225,6 +225,63 @@ async def test_greedy_hybrid_equals_backend_greedy_generate(backend, tiny, gamma
 
 
 @needs_vllm
+@pytest.mark.parametrize("qmode", ["none", "fixed:8"])
+async def test_greedy_hybrid_with_trees_equals_backend_greedy_generate(backend, tiny, qmode):
+    """Trees on vLLM: a request per node (verify_tree_from_scores), greedy = the target's greedy."""
+    from edge_client import EdgeClient
+    from edge_client.drafters import GGUFDrafter
+    from helpers import running_server
+    n = 32
+    drafter = GGUFDrafter(str(tiny["draft"]), n_threads=1, n_ctx=512, max_tree_nodes=16)
+    try:
+        async with running_server(backend) as server:
+            async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=4, qmode=qmode,
+                                  tree="budget=8,depth=4,branching=2,width=2") as c:
+                gen = c.generate(PROMPT, SamplingSettings(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+                await gen.text()
+            ids = drafter.model.tokenize(PROMPT)
+            reference = await _target_greedy(server, ids, n)
+    finally:
+        drafter.close()
+    st = gen.stats
+    assert st.tokens == n and st.tree_rounds == st.rounds and st.rounds < n
+    _check_same_or_near_tie(backend, ids, st.token_ids, reference)
+
+
+@needs_vllm
+def test_first_token_through_tree_verify_follows_the_processed_target(backend, tiny):
+    """N = 1200 tree rounds (two sampled siblings at the root, sparse q) at T = 1.3, top-k 20,
+    top-p 0.9: the first generated token follows the exact processed p (chi-square p > 1e-4)."""
+    from spec_core.tree import DraftTree, without_tokens
+    s = SamplingSettings(temperature=1.3, top_k=20, top_p=0.9)
+    ctx = [1] + [int(x) for x in np.random.default_rng(0).integers(3, 299, 20)]
+    rows, _, _ = backend.target_logits(None, ctx, 1)
+    target = processed_probs(rows[0], s.temperature, s.top_k, s.top_p)
+    noisy = rows[0] + np.random.default_rng(4).standard_normal(rows.shape[1]) * 1.5
+    draft = processed_probs(noisy, s.temperature, s.top_k, s.top_p)
+
+    def run(worker: int) -> np.ndarray:
+        rng = np.random.default_rng(2000 + worker)
+        counts = np.zeros(len(target), dtype=np.int64)
+        for _ in range(STAT_N // STAT_THREADS):
+            q1 = make_q("sparse", draft)
+            x1 = q1.sample(rng)
+            q2 = without_tokens(q1, [x1])
+            if len(q2.weights) == 0:
+                tree, qs = DraftTree((x1,), (-1,)), [q1]
+            else:
+                tree, qs = DraftTree((x1, q2.sample(rng)), (-1, -1)), [q1, q2]
+            result, _, _ = backend.verify_tree(None, ctx, tree, qs, s, rng)
+            counts[tree.tokens[result.path[0]] if result.path else result.next_token] += 1
+        return counts
+
+    with ThreadPoolExecutor(STAT_THREADS) as pool:
+        counts = sum(pool.map(run, range(STAT_THREADS)))
+    p = chi_square_p(counts, target)
+    assert p > P_MIN, f"chi-square p = {p:.2e}"
+
+
+@needs_vllm
 async def test_seeded_sampling_through_grpc_is_reproducible(backend, tiny):
     from edge_client import EdgeClient
     from edge_client.drafters import GGUFDrafter

@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from spec_core.qcodec import EncodedQ
+from spec_core.tree import DraftTree, TreeResult, verify_tree
 from spec_core.verify import RoundResult, verify_round_on_logits
 from spec_core.warping import SamplingSettings, processed_probs, sample
 
@@ -36,6 +37,7 @@ class Backend(abc.ABC):
     info: BackendInfo
     # Sessions + Generate streams the backend can hold at once; None: only the engine's limits.
     max_states: int | None = None
+    supports_trees: bool = True  # False: tree rounds are refused (the backend verifies chains only)
 
     @abc.abstractmethod
     def new_state(self) -> object:
@@ -58,6 +60,34 @@ class Backend(abc.ABC):
         logits, queue_s, model_s = self.target_logits(state, list(committed) + list(draft_tokens), gamma + 1)
         # p is warped row by row as the round reaches it (rows after a rejection are not needed).
         return verify_round_on_logits(logits, settings, draft_tokens, draft_probs, rng), queue_s, model_s
+
+    def tree_logits(self, state: object, committed: Sequence[int], tree: DraftTree) -> tuple[np.ndarray, float, float]:
+        """Raw logits after the committed sequence and after every node  # [n + 1, vocab]: row 0 predicts
+        the root's children, row i + 1 node i's. This default runs one chain per root-to-leaf path
+        (correct, not fast); backends that can verify a tree in one pass override it."""
+        rows = np.empty((len(tree) + 1, self.info.n_vocab), dtype=np.float32)
+        queue_s = model_s = 0.0
+        leaves = tree.leaves() or [None]
+        for leaf in leaves:
+            path = [] if leaf is None else tree.path_to(leaf)
+            logits, q_s, m_s = self.target_logits(state, list(committed) + [tree.tokens[i] for i in path], len(path) + 1)
+            queue_s, model_s = queue_s + q_s, model_s + m_s
+            rows[0] = logits[0]
+            for k, node in enumerate(path):
+                rows[node + 1] = logits[k + 1]
+        return rows, queue_s, model_s
+
+    def keep_tree_path(self, state: object, committed: Sequence[int], tree: DraftTree, path: Sequence[int]) -> None:
+        """After a tree round: leave only committed + the kept path's tokens in the state's cache."""
+
+    def verify_tree(self, state: object, committed: Sequence[int], tree: DraftTree,
+                    draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
+                    rng: np.random.Generator) -> tuple[TreeResult, float, float]:
+        logits, queue_s, model_s = self.tree_logits(state, committed, tree)
+        target_probs = processed_probs(logits, settings.temperature, settings.top_k, settings.top_p)  # [n+1, V]
+        result = verify_tree(target_probs, tree, draft_probs, rng)
+        self.keep_tree_path(state, committed, tree, result.path)
+        return result, queue_s, model_s
 
     def sample_next(self, state: object, tokens: Sequence[int], settings: SamplingSettings,
                     rng: np.random.Generator) -> tuple[int, float, float]:

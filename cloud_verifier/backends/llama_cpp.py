@@ -11,8 +11,10 @@ logits do not depend on how its cache was built (rounds, single tokens, or a rep
 restart) nor on which sessions share a pass, with one exception in the shared cache, which is
 why batching is not the default: see the known defect in llama_runtime.model.SharedKV.
 
-Where a tree round would plug in: its branches need scratch sequences of their own next to the
-session's. `Packer.prepare` would return items on several sequence ids (the shared prefix once,
+Token trees (tree_logits / keep_tree_path) run in the serial verifier: one pass per tree on
+scratch sequences of the session's own context. With batching they are refused for now (the
+backend says supports_trees = False, so ServerInfo advertises no trees). Where a tree round would
+plug in: its branches need scratch sequences of their own next to the session's. `Packer.prepare` would return items on several sequence ids (the shared prefix once,
 each branch on its own id, or one token on several ids with llama_batch's n_seq_id), and the
 batcher already packs any items; the session's state would then hold a few sequence ids.
 """
@@ -28,6 +30,7 @@ from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, BackendInfo, NoFreeState
 from cloud_verifier.backends.batcher import Batcher, BatchStep
 from llama_runtime import GGUFModel, KVContext, SharedKV
+from spec_core.tree import DraftTree
 
 # Default KV pool: as many cells as today's default of 8 sessions of 2048 tokens.
 DEFAULT_KV_SESSIONS = 8
@@ -42,7 +45,7 @@ class SeqState:
 class LlamaCppBackend(Backend):
     def __init__(self, model: str, n_ctx: int = 2048, n_threads: int | None = None, n_batch: int = 512,
                  batching: bool = False, kv_tokens: int | None = None, batch_window_ms: float = 0.0,
-                 invariant: bool = True):
+                 invariant: bool = True, max_tree_leaves: int = 64):
         self.model = GGUFModel(model, n_threads=n_threads)
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -50,6 +53,10 @@ class LlamaCppBackend(Backend):
         self.info = BackendInfo("llama.cpp", self.model.name, self.model.n_vocab, n_ctx,
                                 self.model.fingerprint, self.model.eog_ids)
         self._forwarded = 0  # tokens pushed through the target, all sessions (serial mode)
+        # Serial mode: sequence 0 + a scratch id per tree leaf. The shared cache has no room for
+        # per-session scratch sequences yet, so with batching tree rounds are refused.
+        self.n_seq_max = max_tree_leaves + 1
+        self.supports_trees = not batching
         self.kv: SharedKV | None = None
         self.batcher: Batcher | None = None
         if batching:
@@ -67,7 +74,8 @@ class LlamaCppBackend(Backend):
 
     def new_state(self):
         if self.kv is None:
-            return self.model.new_context(self.n_ctx, self.n_batch, invariant=self.invariant)
+            return self.model.new_context(self.n_ctx, self.n_batch, invariant=self.invariant,
+                                          n_seq_max=self.n_seq_max)
         seq = self.batcher.acquire(self.kv.acquire)
         if seq is None:
             raise NoFreeState(f"the KV cache holds {self.kv.n_seqs} sessions of {self.n_ctx} tokens and all are "
@@ -98,6 +106,25 @@ class LlamaCppBackend(Backend):
             t2 = time.perf_counter()
         _observe_step(BatchStep(decoded, 1, t2 - t1))
         return logits, t1 - t0, t2 - t1
+
+    def tree_logits(self, state, committed: Sequence[int], tree: DraftTree):
+        """The whole tree in one target pass (KVContext.tree_logits); serial mode only."""
+        if isinstance(state, SeqState):
+            raise RuntimeError("tree rounds need the serial verifier (--batching off)")
+        t0 = time.perf_counter()
+        with self.model.lock:
+            t1 = time.perf_counter()
+            before = state.tokens_decoded
+            logits = state.tree_logits(committed, tree.tokens, tree.parents)
+            decoded = state.tokens_decoded - before
+            self._forwarded += decoded
+            t2 = time.perf_counter()
+        _observe_step(BatchStep(decoded, 1, t2 - t1))
+        return logits, t1 - t0, t2 - t1
+
+    def keep_tree_path(self, state, committed, tree: DraftTree, path) -> None:
+        with self.model.lock:
+            state.keep_tree_path(path, [tree.tokens[i] for i in path])
 
     def close(self) -> None:
         if self.batcher is not None:

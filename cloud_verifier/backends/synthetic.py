@@ -17,6 +17,7 @@ from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, BackendInfo
 from cloud_verifier.backends.batcher import Batcher, BatchStep, Item
 from spec_core.synthetic import SyntheticLM, synthetic_fingerprint
+from spec_core.tree import DraftTree
 
 
 def _observe_step(step: BatchStep) -> None:
@@ -70,6 +71,27 @@ class SyntheticBackend(Backend):
             t2 = time.perf_counter()
         _observe_step(BatchStep(new, 1, t2 - t1))
         return out, t1 - t0, t2 - t1
+
+    def tree_logits(self, state: dict, committed: Sequence[int], tree: DraftTree):
+        """One pass for the tree: costs step + per_token × (new committed tokens + nodes), like a
+        backend that batches every node (a GPU's cost is nearly flat in the node count: per_token ≈ 0)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            t1 = time.perf_counter()
+            committed = list(committed)
+            new = max(1, len(committed) - state["cached"]) + len(tree)
+            self._forwarded += new
+            ctxs = [committed] + [committed + [tree.tokens[j] for j in tree.path_to(i)] for i in range(len(tree))]
+            out = np.stack([self.lm.logits(c) for c in ctxs])
+            state["cached"] = len(committed)
+            cost = self.step_s + self.per_token_s * new
+            if cost > 0:
+                time.sleep(cost)
+            t2 = time.perf_counter()
+        return out, t1 - t0, t2 - t1
+
+    def keep_tree_path(self, state: dict, committed, tree, path) -> None:
+        state["cached"] = len(committed) + len(path)  # as a KV cache keeping the kept path would
 
     def forward_tokens(self) -> int:
         return self._forwarded

@@ -60,6 +60,7 @@ import numpy as np
 from cloud_verifier.backends.base import Backend, BackendInfo
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
+from spec_core.tree import ROOT, DraftTree, TreeResult
 from spec_core.verify import RoundResult
 from spec_core.warping import SamplingSettings, sample
 
@@ -131,6 +132,98 @@ def _corrected(i: int, x: int, q_i: EncodedQ | None, s: PositionScore,
     if residual.sum() <= _RESIDUAL_EPS:
         residual = target_probs
     return RoundResult(i, sample(residual, rng)), True
+
+
+# --- trees: the same scores, one request per node -------------------------------------------
+
+@dataclass(frozen=True)
+class NodeScore:
+    """What one generation request tells about the position after a tree node (or the root)."""
+
+    sample: int                  # y ~ p, drawn by the target's sampler
+    sample_prob: float           # p(y)
+    probs: dict[int, float]      # p(t) for every token the tree rule may need here (tree_tokens_needed)
+
+
+def tree_tokens_needed(tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None, node: int) -> list[int] | None:
+    """Tokens whose p the rule may read after `node`: its children and their q supports.
+    None when a child's q is dense (then the whole processed row is fetched for that node)."""
+    need: set[int] = set()
+    for c in tree.children().get(node, []):
+        need.add(tree.tokens[c])
+        q = None if draft_probs is None else draft_probs[c]
+        if q is not None:
+            if q.token_ids is None:
+                return None
+            need.update(int(t) for t in q.token_ids)
+    return sorted(need)
+
+
+def verify_tree_from_scores(tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
+                            scores: Sequence[NodeScore], full_row: Callable[[int], np.ndarray],
+                            rng: np.random.Generator) -> tuple[TreeResult, bool]:
+    """spec_core.tree.verify_tree's rule from per-node scores instead of full rows.
+
+    At a node, p is known on T (the children and their q supports); every residual step
+    p_{i+1} = norm(max(0, p_i - q_i)) changes only tokens in q_i's support (a subset of T) and
+    divides the rest by r_i = 1 - sum_{t in supp q_i} min(p_i(t), q_i(t)), so outside T
+    p_{k+1}(t) = p(t) / prod r. The accept tests read p_i at the children (in T). The corrected
+    token: keep vLLM's y ~ p with probability a(y) = p_{k+1}(y) prod r / p(y) (<= 1), else draw from
+    p_{k+1} built from the full row (one extra request):
+        P(out = t) = p(t) a(t) + (1 - prod r) p_{k+1}(t) = prod r p_{k+1}(t) + (1 - prod r) p_{k+1}(t).
+    Outside T, a = 1: the fallback is needed only when y lands on a child or a q support.
+    scores  # [n + 1]: index 0 the root, i + 1 node i. full_row(node) -> processed p  # [vocab].
+    Returns (result, whether full_row was needed).
+    """
+    children = tree.children()
+    node, path = ROOT, []
+    while True:
+        s = scores[node + 1]
+        cur = dict(s.probs)   # p_i on T, kept normalised
+        scale = 1.0           # p_i(t) = p(t) * scale outside T
+        rejected = []
+        for c in children.get(node, []):
+            x = tree.tokens[c]
+            q = None if draft_probs is None else draft_probs[c]
+            ratio = cur[x] / (1.0 if q is None else q.prob_of(x))
+            if ratio >= 1.0 or (ratio > 0.0 and rng.random() < ratio):
+                node = c
+                path.append(c)
+                break
+            rejected.append(c)
+            if q is None:
+                supp = {x: 1.0}
+            else:  # a dense q's support is every token with weight (then `cur` holds the full row)
+                total = float(np.sum(q.weights, dtype=np.float64))
+                ids = q.token_ids if q.token_ids is not None else np.flatnonzero(q.weights)
+                weights = q.weights if q.token_ids is not None else q.weights[ids]
+                supp = dict(zip(np.asarray(ids, dtype=np.int64).tolist(),
+                                (np.asarray(weights, dtype=np.float64) / total).tolist()))
+            r = 1.0 - sum(min(cur[t], w) for t, w in supp.items())
+            if r <= _RESIDUAL_EPS:
+                continue  # rounding noise: p_i and q_i agree; keep p_i (as verify_tree does)
+            for t, w in supp.items():
+                cur[t] = max(0.0, cur[t] - w)
+            cur = {t: v / r for t, v in cur.items()}
+            scale /= r
+        else:
+            y, p_y = s.sample, s.sample_prob
+            p_cur_y = cur[y] if y in cur else p_y * scale
+            keep = p_cur_y / (p_y * scale) if p_y > 0.0 else 0.0
+            if keep >= 1.0 or (keep > 0.0 and rng.random() < keep):
+                return TreeResult(path, y), False
+            probs = full_row(node)  # [vocab]
+            for c in rejected:
+                q = None if draft_probs is None else draft_probs[c]
+                if q is None:
+                    residual = probs.copy()
+                    residual[tree.tokens[c]] = 0.0
+                else:
+                    residual = np.maximum(probs - q.dense(len(probs)), 0.0)
+                total = residual.sum()
+                if total > _RESIDUAL_EPS:
+                    probs = residual / total
+            return TreeResult(path, sample(probs, rng)), True
 
 
 _EOG_TEXTS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>",
@@ -282,6 +375,58 @@ class VllmBackend(Backend):
             return _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
 
         result, _ = verify_from_scores(drafts, draft_probs, scores, full_row, rng)
+        return result, 0.0, time.perf_counter() - t0
+
+    def verify_tree(self, state, committed: Sequence[int], tree: DraftTree,
+                    draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
+                    rng: np.random.Generator) -> tuple[TreeResult, float, float]:
+        """The chain's mechanism per node: one request after the root and after every node
+        (prompt = committed + the node's path, prefix-cached, max_tokens = 1, a seed from the
+        session's generator) scores p on the children and their q supports
+        (`logprob_token_ids`) and samples y ~ p; a node whose children carry a dense q asks for
+        its whole processed row instead. verify_tree_from_scores runs the rule (proof there)."""
+        t0 = time.perf_counter()
+        committed = list(committed)
+        nodes = [ROOT] + list(range(len(tree)))
+        seeds = rng.integers(0, 2**62, size=len(nodes))
+        score_reqs, full_reqs = [], []  # (index in nodes, prompt, params, tokens needed)
+        for k, node in enumerate(nodes):
+            prompt = committed + ([] if node == ROOT else [tree.tokens[j] for j in tree.path_to(node)])
+            need = tree_tokens_needed(tree, draft_probs, node)
+            if settings.greedy or need == []:
+                score_reqs.append((k, prompt, self._params(settings, int(seeds[k])), need or []))
+            elif need is None:
+                full_reqs.append((k, prompt, self._params(settings, int(seeds[k]), logprobs=-1, flat_logprobs=True),
+                                  None))
+            else:
+                score_reqs.append((k, prompt, self._params(settings, int(seeds[k]), logprob_token_ids=need), need))
+        scores: list[NodeScore | None] = [None] * len(nodes)
+        if score_reqs:
+            outs = self._run(self._batch([(pr, sp) for _, pr, sp, _ in score_reqs]))
+            for (k, _, _, need), out in zip(score_reqs, outs):
+                comp = out.outputs[0]
+                y = int(comp.token_ids[0])
+                if settings.greedy:
+                    scores[k] = NodeScore(y, 1.0, {t: float(t == y) for t in need})
+                else:
+                    lp = comp.logprobs[0]
+                    scores[k] = NodeScore(y, math.exp(lp[y].logprob), {t: math.exp(lp[t].logprob) for t in need})
+        if full_reqs:
+            outs = self._run(self._batch([(pr, sp) for _, pr, sp, _ in full_reqs], kind="full"))
+            for (k, _, _, _), out in zip(full_reqs, outs):
+                row = _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
+                y = int(out.outputs[0].token_ids[0])
+                scores[k] = NodeScore(y, float(row[y]), {int(t): float(row[t]) for t in np.flatnonzero(row)})
+
+        def full_row(node: int) -> np.ndarray:
+            with self._stats_lock:
+                self.full_row_requests += 1
+            prompt = committed + ([] if node == ROOT else [tree.tokens[j] for j in tree.path_to(node)])
+            params = self._params(settings, int(rng.integers(0, 2**62)), logprobs=-1, flat_logprobs=True)
+            out, = self._run(self._batch([(prompt, params)], kind="full"))
+            return _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
+
+        result, _ = verify_tree_from_scores(tree, draft_probs, scores, full_row, rng)
         return result, 0.0, time.perf_counter() - t0
 
     def sample_next(self, state, tokens: Sequence[int], settings: SamplingSettings,

@@ -79,20 +79,24 @@ class QPayload(_message.Message):
     def __init__(self, format: _Optional[_Union[QPayload.Format, str]] = ..., scale_bits: _Optional[int] = ..., positions: _Optional[_Iterable[_Union[DraftDist, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "round", "committed_length", "open", "draft_token_ids", "q")
+    __slots__ = ("session_id", "round", "committed_length", "open", "draft_token_ids", "q", "draft_parents", "assumed_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     committed_length: int
     open: OpenSession
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     q: QPayload
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_length: _Optional[int] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[QPayload, _Mapping]] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    assumed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_length: _Optional[int] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[QPayload, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ServerTimings(_message.Message):
     __slots__ = ("model_ms", "queue_ms", "total_ms")
@@ -105,7 +109,7 @@ class ServerTimings(_message.Message):
     def __init__(self, model_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("session_id", "round", "num_accepted", "next_token_id", "committed_length", "finish_reason", "timings")
+    __slots__ = ("session_id", "round", "num_accepted", "next_token_id", "committed_length", "finish_reason", "timings", "kept_nodes", "base_mismatch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +117,8 @@ class VerifyReply(_message.Message):
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_NODES_FIELD_NUMBER: _ClassVar[int]
+    BASE_MISMATCH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     num_accepted: int
@@ -120,7 +126,9 @@ class VerifyReply(_message.Message):
     committed_length: int
     finish_reason: FinishReason
     timings: ServerTimings
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ...) -> None: ...
+    kept_nodes: _containers.RepeatedScalarFieldContainer[int]
+    base_mismatch: bool
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., kept_nodes: _Optional[_Iterable[int]] = ..., base_mismatch: _Optional[bool] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -157,7 +165,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("backend", "model", "n_vocab", "n_ctx", "tokenizer_fingerprint", "max_gamma", "max_sessions", "eos_token_ids", "version")
+    __slots__ = ("backend", "model", "n_vocab", "n_ctx", "tokenizer_fingerprint", "max_gamma", "max_sessions", "eos_token_ids", "version", "max_tree_nodes", "max_tree_branching")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     N_VOCAB_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +175,8 @@ class ServerInfo(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_BRANCHING_FIELD_NUMBER: _ClassVar[int]
     backend: str
     model: str
     n_vocab: int
@@ -176,4 +186,6 @@ class ServerInfo(_message.Message):
     max_sessions: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     version: str
-    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[str] = ...) -> None: ...
+    max_tree_nodes: int
+    max_tree_branching: int
+    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_branching: _Optional[int] = ...) -> None: ...

@@ -18,8 +18,9 @@ def test_experiment_writes_results_report_and_plots(tmp_path):
     result = json.loads((out / "results.json").read_text())
     rows = result["rows"]
     modes = {row["mode"] for row in rows}
-    assert modes == {"edge-only", "cloud-only", "per-token", "hybrid-g2", "hybrid-g4", "adaptive"}
-    assert len(rows) == 2 * 6 * 2
+    per_gamma = {f"{m}-g{g}" for m in ("hybrid", "tree", "proactive", "pipeline") for g in (2, 4)}
+    assert modes == {"edge-only", "cloud-only", "cloud-stepwise", "per-token", "adaptive"} | per_gamma
+    assert len(rows) == 2 * 13 * 2
     for row in rows:
         assert REQUIRED <= row.keys()
         assert row["tokens"] == 16
@@ -33,8 +34,13 @@ def test_experiment_writes_results_report_and_plots(tmp_path):
     assert by[("lan", "edge-only", "chat")]["bytes_up"] == 0
     # A 300 ms RTT link costs every hybrid round a round trip: per-token on 3g is slower than on lan.
     assert by[("3g", "per-token", "chat")]["wall_s"] > by[("lan", "per-token", "chat")]["wall_s"]
+    # cloud-stepwise asks for every token: one round trip per token, no drafts; trees send 4γ nodes.
+    assert by[("3g", "cloud-stepwise", "chat")]["round_trips"] == 16
+    assert by[("3g", "cloud-stepwise", "chat")]["nodes_per_round"] == 0
+    assert 4 < by[("3g", "tree-g4", "chat")]["nodes_per_round"] <= 16
+    assert by[("3g", "hybrid-g4", "chat")]["round_trips"] < 16
     assert len(result["crossover"]) == 4
     report = (out / "report.md").read_text()
-    assert "Crossover" in report and "theory" in report
+    assert "Crossover" in report and "theory" in report and "RT reduction vs cloud-stepwise" in report
     for name in ("results.csv", "tokens_per_s.png", "round_trips_per_100_tokens.png", "crossover.png"):
         assert (out / name).stat().st_size > 0

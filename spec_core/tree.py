@@ -1,0 +1,326 @@
+"""Token trees: several draft candidates per position, verified exactly in one round.
+
+Glossary (adds to spec_core/verify.py's):
+  node          one draft token; node i follows its parent (parents[i], or the committed
+                sequence when parents[i] == -1, "the root"). Parents come before children.
+  siblings      the children of one node, tested in index order (the order they were drawn in).
+  kept path     the accepted nodes, root first: they are committed, then one more token.
+  corrected     a token drawn from what is left of p once every child of the last kept node was
+                rejected; at a leaf nothing is rejected and it is the bonus token, drawn from p.
+
+The rule: recursive rejection sampling (Jeon et al. 2024, arXiv 2402.14160; SpecInfer's
+multi-round rule, Miao et al. 2023, arXiv 2305.09781, uses the same residual update). At the
+current node, p_1 = p(. | path). For its children c_1..c_k in index order, child c_i drawn from
+q_i (its shipped q, or a point mass on c_i when none was sent):
+    accept c_i with probability min(1, p_i(c_i) / q_i(c_i)): move to c_i and start again there;
+    else p_{i+1} = norm(max(0, p_i - q_i)).
+If no child is accepted, emit y ~ p_{k+1} (a leaf has k = 0: y ~ p is the bonus).
+
+Why it is exact. Claim: the token that leaves a node (the accepted child's token, or the emitted
+y) is distributed as p_1, for any q_i, provided c_i ~ q_i given c_1..c_{i-1} (q_i may depend on
+them, and whether a child i + 1 exists may depend on c_1..c_i), independently of the verifier's
+uniforms. By induction on the children left: with none left, y ~ p_i. Otherwise
+    P(out = y) = q_i(y) min(1, p_i(y)/q_i(y)) + sum_x q_i(x) (1 - min(1, p_i(x)/q_i(x))) P(rest = y | c_i = x rejected)
+               = min(p_i(y), q_i(y)) + (1 - sum_x min(p_i(x), q_i(x))) p_{i+1}(y)      (induction: rest ~ p_{i+1}
+               = min(p_i(y), q_i(y)) + max(0, p_i(y) - q_i(y)) = p_i(y).                  whatever x was)
+The subtree under the accepted child was drafted from that child's token and the draft's own
+randomness, never from the verifier's uniforms, so given the path so far the next node is again a
+node with valid drafts: by the chain rule the whole sequence follows the target (stop and length
+cuts as in spec_core.verify.commit_round).
+
+Special cases. A point mass q_i = 1[c_i] accepts with p_i(c_i) and otherwise removes c_i from p:
+for point-mass children the rule is "draw y ~ p; move to the child carrying y, else y is the
+corrected token" (deterministic trees: children chosen, not sampled). Greedy p is one-hot: follow
+the argmax child, else emit the argmax. A chain (parents[i] = i - 1) is spec_core.verify's round.
+After c_i is rejected p_{i+1}(c_i) = 0, so a later sibling with the same token could never win:
+the edge draws siblings without replacement (zeroing earlier siblings' weights in the shipped q,
+then sampling), and the wire refuses duplicate siblings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from spec_core.qcodec import EncodedQ
+from spec_core.warping import sample
+
+ROOT = -1
+_RESIDUAL_EPS = 1e-12  # residual mass below this is rounding noise (p and q agree): keep p_i
+
+
+class TreeError(ValueError):
+    """A tree the verifier refuses; the message names the node and what is wrong."""
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]   # [n] node token ids
+    parents: tuple[int, ...]  # [n] parent index, ROOT (-1) = follows the committed sequence
+
+    def __post_init__(self):
+        assert len(self.tokens) == len(self.parents)
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> "DraftTree":
+        return cls(tuple(int(t) for t in tokens), tuple(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def children(self) -> dict[int, list[int]]:
+        """node (ROOT for the root) -> its children in index order."""
+        out: dict[int, list[int]] = {ROOT: []}
+        for i, p in enumerate(self.parents):
+            out.setdefault(i, [])
+            out[p].append(i)
+        return out
+
+    def depths(self) -> list[int]:
+        """Nodes on the path from the root to each node (1 for the root's children)."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p == ROOT else d[p] + 1)
+        return d
+
+    def path_to(self, node: int) -> list[int]:
+        path = []
+        while node != ROOT:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def leaves(self) -> list[int]:
+        has_child = set(self.parents)
+        return [i for i in range(len(self)) if i not in has_child]
+
+    def subtree(self, keep: Sequence[int]) -> "DraftTree":
+        """The nodes `keep` (sorted, parents included), reindexed."""
+        index = {old: new for new, old in enumerate(keep)}
+        return DraftTree(tuple(self.tokens[i] for i in keep),
+                         tuple(ROOT if self.parents[i] == ROOT else index[self.parents[i]] for i in keep))
+
+
+def validate_tree(tokens: Sequence[int], parents: Sequence[int], vocab: int, max_nodes: int, max_depth: int,
+                  max_branching: int) -> DraftTree:
+    """Check a tree from the wire; raises TreeError with a message a person can act on."""
+    n = len(tokens)
+    if len(parents) != n:
+        raise TreeError(f"draft_parents has {len(parents)} entries but draft_token_ids has {n}")
+    if n > max_nodes:
+        raise TreeError(f"the tree has {n} nodes; this server verifies at most {max_nodes}")
+    depth: list[int] = []
+    seen: dict[tuple[int, int], int] = {}
+    n_children: dict[int, int] = {}
+    for i, (tok, p) in enumerate(zip(tokens, parents)):
+        if not 0 <= tok < vocab:
+            raise TreeError(f"draft_token_ids[{i}] = {tok} is outside the vocabulary (n_vocab = {vocab})")
+        if p < ROOT:
+            raise TreeError(f"draft_parents[{i}] = {p}; use -1 for a node that follows the committed sequence")
+        if p >= i:
+            raise TreeError(f"draft_parents[{i}] = {p} is not before node {i}: parents must come before their "
+                            "children (this also rules out cycles)")
+        if (p, tok) in seen:
+            raise TreeError(f"nodes {seen[p, tok]} and {i} are siblings with the same token {tok}; draw siblings "
+                            "without replacement")
+        seen[p, tok] = i
+        n_children[p] = n_children.get(p, 0) + 1
+        if n_children[p] > max_branching:
+            raise TreeError(f"node {p} has more than {max_branching} children (this server's limit)")
+        depth.append(1 if p == ROOT else depth[p] + 1)
+        if depth[i] > max_depth:
+            raise TreeError(f"node {i} is at depth {depth[i]}; this server's limit is {max_depth} (max_gamma)")
+    return DraftTree(tuple(int(t) for t in tokens), tuple(int(p) for p in parents))
+
+
+def prune_to_fit(tree: DraftTree, room: int) -> list[int]:
+    """Indices of the nodes kept when only `room` more tokens fit the context: nodes no deeper than
+    `room`, then the first `room` of them in index order. Both cuts keep parents with their
+    children and never keep a later sibling without the earlier ones, so the rest is still a
+    valid draft tree (a chain is cut to its first `room` drafts, as before)."""
+    depths = tree.depths()
+    return [i for i in range(len(tree)) if depths[i] <= room][:max(room, 0)]
+
+
+@dataclass(frozen=True)
+class TreeResult:
+    path: list[int]   # kept nodes, root first
+    next_token: int   # corrected (some child of the last kept node was tested) or bonus (a leaf)
+
+
+def verify_tree(target_probs: np.ndarray, tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
+                rng: np.random.Generator) -> TreeResult:
+    """target_probs  # [n + 1, vocab]: row 0 after the committed sequence, row i + 1 after node i.
+    draft_probs  # [n] (None at a node, or None for all: point masses)."""
+    assert target_probs.shape[0] == len(tree) + 1, (target_probs.shape, len(tree))
+    vocab = target_probs.shape[1]
+    children = tree.children()
+    node, path = ROOT, []
+    while True:
+        probs = target_probs[node + 1]  # p_1 at this node; replaced by residuals as children fail
+        for c in children[node]:
+            x = tree.tokens[c]
+            q_c = None if draft_probs is None else draft_probs[c]
+            ratio = float(probs[x]) / (1.0 if q_c is None else q_c.prob_of(x))
+            # Draw u only when the outcome is uncertain (0 < ratio < 1), as spec_core.verify does.
+            if ratio >= 1.0 or (ratio > 0.0 and rng.random() < ratio):
+                node = c
+                path.append(c)
+                break
+            if q_c is None:
+                residual = probs.copy()
+                residual[x] = 0.0
+            else:
+                residual = np.maximum(probs - q_c.dense(vocab), 0.0)
+            total = residual.sum()
+            if total > _RESIDUAL_EPS:
+                probs = residual / total
+        else:
+            return TreeResult(path, sample(probs, rng))
+
+
+def without_tokens(q: EncodedQ, tokens: Sequence[int]) -> EncodedQ:
+    """q with `tokens` given zero weight: the distribution of the next sibling drawn without
+    replacement. Exact on the integers (FIXED) or floats (FLOAT32) that ship: q' = weights' / sum."""
+    if not tokens:
+        return q
+    if q.token_ids is None:
+        weights = q.weights.copy()
+        weights[np.asarray(list(tokens), dtype=np.int64)] = 0
+        return EncodedQ(None, weights, q.fixed)
+    keep = ~np.isin(q.token_ids, np.asarray(list(tokens), dtype=q.token_ids.dtype))
+    return EncodedQ(q.token_ids[keep], q.weights[keep], q.fixed)
+
+
+def remaining_mass(q: EncodedQ, tokens: Sequence[int]) -> float:
+    """q's mass outside `tokens` (0 when they cover its support: no further sibling can be drawn)."""
+    return 1.0 - sum(q.prob_of(t) for t in tokens)
+
+
+# --- building a tree on the edge --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How the edge grows a tree: at most `budget` nodes, `depth` levels, `branching` children per
+    node; at each level only the `width` most probable frontier nodes are expanded (best-first)."""
+
+    budget: int = 16
+    depth: int = 4
+    branching: int = 2
+    width: int = 4
+
+    def __post_init__(self):
+        if min(self.budget, self.depth, self.branching, self.width) < 1:
+            raise ValueError(f"tree shape needs budget, depth, branching, width >= 1: {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeShape":
+        """'budget=16,depth=4,branching=2,width=4' (any subset; the rest default)."""
+        fields = {}
+        for part in filter(None, text.split(",")):
+            key, _, value = part.partition("=")
+            if key not in ("budget", "depth", "branching", "width"):
+                raise ValueError(f"unknown tree option {key!r}: use budget, depth, branching, width")
+            fields[key] = int(value)
+        return cls(**fields)
+
+
+SAMPLED_KEEP = 0.6  # assumed chance that a sampled child is kept, for ranking which nodes to expand
+
+
+@dataclass
+class GrownTree:
+    tree: DraftTree
+    qs: list[EncodedQ] | None    # [n] each node's shipped q, or None: point masses
+    path_probs: list[float]      # [n] the draft's probability of the path to each node
+    draft_rows: int              # draft forward rows computed (for the cost model)
+
+
+def grow_tree(next_probs, shape: TreeShape, rng: np.random.Generator, encode=None) -> GrownTree:
+    """Grow a draft tree level by level, expanding the most probable frontier nodes.
+
+    next_probs(nodes, tokens, parents) -> [len(nodes), vocab]: the draft's distribution after each
+        node in `nodes` (ROOT = after the committed sequence) of the tree grown so far (tokens,
+        parents), computed in one batch; used to pick children (and, with `encode`, to make q).
+    encode(probs) -> EncodedQ, or None: deterministic children (the most likely tokens, point masses).
+        With `encode`, children are sampled without replacement from the encoded q, and how many
+        children a node gets is fixed before any is drawn (a rule that kept or dropped a child after
+        seeing its token would change the distribution it was drawn from).
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    qs: list[EncodedQ] = []
+    path_probs: list[float] = []
+    frontier = [(1.0, ROOT, [])]  # (path probability, node, tokens on the path)
+    rows = 0
+    for _ in range(shape.depth):
+        left = shape.budget - len(tokens)
+        if left <= 0 or not frontier:
+            break
+        frontier.sort(key=lambda f: -f[0])
+        expand = frontier[: min(shape.width, left)]
+        probs = next_probs([node for _, node, _ in expand], tokens, parents)  # [len(expand), vocab]
+        rows += len(expand)
+        candidates = []  # (path prob, order, parent, token, q)
+        for order, ((pp, node, path), row) in enumerate(zip(expand, probs)):
+            if encode is None:
+                k = min(shape.branching, int(np.count_nonzero(row)))
+                top = np.argpartition(-row, k - 1)[:k]
+                top = top[np.argsort(-row[top], kind="stable")]
+                candidates += [(pp * float(row[t]), order, node, int(t), None, path) for t in top]
+            else:
+                q = encode(row)
+                # Children of this node are fixed in number up front: its share of the budget.
+                drawn: list[int] = []
+                for _k in range(min(shape.branching, left - len(candidates))):
+                    if remaining_mass(q, drawn) <= 1e-12:
+                        break
+                    q_i = without_tokens(q, drawn)
+                    tok = q_i.sample(rng)
+                    # Given the drawn siblings, the first is tested first and kept with min(1, p/q) (most
+                    # of the time when the draft is good); a later one only gets a chance after every
+                    # earlier one failed. Rank by that (a guess of 0.6 acceptance), not by q(token).
+                    candidates.append((pp * SAMPLED_KEEP * (1 - SAMPLED_KEEP) ** len(drawn), order, node, tok, q_i,
+                                       path))
+                    drawn.append(tok)
+        if encode is None:
+            # Point-mass children may be kept or dropped by any rule: keep the most probable.
+            candidates.sort(key=lambda c: -c[0])
+        candidates = candidates[:left]
+        # Parents before children: emit in (expanded node, sibling) order.
+        candidates.sort(key=lambda c: c[1])
+        frontier = []
+        for pp, _, node, tok, q_i, path in candidates:
+            tokens.append(tok)
+            parents.append(node)
+            path_probs.append(pp)
+            if q_i is not None:
+                qs.append(q_i)
+            frontier.append((pp, len(tokens) - 1, path + [tok]))
+    tree = DraftTree(tuple(tokens), tuple(parents))
+    return GrownTree(tree, qs if encode is not None and qs else None, path_probs, rows)
+
+
+def tree_sampling(settings, qmode):
+    """(to_probs(logits) -> probs, encode or None) for growing a tree with these settings.
+
+    Greedy or q mode 'none' gives deterministic children (point masses): ranked by the draft's
+    softmax (at temperature 1 when greedy, where the processed p is one-hot and would rank nothing).
+    Otherwise children are sampled without replacement from the encoded q (quantize, then sample).
+    """
+    from spec_core.qcodec import encode_fixed as _fixed, encode_float as _float
+    from spec_core.warping import processed_probs
+
+    if settings.greedy or qmode.kind == "none":
+        temperature = 1.0 if settings.greedy else settings.temperature
+        top_k, top_p = (0, 1.0) if settings.greedy else (settings.top_k, settings.top_p)
+        return (lambda logits: processed_probs(logits, temperature, top_k, top_p)), None
+    to_probs = lambda logits: processed_probs(logits, settings.temperature, settings.top_k, settings.top_p)  # noqa: E731
+    if qmode.kind == "fixed":
+        return to_probs, lambda probs: _fixed(probs, qmode.top_k, qmode.scale_bits)
+    return to_probs, lambda probs: _float(probs, qmode.top_k)
