@@ -55,7 +55,8 @@ async def test_sampled_tree_run_reports_consistent_stats(target_backend, tree_dr
                                                            ignore_eos=True, seed=5))
             await gen.text()
     st = gen.stats
-    assert st.tokens == 30 and st.tree_rounds == st.rounds
+    # every round is a tree, but a last one with room for no draft (one token left: a chain of 0)
+    assert st.tokens == 30 and st.rounds - 1 <= st.tree_rounds <= st.rounds
     assert st.tokens == st.rounds + st.accepted
     assert st.nodes_per_round <= 8 and st.reused_drafts == 0 and st.discarded_rounds == 0
 
