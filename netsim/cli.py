@@ -238,6 +238,54 @@ def _add_load_command(subparsers) -> None:
     parser.set_defaults(run=_run_load)
 
 
+# --- fleet ------------------------------------------------------------------------------
+
+def _run_fleet(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .fleet import fleet_markdown, fleet_plot, run_fleet
+
+    profiles = _csv(args.profile)
+    for name in profiles:
+        get_profile(name)
+    load_result = json.loads(Path(args.calibrate).read_text())
+    result = run_fleet(load_result, slo_s=args.slo_ms / 1000.0, totals=[int(float(t)) for t in _csv(args.totals)],
+                       profiles=profiles, cpu_per_token_s=args.cpu_per_token_ms / 1000.0, gpu=args.gpu,
+                       gpu_alpha=args.gpu_alpha, gpu_draft_s=args.gpu_draft_ms / 1000.0, gpu_context=args.gpu_context,
+                       gpu_overhead_s=args.gpu_overhead_ms / 1000.0,
+                       progress=lambda name: log.warning("capacity: %s", name))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fleet.json").write_text(json.dumps(result, indent=1))
+    (out / "fleet.md").write_text(fleet_markdown(result))
+    fleet_plot(result, out / "verifiers_vs_edges.png")
+    print((out / "fleet.md").read_text())
+    print(f"wrote {out / 'fleet.json'}, {out / 'fleet.md'}, {out / 'verifiers_vs_edges.png'}")
+    return 0
+
+
+def _add_fleet_command(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "fleet", help="simulate edges sharing verifiers, calibrated on a `netsim load` run; verifiers per N edges",
+        description="Calibrate a discrete-event model on a load result, check it against that result, then find "
+                    "how many verifiers serve 10^3..10^6 edges at a p95 time-per-output-token SLO, hybrid vs "
+                    "cloud-only, for the measured CPU backend (serial and batched) and a GPU roofline.")
+    parser.add_argument("--calibrate", required=True, metavar="LOAD_JSON", help="load.json from `netsim load`")
+    parser.add_argument("--slo-ms", type=float, default=150.0, help="p95 time per output token (ms)")
+    parser.add_argument("--totals", default="1e3,1e4,1e5,1e6", help="fleet sizes (edges)")
+    parser.add_argument("--profile", default="lte", help="link profile(s) of the fleet's edges, comma-separated mix")
+    parser.add_argument("--cpu-per-token-ms", type=float, default=0.0,
+                        help="CPU pass cost per token (ms); the fixed part is calibrated (0: the synthetic target)")
+    parser.add_argument("--gpu", choices=["h200", "h100"], default="h200")
+    parser.add_argument("--gpu-alpha", type=float, default=0.7, help="per-token acceptance of the GPU case's pair")
+    parser.add_argument("--gpu-draft-ms", type=float, default=10.0, help="device drafting time per token (ms)")
+    parser.add_argument("--gpu-context", type=int, default=1024, help="mean context per session (tokens)")
+    parser.add_argument("--gpu-overhead-ms", type=float, default=0.05,
+                        help="server overhead per round or streamed token on the GPU verifier (ms)")
+    parser.add_argument("--out", default="results/fleet", help="output folder")
+    parser.set_defaults(run=_run_fleet)
+
+
 # --- entry point ------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profiles_command(subparsers)
     _add_experiment_command(subparsers)
     _add_load_command(subparsers)
+    _add_fleet_command(subparsers)
     return parser
 
 

@@ -9,7 +9,9 @@ at the end are cut off there, and their tokens committed by then count.
 
 The synthetic drafter's cost per token is emulated by a sleep on the event loop before each
 Verify call (a client interceptor), so each edge drafts as if on its own device; real GGUF
-drafters run for real, one at a time, on this machine's CPU.
+drafters (one model per edge) run for real, one at a time, on this machine's CPU, so with
+more than a few edges they measure this machine's drafting, not the verifier: use --synthetic
+for server capacity.
 
 What is measured, per mode (hybrid = fixed γ chain, adaptive = γ from the cost model,
 cloud-only = the verifier's Generate stream):
@@ -239,15 +241,22 @@ class Edges:
             draft = cfg.draft or str(DEFAULT_DRAFT)
             if not Path(draft).is_file():
                 raise FileNotFoundError(f"no draft at {draft}: run scripts/setup.sh or edge-client make-draft")
-            self._gguf = GGUFDrafter(draft, n_threads=1)
+            self._draft_path = draft
+            self._gguf = GGUFDrafter(draft, n_threads=1)   # edge 0's; the others get their own
+            self._gguf_by_edge = {0: self._gguf}
             self.tokenizer = self._gguf.model
             from edge_client.text import render_chat
             from netsim.experiment import load_workloads
             self._prompts = [render_chat(self.tokenizer, p) for _, _, p in load_workloads(["chat", "code"], 2)]
 
-    def drafter(self, cost: DraftCost):
+    def drafter(self, cost: DraftCost, edge: int = 0):
         if self._gguf is not None:
-            return self._gguf   # shared: real drafting runs on this CPU, one edge at a time
+            # One model (and KV cache) per edge, as on separate devices; drafting runs on this
+            # CPU, one edge at a time (propose is synchronous on the event loop).
+            if edge not in self._gguf_by_edge:
+                from edge_client.drafters import GGUFDrafter
+                self._gguf_by_edge[edge] = GGUFDrafter(self._draft_path, n_threads=1)
+            return self._gguf_by_edge[edge]
         from edge_client.drafters import SyntheticDrafter
         inner = SyntheticDrafter(SYNTHETIC_VOCAB, 0, self.cfg.synthetic_alpha_noise)
         return EmulatedDrafter(inner, self.cfg.draft_ms / 1000.0, cost)
@@ -274,7 +283,7 @@ async def run_edge(edges: Edges, mode: str, edge: int, port: int, t_end: float, 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=[cost]) as channel:
         stub = pb_grpc.VerifierStub(channel)
         await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=60)   # connect before the clock starts
-        drafter = edges.drafter(cost)
+        drafter = edges.drafter(cost, edge)
         next_arrival = loop.time()
         number = 0
         while loop.time() < t_end:
@@ -403,6 +412,8 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
         "session_replays": sum(r.replays for r in requests),
         "sessions_opened": metric_delta(before, after, "hybridspec_sessions_opened_total"),
         "model_seconds": metric_delta(before, after, "hybridspec_model_seconds_sum"),
+        "round_seconds": metric_delta(before, after, "hybridspec_round_seconds_sum"),
+        "gamma": cfg.gamma if mode == "hybrid" else None, "draft_ms": cfg.draft_ms if cfg.synthetic else None,
         "batch_histograms": {k: v for k, v in batch.items() if v is not None},
         **measured["process"],
         "proxy_mean_lateness_ms": 1000 * statistics.fmean(lateness) if lateness else None,
