@@ -117,7 +117,7 @@ class Runner:
             self.drafter = SyntheticDrafter(64, 0, cfg.synthetic_alpha_noise, per_token_ms=cfg.synthetic_draft_ms)
             self.tokenizer = SyntheticTokenizer(64)
         else:
-            from edge_client.demo import DEFAULT_DRAFT
+            from edge_client.drafters import DEFAULT_DRAFT
             from llama_runtime import bundled_model_path
             self.target = cfg.target or str(bundled_model_path())
             draft = cfg.draft or str(DEFAULT_DRAFT)

@@ -236,7 +236,7 @@ class Edges:
             self.tokenizer = SyntheticTokenizer(SYNTHETIC_VOCAB)
             self._gguf = None
         else:
-            from edge_client.demo import DEFAULT_DRAFT
+            from edge_client.drafters import DEFAULT_DRAFT
             from edge_client.drafters import GGUFDrafter
             draft = cfg.draft or str(DEFAULT_DRAFT)
             if not Path(draft).is_file():
@@ -273,17 +273,15 @@ class Edges:
 
 
 async def run_edge(edges: Edges, mode: str, edge: int, port: int, t_end: float, requests: list[Request],
-                   errors: dict[str, int], rng: np.random.Generator) -> None:
+                   errors: dict[str, int], rng: np.random.Generator, cost: DraftCost, drafter) -> None:
     """One device: its own channel through its own link; requests until t_end."""
     from edge_client.client import EdgeClient, EdgeError, sampling_proto
     from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
     cfg = edges.cfg
-    cost = DraftCost()
     loop = asyncio.get_running_loop()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=[cost]) as channel:
         stub = pb_grpc.VerifierStub(channel)
         await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=60)   # connect before the clock starts
-        drafter = edges.drafter(cost, edge)
         next_arrival = loop.time()
         number = 0
         while loop.time() < t_end:
@@ -344,6 +342,8 @@ def percentile(values: list[float], q: float) -> float | None:
 async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstream: tuple[str, int],
                    metrics_url: str | None, verifier_pid: int | None) -> dict:
     profiles = [get_profile(cfg.profiles[i % len(cfg.profiles)]) for i in range(n_edges)]
+    costs = [DraftCost() for _ in range(n_edges)]
+    drafters = [edges.drafter(costs[i], i) for i in range(n_edges)]   # loaded before the clock starts
     with ProxyHost([LinkSpec(profile, upstream, seed=cfg.seed * 100_003 + i) for i, profile in enumerate(profiles)]) as host:
         loop = asyncio.get_running_loop()
         requests: list[Request] = []
@@ -352,7 +352,6 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
         t_measure = t_start + cfg.warmup_s
         t_end = t_measure + cfg.duration_s
         meter = ProcessMeter(verifier_pid)
-        rng = np.random.default_rng([cfg.seed, n_edges])
 
         async def measure_window() -> dict:
             await asyncio.sleep(max(0.0, t_measure - loop.time()))
@@ -364,10 +363,10 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
 
         window = asyncio.create_task(measure_window())
         await asyncio.gather(*(run_edge(edges, mode, i, host.ports[i], t_end, requests, errors,
-                                        np.random.default_rng([cfg.seed, n_edges, i])) for i in range(n_edges)))
+                                        np.random.default_rng([cfg.seed, n_edges, i]), costs[i], drafters[i])
+                               for i in range(n_edges)))
         measured = await window
         proxy_stats = host.stop()
-    del rng
     # Tokens committed inside the measured window, whatever request they belong to.
     committed = sum(r.tokens_by(t_end) - r.tokens_by(t_measure) for r in requests)
     # TPOT: every request's commits inside the window (a slow link's long request counts too);
