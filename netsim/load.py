@@ -4,8 +4,10 @@ All edges run on one asyncio event loop in this process; their links run in a pr
 own (netsim.proxyhost), so the edges' work never delays the network. Each edge is a device
 that generates one request at a time: back to back (fixed concurrency, `arrival_rate` 0) or
 requests arriving as a Poisson process of `arrival_rate` per edge, queued on the device while
-it is busy (their TTFT counts the wait). The run lasts `duration_s`; requests still running
-at the end are cut off there, and their tokens committed by then count.
+it is busy (their TTFT counts the wait). The measured window opens after `warmup_s` once every
+edge has committed a token (so the cold start of many sessions, or of many draft models, does
+not eat it) and lasts `duration_s`; requests still running at its end are cut off there, and
+their tokens committed by then count.
 
 The synthetic drafter's cost per token is emulated by a sleep on the event loop before each
 Verify call (a client interceptor), so each edge drafts as if on its own device; real GGUF
@@ -272,9 +274,31 @@ class Edges:
         return replace(self.settings, seed=self.cfg.seed * 1_000_003 + edge * 1009 + number)
 
 
-async def run_edge(edges: Edges, mode: str, edge: int, port: int, t_end: float, requests: list[Request],
+@dataclass
+class Window:
+    """The measured window: it opens after the warm-up once every edge has committed a token
+    (a cold start of many sessions must not eat the window), and lasts duration_s."""
+
+    edges: int
+    warmup_s: float
+    duration_s: float
+    start_s: float = math.inf
+    end_s: float = math.inf
+    started: set = field(default_factory=set)   # edges that have committed a token
+    all_started: asyncio.Event = field(default_factory=asyncio.Event)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    max_wait_s: float = 120.0                   # open the window anyway after warm-up + this
+
+    def committed(self, edge: int) -> None:
+        if edge not in self.started:
+            self.started.add(edge)
+            if len(self.started) == self.edges:
+                self.all_started.set()
+
+
+async def run_edge(edges: Edges, mode: str, edge: int, port: int, window: Window, requests: list[Request],
                    errors: dict[str, int], rng: np.random.Generator, cost: DraftCost, drafter) -> None:
-    """One device: its own channel through its own link; requests until t_end."""
+    """One device: its own channel through its own link; requests until the window ends."""
     from edge_client.client import EdgeClient, EdgeError, sampling_proto
     from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
     cfg = edges.cfg
@@ -284,12 +308,15 @@ async def run_edge(edges: Edges, mode: str, edge: int, port: int, t_end: float, 
         await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=60)   # connect before the clock starts
         next_arrival = loop.time()
         number = 0
-        while loop.time() < t_end:
+        stop = asyncio.create_task(window.stop.wait())
+        while not window.stop.is_set():
             if cfg.arrival_rate > 0:
                 next_arrival += rng.exponential(1.0 / cfg.arrival_rate)
-                if next_arrival >= t_end:
+                if next_arrival >= window.end_s:
                     break
-                await asyncio.sleep(max(0.0, next_arrival - loop.time()))
+                await asyncio.wait([stop], timeout=max(0.0, next_arrival - loop.time()))
+                if window.stop.is_set():
+                    break
                 arrival = next_arrival
             else:
                 arrival = loop.time()
@@ -297,28 +324,38 @@ async def run_edge(edges: Edges, mode: str, edge: int, port: int, t_end: float, 
             requests.append(request)
             prompt, settings = edges.prompt(edge, number), edges.settings_for(edge, number)
             number += 1
+            running = asyncio.create_task(_one_request(mode, stub, channel, drafter, edges, prompt, settings,
+                                                       request, window, EdgeClient, sampling_proto, pb))
+            await asyncio.wait([running, stop], return_when=asyncio.FIRST_COMPLETED)
+            if not running.done():
+                running.cancel()   # cut off at the end of the run
+                await asyncio.gather(running, return_exceptions=True)
+                break
             try:
-                await asyncio.wait_for(_one_request(mode, stub, channel, drafter, edges, prompt, settings, request,
-                                                    EdgeClient, sampling_proto, pb), timeout=max(0.0, t_end - loop.time()))
+                running.result()
                 request.done = True
-            except asyncio.TimeoutError:
-                break   # cut off at the end of the run
             except EdgeError as exc:
                 errors[exc.code.name] = errors.get(exc.code.name, 0) + 1
                 await asyncio.sleep(0.1)
             except grpc.aio.AioRpcError as exc:
                 errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
                 await asyncio.sleep(0.1)
+        stop.cancel()
 
 
-async def _one_request(mode, stub, channel, drafter, edges, prompt, settings, request, EdgeClient, sampling_proto, pb):
+async def _one_request(mode, stub, channel, drafter, edges, prompt, settings, request, window, EdgeClient,
+                       sampling_proto, pb):
     loop = asyncio.get_running_loop()
+
+    def committed(tokens: int) -> None:
+        request.token_times.append((loop.time(), tokens))
+        window.committed(request.edge)
     if mode == "cloud-only":
         count = 0
         async for chunk in stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling_proto(settings)),
                                          timeout=600):
             count += len(chunk.token_ids)
-            request.token_times.append((loop.time(), count))
+            committed(count)
         return
     gamma = "adaptive" if mode == "adaptive" else edges.cfg.gamma
     async with EdgeClient("", drafter, edges.tokenizer, gamma=gamma, qmode=edges.cfg.qmode, channel=channel,
@@ -327,7 +364,7 @@ async def _one_request(mode, stub, channel, drafter, edges, prompt, settings, re
         try:
             async for _ in generation:
                 stats = generation.stats
-                request.token_times.append((loop.time(), stats.accepted + stats.rounds))
+                committed(stats.accepted + stats.rounds)
         finally:
             request.replays = generation.stats.replays
             request.rounds = generation.stats.rounds
@@ -349,24 +386,32 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
         requests: list[Request] = []
         errors: dict[str, int] = {}
         t_start = loop.time()
-        t_measure = t_start + cfg.warmup_s
-        t_end = t_measure + cfg.duration_s
+        window = Window(n_edges, cfg.warmup_s, cfg.duration_s)
         meter = ProcessMeter(verifier_pid)
 
         async def measure_window() -> dict:
-            await asyncio.sleep(max(0.0, t_measure - loop.time()))
+            await asyncio.sleep(cfg.warmup_s)
+            try:
+                await asyncio.wait_for(window.all_started.wait(), timeout=window.max_wait_s)
+            except asyncio.TimeoutError:
+                log.warning("%d of %d edges committed nothing in %.0f s; measuring anyway",
+                            n_edges - len(window.started), n_edges, cfg.warmup_s + window.max_wait_s)
+            window.start_s = loop.time()
+            window.end_s = window.start_s + cfg.duration_s
             before = await loop.run_in_executor(None, scrape, metrics_url)
             meter.start()
-            await asyncio.sleep(max(0.0, t_end - loop.time()))
+            await asyncio.sleep(max(0.0, window.end_s - loop.time()))
             after = await loop.run_in_executor(None, scrape, metrics_url)
+            window.stop.set()
             return {"before": before, "after": after, "process": meter.stop()}
 
-        window = asyncio.create_task(measure_window())
-        await asyncio.gather(*(run_edge(edges, mode, i, host.ports[i], t_end, requests, errors,
+        measuring = asyncio.create_task(measure_window())
+        await asyncio.gather(*(run_edge(edges, mode, i, host.ports[i], window, requests, errors,
                                         np.random.default_rng([cfg.seed, n_edges, i]), costs[i], drafters[i])
                                for i in range(n_edges)))
-        measured = await window
+        measured = await measuring
         proxy_stats = host.stop()
+    t_measure, t_end = window.start_s, window.end_s
     # Tokens committed inside the measured window, whatever request they belong to.
     committed = sum(r.tokens_by(t_end) - r.tokens_by(t_measure) for r in requests)
     # TPOT: every request's commits inside the window (a slow link's long request counts too);
@@ -398,7 +443,7 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
     lateness = [s["late_s"] / s["chunks"] for s in proxy_stats if s.get("chunks")]
     return {
         "edges": n_edges, "mode": mode, "profiles": sorted({p.name for p in profiles}),
-        "duration_s": duration, "requests": len(requests), "requests_completed": sum(r.done for r in requests),
+        "duration_s": duration, "warmup_s": t_measure - t_start, "requests": len(requests), "requests_completed": sum(r.done for r in requests),
         "committed_tokens": committed, "committed_tokens_per_s": committed / duration,
         "tpot_p50_s": percentile(tpots, 50), "tpot_p95_s": percentile(tpots, 95), "tpot_p99_s": percentile(tpots, 99),
         "tpot_per_edge_mean_s": {str(e): statistics.fmean(v) for e, v in sorted(per_edge_tpot.items())},
