@@ -98,12 +98,13 @@ async def one_connection(port: int, download_bytes: int, everyone_ready: asyncio
     return rtts_ms, rate_kbit_s
 
 
-MAX_LOAD_PER_CORE = 1.5          # above this the machine, not the proxy, sets the timing
+MAX_LOAD_PER_CORE = 1.5          # above this the machine, not the proxy, sets the timing (skipped;
+                                  # NETSIM_TIMING_TESTS=always runs it anyway)
 
 
 async def test_64_connections_keep_every_links_delay_and_rate(record_property):
     load_1min, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load_1min > MAX_LOAD_PER_CORE * cores:
+    if load_1min > MAX_LOAD_PER_CORE * cores and os.environ.get("NETSIM_TIMING_TESTS") != "always":
         pytest.skip(f"machine oversubscribed (load {load_1min:.1f} on {cores} cores): a millisecond bound "
                     "measures the scheduler, not the proxy")
     server = await asyncio.start_server(_serve, "127.0.0.1", 0)
