@@ -249,10 +249,15 @@ def _run_fleet(args: argparse.Namespace) -> int:
     for name in profiles:
         get_profile(name)
     load_result = json.loads(Path(args.calibrate).read_text())
+    cpu_cost = None
+    if args.cpu_cost_ms:
+        from .fleet import LinearCost
+        fixed_ms, per_token_ms = (float(x) for x in args.cpu_cost_ms.split(","))
+        cpu_cost = LinearCost(fixed_ms / 1000.0, per_token_ms / 1000.0, name="given")
     result = run_fleet(load_result, slo_s=args.slo_ms / 1000.0, totals=[int(float(t)) for t in _csv(args.totals)],
                        profiles=profiles, cpu_per_token_s=args.cpu_per_token_ms / 1000.0, gpu=args.gpu,
                        gpu_alpha=args.gpu_alpha, gpu_draft_s=args.gpu_draft_ms / 1000.0, gpu_context=args.gpu_context,
-                       gpu_overhead_s=args.gpu_overhead_ms / 1000.0,
+                       gpu_overhead_s=args.gpu_overhead_ms / 1000.0, cpu_cost=cpu_cost,
                        progress=lambda name: log.warning("capacity: %s", name))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -276,6 +281,9 @@ def _add_fleet_command(subparsers) -> None:
     parser.add_argument("--profile", default="lte", help="link profile(s) of the fleet's edges, comma-separated mix")
     parser.add_argument("--cpu-per-token-ms", type=float, default=0.0,
                         help="CPU pass cost per token (ms); the fixed part is calibrated (0: the synthetic target)")
+    parser.add_argument("--cpu-cost-ms", metavar="FIXED,PER_TOKEN",
+                        help="CPU pass cost for the capacity table instead of the calibrated one, e.g. 15.9,7.15 "
+                             "(bench/verify_cost.md: llama.cpp SmolLM2, context 512)")
     parser.add_argument("--gpu", choices=["h200", "h100"], default="h200")
     parser.add_argument("--gpu-alpha", type=float, default=0.7, help="per-token acceptance of the GPU case's pair")
     parser.add_argument("--gpu-draft-ms", type=float, default=10.0, help="device drafting time per token (ms)")

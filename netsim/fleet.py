@@ -434,13 +434,15 @@ def kv_sessions(gpu_memory_bytes: float, cost: RooflineCost, usable: float = 0.9
 
 
 def run_fleet(load_result: dict, *, slo_s: float, totals: list[int], profiles: list[str], cpu_per_token_s: float,
-              gpu: str, gpu_alpha: float, gpu_draft_s: float, gpu_context: int, gpu_overhead_s: float,
+              gpu: str, cpu_cost: LinearCost | None = None, gpu_alpha: float, gpu_draft_s: float, gpu_context: int, gpu_overhead_s: float,
               capacity_duration_s: float = 12.0, progress=None) -> dict:
     params = calibrate_from_load(load_result, per_token_s=cpu_per_token_s)
     check_serial = check_against_load(load_result, params, batching=False)
     gpu_spec, memory = (H200, 141e9) if gpu == "h200" else (H100, 80e9)
     gpu_model = gpu_cost(gpu_spec, gpu_context)
     cpu = {**params, "profiles": profiles}
+    if cpu_cost is not None:   # a measured cost curve instead of the load run's own pass cost
+        cpu["cost"] = cpu_cost
     gpu_params = {**params, "profiles": profiles, "cost": gpu_model, "alpha": gpu_alpha, "draft_s": gpu_draft_s,
                   "server_overhead_s": gpu_overhead_s, "cloud_server_overhead_s": gpu_overhead_s}
     scenarios = [("CPU as measured, serial (today)", cpu, False), ("CPU as measured, batched", cpu, True),
@@ -452,9 +454,10 @@ def run_fleet(load_result: dict, *, slo_s: float, totals: list[int], profiles: l
         max_edges = kv_sessions(memory, gpu_model) if scenario is gpu_params else 1 << 12
         rows += capacity_table([(name, scenario, batching)], ["hybrid", "cloud-only"], slo_s, totals,
                                duration_s=capacity_duration_s, max_edges=max_edges)
-    describe = lambda p: {k: (v.describe() if hasattr(v, "describe") else round(v, 4) if isinstance(v, float) else v)  # noqa: E731
+    describe = lambda p: {k: (v.describe() if hasattr(v, "describe") else float(f"{v:.4g}") if isinstance(v, float) else v)  # noqa: E731
                           for k, v in p.items()}
     return {"slo_s": slo_s, "totals": totals, "profiles": profiles, "calibration": describe(params),
+            "cpu_cost": cpu["cost"].describe(),
             "gpu": describe(gpu_params), "gpu_kv_sessions": kv_sessions(memory, gpu_model),
             "check": check_serial, "capacity": rows,
             "load_config": {k: load_result["config"][k] for k in ("profiles", "duration_s", "warmup_s", "synthetic",
@@ -476,6 +479,7 @@ def fleet_markdown(result: dict) -> str:
              f"profiles {', '.join(lc['profiles'])}, {lc['duration_s']:g} s windows): "
              + ", ".join(f"{k} {v}" for k, v in result["calibration"].items() if k in ("cost", "alpha", "server_overhead_s",
                                                                                       "edge_overhead_s", "cloud_server_overhead_s")),
+             "", f"CPU backend in the capacity table: {result['cpu_cost']}.",
              "", "## Simulated against measured (today's serial verifier)", "",
              "| edges | mode | tok/s measured | simulated | error | p95 TPOT ms measured | simulated | error |",
              "|---|---|---|---|---|---|---|---|"]
