@@ -48,6 +48,8 @@ class ProxyHost:
         except BaseException:
             self.process.kill()
             self.process.wait()
+            self.process.stdin.close()
+            self.process.stdout.close()
             raise
 
     def stop(self, timeout_s: float = 30.0) -> list[dict]:
@@ -62,6 +64,7 @@ class ProxyHost:
                 if self.process.poll() is None:
                     self.process.kill()
                     self.process.wait()
+                self.process.stdout.close()
         return self.stats
 
     def __enter__(self) -> ProxyHost:
