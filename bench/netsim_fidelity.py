@@ -4,9 +4,9 @@ Prints, side by side in one run, the figures of the netsim in this checkout and 
 commit (default: the one before issue 10's netsim fixes), each proxy in its own process and a
 plain blocking-socket client in this one:
 
-- 64-byte pings written in one piece, and in three pieces 0.3 ms apart (as gRPC writes a
-  message's HTTP/2 frames): mean, p50 and p95 against the profile's RTT and expected RTT
-  (with loss stalls);
+- 64-byte pings written in one piece, and in three pieces `--gap-ms` apart (as gRPC may write
+  a message's HTTP/2 frames): mean, p50 and p95 against the profile's RTT and expected RTT
+  (with loss stalls; the pieces' gaps add to the round trip, which counts from the first);
 - 200 kB downloads: seconds against RTT + size / downlink rate (no loss) and its expected
   value with loss stalls.
 
@@ -70,8 +70,9 @@ def start_server() -> int:
 
 def start_proxy(root: Path, profile: str, upstream: int, strip: str) -> tuple[subprocess.Popen, int]:
     env = dict(os.environ, PYTHONPATH=str(root))
+    # cwd=root as well: `python -c` puts the working directory first on sys.path.
     proc = subprocess.Popen([sys.executable, "-c", RUNNER, profile, str(upstream), strip], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=root)
     return proc, int(proc.stdout.readline())
 
 
@@ -81,7 +82,7 @@ def receive(sock: socket.socket, n: int) -> None:
         got += len(sock.recv(1 << 20))
 
 
-def pings_ms(port: int, count: int, pieces: int) -> list[float]:
+def pings_ms(port: int, count: int, pieces: int, gap_s: float = 0.0003) -> list[float]:
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(b"p" * 64)
@@ -93,7 +94,7 @@ def pings_ms(port: int, count: int, pieces: int) -> list[float]:
             for i in range(pieces):
                 sock.sendall(b"p" * (size if i < pieces - 1 else 64 - size * (pieces - 1)))
                 if i < pieces - 1:
-                    time.sleep(0.0003)
+                    time.sleep(gap_s)
             receive(sock, 64)
             out.append((time.perf_counter() - start) * 1000)
             time.sleep(0.01)
@@ -123,6 +124,8 @@ def main() -> None:
     parser.add_argument("--baseline", default="dd70c89", help="git commit whose netsim is measured alongside")
     parser.add_argument("--pings", type=int, default=60)
     parser.add_argument("--downloads", type=int, default=5)
+    parser.add_argument("--gap-ms", type=float, default=1.0, help="between the pieces of a 3-piece ping")
+    parser.add_argument("--only", help="run only this case of the ping table, e.g. 3g:loss:3 (no downloads)")
     args = parser.parse_args()
     old = Path(tempfile.mkdtemp(prefix="netsim-baseline-"))
     archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline, "netsim"], check=True,
@@ -130,6 +133,9 @@ def main() -> None:
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
     upstream = start_server()
     cases = [("lan", "", 1), ("3g", "loss", 1), ("3g", "loss", 3), ("3g", "", 1), ("geo-sat", "", 1)]
+    if args.only:
+        name, strip, pieces = args.only.split(":")
+        cases = [(name, strip, int(pieces))]
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {args.pings} pings per row\n")
     print("64-byte ping round trips (ms)")
     for name, strip, pieces in cases:
@@ -140,10 +146,12 @@ def main() -> None:
         for label, root in (("baseline", old), ("this", REPO)):
             proc, port = start_proxy(root, name, upstream, strip)
             try:
-                print(f"    {label:9s} {summary(pings_ms(port, count, pieces))}")
+                print(f"    {label:9s} {summary(pings_ms(port, count, pieces, args.gap_ms / 1000))}")
             finally:
                 proc.stdin.close()
                 proc.wait(10)
+    if args.only:
+        return
     print("\n200 kB downloads (s)")
     size = 200_000
     for name, strip in (("geo-sat", "loss"), ("geo-sat", ""), ("3g", "loss")):

@@ -128,30 +128,36 @@ class PreciseSleeper:
             self.waiter.set_result(None)
 
     def send_ahead_s(self) -> float:
-        """How far ahead of its departure time a chunk may be sent once awake."""
-        return TIMER_RESOLUTION_S / 2.0 if self.fd < 0 else self.latency.lead_s
+        """How far ahead of its departure time a chunk is sent rather than slept for.
+
+        Half the expected wake-up latency: sleeping for a chunk due sooner than that would land
+        later than sending it now does.
+        """
+        return TIMER_RESOLUTION_S / 2.0 if self.fd < 0 else self.latency.lead_s / 2.0
 
     async def sleep_until(self, when_s: float) -> None:
-        """Return at about loop time `when_s` (see send_ahead_s for how early)."""
-        if self.fd >= 0:
-            when_s -= self.latency.lead_s
-        wait_s = when_s - self.loop.time()
-        if wait_s <= 0:
+        """Return at about loop time `when_s`; at once if it is within send_ahead_s()."""
+        now_s = self.loop.time()
+        wait_s = when_s - now_s
+        if wait_s <= self.send_ahead_s():
             return
         if self.fd < 0:
             if wait_s >= TIMER_RESOLUTION_S:
                 await asyncio.sleep(TIMER_RESOLUTION_S * int(wait_s / TIMER_RESOLUTION_S))
-            elif wait_s > TIMER_RESOLUTION_S / 2.0:
+            else:
                 await asyncio.sleep(wait_s)
             return
-        seconds = int(when_s)
-        spec = _TimerFd(0, 0, seconds, int((when_s - seconds) * 1e9))
+        # Aim early by the expected wake-up latency, but not before now (the wake-up itself takes
+        # about that long, so a chunk due within it lands up to half of it late, on average less).
+        target_s = max(when_s - self.latency.lead_s, now_s + 1e-6)
+        seconds = int(target_s)
+        spec = _TimerFd(0, 0, seconds, int((target_s - seconds) * 1e9))
         if _TIMERFD[1](self.fd, _TFD_TIMER_ABSTIME, ctypes.byref(spec), None) != 0:
             await asyncio.sleep(wait_s)
             return
         self.waiter = self.loop.create_future()
         await self.waiter
-        self.latency.observe(self.loop.time() - when_s)
+        self.latency.observe(self.loop.time() - target_s)
 
     def close(self) -> None:
         if self.fd >= 0:
