@@ -1,4 +1,4 @@
-"""The `netsim` command: `netsim proxy ...` and `netsim profiles`.
+"""The `netsim` command: `netsim proxy`, `netsim profiles`, `netsim experiment`, `netsim load`.
 
 Each subcommand is one `_add_<name>_command(subparsers)` function that registers its parser
 and sets `run` to the function that carries it out; `build_parser` lists them. The
@@ -175,6 +175,127 @@ def _add_experiment_command(subparsers) -> None:
     parser.set_defaults(run=_run_experiment)
 
 
+# --- load -------------------------------------------------------------------------------
+
+def _run_load(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .load import MODES, LoadConfig, run_load, write_all
+
+    modes = list(MODES) if args.mode == "all" else _csv(args.mode)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODES)} or 'all'")
+    profiles = _csv(args.profile)
+    for name in profiles:
+        get_profile(name)
+    cfg = LoadConfig(edges=[int(n) for n in _csv(args.edges)], profiles=profiles, modes=modes,
+                     duration_s=args.duration, out=Path(args.out), synthetic=args.synthetic, server=args.server,
+                     metrics_url=args.metrics_url, verifier_args=args.verifier_arg, gamma=args.gamma,
+                     max_tokens=args.max_tokens, arrival_rate=args.arrival_rate, seed=args.seed,
+                     draft_ms=args.draft_ms, synthetic_step_ms=args.synthetic_step_ms, target=args.target,
+                     draft=args.draft, warmup_s=args.warmup)
+    with Progress(TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn()) as progress:
+        result = asyncio.run(run_load(cfg, progress))
+    paths = write_all(result, cfg.out)
+    print(paths["report"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _add_load_command(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "load", help="N edges, each through its own link, against one verifier: throughput, latency, cost",
+        description="Run N edges (each its own gRPC channel through its own netsim link) against one verifier "
+                    "for a fixed time, per mode, and report committed tokens/s, time per output token, TTFT, "
+                    "target cost per token, errors, and the verifier's CPU and memory.")
+    parser.add_argument("--edges", default="4", help="number of edges; a comma-separated list runs each (e.g. 1,4,16)")
+    parser.add_argument("--profile", default="lan", help="link profile, or a comma-separated mix (edge i gets the "
+                                                         "i-th, cycling)")
+    parser.add_argument("--mode", default="hybrid,cloud-only", help="all, or a comma-separated subset of "
+                                                                    "hybrid, adaptive, cloud-only")
+    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds before the measured window")
+    parser.add_argument("--synthetic", action="store_true", help="the synthetic pair (fast; for large N)")
+    parser.add_argument("--server", help="HOST:PORT of a running verifier (default: start one)")
+    parser.add_argument("--metrics-url", help="with --server: its Prometheus endpoint, e.g. http://HOST:9100/metrics")
+    parser.add_argument("--verifier-arg", action="append", default=[], metavar="ARG",
+                        help="option for the `cloud-verifier serve` we start (repeatable), e.g. "
+                             "--verifier-arg=--batching --verifier-arg=on")
+    parser.add_argument("--gamma", type=int, default=4, help="fixed γ of the hybrid mode")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    parser.add_argument("--arrival-rate", type=float, default=0.0,
+                        help="requests/s per edge as a Poisson process (default 0: back to back, fixed concurrency)")
+    parser.add_argument("--draft-ms", type=float, default=2.0, help="synthetic drafter: cost per token (ms)")
+    parser.add_argument("--synthetic-step-ms", type=float, default=20.0,
+                        help="synthetic verifier we start: cost per forward pass (ms)")
+    parser.add_argument("--target", help="target GGUF for the verifier we start (default: bundled)")
+    parser.add_argument("--draft", help="draft GGUF (default: models/smollm2-draft.gguf)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", default="results/load", help="output folder (load.json, load.md, plots)")
+    parser.set_defaults(run=_run_load)
+
+
+# --- fleet ------------------------------------------------------------------------------
+
+def _run_fleet(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .fleet import fleet_markdown, fleet_plot, run_fleet
+
+    profiles = _csv(args.profile)
+    for name in profiles:
+        get_profile(name)
+    load_result = json.loads(Path(args.calibrate).read_text())
+    cpu_cost = None
+    if args.cpu_cost_ms:
+        from .fleet import LinearCost
+        fixed_ms, per_token_ms = (float(x) for x in args.cpu_cost_ms.split(","))
+        cpu_cost = LinearCost(fixed_ms / 1000.0, per_token_ms / 1000.0, name="given")
+    result = run_fleet(load_result, slo_s=args.slo_ms / 1000.0, totals=[int(float(t)) for t in _csv(args.totals)],
+                       profiles=profiles, cpu_per_token_s=args.cpu_per_token_ms / 1000.0, gpu=args.gpu,
+                       gpu_alpha=args.gpu_alpha, gpu_draft_s=args.gpu_draft_ms / 1000.0, gpu_context=args.gpu_context,
+                       gpu_overhead_s=args.gpu_overhead_ms / 1000.0, cpu_cost=cpu_cost,
+                       progress=lambda name: log.warning("capacity: %s", name))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fleet.json").write_text(json.dumps(result, indent=1))
+    (out / "fleet.md").write_text(fleet_markdown(result))
+    fleet_plot(result, out / "verifiers_vs_edges.png")
+    print((out / "fleet.md").read_text())
+    print(f"wrote {out / 'fleet.json'}, {out / 'fleet.md'}, {out / 'verifiers_vs_edges.png'}")
+    return 0
+
+
+def _add_fleet_command(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "fleet", help="simulate edges sharing verifiers, calibrated on a `netsim load` run; verifiers per N edges",
+        description="Calibrate a discrete-event model on a load result, check it against that result, then find "
+                    "how many verifiers serve 10^3..10^6 edges at a p95 time-per-output-token SLO, hybrid vs "
+                    "cloud-only, for the measured CPU backend (serial and batched) and a GPU roofline.")
+    parser.add_argument("--calibrate", required=True, metavar="LOAD_JSON", help="load.json from `netsim load`")
+    parser.add_argument("--slo-ms", type=float, default=150.0, help="p95 time per output token (ms)")
+    parser.add_argument("--totals", default="1e3,1e4,1e5,1e6", help="fleet sizes (edges)")
+    parser.add_argument("--profile", default="lte", help="link profile(s) of the fleet's edges, comma-separated mix")
+    parser.add_argument("--cpu-per-token-ms", type=float, default=0.0,
+                        help="CPU pass cost per token (ms); the fixed part is calibrated (0: the synthetic target)")
+    parser.add_argument("--cpu-cost-ms", metavar="FIXED,PER_TOKEN",
+                        help="CPU pass cost for the capacity table instead of the calibrated one, e.g. 15.9,7.15 "
+                             "(bench/verify_cost.md: llama.cpp SmolLM2, context 512)")
+    parser.add_argument("--gpu", choices=["h200", "h100"], default="h200")
+    parser.add_argument("--gpu-alpha", type=float, default=0.7, help="per-token acceptance of the GPU case's pair")
+    parser.add_argument("--gpu-draft-ms", type=float, default=10.0, help="device drafting time per token (ms)")
+    parser.add_argument("--gpu-context", type=int, default=1024, help="mean context per session (tokens)")
+    parser.add_argument("--gpu-overhead-ms", type=float, default=0.05,
+                        help="server overhead per round or streamed token on the GPU verifier (ms)")
+    parser.add_argument("--out", default="results/fleet", help="output folder")
+    parser.set_defaults(run=_run_fleet)
+
+
 # --- entry point ------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,13 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_proxy_command(subparsers)
     _add_profiles_command(subparsers)
     _add_experiment_command(subparsers)
+    _add_load_command(subparsers)
+    _add_fleet_command(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The experiment draws a progress bar: per-connection INFO lines would scroll it away.
-    quiet = logging.WARNING if args.command == "experiment" else logging.INFO
+    quiet = logging.WARNING if args.command in ("experiment", "load") else logging.INFO
     logging.basicConfig(level=logging.DEBUG if args.verbose else quiet,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.run(args)

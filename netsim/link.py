@@ -28,6 +28,20 @@ class Link:
         """Mean one-way delay without queueing (ms): the sum of the effects' means."""
         return sum(effect.mean_delay_ms() for effect in self.effects)
 
+    def expected_delay_ms(self, size_bytes: int, rtt_ms: float) -> float:
+        """Mean one-way delay of a lone message of `size_bytes` (ms): delays, transmission and loss stalls.
+
+        `rtt_ms` is the path's round trip, which the loss effects' recovery timers use.
+        """
+        rate_kbit_s = self.rate_kbit_s()
+        transmission_ms = 0.0 if rate_kbit_s is None else size_bytes * 8.0 / rate_kbit_s
+        stall_ms = sum(effect.mean_stall_ms(size_bytes, rtt_ms) for effect in self.effects)
+        return self.mean_delay_ms() + transmission_ms + stall_ms
+
+    def without(self, *kinds: str) -> Link:
+        """The same link with the effects of the named kinds left out (e.g. "loss", "jitter")."""
+        return Link(tuple(effect for effect in self.effects if effect.kind not in kinds))
+
     def mean_loss_rate(self) -> float:
         """Chance that a segment meets at least one loss effect's loss (mean rates)."""
         return 1.0 - math.prod(1.0 - effect.mean_loss_rate() for effect in self.effects)

@@ -15,6 +15,13 @@ reset is passed on after the data in front of it, and `stop()` writes out whatev
 queued before closing. Only an emulated reset discards queued data, as a real reset would,
 and data queued for an endpoint that has gone away has nowhere to go.
 
+The sending side is a TCP connection in steady state: the proxy reads from the sender as fast
+as the link's queue allows (its backlog limit plus the link's bandwidth-delay product), so a
+bulk transfer takes one propagation delay plus size/rate, as with a congestion window that has
+already opened to the path's BDP. Slow start is not imitated (the endpoints' own TCP runs on
+loopback); the flow control of the protocols on top (HTTP/2 windows, gRPC's BDP probe) is,
+because their frames cross the emulated links.
+
 What a proxy cannot emulate (shared/reference/network-emulation-anchors.md, section 4.1):
 the TCP handshake is not delayed (the kernel accepts at once), congestion control and TCP
 timers of the endpoints never see the emulated path, and the kernel's own socket buffers
@@ -24,21 +31,139 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
+import ctypes.util
 import dataclasses
 import logging
+import os
 import random
 import socket
 import struct
+import sys
 import threading
+import time
 from dataclasses import dataclass
 
 from .effects import LinkContext, LinkReset
-from .link import LinkState
+from .link import Link, LinkState
 from .profiles import Profile
 
 log = logging.getLogger(__name__)
 
 READ_BYTES = 65536   # most bytes taken from a socket per read
+TIMER_RESOLUTION_S = 0.001   # asyncio waits in epoll, whose timeout is whole milliseconds, rounded up
+
+
+class _TimerFd(ctypes.Structure):
+    _fields_ = [("interval_sec", ctypes.c_long), ("interval_nsec", ctypes.c_long),
+                ("value_sec", ctypes.c_long), ("value_nsec", ctypes.c_long)]
+
+
+def _load_timerfd():
+    """libc's timerfd calls (Linux), or None where there are none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        create, settime = libc.timerfd_create, libc.timerfd_settime
+    except (OSError, AttributeError):
+        return None
+    create.argtypes, create.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    settime.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(_TimerFd), ctypes.c_void_p]
+    settime.restype = ctypes.c_int
+    return create, settime
+
+
+_TIMERFD = _load_timerfd() if sys.platform.startswith("linux") else None
+_CLOCK_MONOTONIC, _TFD_NONBLOCK, _TFD_CLOEXEC, _TFD_TIMER_ABSTIME = 1, 0o4000, 0o2000000, 1
+
+
+WAKE_LEAD_MAX_S = 0.005   # never aim a wake-up more than this ahead of a departure
+
+
+class WakeLatency:
+    """How late this process's timer wake-ups run, learned as it goes (one per event loop).
+
+    On a busy machine the kernel runs a woken process some time after its timer fires
+    (milliseconds on an oversubscribed 2-core box); every delayed chunk pays that. Aiming each
+    wake-up that much early makes the mean departure right again; each one is still off by
+    the wake-up's own variation. The estimate is a moving average of observed lateness.
+    """
+
+    def __init__(self, weight: float = 0.05) -> None:
+        self.weight = weight   # of each new observation
+        self.lead_s = 0.0      # mean lateness (s), in [0, WAKE_LEAD_MAX_S]
+
+    def observe(self, late_s: float) -> None:
+        self.lead_s += self.weight * (min(max(late_s, 0.0), WAKE_LEAD_MAX_S) - self.lead_s)
+
+
+class PreciseSleeper:
+    """Sleep until a loop time with sub-millisecond precision.
+
+    asyncio waits in epoll, whose timeout is whole milliseconds rounded up: a 0.5 ms sleep took
+    about 1.1 ms here, which added ~1.2 ms to the lan profile's 1 ms round trip. A Linux timerfd
+    armed at an absolute CLOCK_MONOTONIC time (the clock `loop.time()` reads) wakes the loop
+    within tens of microseconds instead, and it is aimed early by the loop's learned wake-up
+    latency (WakeLatency). Elsewhere the fallback sleeps whole milliseconds and sends a
+    sub-millisecond rest early (under half a millisecond) or one millisecond late.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, latency: WakeLatency | None = None) -> None:
+        self.loop = loop
+        self.latency = latency or WakeLatency()
+        self.fd = -1
+        self.waiter: asyncio.Future | None = None
+        if _TIMERFD is not None and isinstance(loop, asyncio.SelectorEventLoop) \
+                and time.get_clock_info("monotonic").implementation.startswith("clock_gettime(CLOCK_MONOTONIC)"):
+            fd = _TIMERFD[0](_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
+            if fd >= 0:
+                self.fd = fd
+                loop.add_reader(fd, self._fired)
+
+    def _fired(self) -> None:
+        try:
+            os.read(self.fd, 8)
+        except BlockingIOError:
+            return
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def send_ahead_s(self) -> float:
+        """How far ahead of its departure time a chunk is sent rather than slept for.
+
+        Half the expected wake-up latency: sleeping for a chunk due sooner than that would land
+        later than sending it now does.
+        """
+        return TIMER_RESOLUTION_S / 2.0 if self.fd < 0 else self.latency.lead_s / 2.0
+
+    async def sleep_until(self, when_s: float) -> None:
+        """Return at about loop time `when_s`; at once if it is within send_ahead_s()."""
+        now_s = self.loop.time()
+        wait_s = when_s - now_s
+        if wait_s <= self.send_ahead_s():
+            return
+        if self.fd < 0:
+            if wait_s >= TIMER_RESOLUTION_S:
+                await asyncio.sleep(TIMER_RESOLUTION_S * int(wait_s / TIMER_RESOLUTION_S))
+            else:
+                await asyncio.sleep(wait_s)
+            return
+        # Aim early by the expected wake-up latency, but not before now (the wake-up itself takes
+        # about that long, so a chunk due within it lands up to half of it late, on average less).
+        target_s = max(when_s - self.latency.lead_s, now_s + 1e-6)
+        seconds = int(target_s)
+        spec = _TimerFd(0, 0, seconds, int((target_s - seconds) * 1e9))
+        if _TIMERFD[1](self.fd, _TFD_TIMER_ABSTIME, ctypes.byref(spec), None) != 0:
+            await asyncio.sleep(wait_s)
+            return
+        self.waiter = self.loop.create_future()
+        await self.waiter
+        self.latency.observe(self.loop.time() - target_s)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = -1
 
 
 @dataclass
@@ -53,6 +178,8 @@ class ProxyStats:
     stalls: int = 0         # chunks held back by a loss stall or an outage
     stall_s: float = 0.0    # total of those stalls (s)
     resets: int = 0         # connections reset by the emulated link
+    late_s: float = 0.0     # total lateness of chunk deliveries past their departure time (s)
+    late_max_s: float = 0.0  # the largest such lateness (s): how far the proxy fell behind its links
 
     def record_stall(self, stall_s: float) -> None:
         self.stalls += 1
@@ -72,8 +199,10 @@ class _Pipe:
     """One direction of one connection: read, stamp, queue, and write at departure time."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: LinkState,
-                 stats: ProxyStats, byte_counter: str, max_chunk_bytes: int, max_queue_bytes: int) -> None:
+                 stats: ProxyStats, byte_counter: str, max_chunk_bytes: int, max_queue_bytes: int,
+                 wake_latency: WakeLatency) -> None:
         self.reader = reader
+        self.wake_latency = wake_latency
         self.writer = writer
         self.link = link
         self.stats = stats
@@ -108,13 +237,23 @@ class _Pipe:
         self.eof = True
         self.ready.set()
 
-    def _send(self, piece: bytes) -> None:
+    def _send(self, piece: bytes, late_s: float = 0.0) -> None:
+        if late_s > 0.0:
+            self.stats.late_s += late_s
+            self.stats.late_max_s = max(self.stats.late_max_s, late_s)
         self.queued_bytes -= len(piece)
         self.writer.write(piece)
         setattr(self.stats, self.byte_counter, getattr(self.stats, self.byte_counter) + len(piece))
         self.stats.chunks += 1
 
     async def write_loop(self) -> None:
+        self.sleeper = PreciseSleeper(asyncio.get_running_loop(), self.wake_latency)
+        try:
+            await self._write_loop()
+        finally:
+            self.sleeper.close()
+
+    async def _write_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             if not self.queue:
@@ -123,13 +262,15 @@ class _Pipe:
                 self.ready.clear()
                 await self.ready.wait()
                 continue
-            wait_s = self.queue[0][0] - loop.time()
-            if wait_s > 0:
-                await asyncio.sleep(wait_s)
-                continue
+            due_s = self.queue[0][0]
+            if due_s > loop.time():
+                await self.sleeper.sleep_until(due_s)
+            # Woken early on purpose (see PreciseSleeper): send what is due by then.
+            send_until_s = loop.time() + self.sleeper.send_ahead_s()
             now_s = loop.time()
-            while self.queue and self.queue[0][0] <= now_s:
-                self._send(self.queue.popleft()[1])
+            while self.queue and self.queue[0][0] <= send_until_s:
+                departure_s, piece = self.queue.popleft()
+                self._send(piece, now_s - departure_s)
             self.space.set()
             await self.writer.drain()
         if self.peer_reset:
@@ -141,6 +282,38 @@ class _Pipe:
         """Write out everything queued now, departure times notwithstanding (we are stopping)."""
         while self.queue:
             self._send(self.queue.popleft()[1])
+
+
+def in_flight_bytes(link: Link) -> int:
+    """Bytes a link holds when it runs full: its rate times twice its mean one-way delay.
+
+    The queue of a direction holds both the bytes waiting for the bottleneck and the bytes
+    "on the wire" (in their propagation delay), so its backpressure limit must leave room for
+    the bandwidth-delay product, or a long fat link (geo-sat down: 18.75 Mbit/s x 0.3 s =
+    0.7 MB) would be throttled by the limit instead of its rate. Twice the delay leaves room
+    for jitter and loss stalls. A link without a rate limit gets no extra room.
+    """
+    rate_kbit_s = link.rate_kbit_s()
+    if rate_kbit_s is None:
+        return 0
+    return int(rate_kbit_s * 1000.0 / 8.0 * 2.0 * link.mean_delay_ms() / 1000.0)
+
+
+CHUNK_S = 0.002   # a chunk carries at most this much of its link's transmission time, or max_chunk_bytes
+
+
+def chunk_bytes(link: Link, max_chunk_bytes: int) -> int:
+    """The largest piece a direction schedules as one chunk.
+
+    Each chunk costs a timer wake-up, so on fast links (lan's 1 Gbit/s: 8 kB every 65 us) the
+    proxy's own work, not the link, would set the rate; a chunk may therefore grow to 2 ms of
+    transmission time (up to the 64 kB of one read), which keeps a slow link's pacing at
+    `max_chunk_bytes` and a fast link's pacing at 2 ms.
+    """
+    rate_kbit_s = link.rate_kbit_s()
+    if rate_kbit_s is None:
+        return READ_BYTES
+    return int(min(READ_BYTES, max(max_chunk_bytes, rate_kbit_s * 1000.0 / 8.0 * CHUNK_S)))
 
 
 def _reset_socket(writer: asyncio.StreamWriter) -> None:
@@ -197,10 +370,16 @@ class _Connection:
         if self.interrupted:   # the proxy stopped while we were connecting
             self.upstream_writer.close()
             return
-        stats, chunk, queue = self.proxy.stats, self.proxy.max_chunk_bytes, self.proxy.max_queue_bytes
+        stats = self.proxy.stats
+        profile = self.proxy.profile
+        up_queue, down_queue = (self.proxy.max_queue_bytes + in_flight_bytes(link)
+                                for link in (profile.uplink, profile.downlink))
+        up_chunk, down_chunk = (chunk_bytes(link, self.proxy.max_chunk_bytes) for link in (profile.uplink, profile.downlink))
         self.pipes = [
-            _Pipe(self.client_reader, self.upstream_writer, self.links["up"], stats, "bytes_up", chunk, queue),
-            _Pipe(upstream_reader, self.client_writer, self.links["down"], stats, "bytes_down", chunk, queue),
+            _Pipe(self.client_reader, self.upstream_writer, self.links["up"], stats, "bytes_up", up_chunk, up_queue,
+                  self.proxy.wake_latency),
+            _Pipe(upstream_reader, self.client_writer, self.links["down"], stats, "bytes_down", down_chunk, down_queue,
+                  self.proxy.wake_latency),
         ]
         writers = [asyncio.create_task(pipe.write_loop()) for pipe in self.pipes]
         self.tasks = writers + [asyncio.create_task(pipe.read_loop()) for pipe in self.pipes]
@@ -276,8 +455,9 @@ class LinkProxy:
         self.listen = listen
         self.seed = seed
         self.max_chunk_bytes = max_chunk_bytes   # largest piece scheduled as one chunk (bytes)
-        self.max_queue_bytes = max_queue_bytes   # a direction stops reading beyond this backlog (bytes)
+        self.max_queue_bytes = max_queue_bytes   # a direction stops reading beyond this backlog plus its bytes in flight
         self.stats = ProxyStats()
+        self.wake_latency = WakeLatency()   # shared by this proxy's connections (one event loop)
         self.epoch_s = 0.0       # loop time at start(): outages, traces and handovers count from here
         self._server: asyncio.Server | None = None
         self._address: tuple[str, int] | None = None

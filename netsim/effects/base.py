@@ -79,5 +79,9 @@ class Effect:
     def mean_rate_kbit_s(self) -> float | None:
         return None
 
+    def mean_stall_ms(self, size_bytes: int, rtt_ms: float) -> float:
+        """Expected recovery stall of a lone message of `size_bytes` (ms); loss effects override."""
+        return 0.0
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **dataclasses.asdict(self)}

@@ -78,6 +78,18 @@ def stalled_departure_s(chunk: Chunk, segment_lost: Callable[[], bool], rtt_s: f
     return chunk.arrival_s + stall_s
 
 
+def mean_recovery_stall_ms(loss_rate: float, size_bytes: int, rtt_ms: float) -> float:
+    """Expected stall (ms) of a lone message of `size_bytes` on a link losing `loss_rate` of its segments.
+
+    Sums the first recovery wait over which segment is the first lost; a lost retransmission
+    (a term in loss_rate squared) is left out.
+    """
+    segments = max(1, math.ceil(size_bytes / MSS_BYTES))
+    never = lambda _elapsed_s: False   # noqa: E731
+    return 1000.0 * sum((1.0 - loss_rate) ** k * loss_rate * recovery_stall_s(k, segments, rtt_ms / 1000.0, never)
+                        for k in range(segments))
+
+
 def _check_probability(name: str, value: float) -> None:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be a probability in [0, 1], got {value}")
@@ -116,6 +128,9 @@ class Loss(Effect):
 
     def mean_loss_rate(self) -> float:
         return self.loss_rate
+
+    def mean_stall_ms(self, size_bytes: int, rtt_ms: float) -> float:
+        return mean_recovery_stall_ms(self.loss_rate, size_bytes, rtt_ms if self.rtt_ms is None else self.rtt_ms)
 
 
 class _GilbertElliottState:
@@ -170,3 +185,7 @@ class GilbertElliottLoss(Effect):
         # Stationary share of the bad state is p / (p + r).
         bad_share = self.p_good_to_bad / (self.p_good_to_bad + self.p_bad_to_good)
         return bad_share * self.loss_in_bad + (1.0 - bad_share) * self.loss_in_good
+
+    def mean_stall_ms(self, size_bytes: int, rtt_ms: float) -> float:
+        # Counted as i.i.d. loss at the chain's mean rate: bursts make it a little lower for one message.
+        return mean_recovery_stall_ms(self.mean_loss_rate(), size_bytes, rtt_ms if self.rtt_ms is None else self.rtt_ms)

@@ -1,0 +1,108 @@
+"""`netsim load` on the synthetic pair: a short real run, and the metrics scraping on canned text."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from netsim.load import LoadConfig, histogram_delta, metric_delta, scrape, verifier_args
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+FIELDS = ("edges", "mode", "committed_tokens_per_s", "tpot_p50_s", "tpot_p95_s", "tpot_p99_s", "ttft_p50_s",
+          "ttft_p99_s", "target_tokens_per_committed_token", "errors")
+
+
+def test_load_run_on_the_synthetic_pair(tmp_path):
+    pytest.importorskip("psutil")
+    out = tmp_path / "load"
+    command = [sys.executable, "-m", "netsim", "load", "--synthetic", "--edges", "4", "--profile", "lan,cable",
+               "--mode", "hybrid,cloud-only", "--duration", "3", "--warmup", "0.5", "--max-tokens", "24",
+               "--synthetic-step-ms", "5", "--verifier-arg=--session-ttl", "--verifier-arg=300", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "load.json").read_text())
+    runs = {run["mode"]: run for run in result["runs"]}
+    assert set(runs) == {"hybrid", "cloud-only"}
+    for mode, run in runs.items():
+        for name in FIELDS:
+            assert name in run, (mode, name)
+        assert run["edges"] == 4
+        assert run["errors"] == {}, run["errors"]
+        assert run["committed_tokens_per_s"] > 0
+        assert 0 < run["tpot_p50_s"] <= run["tpot_p95_s"] <= run["tpot_p99_s"] < 5.0
+        assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"] < 5.0
+        assert run["verifier_cpu_cores"] is not None and run["verifier_peak_rss_mb"] > 0
+        assert set(run["tpot_per_edge_mean_s"]) == {"0", "1", "2", "3"}   # every edge was measured
+    # Cloud-only: one pass per token; hybrid: fewer passes (γ+1 tokens each) than tokens.
+    assert runs["cloud-only"]["target_forward_passes_per_committed_token"] == pytest.approx(1.0)
+    assert runs["hybrid"]["target_forward_passes_per_committed_token"] < 1.0
+    assert runs["hybrid"]["target_tokens_per_committed_token"] > 1.0
+    assert runs["hybrid"]["session_replays"] == 0   # a session per edge (--max-sessions >= edges)
+    assert (out / "load.md").read_text().count("| 4 |") == 2
+    assert (out / "throughput_vs_edges.png").stat().st_size > 0
+    assert (out / "latency_vs_edges.png").stat().st_size > 0
+
+
+PROMETHEUS_TEXT = """\
+# HELP hybridspec_verify_rounds_total Verify rounds completed
+# TYPE hybridspec_verify_rounds_total counter
+hybridspec_verify_rounds_total 130.0
+hybridspec_request_errors_total{code="RESOURCE_EXHAUSTED"} 2.0
+hybridspec_batch_tokens_bucket{le="8.0"} 10.0
+hybridspec_batch_tokens_bucket{le="+Inf"} 12.0
+hybridspec_batch_tokens_count 12.0
+hybridspec_batch_tokens_sum 77.0
+"""
+
+
+def test_scrape_reads_counters_and_histograms(tmp_path):
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = PROMETHEUS_TEXT.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        after = scrape(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+    finally:
+        server.shutdown()
+        server.server_close()
+    before = {"hybridspec_verify_rounds_total": 100.0, "hybridspec_batch_tokens_count": 2.0,
+              "hybridspec_batch_tokens_sum": 7.0, 'hybridspec_batch_tokens_bucket{le="8.0"}': 1.0}
+    assert metric_delta(before, after, "hybridspec_verify_rounds_total") == 30.0
+    assert after['hybridspec_request_errors_total{code="RESOURCE_EXHAUSTED"}'] == 2.0
+    histogram = histogram_delta(before, after, "hybridspec_batch_tokens")
+    assert histogram["count"] == 10.0 and histogram["sum"] == 70.0
+    assert histogram["buckets"] == {"8.0": 9.0, "+Inf": 12.0}
+    assert histogram_delta(before, after, "hybridspec_batch_seconds") is None
+    assert scrape(None) == {}
+
+
+def test_verifier_args_pass_through():
+    cfg = LoadConfig(edges=[16], profiles=["lan"], modes=["hybrid"], duration_s=1, out=Path("x"), synthetic=True,
+                     verifier_args=["--batching", "on", "--kv-tokens", "65536"], synthetic_step_ms=7)
+    args = verifier_args(cfg, 9100, 16)
+    assert args[-4:] == ["--batching", "on", "--kv-tokens", "65536"]   # last, so they win over ours
+    assert args[args.index("--max-sessions") + 1] == "16"             # a session per edge by default
+    assert args[args.index("--metrics-port") + 1] == "9100"
+    assert args[args.index("--synthetic-step-ms") + 1] == "7"
+    own = LoadConfig(edges=[16], profiles=["lan"], modes=["hybrid"], duration_s=1, out=Path("x"), synthetic=True,
+                     verifier_args=["--max-sessions=2"])
+    assert "--max-sessions" not in verifier_args(own, 9100, 16)          # the user's bound is kept
