@@ -39,8 +39,9 @@ def test_load_run_on_the_synthetic_pair(tmp_path):
         assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"] < 5.0
         assert run["verifier_cpu_cores"] is not None and run["verifier_peak_rss_mb"] > 0
         assert set(run["tpot_per_edge_mean_s"]) == {"0", "1", "2", "3"}   # every edge was measured
-    # Cloud-only: one pass per token; hybrid: fewer passes (γ+1 tokens each) than tokens.
-    assert runs["cloud-only"]["target_forward_passes_per_committed_token"] == pytest.approx(1.0)
+    # Cloud-only: one pass per token (plus the prompts' prefill passes, counted when the verifier
+    # exports its per-pass histograms); hybrid: fewer passes (γ+1 tokens each) than tokens.
+    assert runs["cloud-only"]["target_forward_passes_per_committed_token"] == pytest.approx(1.0, abs=0.05)
     assert runs["hybrid"]["target_forward_passes_per_committed_token"] < 1.0
     assert runs["hybrid"]["target_tokens_per_committed_token"] > 1.0
     assert runs["hybrid"]["session_replays"] == 0   # a session per edge (--max-sessions >= edges)
