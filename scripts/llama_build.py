@@ -30,6 +30,8 @@ Standard library only: it runs before the virtual environment has anything in it
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -221,6 +223,20 @@ def build_wheel(py: Path, plan: BuildPlan, dest: Path) -> Path:
     return final
 
 
+@contextlib.contextmanager
+def build_lock(plan: BuildPlan):
+    """One build per flag set at a time on this machine: a second set-up (another venv, another
+    clone) waits for the first and then reuses its wheel instead of compiling the same thing."""
+    CACHE_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(CACHE_ROOT / f".lock-{plan.key}", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            say(f"another set-up is building {plan.tag}; waiting for it")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
 def cached_wheel(plan: BuildPlan) -> Path | None:
     found = sorted(plan.wheel_dir.glob("llama_cpp_python-*.whl"))
     return found[-1] if found else None
@@ -301,12 +317,13 @@ def ensure(venv: Path, plan: BuildPlan, model_path: Callable[[], Path | None],
             out.smoke = info
             return out
         say(f"the installed llama-cpp-python ({stamp.get('tag')}) fails its smoke test ({status}); replacing it")
-    wheel = cached_wheel(plan)
-    if wheel is None:
-        wheel = build(py, plan, plan.wheel_dir)
-        out.built = True
-    else:
-        say(f"using the wheel built earlier for these flags: {wheel.parent.name}/{wheel.name}")
+    with build_lock(plan):
+        wheel = cached_wheel(plan)
+        if wheel is None:
+            wheel = build(py, plan, plan.wheel_dir)
+            out.built = True
+        else:
+            say(f"using the wheel built earlier for these flags: {wheel.parent.name}/{wheel.name}")
     install(py, wheel)
     status, info = smoke(py, model_path())
     if status == "sigill" or (status == "crash" and not plan.baseline):
@@ -314,8 +331,9 @@ def ensure(venv: Path, plan: BuildPlan, model_path: Callable[[], Path | None],
         say(f"llama.cpp built for {plan.tag} died ({status}) on this CPU: rebuilding at the {base.tag} "
             f"baseline without any cache")
         shutil.rmtree(plan.wheel_dir, ignore_errors=True)  # never offer that wheel again here
-        shutil.rmtree(base.wheel_dir, ignore_errors=True)
-        wheel = build(py, base, base.wheel_dir)
+        with build_lock(base):
+            shutil.rmtree(base.wheel_dir, ignore_errors=True)
+            wheel = build(py, base, base.wheel_dir)
         install(py, wheel)
         out.plan, out.built, out.rebuilt_at_baseline = base, True, True
         status, info = smoke(py, model_path())

@@ -221,3 +221,29 @@ def test_setup_scripts_hard_code_no_instruction_set():
         assert "GGML_AVX512=ON" not in text and "GGML_NATIVE=ON" not in text and "march=native" not in text
         assert "llama_build.py ensure" in text  # one place decides the flags for both environments
     assert os.access(ROOT / "scripts" / "llama_build.py", os.R_OK)
+
+
+def test_two_set_ups_at_once_build_the_wheel_once(cache, tmp_path):
+    """A second set-up on the same machine (another venv or clone) waits for the first build."""
+    import threading
+    import time as _time
+    feats = set(AMD_EPYC_AVX2.split())
+    plan = lb.choose_build("x86_64", feats)
+    steps = FakeSteps(dies=set())
+    slow_build = steps.build
+
+    def build(py, p, dest):
+        _time.sleep(0.5)
+        return slow_build(py, p, dest)
+
+    venvs = [tmp_path / "v1", tmp_path / "v2"]
+    threads = []
+    for v in venvs:
+        v.mkdir()
+        threads.append(threading.Thread(target=lb.ensure, args=(v, plan, lambda: None, feats),
+                                        kwargs=dict(build=build, install=steps.install, smoke=steps.smoke)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert steps.built == ["x86-64-v3"] and len(steps.installed) == 2
