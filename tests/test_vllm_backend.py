@@ -244,7 +244,8 @@ async def test_greedy_hybrid_with_trees_equals_backend_greedy_generate(backend, 
     finally:
         drafter.close()
     st = gen.stats
-    assert st.tokens == n and st.tree_rounds == st.rounds and st.rounds < n
+    # every round is a tree, but a last one with room for no draft (one token left: a chain of 0)
+    assert st.tokens == n and st.rounds - 1 <= st.tree_rounds <= st.rounds and st.rounds < n
     _check_same_or_near_tie(backend, ids, st.token_ids, reference)
 
 

@@ -208,6 +208,8 @@ def verify_tree_from_scores(tree: DraftTree, draft_probs: Sequence[EncodedQ | No
             scale /= r
         else:
             y, p_y = s.sample, s.sample_prob
+            if not rejected:  # a leaf (or a node without children): y ~ p is the bonus
+                return TreeResult(path, y), False
             p_cur_y = cur[y] if y in cur else p_y * scale
             keep = p_cur_y / (p_y * scale) if p_y > 0.0 else 0.0
             if keep >= 1.0 or (keep > 0.0 and rng.random() < keep):
@@ -408,6 +410,8 @@ class VllmBackend(Backend):
                 y = int(comp.token_ids[0])
                 if settings.greedy:
                     scores[k] = NodeScore(y, 1.0, {t: float(t == y) for t in need})
+                elif not need:  # a leaf: y is the bonus token, no probability is read
+                    scores[k] = NodeScore(y, float("nan"), {})
                 else:
                     lp = comp.logprobs[0]
                     scores[k] = NodeScore(y, math.exp(lp[y].logprob), {t: math.exp(lp[t].logprob) for t in need})
