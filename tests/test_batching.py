@@ -409,14 +409,15 @@ def _peak_rss_mb(pid: int) -> float:
 async def test_sixty_four_sessions_on_the_bundled_target_stay_under_the_rss_bound():
     """A verifier process with KV room for exactly 64 sessions of 256 tokens: 64 concurrent
     sessions run three rounds each; the process's peak RSS stays under RSS_BOUND_MB; a 65th
-    session evicts the least recently used idle one (whose next round gets NOT_FOUND, to replay)
-    and nothing crashes."""
+    session is refused with RESOURCE_EXHAUSTED while every session was used within
+    --evict-idle-after, then evicts the least recently used idle one (whose next round gets
+    NOT_FOUND, to replay); nothing crashes."""
     from cloud_verifier.process import spawn_verifier
     from llama_runtime import bundled_model_path
     from spec_core.proto import verifier_pb2_grpc as pb_grpc
     model = GGUFModel(bundled_model_path(), vocab_only=True)
     proc, addr = spawn_verifier(["--batching", "on", "--n-ctx", "256", "--kv-tokens", str(64 * 256),
-                                 "--max-sessions", "64",
+                                 "--max-sessions", "64", "--evict-idle-after", "1",
                                  "--threads", "2"])
     try:
         async with grpc.aio.insecure_channel(addr) as ch:
@@ -435,7 +436,19 @@ async def test_sixty_four_sessions_on_the_bundled_target_stay_under_the_rss_boun
 
             replies = await asyncio.gather(*[session(k) for k in range(64)])
             assert all(r.round == 3 for r in replies)
-            await stub.Verify(open_req(model, b"\xff" * 16, "one more"), timeout=60)   # evicts the LRU session
+            # At the bound a newcomer is refused with a retry hint while every session was used
+            # within --evict-idle-after, and evicts the least recently used one after that.
+            refusals = 0
+            for _ in range(20):
+                try:
+                    await stub.Verify(open_req(model, b"\xff" * 16, "one more"), timeout=60)
+                    break
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in e.details(), e
+                    refusals += 1
+                    await asyncio.sleep(0.5)
+            else:
+                pytest.fail("the 65th session was never admitted")
             outcomes = []
             for r in replies:
                 try:
@@ -446,7 +459,8 @@ async def test_sixty_four_sessions_on_the_bundled_target_stay_under_the_rss_boun
                     outcomes.append(e.code())
             assert outcomes.count(grpc.StatusCode.NOT_FOUND) == 1 and outcomes.count("ok") == 63, outcomes
             peak = _peak_rss_mb(proc.pid)
-            print(f"verifier peak RSS with 64 sessions: {peak:.0f} MB (bound {RSS_BOUND_MB} MB)")
+            print(f"verifier peak RSS with 64 sessions: {peak:.0f} MB (bound {RSS_BOUND_MB} MB); "
+                  f"the 65th was refused {refusals} times before it evicted one")
             assert peak < RSS_BOUND_MB
         assert proc.poll() is None, "the verifier must still be running"
     finally:
