@@ -13,6 +13,7 @@ import llama_cpp
 import numpy as np
 
 from spec_core.fingerprint import tokenizer_fingerprint
+from spec_core.kvreuse import reusable_prefix
 
 log = logging.getLogger(__name__)
 
@@ -233,17 +234,9 @@ class KVContext:
 
     def logits(self, tokens: Sequence[int], rows: int) -> np.ndarray:
         tokens = list(tokens)
-        if not 1 <= rows <= len(tokens):
-            raise ValueError(f"rows must be in 1..{len(tokens)}, got {rows}")
+        keep = reusable_prefix(self.tokens, tokens, rows)
         if len(tokens) > self.n_ctx:
             raise ValueError(f"{len(tokens)} tokens do not fit a context of {self.n_ctx}")
-        keep = 0
-        for a, b in zip(self.tokens, tokens):
-            if a != b:
-                break
-            keep += 1
-        # The rows we need must be computed now: everything from len - rows is decoded afresh.
-        keep = min(keep, len(tokens) - rows)
         if keep < len(self.tokens):
             llama_cpp.llama_memory_seq_rm(self._mem, 0, keep, -1)
             del self.tokens[keep:]
@@ -353,12 +346,7 @@ class KVContext:
 
     def _tree_prefix(self, committed: list[int], n: int) -> int:
         """Bring sequence 0 to committed[:-1] (or less); what is left of committed goes in the tree pass."""
-        keep = 0
-        for a, b in zip(self.tokens, committed):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(committed) - 1)
+        keep = reusable_prefix(self.tokens, committed, 1)
         if len(committed) - keep + n > self.tree_batch:
             self.logits(committed[:-1], 1)  # a long uncached tail (first round): decode it on its own
             keep = len(committed) - 1
@@ -508,17 +496,10 @@ class SharedKV:
         """Roll `seq` back to the longest prefix of `tokens` it holds that leaves the last `rows`
         positions to compute, and return what must be decoded: (seq, pos, token, want_logits)."""
         tokens = list(tokens)
-        if not 1 <= rows <= len(tokens):
-            raise ValueError(f"rows must be in 1..{len(tokens)}, got {rows}")
+        held = self.held[seq]
+        keep = reusable_prefix(held, tokens, rows)
         if len(tokens) > self.seq_ctx:
             raise ValueError(f"{len(tokens)} tokens do not fit a context of {self.seq_ctx}")
-        held = self.held[seq]
-        keep = 0
-        for a, b in zip(held, tokens):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(tokens) - rows)
         if keep < len(held):
             llama_cpp.llama_memory_seq_rm(self._mem, seq, keep, -1)
             del held[keep:]

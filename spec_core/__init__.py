@@ -7,6 +7,7 @@
   guarantee rests on.
 - `fingerprint`: the tokenizer fingerprint both ends compare.
 - `costmodel`: expected tokens per round and the γ that maximises tokens per second.
+- `kvreuse`: how much of a KV cache a request keeps (the rule every target runtime shares).
 """
 
 __version__ = "0.1.0"

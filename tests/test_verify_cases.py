@@ -112,3 +112,14 @@ def test_commit_context_full():
 def test_commit_nothing_special():
     c = commit_round([1, 2, 3], RoundResult(1, 4), EOS, remaining=100, context_left=100)
     assert (c.tokens, c.num_accepted, c.has_next_token, c.finish_reason) == ([1, 4], 1, True, pb.NOT_FINISHED)
+
+
+def test_reusable_prefix_keeps_the_common_prefix_but_recomputes_the_rows_asked_for():
+    from spec_core.kvreuse import reusable_prefix
+    held = [1, 2, 3, 4, 5]
+    assert reusable_prefix(held, [1, 2, 3, 4, 5, 6, 7], rows=3) == 4   # row after 4 must be computed: 5 redone
+    assert reusable_prefix(held, [1, 2, 9, 4], rows=1) == 2             # diverges at position 2
+    assert reusable_prefix(held, [1, 2, 3], rows=3) == 0                # every row asked for
+    assert reusable_prefix([], [7], rows=1) == 0
+    with pytest.raises(ValueError):
+        reusable_prefix(held, [1, 2], rows=3)

@@ -16,6 +16,7 @@ import numpy as np
 from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, BackendInfo
 from cloud_verifier.backends.batcher import Batcher, BatchStep, Item
+from spec_core.kvreuse import reusable_prefix
 from spec_core.synthetic import SyntheticLM, synthetic_fingerprint
 from spec_core.tree import DraftTree
 
@@ -119,14 +120,7 @@ class _SyntheticPacker:
 
     def prepare(self, seq: int, tokens: Sequence[int], rows: int) -> list[Item]:
         tokens, held = list(tokens), self.held[seq]
-        if not 1 <= rows <= len(tokens):
-            raise ValueError(f"rows must be in 1..{len(tokens)}, got {rows}")
-        keep = 0
-        for a, b in zip(held, tokens):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(tokens) - rows)
+        keep = reusable_prefix(held, tokens, rows)
         del held[keep:]
         return [(seq, pos, tokens[pos], pos >= len(tokens) - rows) for pos in range(keep, len(tokens))]
 
