@@ -120,8 +120,6 @@ def _run_experiment(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from .experiment import ALL_MODES, TEMPERATURE, ExperimentConfig, run_experiment
     from .report import write_all
 
@@ -139,9 +137,15 @@ def _run_experiment(args: argparse.Namespace) -> int:
         crossover_steps_ms=[float(x) for x in _csv(args.crossover_steps)])
     for name in cfg.profiles:
         get_profile(name)  # fail before a long run, with the list of names
-    with Progress(TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(),
+    return _run_and_report(run_experiment, write_all, cfg, label_width=48)
+
+
+def _run_and_report(run, write_all, cfg, label_width: int) -> int:
+    """Run an experiment or load test under a progress bar, write its files, print its report."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    with Progress(TextColumn(f"{{task.description:<{label_width}}}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn()) as progress:
-        result = asyncio.run(run_experiment(cfg, progress))
+        result = asyncio.run(run(cfg, progress))
     paths = write_all(result, cfg.out)
     print(paths["report"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
@@ -181,8 +185,6 @@ def _run_load(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from .load import MODES, LoadConfig, run_load, write_all
 
     modes = list(MODES) if args.mode == "all" else _csv(args.mode)
@@ -198,13 +200,7 @@ def _run_load(args: argparse.Namespace) -> int:
                      max_tokens=args.max_tokens, arrival_rate=args.arrival_rate, seed=args.seed,
                      draft_ms=args.draft_ms, synthetic_step_ms=args.synthetic_step_ms, target=args.target,
                      draft=args.draft, warmup_s=args.warmup)
-    with Progress(TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn()) as progress:
-        result = asyncio.run(run_load(cfg, progress))
-    paths = write_all(result, cfg.out)
-    print(paths["report"].read_text())
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    return _run_and_report(run_load, write_all, cfg, label_width=32)
 
 
 def _add_load_command(subparsers) -> None:
