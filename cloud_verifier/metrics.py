@@ -54,3 +54,20 @@ def observe_batch(tokens: int, sessions: int, seconds: float) -> None:
     BATCH_TOKENS.observe(tokens)
     BATCH_SESSIONS.observe(sessions)
     BATCH_SECONDS.observe(seconds)
+
+
+# The batched llama.cpp verifier's shared KV cache (llama_runtime.SharedKV): cells held by live
+# sessions, cells taken in all (live + retired by rollbacks and releases, freed by a compaction),
+# and the compactions themselves (their time is not counted in hybridspec_batch_seconds).
+KV_CELLS = Gauge("hybridspec_kv_cells", "Shared KV cache cells, by state", ["state"])
+KV_COMPACTIONS = Counter("hybridspec_kv_compactions", "Shared KV cache compactions")
+KV_COMPACTION_SECONDS = Counter("hybridspec_kv_compaction_seconds", "Seconds spent compacting the shared KV cache")
+
+
+def observe_kv(live: int, used: int, total: int, compactions: int, seconds: float) -> None:
+    KV_CELLS.labels("live").set(live)
+    KV_CELLS.labels("used").set(used)
+    KV_CELLS.labels("total").set(total)
+    if compactions:
+        KV_COMPACTIONS.inc(compactions)
+        KV_COMPACTION_SECONDS.inc(seconds)

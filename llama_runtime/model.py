@@ -5,6 +5,7 @@ import importlib.util
 import logging
 import os
 import threading
+import time
 from functools import cached_property
 from pathlib import Path
 from typing import Sequence
@@ -446,25 +447,35 @@ class SharedKV:
     """One llama.cpp context whose unified KV cache holds many sequences (like llama.cpp server's
     slots): a session is a sequence id, and one `decode` evaluates tokens of many sequences.
 
-    Known defect (bench/batch_invariance.py --shared-only): when rollbacks free cells that other
-    sequences then fill, a sequence's later tokens can land in cells before its earlier ones, and
-    llama.cpp's CPU attention then gives logits up to ~1.4 away from those of the same tokens in
-    order (flash attention, F16 or F32 cache alike). Rows are exact while each sequence's cells
-    stay in position order (no rollback, or no one else reusing the holes).
+    Cells stay in position order. llama.cpp's CPU attention sums a row over the KV cells in cell
+    order, so a sequence whose later tokens sit in cells before its earlier ones gets different
+    logits (up to 1.4 on the bundled target, measured). llama.cpp puts a decode's tokens in the
+    first free cells from its search head, in batch order; so SharedKV never leaves a free cell
+    below a used one. A rollback or a release hands the cells over to a retired sequence that no
+    token attends to (llama_memory_seq_cp + seq_rm, metadata only), the free cells are one block
+    at the top, and a sequence's new tokens land above all its earlier ones. When that block runs
+    out, `compact` copies each live sequence's cells out (llama_state_seq_get_data), clears the
+    cache and copies them back at the bottom, in the same order and bit for bit: the retired cells
+    are gone and every row is what it would have been without the move.
 
     Capacity is reserved, not guessed: each of `n_seqs` sequences may hold up to `seq_ctx` tokens,
-    and the cache has room for all of them at once (`n_seqs * seq_ctx` cells), so a decode never
-    fails for want of cells. Not thread-safe: one thread (the verifier's batcher) drives it.
+    and the cache has room for all of them at once plus `slack` cells (by default an eighth more,
+    at least a few passes), so a decode never fails for want of cells and a compaction frees at
+    least `slack` cells. Not thread-safe: one thread (the verifier's batcher) drives it.
     """
 
     def __init__(self, model: GGUFModel, n_seqs: int, seq_ctx: int, n_ubatch: int = INVARIANT_UBATCH,
-                 invariant: bool = True):
-        if not 1 <= n_seqs <= 255:  # llama.cpp's LLAMA_MAX_SEQ is 256; one is the scratch sequence
-            raise ValueError(f"n_seqs must be in 1..255, got {n_seqs}")
+                 invariant: bool = True, slack: int | None = None):
+        if not 1 <= n_seqs <= 254:  # llama.cpp's LLAMA_MAX_SEQ is 256: + the scratch and retired sequences
+            raise ValueError(f"n_seqs must be in 1..254, got {n_seqs}")
         self.model, self.n_seqs, self.seq_ctx, self.invariant = model, n_seqs, seq_ctx, invariant
         self.n_ubatch = min(n_ubatch, INVARIANT_UBATCH) if invariant else n_ubatch
-        self.scratch = n_seqs  # the padding sequence (see INVARIANT_UBATCH)
-        params = _context_params(model, n_seqs * seq_ctx + 1, self.n_ubatch + 1, n_seqs + 1, invariant)
+        self.scratch = n_seqs       # the padding sequence (see INVARIANT_UBATCH)
+        self.retired = n_seqs + 1   # cells nobody attends to, kept occupied until the next compaction
+        reserve = n_seqs * seq_ctx
+        self.slack = max(4 * (self.n_ubatch + 1), reserve // 8) if slack is None else max(slack, self.n_ubatch + 1)
+        self.n_cells = reserve + self.slack
+        params = _context_params(model, self.n_cells, self.n_ubatch + 1, n_seqs + 2, invariant)
         self._ctx = llama_cpp.llama_init_from_model(model._model, params)
         if not self._ctx:
             raise MemoryError(f"llama.cpp could not create a KV cache of {n_seqs} x {seq_ctx} tokens")
@@ -473,10 +484,23 @@ class SharedKV:
         self._free = list(range(n_seqs - 1, -1, -1))
         self.held: dict[int, list[int]] = {}  # sequence id -> the tokens its cells hold, in order
         self.tokens_decoded = 0
+        self._top = 0            # cells [0, _top) are taken (live or retired); the rest are free
+        self._holes = False      # a failed decode may have freed cells below _top: compact first
+        self.compactions = 0
+        self.compaction_seconds = 0.0
 
     @property
     def free_seqs(self) -> int:
         return len(self._free)
+
+    @property
+    def live_cells(self) -> int:
+        return sum(len(h) for h in self.held.values())
+
+    @property
+    def used_cells(self) -> int:
+        """Cells taken, live or retired (the rest are one free block at the top)."""
+        return self._top
 
     def acquire(self) -> int | None:
         """A free sequence id, or None when all are taken."""
@@ -489,8 +513,13 @@ class SharedKV:
     def release(self, seq: int) -> None:
         if self.held.pop(seq, None) is None:
             return
-        llama_cpp.llama_memory_seq_rm(self._mem, seq, 0, -1)
+        self._retire(seq, 0)
         self._free.append(seq)
+
+    def _retire(self, seq: int, p0: int) -> None:
+        """Take positions p0.. away from `seq` without freeing their cells."""
+        llama_cpp.llama_memory_seq_cp(self._mem, seq, self.retired, p0, -1)
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, p0, -1)
 
     def prepare(self, seq: int, tokens: Sequence[int], rows: int) -> list[tuple[int, int, int, bool]]:
         """Roll `seq` back to the longest prefix of `tokens` it holds that leaves the last `rows`
@@ -501,10 +530,40 @@ class SharedKV:
         if len(tokens) > self.seq_ctx:
             raise ValueError(f"{len(tokens)} tokens do not fit a context of {self.seq_ctx}")
         if keep < len(held):
-            llama_cpp.llama_memory_seq_rm(self._mem, seq, keep, -1)
+            self._retire(seq, keep)
             del held[keep:]
         first_row = len(tokens) - rows
         return [(seq, pos, tokens[pos], pos >= first_row) for pos in range(keep, len(tokens))]
+
+    def compact(self) -> None:
+        """Free the retired cells: copy every live sequence out, clear the cache, copy them back."""
+        t0 = time.perf_counter()
+        saved = []
+        for seq, held in self.held.items():
+            if not held:
+                continue
+            size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
+            data = np.empty(size, dtype=np.uint8)  # not zero-filled: llama.cpp writes all of it
+            buf = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+            if llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq) != size:
+                raise RuntimeError(f"llama.cpp could not copy out the KV cells of sequence {seq}")
+            saved.append((seq, buf, size, data))
+        llama_cpp.llama_memory_clear(self._mem, False)
+        self._top, self._holes = 0, False
+        lost = []
+        for seq, buf, size, _data in saved:
+            if llama_cpp.llama_state_seq_set_data(self._ctx, buf, size, seq) != size:
+                lost.append(seq)
+                llama_cpp.llama_memory_seq_rm(self._mem, seq, 0, -1)
+                self._holes = True
+                continue
+            self._top += len(self.held[seq])
+        self.compactions += 1
+        self.compaction_seconds += time.perf_counter() - t0
+        if lost:
+            for seq in lost:
+                self.held[seq].clear()   # their next request evaluates them from the start
+            raise RuntimeError(f"llama.cpp could not copy back the KV cells of sequences {lost}")
 
     def decode(self, items: Sequence[tuple[int, int, int, bool]]) -> list[np.ndarray]:
         """Evaluate up to `n_ubatch` tokens of any sequences in one llama_decode; each sequence's
@@ -514,14 +573,20 @@ class SharedKV:
         if not 1 <= len(items) <= self.n_ubatch:
             raise ValueError(f"a decode takes 1..{self.n_ubatch} tokens, got {len(items)}")
         if self.invariant:
-            llama_cpp.llama_memory_seq_rm(self._mem, self.scratch, 0, -1)
             items = _pad(items, self.scratch)
+        if self._holes or self._top + len(items) > self.n_cells:
+            self.compact()
+        if self.invariant:
+            self._retire(self.scratch, 0)  # last pass's padding cell
         _fill_batch(self._batch, items)
         rc = llama_cpp.llama_decode(self._ctx, self._batch)
         if rc != 0:
             for seq in {it[0] for it in items if it[0] != self.scratch}:
                 llama_cpp.llama_memory_seq_rm(self._mem, seq, len(self.held[seq]), -1)
+            llama_cpp.llama_memory_seq_rm(self._mem, self.scratch, 0, -1)
+            self._holes = True
             raise RuntimeError(f"llama_decode failed with code {rc}")
+        self._top += len(items)
         out = []
         for i, (seq, _, tok, want) in enumerate(items):
             if seq == self.scratch:

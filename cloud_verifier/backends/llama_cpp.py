@@ -8,8 +8,8 @@ reserving `n_ctx` of them.
 
 Both evaluate the target batch-invariantly (llama_runtime.model.INVARIANT_UBATCH): a session's
 logits do not depend on how its cache was built (rounds, single tokens, or a replay after a
-restart) nor on which sessions share a pass, with one exception in the shared cache, which is
-why batching is not the default: see the known defect in llama_runtime.model.SharedKV.
+restart) nor on which sessions share a pass; in the shared cache because SharedKV keeps every
+session's cells in position order (it retires freed cells and compacts).
 
 Token trees (tree_logits / keep_tree_path) run in the serial verifier: one pass per tree on
 scratch sequences of the session's own context. With batching they are refused for now (the
@@ -64,8 +64,10 @@ class LlamaCppBackend(Backend):
             n_seqs = kv_tokens // n_ctx
             if n_seqs < 1:
                 raise ValueError(f"--kv-tokens {kv_tokens} cannot hold one session of --n-ctx {n_ctx} tokens")
-            self.kv = SharedKV(self.model, min(n_seqs, 255), n_ctx, invariant=invariant)
-            self.batcher = Batcher(self.kv, batch_window_ms / 1000, on_step=_observe_step, name="llama-batcher")
+            self.kv = SharedKV(self.model, min(n_seqs, 254), n_ctx, invariant=invariant)
+            self._compactions_seen = (0, 0.0)
+            self.batcher = Batcher(self.kv, batch_window_ms / 1000, on_step=self._observe_shared_step,
+                                   name="llama-batcher")
 
     @property
     def max_states(self) -> int | None:
@@ -133,6 +135,15 @@ class LlamaCppBackend(Backend):
             if self.kv is not None:
                 self.kv.close()
             self.model.close()
+
+    def _observe_shared_step(self, step: BatchStep) -> None:
+        """Per pass of the shared cache (batcher thread): a compaction inside it is reported on
+        its own and left out of the pass's time, which the fleet simulator calibrates from."""
+        kv = self.kv
+        n, secs = kv.compactions - self._compactions_seen[0], kv.compaction_seconds - self._compactions_seen[1]
+        self._compactions_seen = (kv.compactions, kv.compaction_seconds)
+        metrics.observe_kv(kv.live_cells, kv.used_cells, kv.n_cells, n, secs)
+        _observe_step(BatchStep(step.tokens, step.sessions, max(0.0, step.seconds - secs)))
 
     def forward_tokens(self) -> int:
         return self.kv.tokens_decoded if self.kv is not None else self._forwarded
