@@ -182,14 +182,45 @@ def _context_params(model: GGUFModel, n_ctx: int, n_ubatch: int, n_seq_max: int,
 
 
 def _fill_batch(batch, items) -> None:
-    """items: (seq, pos, token, want_logits) per token."""
+    """items: (seq, pos, token, want_logits) per token; seq is an id or a tuple of ids (a token
+    several sequences share; llama.cpp masks its attention by the first)."""
     for i, (seq, pos, tok, want) in enumerate(items):
         batch.token[i] = tok
         batch.pos[i] = pos
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = seq
+        if isinstance(seq, tuple):
+            batch.n_seq_id[i] = len(seq)
+            for m, s in enumerate(seq):
+                batch.seq_id[i][m] = s
+        else:
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
         batch.logits[i] = want
     batch.n_tokens = len(items)
+
+
+def _first_seq(item) -> int:
+    return item[0][0] if isinstance(item[0], tuple) else item[0]
+
+
+class TreeIdsBusy(RuntimeError):
+    """Not enough free tree sequence ids for this tree now; try again after a pass."""
+
+
+def tree_leaves(parents: Sequence[int]) -> tuple[list[int], list[list[int]], list[int]]:
+    """(leaves, leaf indices below each node, depth of each node) of a tree given by parents."""
+    n = len(parents)
+    has_child = set(parents)
+    leaves = [i for i in range(n) if i not in has_child]
+    below: list[list[int]] = [[] for _ in range(n)]
+    for j, leaf in enumerate(leaves):
+        node = leaf
+        while node != -1:
+            below[node].append(j)
+            node = parents[node]
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p == -1 else depth[p] + 1)
+    return leaves, below, depth
 
 
 class KVContext:
@@ -465,22 +496,26 @@ class SharedKV:
     """
 
     def __init__(self, model: GGUFModel, n_seqs: int, seq_ctx: int, n_ubatch: int = INVARIANT_UBATCH,
-                 invariant: bool = True, slack: int | None = None):
-        if not 1 <= n_seqs <= 254:  # llama.cpp's LLAMA_MAX_SEQ is 256: + the scratch and retired sequences
-            raise ValueError(f"n_seqs must be in 1..254, got {n_seqs}")
+                 invariant: bool = True, slack: int | None = None, tree_ids: int = 0):
+        # llama.cpp's LLAMA_MAX_SEQ is 256: sessions + the scratch and retired sequences + tree ids
+        if not 1 <= n_seqs <= 254 - tree_ids:
+            raise ValueError(f"n_seqs must be in 1..{254 - tree_ids} with {tree_ids} tree ids, got {n_seqs}")
         self.model, self.n_seqs, self.seq_ctx, self.invariant = model, n_seqs, seq_ctx, invariant
         self.n_ubatch = min(n_ubatch, INVARIANT_UBATCH) if invariant else n_ubatch
         self.scratch = n_seqs       # the padding sequence (see INVARIANT_UBATCH)
         self.retired = n_seqs + 1   # cells nobody attends to, kept occupied until the next compaction
+        self.tree_ids = tree_ids    # ids n_seqs + 2 .. : one per leaf of the trees being evaluated
+        self._tree_free = list(range(n_seqs + 2 + tree_ids - 1, n_seqs + 1, -1))
+        self._trees: set["TreeJob"] = set()
         reserve = n_seqs * seq_ctx
         self.slack = max(4 * (self.n_ubatch + 1), reserve // 8) if slack is None else max(slack, self.n_ubatch + 1)
         self.n_cells = reserve + self.slack
-        params = _context_params(model, self.n_cells, self.n_ubatch + 1, n_seqs + 2, invariant)
+        params = _context_params(model, self.n_cells, self.n_ubatch + 1, n_seqs + 2 + tree_ids, invariant)
         self._ctx = llama_cpp.llama_init_from_model(model._model, params)
         if not self._ctx:
             raise MemoryError(f"llama.cpp could not create a KV cache of {n_seqs} x {seq_ctx} tokens")
         self._mem = llama_cpp.llama_get_memory(self._ctx)
-        self._batch = llama_cpp.llama_batch_init(self.n_ubatch + 1, 0, 1)
+        self._batch = llama_cpp.llama_batch_init(self.n_ubatch + 1, 0, 1 + tree_ids)
         self._free = list(range(n_seqs - 1, -1, -1))
         self.held: dict[int, list[int]] = {}  # sequence id -> the tokens its cells hold, in order
         self.tokens_decoded = 0
@@ -535,8 +570,32 @@ class SharedKV:
         first_row = len(tokens) - rows
         return [(seq, pos, tokens[pos], pos >= first_row) for pos in range(keep, len(tokens))]
 
+    def tree_job(self, seq: int, committed: Sequence[int], node_tokens: Sequence[int],
+                 parents: Sequence[int]) -> "TreeJob":
+        """A token tree after `committed` on `seq`, evaluated in passes like any other request:
+        see TreeJob. Raises ValueError for a tree this cache cannot hold."""
+        leaves, below, depth = tree_leaves(parents)
+        if len(leaves) > self.tree_ids:
+            raise ValueError(f"a tree with {len(leaves)} leaves needs {len(leaves)} tree ids; "
+                             f"this cache has {self.tree_ids}")
+        if len(committed) + (max(depth) + 1 if depth else 0) > self.seq_ctx:
+            raise ValueError(f"{len(committed)} tokens + a tree of depth {max(depth) + 1} do not fit a context "
+                             f"of {self.seq_ctx}")
+        if not committed:
+            raise ValueError("a tree needs at least one committed token before it")
+        return TreeJob(self, seq, list(committed), list(node_tokens), list(parents), leaves, below, depth)
+
+    def maintain(self) -> bool:
+        """Between passes: compact if the next pass might not fit. True when it did (tree jobs in
+        flight lost their node cells and must be prepared again)."""
+        if self._holes or self._top + self.n_ubatch + 1 > self.n_cells:
+            self.compact()
+            return True
+        return False
+
     def compact(self) -> None:
-        """Free the retired cells: copy every live sequence out, clear the cache, copy them back."""
+        """Free the retired cells: copy every live sequence out, clear the cache, copy them back.
+        Tree jobs in flight lose their node cells (prepare them again)."""
         t0 = time.perf_counter()
         saved = []
         for seq, held in self.held.items():
@@ -550,6 +609,8 @@ class SharedKV:
             saved.append((seq, buf, size, data))
         llama_cpp.llama_memory_clear(self._mem, False)
         self._top, self._holes = 0, False
+        for job in self._trees:
+            job.lost = True
         lost = []
         for seq, buf, size, _data in saved:
             if llama_cpp.llama_state_seq_set_data(self._ctx, buf, size, seq) != size:
@@ -575,15 +636,20 @@ class SharedKV:
         if self.invariant:
             items = _pad(items, self.scratch)
         if self._holes or self._top + len(items) > self.n_cells:
+            if self._trees:
+                raise RuntimeError("the KV cache needs compacting while trees are in flight: call maintain() "
+                                   "between passes")
             self.compact()
         if self.invariant:
             self._retire(self.scratch, 0)  # last pass's padding cell
         _fill_batch(self._batch, items)
         rc = llama_cpp.llama_decode(self._ctx, self._batch)
         if rc != 0:
-            for seq in {it[0] for it in items if it[0] != self.scratch}:
+            for seq in {_first_seq(it) for it in items} & self.held.keys():
                 llama_cpp.llama_memory_seq_rm(self._mem, seq, len(self.held[seq]), -1)
             llama_cpp.llama_memory_seq_rm(self._mem, self.scratch, 0, -1)
+            for job in self._trees:
+                job.lost = True
             self._holes = True
             raise RuntimeError(f"llama_decode failed with code {rc}")
         self._top += len(items)
@@ -591,7 +657,9 @@ class SharedKV:
         for i, (seq, _, tok, want) in enumerate(items):
             if seq == self.scratch:
                 continue
-            self.held[seq].append(tok)
+            held = self.held.get(seq[0] if isinstance(seq, tuple) else seq)
+            if held is not None:   # a session's token (a tree node's first id is a tree id)
+                held.append(tok)
             if want:
                 ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
                 out.append(np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy())
@@ -609,3 +677,74 @@ class SharedKV:
             self.close()
         except Exception:
             pass
+
+
+class TreeJob:
+    """A token tree evaluated in a SharedKV, in one or more passes shared with other sessions.
+
+    Leaf j of the tree gets a tree sequence id of its own (from the cache's pool), added to the
+    session's cells (llama_memory_seq_cp: metadata only). The session's uncached committed tokens
+    are evaluated on the session and every leaf id at once; a node carries the ids of the leaves
+    below it, so it attends to the committed tokens and its ancestors, in position order, as in a
+    chain: with batch-invariant evaluation its row is bit for bit the row a chain through it
+    would get. Rows: the last committed token's, then every node's, in node order.
+
+    The session's sequence ends holding exactly `committed` (the kept path is evaluated again as
+    part of the next round, as KVContext.keep_tree_path does in invariant mode). `finish` hands
+    the node cells to the retired sequence and the ids back to the pool; a compaction in between
+    drops the node cells (`lost`), and `prepare` starts the job over.
+    """
+
+    def __init__(self, kv: SharedKV, seq: int, committed: list[int], node_tokens: list[int], parents: list[int],
+                 leaves: list[int], below: list[list[int]], depth: list[int]):
+        self.kv, self.seq, self.committed, self.node_tokens, self.parents = kv, seq, committed, node_tokens, parents
+        self.leaves, self.below, self.depth = leaves, below, depth
+        self.ids: list[int] | None = None
+        self.lost = False
+
+    def prepare(self) -> list[tuple]:
+        """Take tree ids (TreeIdsBusy when the pool has too few now), roll the session back, and
+        list the items to evaluate."""
+        kv, c = self.kv, len(self.committed)
+        if self.ids is None:
+            if len(self.leaves) > len(kv._tree_free):
+                raise TreeIdsBusy(f"{len(self.leaves)} tree ids wanted, {len(kv._tree_free)} free")
+            self.ids = [kv._tree_free.pop() for _ in self.leaves]
+            kv._trees.add(self)
+        else:  # prepared again after a compaction: nothing of the node cells is left
+            for lid in self.ids:
+                llama_cpp.llama_memory_seq_rm(kv._mem, lid, -1, -1)
+        self.lost = False
+        held = kv.held[self.seq]
+        keep = reusable_prefix(held, self.committed, 1)
+        if keep < len(held):
+            kv._retire(self.seq, keep)
+            del held[keep:]
+        for lid in self.ids:
+            llama_cpp.llama_memory_seq_cp(kv._mem, self.seq, lid, -1, -1)
+        every = (self.seq, *self.ids)
+        items = [(every, pos, self.committed[pos], pos == c - 1) for pos in range(keep, c)]
+        items += [(tuple(self.ids[j] for j in self.below[i]), c + self.depth[i], tok, True)
+                  for i, tok in enumerate(self.node_tokens)]
+        return items
+
+    def finish(self) -> None:
+        """Retire the node cells, take the tree ids off the session's cells, free the ids."""
+        kv, c = self.kv, len(self.committed)
+        if self.ids is None:
+            return
+        # A node cell carries every leaf below it: copy each cell to the retired sequence once,
+        # from the first leaf that holds it (leaf j's own nodes are those below no earlier leaf,
+        # a suffix of its path, from depth `shared + 1` on).
+        for j, lid in enumerate(self.ids):
+            node, shared = self.leaves[j], -1
+            while node != -1:
+                if min(self.below[node]) < j:
+                    shared = max(shared, self.depth[node])
+                node = self.parents[node]
+            llama_cpp.llama_memory_seq_cp(kv._mem, lid, kv.retired, c + shared + 1, -1)
+        for lid in self.ids:
+            llama_cpp.llama_memory_seq_rm(kv._mem, lid, -1, -1)
+        kv._tree_free.extend(self.ids)
+        kv._trees.discard(self)
+        self.ids = None

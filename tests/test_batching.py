@@ -126,6 +126,84 @@ def test_compaction_moves_cells_without_changing_a_row(tiny_models):
     kv.close()
 
 
+def _random_tree(rng, n_vocab: int, max_nodes: int, max_leaves: int) -> tuple[list[int], list[int]]:
+    """Random token tree: parents before children, at most max_leaves leaves."""
+    tokens, parents = [], []
+    for i in range(int(rng.integers(1, max_nodes + 1))):
+        leaves = set(range(i)) - set(parents)
+        p = int(rng.integers(-1, i)) if i else -1
+        if len(leaves) >= max_leaves and p not in leaves:   # a new leaf only by extending one
+            p = int(rng.choice(sorted(leaves)))
+        tokens.append(int(rng.integers(3, n_vocab)))
+        parents.append(p)
+    return tokens, parents
+
+
+def test_tree_rows_in_shared_passes_equal_chain_rows(tiny_models):
+    """Tree rounds through the batcher: 4 sessions at once mix chain rounds and trees of up to 40
+    nodes (so a tree spans passes) sharing a pool of 16 tree ids (so trees wait for ids), in a
+    cache with almost no spare cells (so it compacts under trees in flight). Every tree row is
+    bit-identical to the row a private context gives for the chain through that node; afterwards
+    every tree id is back in the pool."""
+    from cloud_verifier.backends.batcher import Batcher
+    model = GGUFModel(str(tiny_models["target"]), n_threads=1)
+    kv = SharedKV(model, 4, 160, slack=33, tree_ids=16)
+    batcher = Batcher(kv)
+    failures: list[str] = []
+    n_trees = [0]
+
+    def run(k: int):
+        rng = np.random.default_rng(100 + k)
+        seq = batcher.acquire(kv.acquire)
+        ctx = model.new_context(512, invariant=True)
+        committed = model.tokenize(PROMPTS[k])
+        for r in range(20):
+            if len(committed) > 110:
+                break
+            if r % 2:
+                drafts = [int(t) for t in rng.integers(3, model.n_vocab, size=int(rng.integers(0, 5)))]
+                got = batcher.submit(seq, committed + drafts, len(drafts) + 1)[0]
+                want = ctx.logits(committed + drafts, len(drafts) + 1)
+                if not np.array_equal(got, want):
+                    failures.append(f"session {k} chain round {r}")
+                committed = committed + drafts[:int(rng.integers(0, len(drafts) + 1))]
+            else:
+                tokens, parents = _random_tree(rng, model.n_vocab, 40, 12)
+                got = batcher.submit_tree(seq, committed, tokens, parents)[0]
+                n_trees[0] += 1
+                want = [ctx.logits(committed, 1)[0]]
+                for i in range(len(tokens)):
+                    path, node = [], i
+                    while node != -1:
+                        path.insert(0, tokens[node])
+                        node = parents[node]
+                    want.append(ctx.logits(committed + path, 1)[0])
+                if not np.array_equal(got, np.stack(want)):
+                    bad = [i for i in range(len(want)) if not np.array_equal(got[i], want[i])]
+                    failures.append(f"session {k} tree round {r}: rows {bad} of {len(want)} differ")
+                node = int(rng.integers(-1, len(tokens)))
+                path = []
+                while node != -1:
+                    path.insert(0, tokens[node])
+                    node = parents[node]
+                committed = committed + path
+            committed = committed + [int(rng.integers(3, model.n_vocab))]
+        ctx.close()
+        batcher.release(seq)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    batcher.close()
+    print(f"{n_trees[0]} trees, {kv.compactions} compactions in {batcher.passes} passes")
+    assert not failures, failures
+    assert n_trees[0] >= 16 and kv.compactions >= 1
+    assert sorted(kv._tree_free) == list(range(kv.retired + 1, kv.retired + 17))
+    kv.close()
+
+
 def test_replayed_cache_equals_the_cache_built_in_rounds(tiny_models):
     """The same rows after the cache was built token by token, in rounds of 5, or in one replay."""
     model = GGUFModel(str(tiny_models["target"]), n_threads=1)
@@ -183,6 +261,30 @@ async def test_eight_concurrent_sessions_equal_their_single_session_runs(tiny_mo
     assert alone == alone_serial
     assert [s.token_ids for s in together] == alone
     assert len({tuple(t) for t in alone}) == len(PROMPTS), "different prompts should give different texts"
+
+
+async def test_tree_rounds_in_a_batch_equal_their_single_session_runs(tiny_models):
+    """Token trees with batching: 8 seeded sessions drafting trees (q shipped) give the same
+    tokens alone and all 8 at once, their trees sharing passes and the pool of tree ids."""
+    ds = [GGUFDrafter(str(tiny_models["draft"]), n_threads=1, n_ctx=512, max_tree_nodes=16) for _ in PROMPTS]
+    backend = batched_backend(tiny_models, max_tree_leaves=16)
+    tree = "budget=10,depth=4,branching=2,width=3"
+    try:
+        async with running_server(backend) as server:
+            alone = [await _generate(server.port, d, p, seed=k, n=30, tree=tree, max_tree_nodes=16)
+                     for k, (d, p) in enumerate(zip(ds, PROMPTS))]
+            passes = backend.batcher.passes
+            together = await asyncio.gather(*[_generate(server.port, d, p, seed=k, n=30, tree=tree,
+                                                        max_tree_nodes=16)
+                                              for k, (d, p) in enumerate(zip(ds, PROMPTS))])
+            passes_together = backend.batcher.passes - passes
+    finally:
+        backend.close()
+        for d in ds:
+            d.close()
+    assert all(st.tree_rounds > 0 and st.nodes_per_round > 1 for st in alone)
+    assert [st.token_ids for st in together] == [st.token_ids for st in alone]
+    assert passes_together < passes, (passes_together, passes)
 
 
 async def test_same_text_across_replays(tiny_models, drafters):

@@ -9,8 +9,10 @@ hold up short rounds), and the rest of the pass is filled in arrival order.
 
 The model is a `Packer`: `prepare` rolls a request's sequence back and lists the tokens to
 evaluate as (seq, pos, token, want_logits) items; `decode` runs one pass over such items. A
-request's items need not come from a single sequence: a tree round would list its branches as
-sequences of its own (see LlamaCppBackend).
+request's items need not come from a single sequence: a tree round (`submit_tree`, with a packer
+that has `tree_job`) lists its nodes on sequence ids of their own, for as long as the request
+runs; such a job may have to wait a pass for ids, and is prepared again if the packer's
+`maintain` (called between passes) moved the cache under it.
 
 Freeing a sequence (`release`) never blocks the caller (the event loop frees sessions): it is
 queued and applied between passes, so a pass never decodes into freed cells, and a released
@@ -40,6 +42,10 @@ class Packer(Protocol):
 
     def release(self, seq: int) -> None: ...
 
+    # Optional: `maintain() -> bool` between passes (True: jobs must be prepared again), and
+    # `tree_job(seq, committed, tokens, parents)` -> an object with prepare() -> items (may raise
+    # an exception whose class is named *Busy: try again after a pass), finish(), `lost`.
+
 
 @dataclass
 class BatchStep:
@@ -52,8 +58,9 @@ class BatchStep:
 @dataclass
 class _Request:
     seq: int
-    tokens: Sequence[int]
-    rows: int
+    prepare: Callable[[], list[Item]]          # (re)builds the items; batcher thread, between passes
+    finish: Callable[[], None] | None = None   # once, when the request ends (done or failed)
+    redo_after_maintain: bool = False          # prepare again from scratch if the packer moved the cache
     t_submit: float = field(default_factory=time.perf_counter)
     items: list[Item] = field(default_factory=list)
     cursor: int = 0
@@ -70,6 +77,7 @@ class Batcher:
         self.packer, self.window_s, self.on_step = packer, window_s, on_step
         self._cond = threading.Condition()
         self._queue: list[_Request] = []
+        self._waiting: list[_Request] = []    # prepared later: the packer was busy (tree ids)
         self._active: list[_Request] = []
         self._releases: list[int] = []
         self._model_lock = threading.Lock()   # a pass or a release, never both
@@ -81,7 +89,16 @@ class Batcher:
     def submit(self, seq: int, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
         """Logits of the last `rows` positions of `tokens` on sequence `seq`  # [rows, vocab];
         blocks until computed. Returns (logits, queue_s, model_s)."""
-        req = _Request(seq, tokens, rows)
+        return self._submit(_Request(seq, lambda: self.packer.prepare(seq, tokens, rows)))
+
+    def submit_tree(self, seq: int, committed: Sequence[int], tokens: Sequence[int],
+                    parents: Sequence[int]) -> tuple[np.ndarray, float, float]:
+        """Logits after `committed` and after each node of a token tree  # [n + 1, vocab]: row 0
+        the last committed token's, row i + 1 node i's. Blocks; returns (logits, queue_s, model_s)."""
+        job = self.packer.tree_job(seq, committed, tokens, parents)   # ValueError: a tree it cannot hold
+        return self._submit(_Request(seq, job.prepare, job.finish, redo_after_maintain=True))
+
+    def _submit(self, req: _Request) -> tuple[np.ndarray, float, float]:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
@@ -109,7 +126,7 @@ class Batcher:
         with self._cond:
             seqs, self._releases = self._releases, []
         for seq in seqs:
-            for req in [r for r in self._active if r.seq == seq]:
+            for req in [r for r in self._active + self._waiting if r.seq == seq]:
                 self._finish(req, RuntimeError(f"sequence {seq} was released mid-request"))
             self.packer.release(seq)
 
@@ -123,7 +140,8 @@ class Batcher:
 
     def _take_arrivals(self) -> list[_Request]:
         with self._cond:
-            while not self._queue and not self._active and not self._releases and not self._closed:
+            while (not self._queue and not self._active and not self._waiting and not self._releases
+                   and not self._closed):
                 self._cond.wait()
             if self.window_s > 0 and not self._active and self._queue and not self._closed:
                 deadline = self._queue[0].t_submit + self.window_s
@@ -138,21 +156,39 @@ class Batcher:
             if self._closed:
                 with self._model_lock:
                     self._apply_releases()
-                for req in self._active + new:
-                    self._finish(req, RuntimeError("the verifier is shutting down"))
-                self._active = []
+                    for req in self._active + self._waiting + new:
+                        self._finish(req, RuntimeError("the verifier is shutting down"))
+                self._active, self._waiting = [], []
                 return
             with self._model_lock:
                 self._apply_releases()
-                for req in new:
+                pending, self._waiting = self._waiting + new, []
+                for req in pending:
                     try:
-                        req.items = self.packer.prepare(req.seq, req.tokens, req.rows)
+                        req.items = req.prepare()
                     except Exception as e:  # noqa: BLE001 - the caller gets it
+                        if type(e).__name__.endswith("Busy"):
+                            self._waiting.append(req)
+                            continue
                         self._finish(req, e)
                         continue
                     self._active.append(req)
                 if self._active:
+                    self._maintain()
+                if self._active:
                     self._step()
+
+    def _maintain(self) -> None:
+        """Let the packer tidy up between passes; start over the requests that lost their state."""
+        maintain = getattr(self.packer, "maintain", None)
+        if maintain is None or not maintain():
+            return
+        for req in list(self._active):
+            if req.redo_after_maintain:
+                try:
+                    req.items, req.cursor, req.out = req.prepare(), 0, []
+                except Exception as e:  # noqa: BLE001
+                    self._finish(req, e)
 
     def _plan(self) -> list[tuple[_Request, int]]:
         """How many pending tokens of each active request go into the next pass."""
@@ -198,10 +234,19 @@ class Batcher:
             if req.cursor == len(req.items):
                 self._finish(req, None)
         if self.on_step is not None:
-            self.on_step(BatchStep(len(items), len({it[0] for it in items}), seconds))
+            self.on_step(BatchStep(len(items), len({req.seq for req, _ in plan}), seconds))
 
     def _finish(self, req: _Request, error: BaseException | None) -> None:
+        if req.finish is not None:
+            finish, req.finish = req.finish, None
+            try:
+                finish()
+            except Exception as e:  # noqa: BLE001
+                log.exception("cleaning up after a request failed")
+                error = error or e
         req.error, req.t_done = error, time.perf_counter()
         if req in self._active:
             self._active.remove(req)
+        if req in self._waiting:
+            self._waiting.remove(req)
         req.done.set()

@@ -11,12 +11,10 @@ logits do not depend on how its cache was built (rounds, single tokens, or a rep
 restart) nor on which sessions share a pass; in the shared cache because SharedKV keeps every
 session's cells in position order (it retires freed cells and compacts).
 
-Token trees (tree_logits / keep_tree_path) run in the serial verifier: one pass per tree on
-scratch sequences of the session's own context. With batching they are refused for now (the
-backend says supports_trees = False, so ServerInfo advertises no trees). Where a tree round would
-plug in: its branches need scratch sequences of their own next to the session's. `Packer.prepare` would return items on several sequence ids (the shared prefix once,
-each branch on its own id, or one token on several ids with llama_batch's n_seq_id), and the
-batcher already packs any items; the session's state would then hold a few sequence ids.
+Token trees (tree_logits / keep_tree_path): in the serial verifier one pass per tree on scratch
+sequences of the session's own context; with batching a llama_runtime.TreeJob, whose nodes go
+through the batcher like any other tokens, on tree sequence ids lent for the round (one per leaf;
+`max_tree_leaves` of them in all, shared by the sessions' trees in flight).
 """
 from __future__ import annotations
 
@@ -53,10 +51,9 @@ class LlamaCppBackend(Backend):
         self.info = BackendInfo("llama.cpp", self.model.name, self.model.n_vocab, n_ctx,
                                 self.model.fingerprint, self.model.eog_ids)
         self._forwarded = 0  # tokens pushed through the target, all sessions (serial mode)
-        # Serial mode: sequence 0 + a scratch id per tree leaf. The shared cache has no room for
-        # per-session scratch sequences yet, so with batching tree rounds are refused.
+        # Serial mode: sequence 0 + a scratch id per tree leaf. Batching: a pool of as many tree
+        # ids, lent to each tree round for its leaves.
         self.n_seq_max = max_tree_leaves + 1
-        self.supports_trees = not batching
         self.kv: SharedKV | None = None
         self.batcher: Batcher | None = None
         if batching:
@@ -64,7 +61,8 @@ class LlamaCppBackend(Backend):
             n_seqs = kv_tokens // n_ctx
             if n_seqs < 1:
                 raise ValueError(f"--kv-tokens {kv_tokens} cannot hold one session of --n-ctx {n_ctx} tokens")
-            self.kv = SharedKV(self.model, min(n_seqs, 254), n_ctx, invariant=invariant)
+            self.kv = SharedKV(self.model, min(n_seqs, 254 - max_tree_leaves), n_ctx, invariant=invariant,
+                               tree_ids=max_tree_leaves)
             self._compactions_seen = (0, 0.0)
             self.batcher = Batcher(self.kv, batch_window_ms / 1000, on_step=self._observe_shared_step,
                                    name="llama-batcher")
@@ -110,9 +108,12 @@ class LlamaCppBackend(Backend):
         return logits, t1 - t0, t2 - t1
 
     def tree_logits(self, state, committed: Sequence[int], tree: DraftTree):
-        """The whole tree in one target pass (KVContext.tree_logits); serial mode only."""
+        """Serial: the whole tree in one target pass (KVContext.tree_logits). Batching: the tree's
+        nodes share passes with other sessions' tokens (SharedKV.tree_job)."""
         if isinstance(state, SeqState):
-            raise RuntimeError("tree rounds need the serial verifier (--batching off)")
+            if state.seq is None:
+                raise RuntimeError("this session's KV cache was released")
+            return self.batcher.submit_tree(state.seq, committed, tree.tokens, tree.parents)
         t0 = time.perf_counter()
         with self.model.lock:
             t1 = time.perf_counter()
@@ -125,6 +126,8 @@ class LlamaCppBackend(Backend):
         return logits, t1 - t0, t2 - t1
 
     def keep_tree_path(self, state, committed, tree: DraftTree, path) -> None:
+        if isinstance(state, SeqState):
+            return  # the session holds `committed`; the kept path is evaluated with the next round
         with self.model.lock:
             state.keep_tree_path(path, [tree.tokens[i] for i in path])
 
