@@ -23,13 +23,13 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-sessions", type=int, default=None,
                    help="sessions kept; least recently used are evicted (default: what --kv-tokens holds, "
                         "8 with --batching off)")
-    p.add_argument("--batching", choices=["on", "off"], default="off",
-                   help="on: waiting rounds of all sessions are verified together (llama.cpp: in one KV cache, "
-                        "see the README for its one numerical caveat; synthetic: a pass costs step + per-token "
-                        "x tokens); off (default): one context per session, one round at a time")
+    p.add_argument("--batching", choices=["on", "off"], default="on",
+                   help="on (default): waiting rounds and Generate steps of all sessions are verified together "
+                        "(llama.cpp: in one KV cache; synthetic: a pass costs step + per-token x tokens); off: "
+                        "the serial verifier, one context per session and one round at a time")
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="(llama.cpp, batching on) KV cache cells for all sessions; each session reserves --n-ctx "
-                        "of them (default: 8 x --n-ctx)")
+                        "of them, and the cache has an eighth more for compaction (default: 8 x --n-ctx)")
     p.add_argument("--batch-window-ms", type=float, default=0.0,
                    help="(batching on) when idle, wait this long after a round arrives for others "
                         "to join its pass (default 0: take what is queued)")

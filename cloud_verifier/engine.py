@@ -384,7 +384,8 @@ class VerifierEngine:
                              max_sessions=self.max_sessions, eos_token_ids=sorted(i.eos_token_ids),
                              version=self.version,
                              max_tree_nodes=self.limits.max_tree_nodes if self.backend.supports_trees else 0,
-                             max_tree_branching=self.limits.max_tree_branching)
+                             max_tree_branching=self.limits.max_tree_branching,
+                             batching=bool(getattr(self.backend, "batching", False)))
 
 
 # Backend calls block their worker thread while a batching backend gathers a pass: every session

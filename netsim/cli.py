@@ -199,7 +199,7 @@ def _run_load(args: argparse.Namespace) -> int:
                      metrics_url=args.metrics_url, verifier_args=args.verifier_arg, gamma=args.gamma,
                      max_tokens=args.max_tokens, arrival_rate=args.arrival_rate, seed=args.seed,
                      draft_ms=args.draft_ms, synthetic_step_ms=args.synthetic_step_ms, target=args.target,
-                     draft=args.draft, warmup_s=args.warmup)
+                     draft=args.draft, drafter=args.drafter, warmup_s=args.warmup)
     return _run_and_report(run_load, write_all, cfg, label_width=32)
 
 
@@ -226,10 +226,14 @@ def _add_load_command(subparsers) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     parser.add_argument("--arrival-rate", type=float, default=0.0,
                         help="requests/s per edge as a Poisson process (default 0: back to back, fixed concurrency)")
-    parser.add_argument("--draft-ms", type=float, default=2.0, help="synthetic drafter: cost per token (ms)")
+    parser.add_argument("--draft-ms", type=float, default=2.0,
+                        help="synthetic or lookup drafter: the device's cost per drafted token (ms), emulated")
     parser.add_argument("--synthetic-step-ms", type=float, default=20.0,
                         help="synthetic verifier we start: cost per forward pass (ms)")
     parser.add_argument("--target", help="target GGUF for the verifier we start (default: bundled)")
+    parser.add_argument("--drafter", choices=["gguf", "lookup"], default="gguf",
+                        help="real target: gguf = a draft model per edge, run on this machine's CPU (a few edges); "
+                             "lookup = prompt lookup, no model, --draft-ms emulated per token (many edges)")
     parser.add_argument("--draft", help="draft GGUF (default: models/smollm2-draft.gguf)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="results/load", help="output folder (load.json, load.md, plots)")

@@ -77,6 +77,8 @@ class LoadConfig:
     synthetic_alpha_noise: float = 1.0
     target: str | None = None
     draft: str | None = None
+    drafter: str = "gguf"               # real target: "gguf" (a draft model per edge, run on this CPU)
+                                        # or "lookup" (prompt lookup, no model; draft_ms emulated per token)
     qmode: str = "fixed:16:16"
     warmup_s: float = 1.0               # each run's first seconds are not measured
 
@@ -237,6 +239,10 @@ class Edges:
             from edge_client.text import SyntheticTokenizer
             self.tokenizer = SyntheticTokenizer(SYNTHETIC_VOCAB)
             self._gguf = None
+        elif cfg.drafter == "lookup":
+            from llama_runtime import GGUFModel, bundled_model_path
+            self._gguf = None
+            self.tokenizer = GGUFModel(cfg.target or bundled_model_path(), vocab_only=True)
         else:
             from edge_client.drafters import DEFAULT_DRAFT
             from edge_client.drafters import GGUFDrafter
@@ -247,6 +253,7 @@ class Edges:
             self._gguf = GGUFDrafter(draft, n_threads=1)   # edge 0's; the others get their own
             self._gguf_by_edge = {0: self._gguf}
             self.tokenizer = self._gguf.model
+        if not cfg.synthetic:
             from edge_client.text import render_chat
             from netsim.experiment import load_workloads
             self._prompts = [render_chat(self.tokenizer, p) for _, _, p in load_workloads(["chat", "code"], 2)]
@@ -259,12 +266,16 @@ class Edges:
                 from edge_client.drafters import GGUFDrafter
                 self._gguf_by_edge[edge] = GGUFDrafter(self._draft_path, n_threads=1)
             return self._gguf_by_edge[edge]
+        if not self.cfg.synthetic:   # prompt lookup: no model on the edge
+            from edge_client.drafters import PromptLookupDrafter
+            inner = PromptLookupDrafter(fingerprint=self.tokenizer.fingerprint)
+            return EmulatedDrafter(inner, self.cfg.draft_ms / 1000.0, cost)
         from edge_client.drafters import SyntheticDrafter
         inner = SyntheticDrafter(SYNTHETIC_VOCAB, 0, self.cfg.synthetic_alpha_noise)
         return EmulatedDrafter(inner, self.cfg.draft_ms / 1000.0, cost)
 
     def prompt(self, edge: int, number: int) -> list[int]:
-        if self._gguf is not None:
+        if not self.cfg.synthetic:
             return self._prompts[(edge + number) % len(self._prompts)]
         rng = np.random.default_rng([self.cfg.seed, edge, number])
         return [0] + rng.integers(2, SYNTHETIC_VOCAB, size=12).tolist()
@@ -472,10 +483,32 @@ def verifier_args(cfg: LoadConfig, metrics_port: int, max_edges: int) -> list[st
     else:
         from llama_runtime import bundled_model_path
         args = ["--model", cfg.target or str(bundled_model_path())]
-    # Room for every edge's session (today's default is 8): evictions are then a finding, not a setting.
-    if not any(a.startswith("--max-sessions") for a in cfg.verifier_args):
+    # Room for every edge's session (the verifier's default is 8): evictions are then a finding,
+    # not a setting. Requests are short: 512-token contexts, and KV cells for all of them.
+    given = {a.split("=", 1)[0] for a in cfg.verifier_args if a.startswith("--")}
+    if "--n-ctx" not in given:
+        args += ["--n-ctx", str(LOAD_N_CTX)]
+    if "--max-sessions" not in given:
         args += ["--max-sessions", str(max(8, max_edges))]
+    if "--kv-tokens" not in given and not cfg.synthetic:
+        n_ctx = LOAD_N_CTX
+        if "--n-ctx" in given:
+            i = max(i for i, a in enumerate(cfg.verifier_args) if a.split("=", 1)[0] == "--n-ctx")
+            n_ctx = int(cfg.verifier_args[i].split("=", 1)[1] if "=" in cfg.verifier_args[i] else cfg.verifier_args[i + 1])
+        args += ["--kv-tokens", str(max(8, max_edges) * n_ctx)]
     return args + ["--metrics-port", str(metrics_port)] + list(cfg.verifier_args)
+
+
+LOAD_N_CTX = 512
+
+
+async def server_info(upstream: tuple[str, int]) -> dict:
+    """What the verifier says of itself (recorded with the results: batching or not)."""
+    from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
+    async with grpc.aio.insecure_channel(f"{upstream[0]}:{upstream[1]}") as channel:
+        info = await pb_grpc.VerifierStub(channel).GetServerInfo(pb.ServerInfoRequest(), timeout=60)
+    return {"backend": info.backend, "model": info.model, "batching": info.batching, "n_ctx": info.n_ctx,
+            "max_sessions": info.max_sessions, "max_tree_nodes": info.max_tree_nodes, "version": info.version}
 
 
 async def run_load(cfg: LoadConfig, progress=None) -> dict:
@@ -497,6 +530,7 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
     runs = []
     task = progress.add_task("load", total=len(cfg.edges) * len(cfg.modes)) if progress else None
     try:
+        info = await server_info(upstream)
         for n_edges in cfg.edges:
             for mode in cfg.modes:
                 if progress:
@@ -509,7 +543,7 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
             proc.terminate()
             proc.wait(30)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
-    return {"config": config, "runs": runs, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    return {"config": config, "server": info, "runs": runs, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": {"cpus": os.cpu_count(), "load_1min_at_end": os.getloadavg()[0]}}
 
 

@@ -536,14 +536,26 @@ class AcceptEverything(SyntheticBackend):
         return RoundResult(len(draft_tokens), result.next_token), queue_s, model_s
 
 
-async def _sequence_counts(backend, n, concurrency=48):
+class FollowFirstChild(SyntheticBackend):
+    """Negative control for trees: moves to a node's first child whenever any child would win."""
+
+    def verify_tree(self, state, committed, tree, draft_probs, settings, rng):
+        from test_tree_exactness import follow_first_child
+        logits, queue_s, model_s = self.tree_logits(state, committed, tree)
+        p = processed_probs(logits, settings.temperature, settings.top_k, settings.top_p)
+        result = follow_first_child(p, tree, draft_probs, rng)
+        self.keep_tree_path(state, committed, tree, result.path)
+        return result, queue_s, model_s
+
+
+async def _sequence_counts(backend, n, concurrency=48, tree="off"):
     counts: dict[tuple, int] = {}
     tok = SyntheticTokenizer(V)
     sem = asyncio.Semaphore(concurrency)
     settings = SamplingSettings(temperature=1.0, max_new_tokens=L, ignore_eos=True)
     async with running_server(backend, max_sessions=concurrency + 8) as server:
         async with EdgeClient(f"127.0.0.1:{server.port}", SyntheticDrafter(V, seed=0, noise=1.0), tok,
-                              gamma=2, qmode="float:0") as c:
+                              gamma=2, qmode="float:0", tree=tree) as c:
             async def one():
                 async with sem:
                     gen = c.generate([0], settings)
@@ -555,23 +567,26 @@ async def _sequence_counts(backend, n, concurrency=48):
 
 
 @pytest.mark.slow
-async def test_sequences_follow_the_target_with_sessions_in_shared_batches():
+@pytest.mark.parametrize("tree", ["off", "budget=4,depth=2,branching=2,width=2"])
+async def test_sequences_follow_the_target_with_sessions_in_shared_batches(tree):
     """N = 3000 generations of L = 3 tokens (V = 5, gamma = 2, T = 1, float q), 48 at a time on
-    a batching synthetic target (a pass costs 2 ms, so rounds queue and share passes): the counts
-    of the 125 sequences match the target's exact probabilities (chi-square, p > 1e-4; cells
-    with expected count < 5 pooled). Negative control: accepting every draft fails the same test."""
+    a batching synthetic target (a pass costs 2 ms, so rounds queue and share passes), with
+    chains or with trees of 4 nodes: the counts of the 125 sequences match the target's exact
+    probabilities (chi-square, p > 1e-4; cells with expected count < 5 pooled). Negative
+    control: accepting every draft (chains) or always following the first child (trees) fails
+    the same test."""
     n = 3000
     target, _ = synthetic_pair(V, 0, 1.0, 1)
     probs = _exact_sequence_probs(target, [0], SamplingSettings(temperature=1.0))
     backend = SyntheticBackend(vocab=V, seed=0, step_ms=2.0, batching=True)
-    counts = await _sequence_counts(backend, n)
+    counts = await _sequence_counts(backend, n, tree=tree)
     shared = backend.batcher.passes
     backend.close()
     assert sum(counts.values()) == n
     assert shared < 0.5 * n * 2, f"rounds should have shared passes ({shared} passes)"
     p_value = _chi2_p(counts, probs, n)
-    control = AcceptEverything(vocab=V, seed=0, step_ms=2.0, batching=True)
-    bad = await _sequence_counts(control, n)
+    control = (AcceptEverything if tree == "off" else FollowFirstChild)(vocab=V, seed=0, step_ms=2.0, batching=True)
+    bad = await _sequence_counts(control, n, tree=tree)
     control.close()
     p_control = _chi2_p(bad, probs, n)
     print(f"{n} generations in {shared} passes; chi-square p = {p_value:.3g}, control p = {p_control:.3g}")

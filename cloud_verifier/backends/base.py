@@ -38,6 +38,7 @@ class Backend(abc.ABC):
     # Sessions + Generate streams the backend can hold at once; None: only the engine's limits.
     max_states: int | None = None
     supports_trees: bool = True  # False: tree rounds are refused (the backend verifies chains only)
+    batching: bool = False       # True: rounds of different sessions share target passes
 
     @abc.abstractmethod
     def new_state(self) -> object:

@@ -30,6 +30,7 @@ class SyntheticBackend(Backend):
                  step_ms: float = 0.0, per_token_ms: float = 0.0, eos_token_ids: Sequence[int] = (1,),
                  batching: bool = False, batch_tokens: int = 512, batch_window_ms: float = 0.0):
         self.lm = SyntheticLM(vocab, seed, order=order)
+        self.batching = batching
         self.step_s, self.per_token_s = step_ms / 1000, per_token_ms / 1000
         self.info = BackendInfo("synthetic", f"synthetic-v{vocab}-s{seed}", vocab, n_ctx,
                                 synthetic_fingerprint(vocab), frozenset(eos_token_ids))
@@ -76,6 +77,10 @@ class SyntheticBackend(Backend):
     def tree_logits(self, state: dict, committed: Sequence[int], tree: DraftTree):
         """One pass for the tree: costs step + per_token × (new committed tokens + nodes), like a
         backend that batches every node (a GPU's cost is nearly flat in the node count: per_token ≈ 0)."""
+        if self.batcher is not None:
+            if state.get("seq") is None:
+                raise RuntimeError("this session's state was released")
+            return self.batcher.submit_tree(state["seq"], committed, tree.tokens, tree.parents)
         t0 = time.perf_counter()
         with self._lock:
             t1 = time.perf_counter()
@@ -92,6 +97,8 @@ class SyntheticBackend(Backend):
         return out, t1 - t0, t2 - t1
 
     def keep_tree_path(self, state: dict, committed, tree, path) -> None:
+        if self.batcher is not None:
+            return  # the sequence holds `committed`; the kept path is evaluated with the next round
         state["cached"] = len(committed) + len(path)  # as a KV cache keeping the kept path would
 
     def forward_tokens(self) -> int:
@@ -124,9 +131,16 @@ class _SyntheticPacker:
         del held[keep:]
         return [(seq, pos, tokens[pos], pos >= len(tokens) - rows) for pos in range(keep, len(tokens))]
 
+    def tree_job(self, seq: int, committed: Sequence[int], tokens: Sequence[int], parents: Sequence[int]):
+        return _SyntheticTreeJob(self, seq, list(committed), list(tokens), list(parents))
+
     def decode(self, items: Sequence[Item]) -> list[np.ndarray]:
         out = []
         for seq, _, tok, want in items:
+            if isinstance(seq, tuple):  # a tree node: ("node", job, index)
+                _, job, node = seq
+                out.append(self.backend.lm.logits(job.context(node)))
+                continue
             held = self.held[seq]
             held.append(tok)
             if want:
@@ -134,3 +148,32 @@ class _SyntheticPacker:
         self.backend._forwarded += len(items)
         self.backend._cost(len(items))
         return out
+
+
+class _SyntheticTreeJob:
+    """A tree round through the batcher, as llama_runtime.TreeJob does it: the sequence's missing
+    committed tokens, then every node (each a token of the pass), rows for the last committed
+    token and each node; the sequence keeps `committed` only."""
+
+    def __init__(self, packer: _SyntheticPacker, seq: int, committed: list[int], tokens: list[int],
+                 parents: list[int]):
+        self.packer, self.seq, self.committed, self.tokens, self.parents = packer, seq, committed, tokens, parents
+        self.lost = False
+
+    def context(self, node: int) -> list[int]:
+        path = []
+        while node != -1:
+            path.append(self.tokens[node])
+            node = self.parents[node]
+        return self.committed + path[::-1]
+
+    def prepare(self) -> list[Item]:
+        held, c = self.packer.held[self.seq], len(self.committed)
+        keep = reusable_prefix(held, self.committed, 1)
+        del held[keep:]
+        items = [(self.seq, pos, self.committed[pos], pos == c - 1) for pos in range(keep, c)]
+        return items + [(("node", self, i), c + len(self.context(i)) - c - 1, tok, True)
+                        for i, tok in enumerate(self.tokens)]
+
+    def finish(self) -> None:
+        pass

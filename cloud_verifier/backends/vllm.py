@@ -275,6 +275,8 @@ def hf_tokenizer_facts(folder: str) -> tuple[str, int, frozenset[int]]:
 
 
 class VllmBackend(Backend):
+    batching = True  # vLLM's scheduler mixes the rounds of all sessions in flight
+
     def __init__(self, model: str, n_ctx: int = 2048, engine_args: dict | None = None):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform

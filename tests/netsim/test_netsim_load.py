@@ -39,15 +39,33 @@ def test_load_run_on_the_synthetic_pair(tmp_path):
         assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"] < 5.0
         assert run["verifier_cpu_cores"] is not None and run["verifier_peak_rss_mb"] > 0
         assert set(run["tpot_per_edge_mean_s"]) == {"0", "1", "2", "3"}   # every edge was measured
-    # Cloud-only: one pass per token (plus the prompts' prefill passes, counted when the verifier
-    # exports its per-pass histograms); hybrid: fewer passes (γ+1 tokens each) than tokens.
-    assert runs["cloud-only"]["target_forward_passes_per_committed_token"] == pytest.approx(1.0, abs=0.05)
+    # The verifier batches by default (and says so): 4 cloud-only streams share passes, so fewer
+    # passes than tokens; hybrid: fewer passes (γ+1 tokens each) than tokens.
+    assert result["server"]["batching"] is True and result["server"]["backend"] == "synthetic"
+    assert runs["cloud-only"]["target_forward_passes_per_committed_token"] < 0.9
     assert runs["hybrid"]["target_forward_passes_per_committed_token"] < 1.0
     assert runs["hybrid"]["target_tokens_per_committed_token"] > 1.0
     assert runs["hybrid"]["session_replays"] == 0   # a session per edge (--max-sessions >= edges)
     assert (out / "load.md").read_text().count("| 4 |") == 2
     assert (out / "throughput_vs_edges.png").stat().st_size > 0
     assert (out / "latency_vs_edges.png").stat().st_size > 0
+
+
+def test_load_run_against_the_serial_verifier(tmp_path):
+    """--verifier-arg=--batching --verifier-arg=off: today's serial verifier, one pass per
+    cloud-only token (plus the prompts' prefill passes)."""
+    pytest.importorskip("psutil")
+    out = tmp_path / "load"
+    command = [sys.executable, "-m", "netsim", "load", "--synthetic", "--edges", "4", "--profile", "lan",
+               "--mode", "cloud-only", "--duration", "2", "--warmup", "0.5", "--max-tokens", "24",
+               "--synthetic-step-ms", "5", "--verifier-arg=--batching", "--verifier-arg=off", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "load.json").read_text())
+    assert result["server"]["batching"] is False
+    run = result["runs"][0]
+    assert run["target_forward_passes_per_committed_token"] == pytest.approx(1.0, abs=0.05)
 
 
 PROMETHEUS_TEXT = """\
@@ -107,3 +125,20 @@ def test_verifier_args_pass_through():
     own = LoadConfig(edges=[16], profiles=["lan"], modes=["hybrid"], duration_s=1, out=Path("x"), synthetic=True,
                      verifier_args=["--max-sessions=2"])
     assert "--max-sessions" not in verifier_args(own, 9100, 16)          # the user's bound is kept
+
+
+def test_verifier_args_leave_kv_room_for_every_edge():
+    """The real target: 512-token contexts and KV cells for max(8, edges) sessions of them,
+    unless the user says otherwise (then their context length sizes the cache)."""
+    real = LoadConfig(edges=[1, 64], profiles=["lan"], modes=["hybrid"], duration_s=1, out=Path("x"),
+                      target="t.gguf")
+    args = verifier_args(real, 9100, 64)
+    assert args[args.index("--n-ctx") + 1] == "512"
+    assert args[args.index("--kv-tokens") + 1] == str(64 * 512)
+    small = LoadConfig(edges=[4], profiles=["lan"], modes=["hybrid"], duration_s=1, out=Path("x"), target="t.gguf",
+                       verifier_args=["--n-ctx", "256"])
+    args = verifier_args(small, 9100, 4)
+    assert args.count("--n-ctx") == 1 and args[args.index("--kv-tokens") + 1] == str(8 * 256)
+    mine = LoadConfig(edges=[4], profiles=["lan"], modes=["hybrid"], duration_s=1, out=Path("x"), target="t.gguf",
+                      verifier_args=["--kv-tokens=1024"])
+    assert verifier_args(mine, 9100, 4).count("--kv-tokens") == 0
