@@ -549,6 +549,21 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
 
 # --- report ---------------------------------------------------------------------------------
 
+def _pair(cfg: dict) -> str:
+    if cfg["synthetic"]:
+        return f"synthetic pair (draft {cfg['draft_ms']} ms/token, target {cfg['synthetic_step_ms']} ms/pass)"
+    target = Path(cfg["target"]).name if cfg.get("target") else "bundled target"
+    if cfg.get("drafter") == "lookup":
+        return f"{target} (llama.cpp) + prompt-lookup drafts ({cfg['draft_ms']} ms/token emulated)"
+    return f"{target} + draft model per edge (llama.cpp)"
+
+
+def _server_says(info: dict | None) -> str:
+    if not info:
+        return ""
+    return f" ({info['backend']}, {'batching' if info['batching'] else 'serial: one round at a time'})"
+
+
 def _f(value, scale=1.0, digits=1) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
@@ -559,10 +574,11 @@ def markdown(result: dict) -> str:
     cfg = result["config"]
     lines = [f"# netsim load ({result['started']})", "",
              f"Profiles {', '.join(cfg['profiles'])}; {cfg['duration_s']:g} s per run after {cfg['warmup_s']:g} s "
-             f"warm-up; {'synthetic pair (draft ' + str(cfg['draft_ms']) + ' ms/token, target ' + str(cfg['synthetic_step_ms']) + ' ms/pass)' if cfg['synthetic'] else 'bundled target + draft (llama.cpp)'}; "
+             f"warm-up; {_pair(cfg)}; "
              f"γ {cfg['gamma']} (hybrid); up to {cfg['max_tokens']} tokens per request; "
              f"{'Poisson arrivals, ' + str(cfg['arrival_rate']) + '/s per edge' if cfg['arrival_rate'] else 'back-to-back requests'}; "
-             f"{'verifier at ' + cfg['server'] if cfg['server'] else 'verifier started with ' + ' '.join(cfg['verifier_args'] or ['(defaults)'])}.",
+             f"{'verifier at ' + cfg['server'] if cfg['server'] else 'verifier started with ' + ' '.join(cfg['verifier_args'] or ['(defaults)'])}"
+             f"{_server_says(result.get('server'))}.",
              "",
              "| edges | mode | tok/s | TPOT p50 ms | p95 | p99 | TTFT p50 ms | p99 | passes/tok | target tok/tok "
              "| errors | replays | verifier CPU | RSS MB |",
