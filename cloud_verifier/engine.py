@@ -219,6 +219,9 @@ class VerifierEngine:
                 reply.next_token_id = done.tokens[-1]
             reply.kept_nodes.extend(kept_nodes[: done.num_accepted])
             session.last_reply, session.last_request_digest = reply, digest
+            # Used until now, not since the round arrived: a round that queued for seconds behind
+            # many others must not leave its session looking idle (and evictable) as it ends.
+            session.last_used = time.monotonic()
             session.round_done.set()
             session.round_done = asyncio.Event()
             if done.finish_reason != pb.NOT_FINISHED:

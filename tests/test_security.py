@@ -330,6 +330,23 @@ async def test_full_server_refuses_newcomers_instead_of_evicting_busy_sessions()
             assert (await stub.Verify(open_req(b"x" * 16), timeout=3)).round == 1
 
 
+async def test_a_session_whose_round_queued_long_is_not_idle_when_it_ends():
+    """evict_idle_after 0.2 s, one slot, and a round that takes 0.4 s: right after its reply the
+    session was just used, so a newcomer is refused (with a retry hint) rather than evicting it
+    (it used to count as idle since the round *arrived*, and got evicted)."""
+    backend = SyntheticBackend(vocab=VOCAB, step_ms=400)
+    async with server(policy=ServerPolicy(evict_idle_after_s=0.2), max_sessions=1, backend=backend) as s:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") as ch:
+            stub = pb_grpc.VerifierStub(ch)
+            first = await stub.Verify(open_req(b"1" * 16, max_new_tokens=8), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Verify(open_req(b"2" * 16), timeout=5)
+            assert e.value.code() == EXHAUSTED and retry_after_ms(e.value)
+            reply = await stub.Verify(pb.VerifyRequest(session_id=first.session_id, round=2,
+                                                       committed_length=first.committed_length), timeout=5)
+            assert reply.round == 2
+
+
 async def test_rounds_in_flight_are_capped():
     backend = SyntheticBackend(vocab=VOCAB, step_ms=300)
     async with server(policy=ServerPolicy(max_inflight_rounds=1), backend=backend) as s:
