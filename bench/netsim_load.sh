@@ -13,12 +13,13 @@ WHAT=${1:-all}
 run() { "$PY" -m netsim load "$@"; }
 serial=(--verifier-arg=--batching --verifier-arg=off)
 if [[ $WHAT == all || $WHAT == real ]]; then
-  # The bundled target (SmolLM2-135M on llama.cpp, 2 threads). The edges draft by prompt lookup
+  # The bundled target (SmolLM2-135M on llama.cpp, 1 thread: the other core runs the edges and the
+  # links; llama.cpp threads spin-wait, so a verifier with 2 threads on a busy 2-core box stalls). The edges draft by prompt lookup
   # (no model: 64 draft models would need this machine's 2 cores more than the verifier does),
   # 2 ms per drafted token emulated as the device's time.
   for profile in lan 3g; do
     common=(--edges 1,4,16,64 --profile "$profile" --mode hybrid,cloud-only --drafter lookup
-            --duration 10 --warmup 2 --max-tokens 48 --verifier-arg=--threads --verifier-arg=2)
+            --duration 10 --warmup 2 --max-tokens 48 --verifier-arg=--threads --verifier-arg=1)
     run "${common[@]}" --out "$OUT/real-$profile-batched"
     run "${common[@]}" "${serial[@]}" --out "$OUT/real-$profile-serial"
   done
