@@ -334,7 +334,7 @@ class VerifierEngine:
             except NoFreeState as e:
                 refusal = str(e)
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{refusal}, and no session is idle to make room; retry shortly")
+                           f"{refusal}, and no session is idle to make room; retry shortly", retry_after_s=1.0)
 
     def close(self, session_id: str) -> bool:
         closed = self.sessions.remove(session_id)

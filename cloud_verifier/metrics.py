@@ -64,10 +64,14 @@ KV_COMPACTIONS = Counter("hybridspec_kv_compactions", "Shared KV cache compactio
 KV_COMPACTION_SECONDS = Counter("hybridspec_kv_compaction_seconds", "Seconds spent compacting the shared KV cache")
 
 
-def observe_kv(live: int, used: int, total: int, compactions: int, seconds: float) -> None:
-    KV_CELLS.labels("live").set(live)
-    KV_CELLS.labels("used").set(used)
-    KV_CELLS.labels("total").set(total)
+def track_kv(kv) -> None:
+    """Read the cache's cell counts at each scrape (kv: llama_runtime.SharedKV)."""
+    KV_CELLS.labels("live").set_function(lambda: kv.live_cells)
+    KV_CELLS.labels("used").set_function(lambda: kv.used_cells)
+    KV_CELLS.labels("total").set_function(lambda: kv.n_cells)
+
+
+def observe_compactions(compactions: int, seconds: float) -> None:
     if compactions:
         KV_COMPACTIONS.inc(compactions)
         KV_COMPACTION_SECONDS.inc(seconds)

@@ -118,8 +118,10 @@ class SessionStore:
         return s
 
     def evict_idle(self) -> bool:
-        """Evict the least recently used session that is not mid-round (to free its KV cache)."""
-        victim = next((s for s in self._by_id.values() if not s.lock.locked() and s.state is not None), None)
+        """Evict the least recently used session holding a KV cache that is neither mid-round nor
+        used within `evict_idle_after_s` (to free its KV cache)."""
+        now = time.monotonic()
+        victim = next((s for s in self._by_id.values() if s.state is not None and self._evictable(s, now)), None)
         if victim is None:
             return False
         self.remove(victim.id)

@@ -204,6 +204,7 @@ def _first_seq(item) -> int:
 
 class TreeIdsBusy(RuntimeError):
     """Not enough free tree sequence ids for this tree now; try again after a pass."""
+    retry_after_pass = True
 
 
 def tree_leaves(parents: Sequence[int]) -> tuple[list[int], list[list[int]], list[int]]:
@@ -530,7 +531,7 @@ class SharedKV:
 
     @property
     def live_cells(self) -> int:
-        return sum(len(h) for h in self.held.values())
+        return sum(map(len, list(self.held.values())))  # a copy: metrics read it from other threads
 
     @property
     def used_cells(self) -> int:

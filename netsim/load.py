@@ -502,6 +502,23 @@ def verifier_args(cfg: LoadConfig, metrics_port: int, max_edges: int) -> list[st
 LOAD_N_CTX = 512
 
 
+async def drain(metrics_url: str | None, timeout_s: float = 120.0) -> float | None:
+    """After a run, wait for the verifier to finish what the cut-off edges left queued (rounds in
+    flight, KV cells of closed sessions), so that the next run starts on an idle verifier.
+    Returns the seconds waited (None without a metrics endpoint)."""
+    if not metrics_url:
+        return None
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while loop.time() - t0 < timeout_s:
+        m = await loop.run_in_executor(None, scrape, metrics_url)
+        if m.get("hybridspec_inflight_rounds", 0.0) == 0 and m.get('hybridspec_kv_cells{state="live"}', 0.0) == 0:
+            return loop.time() - t0
+        await asyncio.sleep(0.2)
+    log.warning("the verifier still had work in flight %.0f s after the run", timeout_s)
+    return loop.time() - t0
+
+
 async def server_info(upstream: tuple[str, int]) -> dict:
     """What the verifier says of itself (recorded with the results: batching or not)."""
     from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
@@ -536,6 +553,7 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
                 if progress:
                     progress.update(task, description=f"{n_edges} edges, {mode}")
                 runs.append(await run_once(cfg, edges, mode, n_edges, upstream, metrics_url, pid))
+                runs[-1]["drain_s"] = await drain(metrics_url)
                 if progress:
                     progress.advance(task)
     finally:

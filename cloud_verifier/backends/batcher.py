@@ -44,7 +44,8 @@ class Packer(Protocol):
 
     # Optional: `maintain() -> bool` between passes (True: jobs must be prepared again), and
     # `tree_job(seq, committed, tokens, parents)` -> an object with prepare() -> items (may raise
-    # an exception whose class is named *Busy: try again after a pass), finish(), `lost`.
+    # an exception with `retry_after_pass = True`: what it needs is held by requests in flight)
+    # and finish().
 
 
 @dataclass
@@ -167,8 +168,8 @@ class Batcher:
                     try:
                         req.items = req.prepare()
                     except Exception as e:  # noqa: BLE001 - the caller gets it
-                        if type(e).__name__.endswith("Busy"):
-                            self._waiting.append(req)
+                        if getattr(e, "retry_after_pass", False) and self._active:
+                            self._waiting.append(req)   # what it waits for is held by active requests
                             continue
                         self._finish(req, e)
                         continue

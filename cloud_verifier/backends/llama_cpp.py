@@ -64,6 +64,7 @@ class LlamaCppBackend(Backend):
             self.kv = SharedKV(self.model, min(n_seqs, 254 - max_tree_leaves), n_ctx, invariant=invariant,
                                tree_ids=max_tree_leaves)
             self._compactions_seen = (0, 0.0)
+            metrics.track_kv(self.kv)
             self.batcher = Batcher(self.kv, batch_window_ms / 1000, on_step=self._observe_shared_step,
                                    name="llama-batcher")
 
@@ -145,7 +146,7 @@ class LlamaCppBackend(Backend):
         kv = self.kv
         n, secs = kv.compactions - self._compactions_seen[0], kv.compaction_seconds - self._compactions_seen[1]
         self._compactions_seen = (kv.compactions, kv.compaction_seconds)
-        metrics.observe_kv(kv.live_cells, kv.used_cells, kv.n_cells, n, secs)
+        metrics.observe_compactions(n, secs)
         _observe_step(BatchStep(step.tokens, step.sessions, max(0.0, step.seconds - secs)))
 
     def forward_tokens(self) -> int:
