@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # netsim load figures on this machine against today's serial verifier (issue 10, step 4).
 # Each command prints its table; results (load.json, load.md, plots) land in bench/load/<name>/.
-# Re-run against a batching verifier by adding e.g. --verifier-arg=--batching --verifier-arg=on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/load}
@@ -13,3 +12,8 @@ run --edges 1,4,16 --profile 3g --mode hybrid,cloud-only --duration 10 --warmup 
 # The synthetic pair (target 20 ms per pass, draft 2 ms per token, emulated per device), up to 64 edges.
 run --synthetic --edges 1,4,16,64 --profile lan --mode hybrid,cloud-only --duration 8 --warmup 1 --out "$OUT/synth-lan"
 run --synthetic --edges 1,4,16,64 --profile 3g --mode hybrid,cloud-only --duration 10 --warmup 2 --out "$OUT/synth-3g"
+# The same against the batching verifier (continuous batching; a synthetic pass costs 20 ms whatever it holds).
+run --synthetic --edges 1,4,16,64 --profile lan --mode hybrid,cloud-only --duration 8 --warmup 1 \
+    --verifier-arg=--batching --verifier-arg=on --out "$OUT/synth-lan-batched"
+run --synthetic --edges 1,4,16,64 --profile 3g --mode hybrid,cloud-only --duration 10 --warmup 2 \
+    --verifier-arg=--batching --verifier-arg=on --out "$OUT/synth-3g-batched"
