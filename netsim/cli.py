@@ -246,17 +246,17 @@ def _run_fleet(args: argparse.Namespace) -> int:
     profiles = _csv(args.profile)
     for name in profiles:
         get_profile(name)
-    load_result = json.loads(Path(args.calibrate).read_text())
+    load_results = [json.loads(Path(path).read_text()) for path in args.calibrate]
     cpu_cost = None
     if args.cpu_cost_ms:
         from .fleet import LinearCost
         fixed_ms, per_token_ms = (float(x) for x in args.cpu_cost_ms.split(","))
         cpu_cost = LinearCost(fixed_ms / 1000.0, per_token_ms / 1000.0, name="given")
-    result = run_fleet(load_result, slo_s=args.slo_ms / 1000.0, totals=[int(float(t)) for t in _csv(args.totals)],
+    result = run_fleet(load_results, slo_s=args.slo_ms / 1000.0, totals=[int(float(t)) for t in _csv(args.totals)],
                        profiles=profiles, cpu_per_token_s=args.cpu_per_token_ms / 1000.0, gpu=args.gpu,
                        gpu_alpha=args.gpu_alpha, gpu_draft_s=args.gpu_draft_ms / 1000.0, gpu_context=args.gpu_context,
                        gpu_overhead_s=args.gpu_overhead_ms / 1000.0, cpu_cost=cpu_cost, cpu_ubatch=args.cpu_ubatch,
-                       progress=lambda name: log.warning("capacity: %s", name))
+                       progress=lambda name: log.info("%s", name))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fleet.json").write_text(json.dumps(result, indent=1))
@@ -274,7 +274,9 @@ def _add_fleet_command(subparsers) -> None:
                     "check it against that result, then find "
                     "how many verifiers serve 10^3..10^6 edges at a p95 time-per-output-token SLO, hybrid vs "
                     "cloud-only, for the measured CPU backend (serial and batched) and a GPU roofline.")
-    parser.add_argument("--calibrate", required=True, metavar="LOAD_JSON", help="load.json from `netsim load`")
+    parser.add_argument("--calibrate", required=True, action="append", metavar="LOAD_JSON",
+                        help="load.json from `netsim load` (repeatable: each is checked; the capacity table's serial "
+                             "rows use the first serial run's calibration, its batched rows the first batched one's)")
     parser.add_argument("--slo-ms", type=float, default=150.0, help="p95 time per output token (ms)")
     parser.add_argument("--totals", default="1e3,1e4,1e5,1e6", help="fleet sizes (edges)")
     parser.add_argument("--profile", default="lte", help="link profile(s) of the fleet's edges, comma-separated mix")

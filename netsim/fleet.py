@@ -613,13 +613,16 @@ def edges_per_verifier(make, slo_s: float, max_edges: int = 1 << 16, duration_s:
 
 # --- the report: check against the load test, then capacity --------------------------------
 
-def check_against_load(result: dict, params: dict, seeds: int = 9) -> list[dict]:
+CHECK_SEEDS = 21
+
+
+def check_against_load(result: dict, params: dict, seeds: int = CHECK_SEEDS) -> list[dict]:
     """Simulate each (edges, mode) of a load result as the load test ran it (its window and warm-up, its
     harness, the run's own α) with `seeds` seeds; simulated vs measured throughput and p95 TPOT.
 
-    Simulated throughput is the mean over seeds; simulated p95 the median, with its range over seeds:
-    a window of a few requests makes a p95 little more than its largest value, so one measured p95 is
-    one draw from a spread about that wide."""
+    Simulated throughput is the mean over seeds; simulated p95 the median, with the 10th to 90th
+    percentile of the seeds' p95s: a window of a few requests makes a p95 little more than its
+    largest value, so one measured p95 is one draw from a spread about that wide."""
     rows = []
     for run in result["runs"]:
         if run["mode"] not in ("hybrid", "cloud-only"):
@@ -636,7 +639,8 @@ def check_against_load(result: dict, params: dict, seeds: int = 9) -> list[dict]
                "simulated_tokens_per_s": float(np.mean([s["committed_tokens_per_s"] for s in sims])),
                "measured_tpot_p95_s": run["tpot_p95_s"],
                "simulated_tpot_p95_s": float(np.median(p95s)) if p95s else None,
-               "simulated_tpot_p95_range_s": [min(p95s), max(p95s)] if p95s else None}
+               "simulated_tpot_p95_range_s": [float(np.percentile(p95s, 10)), float(np.percentile(p95s, 90))]
+               if p95s else None}
         for key in ("tokens_per_s", "tpot_p95_s"):
             m, s = row[f"measured_{key}"], row[f"simulated_{key}"]
             row[f"{key}_error"] = (s - m) / m if m and s is not None else None
@@ -669,44 +673,60 @@ def kv_sessions(gpu_memory_bytes: float, cost: RooflineCost, usable: float = 0.9
 GPU_BATCH_TOKENS = 4096   # the GPU scheduler's tokens per step, whole requests first come (our assumption)
 
 
-def run_fleet(load_result: dict, *, slo_s: float, totals: list[int], profiles: list[str], cpu_per_token_s: float,
-              gpu: str, cpu_cost: LinearCost | None = None, cpu_ubatch: int | None = None, gpu_alpha: float,
-              gpu_draft_s: float, gpu_context: int, gpu_overhead_s: float, capacity_duration_s: float = 12.0,
-              progress=None) -> dict:
-    params = calibrate_from_load(load_result, per_token_s=cpu_per_token_s)
-    check = check_against_load(load_result, params)
+def run_fleet(load_results: list[dict], *, slo_s: float, totals: list[int], profiles: list[str],
+              cpu_per_token_s: float, gpu: str, cpu_cost: LinearCost | None = None, cpu_ubatch: int | None = None,
+              gpu_alpha: float, gpu_draft_s: float, gpu_context: int, gpu_overhead_s: float,
+              capacity_duration_s: float = 12.0, progress=None) -> dict:
+    """Calibrate on each load result and check against it; then the capacity table, whose serial rows take
+    the first serial calibration's parameters and whose batched rows (and the GPU case's edges) the first
+    batched one's (either falls back to the first calibration)."""
+    describe = lambda p: {k: (v.describe() if hasattr(v, "describe") else float(f"{v:.4g}") if isinstance(v, float) else v)  # noqa: E731
+                          for k, v in p.items()}
+    calibrations, checks = [], []
+    for load in load_results:
+        params = calibrate_from_load(load, per_token_s=cpu_per_token_s)
+        if progress:
+            progress(f"check: {' '.join(load['config'].get('verifier_args') or []) or 'serial'}, "
+                     f"{','.join(load['config']['profiles'])}")
+        calibrations.append(params)
+        checks.append({"load_config": {k: load["config"].get(k) for k in (
+                           "out", "profiles", "duration_s", "warmup_s", "synthetic", "synthetic_step_ms", "gamma",
+                           "draft_ms", "max_tokens", "verifier_args")},
+                       "calibration": describe(params), "rows": check_against_load(load, params)})
+    serial = next((i for i, p in enumerate(calibrations) if not p["batching"]), 0)
+    batched = next((i for i, p in enumerate(calibrations) if p["batching"]), 0)
+
+    def cpu_scenario(params: dict) -> dict:
+        cpu = {**params, "profiles": profiles}
+        if cpu_cost is not None:   # a measured cost curve instead of the load run's own pass cost
+            cpu["cost"] = cpu_cost
+        if cpu_ubatch is not None:
+            cpu["max_batch_tokens"] = cpu_ubatch
+        return cpu
+    cpu_serial, cpu_batched = cpu_scenario(calibrations[serial]), cpu_scenario(calibrations[batched])
     gpu_spec, memory = (H200, 141e9) if gpu == "h200" else (H100, 80e9)
     gpu_model = gpu_cost(gpu_spec, gpu_context)
-    cpu = {**params, "profiles": profiles}
-    if cpu_cost is not None:   # a measured cost curve instead of the load run's own pass cost
-        cpu["cost"] = cpu_cost
-    if cpu_ubatch is not None:
-        cpu["max_batch_tokens"] = cpu_ubatch
-    # The GPU verifier's per-round work on the CPU is our assumption, and nothing else is left of the
-    # Python server's overheads; the edges keep theirs.
-    # A GPU engine keeps its streams in its batch (their next token is in the next step, the
-    # streaming runs beside the GPU); rounds come from the network and take the server's CPU.
-    gpu_params = {**params, "profiles": profiles, "cost": gpu_model, "alpha": gpu_alpha, "draft_s": gpu_draft_s,
-                  "server_cpu_s": gpu_overhead_s, "cloud_server_cpu_s": 0.0, "server_overhead_s": 0.0,
-                  "cloud_server_overhead_s": 0.0, "max_batch_tokens": GPU_BATCH_TOKENS, "packing": "fcfs"}
-    scenarios = [("CPU as measured, serial", cpu, False), ("CPU as measured, batched", cpu, True),
+    # The GPU verifier's CPU per round is our assumption and nothing else is left of the Python
+    # server's time; a GPU engine keeps its streams in its batch (their next token is in the next
+    # step, the streaming runs beside the GPU). The edges keep their calibrated figures.
+    gpu_params = {**calibrations[batched], "profiles": profiles, "cost": gpu_model, "alpha": gpu_alpha,
+                  "draft_s": gpu_draft_s, "server_cpu_s": gpu_overhead_s, "cloud_server_cpu_s": 0.0,
+                  "server_overhead_s": 0.0, "cloud_server_overhead_s": 0.0, "max_batch_tokens": GPU_BATCH_TOKENS,
+                  "packing": "fcfs"}
+    scenarios = [("CPU as measured, serial", cpu_serial, False), ("CPU as measured, batched", cpu_batched, True),
                  (f"{gpu.upper()} roofline, batched", gpu_params, True)]
     rows = []
     for name, scenario, batching in scenarios:
         if progress:
-            progress(name)
+            progress(f"capacity: {name}")
         max_edges = kv_sessions(memory, gpu_model) if scenario is gpu_params else 1 << 12
         rows += capacity_table([(name, scenario, batching)], ["hybrid", "cloud-only"], slo_s, totals,
                                duration_s=capacity_duration_s, max_edges=max_edges)
-    describe = lambda p: {k: (v.describe() if hasattr(v, "describe") else float(f"{v:.4g}") if isinstance(v, float) else v)  # noqa: E731
-                          for k, v in p.items()}
-    return {"slo_s": slo_s, "totals": totals, "profiles": profiles, "calibration": describe(params),
-            "cpu_cost": cpu["cost"].describe(), "cpu_ubatch": cpu["max_batch_tokens"],
-            "gpu": describe(gpu_params), "gpu_kv_sessions": kv_sessions(memory, gpu_model),
-            "check": check, "capacity": rows,
-            "load_config": {k: load_result["config"][k] for k in ("profiles", "duration_s", "warmup_s", "synthetic",
-                                                                 "synthetic_step_ms", "gamma", "draft_ms", "max_tokens",
-                                                                 "verifier_args")}}
+    return {"slo_s": slo_s, "totals": totals, "profiles": profiles, "checks": checks,
+            "capacity_calibration": {"serial": serial, "batched": batched},
+            "cpu_cost": {"serial": cpu_serial["cost"].describe(), "batched": cpu_batched["cost"].describe()},
+            "cpu_ubatch": cpu_batched["max_batch_tokens"],
+            "gpu": describe(gpu_params), "gpu_kv_sessions": kv_sessions(memory, gpu_model), "capacity": rows}
 
 
 def _pct(x) -> str:
@@ -723,25 +743,22 @@ _CALIBRATION_MS = (("server_cpu_s", "server CPU per round"), ("server_overhead_s
                    ("cloud_server_overhead_s", "other server time per streamed token"))
 
 
-def fleet_markdown(result: dict) -> str:
-    lc, cal = result["load_config"], result["calibration"]
+def _check_markdown(check: dict) -> list[str]:
+    lc, cal = check["load_config"], check["calibration"]
     verifier = "batched" if cal["batching"] else "serial"
     started_with = " ".join(lc.get("verifier_args") or []) or "(defaults)"
-    lines = ["# netsim fleet", "",
-             f"Calibrated on `netsim load` ({'synthetic pair, target ' + str(lc['synthetic_step_ms']) + ' ms/pass' if lc['synthetic'] else 'bundled models'}, "
-             f"{verifier} verifier: started with {started_with}; profiles {', '.join(lc['profiles'])}, "
-             f"{lc['duration_s']:g} s windows): pass cost {cal['cost']}; α {cal['alpha']:.3f} "
+    target = f"synthetic pair, target {lc['synthetic_step_ms']} ms/pass" if lc["synthetic"] else "bundled models"
+    lines = [f"## Simulated against measured ({verifier} verifier, {', '.join(lc['profiles'])})", "",
+             f"Calibrated on `netsim load` ({lc.get('out') or 'a load run'}: {target}, verifier started with "
+             f"{started_with}, {lc['duration_s']:g} s windows): pass cost {cal['cost']}; α {cal['alpha']:.3f} "
              f"({cal['tokens_per_round']:.3f} tokens per round); "
-             + "; ".join(f"{label} {cal[key] * 1e3:.2f} ms" for key, label in _CALIBRATION_MS if key in cal) + ".",
-             "", f"CPU backend in the capacity table: {result['cpu_cost']}, up to {result['cpu_ubatch']} tokens per "
-                 "batched pass.",
-             "", f"## Simulated against measured ({verifier} verifier, {', '.join(lc['profiles'])})", "",
-             "Each run simulated as the load test ran it (its window, its harness: every edge in one process, every "
-             "link in one proxy process; the run's own α); tok/s the mean of 9 seeds, p95 the median (their range "
-             "in brackets).", "",
+             + "; ".join(f"{label} {cal[key] * 1e3:.2f} ms" for key, label in _CALIBRATION_MS if key in cal) + ".", "",
+             "Each run simulated as the load test ran it (its window; its harness: every edge in one process, every "
+             f"link in one proxy process; the run's own α); tok/s the mean of {CHECK_SEEDS} seeds, p95 the median "
+             "(in brackets the seeds' 10th to 90th percentile).", "",
              "| edges | mode | α | tok/s measured | simulated | error | p95 TPOT ms measured | simulated | error |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["check"]:
+    for r in check["rows"]:
         spread = r.get("simulated_tpot_p95_range_s")
         spread = f" [{spread[0] * 1e3:.0f}–{spread[1] * 1e3:.0f}]" if spread else ""
         alpha = "–" if r.get("alpha") is None else f"{r['alpha']:.2f}"
@@ -749,9 +766,21 @@ def fleet_markdown(result: dict) -> str:
                      f"| {r['simulated_tokens_per_s']:.1f} | {_pct(r['tokens_per_s_error'])} "
                      f"| {_ms(r['measured_tpot_p95_s'])} | {_ms(r['simulated_tpot_p95_s'])}{spread} "
                      f"| {_pct(r['tpot_p95_s_error'])} |")
+    return lines + [""]
+
+
+def fleet_markdown(result: dict) -> str:
+    lines = ["# netsim fleet", ""]
+    for check in result["checks"]:
+        lines += _check_markdown(check)
     totals = result["totals"]
-    lines += ["", f"## Verifiers needed at p95 time per output token <= {result['slo_s'] * 1e3:g} ms "
-                  f"(links: {', '.join(result['profiles'])})", "",
+    source = {kind: result["checks"][i]["load_config"].get("out") or f"calibration {i + 1}"
+              for kind, i in result["capacity_calibration"].items()}
+    lines += [f"## Verifiers needed at p95 time per output token <= {result['slo_s'] * 1e3:g} ms "
+              f"(links: {', '.join(result['profiles'])})", "",
+              f"Serial rows calibrated on {source['serial']} (pass cost {result['cpu_cost']['serial']}); batched "
+              f"rows and the GPU case's edges on {source['batched']} (pass cost {result['cpu_cost']['batched']}, "
+              f"up to {result['cpu_ubatch']} tokens per batched pass).", "",
               "| backend | mode | edges per verifier | tok/s per verifier | " + " | ".join(f"{t:,} edges" for t in totals) + " |",
               "|---|---|---|---|" + "---|" * len(totals)]
     for r in result["capacity"]:
@@ -761,7 +790,7 @@ def fleet_markdown(result: dict) -> str:
                      + " | ".join("–" if r[f"verifiers_for_{t}"] is None else f"{r[f'verifiers_for_{t}']:,}" for t in totals) + " |")
     lines += ["", "(bound): the search stopped at its bound (the GPU's KV memory, or 4096 edges on the CPU) "
                   "with the SLO still met. The capacity table's edges are devices of their own (no shared "
-                  "process, no proxy); the verifier keeps its measured CPU per round.",
+                  "process, no proxy); the verifier keeps its measured CPU per round and per streamed token.",
               "", f"GPU model: {result['gpu']['cost']}; {result['gpu_kv_sessions']} sessions fit in KV memory; "
                   f"α {result['gpu']['alpha']}, draft {result['gpu']['draft_s'] * 1e3:g} ms/token on the device, "
                   f"server CPU {result['gpu']['server_cpu_s'] * 1e3:g} ms per round (streams stay in the batch), whole "
