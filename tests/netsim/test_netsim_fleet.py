@@ -243,3 +243,26 @@ def test_a_batched_load_run_is_checked_against_a_batching_verifier():
     rows = {row["mode"]: row for row in check_against_load(load, params, seeds=2)}
     assert rows["cloud-only"]["simulated_tokens_per_s"] > 300
     assert rows["hybrid"]["alpha"] == pytest.approx(alpha_from_tokens_per_round(560 / 235, 4))
+
+
+def test_the_capacity_table_takes_each_verifiers_own_calibration(monkeypatch):
+    import netsim.fleet as fleet
+
+    def load(batching: bool, pass_s: float) -> dict:
+        hist = _histograms(100, 500, 100 * pass_s, 250 if batching else 100)
+        return {"config": {"gamma": 4, "draft_ms": 2.0, "max_tokens": 64, "profiles": ["lan"], "synthetic": True,
+                           "verifier_args": ["--batching", "on" if batching else "off"], "out": f"b{batching}"},
+                "runs": [{"edges": 1, "mode": "hybrid", "verify_rounds": 100, "model_seconds": 100 * pass_s,
+                          "round_seconds": 100 * pass_s + 0.1, "committed_tokens": 240, "duration_s": 4.0,
+                          "batch_histograms": hist}]}
+    seen = {}
+    monkeypatch.setattr(fleet, "check_against_load", lambda result, params: [])
+    monkeypatch.setattr(fleet, "capacity_table", lambda scenarios, *a, **k: seen.update(
+        {name: (params["cost"].pass_s(5, 1), batching) for name, params, batching in scenarios}) or [])
+    result = fleet.run_fleet([load(False, 0.030), load(True, 0.020)], slo_s=0.15, totals=[1000], profiles=["lte"],
+                             cpu_per_token_s=0.0, gpu="h200", gpu_alpha=0.7, gpu_draft_s=0.01, gpu_context=1024,
+                             gpu_overhead_s=0.00005)
+    assert result["capacity_calibration"] == {"serial": 0, "batched": 1}
+    assert seen["CPU as measured, serial"] == (pytest.approx(0.030), False)
+    assert seen["CPU as measured, batched"] == (pytest.approx(0.020), True)
+    assert [check["calibration"]["batching"] for check in result["checks"]] == [False, True]
