@@ -250,17 +250,17 @@ def _run_fleet(args: argparse.Namespace) -> int:
     profiles = _csv(args.profile)
     for name in profiles:
         get_profile(name)
-    load_result = json.loads(Path(args.calibrate).read_text())
+    load_results = [json.loads(Path(path).read_text()) for path in args.calibrate]
     cpu_cost = None
     if args.cpu_cost_ms:
         from .fleet import LinearCost
         fixed_ms, per_token_ms = (float(x) for x in args.cpu_cost_ms.split(","))
         cpu_cost = LinearCost(fixed_ms / 1000.0, per_token_ms / 1000.0, name="given")
-    result = run_fleet(load_result, slo_s=args.slo_ms / 1000.0, totals=[int(float(t)) for t in _csv(args.totals)],
+    result = run_fleet(load_results, slo_s=args.slo_ms / 1000.0, totals=[int(float(t)) for t in _csv(args.totals)],
                        profiles=profiles, cpu_per_token_s=args.cpu_per_token_ms / 1000.0, gpu=args.gpu,
                        gpu_alpha=args.gpu_alpha, gpu_draft_s=args.gpu_draft_ms / 1000.0, gpu_context=args.gpu_context,
-                       gpu_overhead_s=args.gpu_overhead_ms / 1000.0, cpu_cost=cpu_cost,
-                       progress=lambda name: log.warning("capacity: %s", name))
+                       gpu_overhead_s=args.gpu_overhead_ms / 1000.0, cpu_cost=cpu_cost, cpu_ubatch=args.cpu_ubatch,
+                       progress=lambda name: log.info("%s", name))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fleet.json").write_text(json.dumps(result, indent=1))
@@ -274,10 +274,13 @@ def _run_fleet(args: argparse.Namespace) -> int:
 def _add_fleet_command(subparsers) -> None:
     parser = subparsers.add_parser(
         "fleet", help="simulate edges sharing verifiers, calibrated on a `netsim load` run; verifiers per N edges",
-        description="Calibrate a discrete-event model on a load result, check it against that result, then find "
+        description="Calibrate a discrete-event model on a load result (serial or batching verifier, as it ran), "
+                    "check it against that result, then find "
                     "how many verifiers serve 10^3..10^6 edges at a p95 time-per-output-token SLO, hybrid vs "
                     "cloud-only, for the measured CPU backend (serial and batched) and a GPU roofline.")
-    parser.add_argument("--calibrate", required=True, metavar="LOAD_JSON", help="load.json from `netsim load`")
+    parser.add_argument("--calibrate", required=True, action="append", metavar="LOAD_JSON",
+                        help="load.json from `netsim load` (repeatable: each is checked; the capacity table's serial "
+                             "rows use the first serial run's calibration, its batched rows the first batched one's)")
     parser.add_argument("--slo-ms", type=float, default=150.0, help="p95 time per output token (ms)")
     parser.add_argument("--totals", default="1e3,1e4,1e5,1e6", help="fleet sizes (edges)")
     parser.add_argument("--profile", default="lte", help="link profile(s) of the fleet's edges, comma-separated mix")
@@ -286,12 +289,15 @@ def _add_fleet_command(subparsers) -> None:
     parser.add_argument("--cpu-cost-ms", metavar="FIXED,PER_TOKEN",
                         help="CPU pass cost for the capacity table instead of the calibrated one, e.g. 15.9,7.15 "
                              "(bench/verify_cost.md: llama.cpp SmolLM2, context 512)")
+    parser.add_argument("--cpu-ubatch", type=int,
+                        help="tokens per batched pass of the CPU backend in the capacity table (default: the "
+                             "calibrated verifier's, 512 for the synthetic target; 32 for batched llama.cpp)")
     parser.add_argument("--gpu", choices=["h200", "h100"], default="h200")
     parser.add_argument("--gpu-alpha", type=float, default=0.7, help="per-token acceptance of the GPU case's pair")
     parser.add_argument("--gpu-draft-ms", type=float, default=10.0, help="device drafting time per token (ms)")
     parser.add_argument("--gpu-context", type=int, default=1024, help="mean context per session (tokens)")
     parser.add_argument("--gpu-overhead-ms", type=float, default=0.05,
-                        help="server overhead per round or streamed token on the GPU verifier (ms)")
+                        help="server CPU per round on the GPU verifier (ms; one at a time; streams stay in the batch)")
     parser.add_argument("--out", default="results/fleet", help="output folder")
     parser.set_defaults(run=_run_fleet)
 

@@ -27,7 +27,8 @@ cloud-only = the verifier's Generate stream):
   Generate token is one pass over one token, prompts' prefill left out), and, when the verifier
   exports them, the per-batch histograms hybridspec_batch_tokens / _seconds / _sessions,
   which then replace the derived pass counts;
-- the verifier process's CPU (cores busy) and peak RSS (psutil).
+- the verifier process's CPU (cores busy) and peak RSS (psutil), and the CPU of this process (every
+  edge) and of the proxy process (every link): the harness's own load.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def histogram_delta(before: dict, after: dict, name: str) -> dict | None:
 
 
 class ProcessMeter:
-    """CPU seconds and peak RSS of a process (the verifier), sampled every `every_s`."""
+    """CPU (cores busy) and peak RSS of a process (the verifier, the edges, the proxies), sampled every `every_s`."""
 
     def __init__(self, pid: int | None, every_s: float = 0.25) -> None:
         import psutil
@@ -160,12 +161,11 @@ class ProcessMeter:
 
     def stop(self) -> dict:
         if self.process is None:
-            return {"verifier_cpu_cores": None, "verifier_peak_rss_mb": None}
+            return {"cpu_cores": None, "peak_rss_mb": None}
         self._task.cancel()
         self._sample()
         cpu_s = sum(self.process.cpu_times()[:2]) - self.cpu0
-        return {"verifier_cpu_cores": cpu_s / (time.monotonic() - self.t0),
-                "verifier_peak_rss_mb": self.peak_rss / 2**20}
+        return {"cpu_cores": cpu_s / (time.monotonic() - self.t0), "peak_rss_mb": self.peak_rss / 2**20}
 
 
 # --- the edges ------------------------------------------------------------------------------
@@ -399,6 +399,9 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
         t_start = loop.time()
         window = Window(n_edges, cfg.warmup_s, cfg.duration_s)
         meter = ProcessMeter(verifier_pid)
+        # This process runs every edge (one event loop) and the proxy process every link: their CPU
+        # says how close the harness itself is to its limits (the fleet simulator calibrates on it).
+        edge_meter, proxy_meter = ProcessMeter(os.getpid()), ProcessMeter(host.process.pid)
 
         async def measure_window() -> dict:
             await asyncio.sleep(cfg.warmup_s)
@@ -410,11 +413,16 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
             window.start_s = loop.time()
             window.end_s = window.start_s + cfg.duration_s
             before = await loop.run_in_executor(None, scrape, metrics_url)
-            meter.start()
+            for m in (meter, edge_meter, proxy_meter):
+                m.start()
             await asyncio.sleep(max(0.0, window.end_s - loop.time()))
             after = await loop.run_in_executor(None, scrape, metrics_url)
             window.stop.set()
-            return {"before": before, "after": after, "process": meter.stop()}
+            verifier = meter.stop()
+            return {"before": before, "after": after,
+                    "cpu": {"verifier_cpu_cores": verifier["cpu_cores"], "verifier_peak_rss_mb": verifier["peak_rss_mb"],
+                            "edges_cpu_cores": edge_meter.stop()["cpu_cores"],
+                            "proxy_cpu_cores": proxy_meter.stop()["cpu_cores"]}}
 
         measuring = asyncio.create_task(measure_window())
         await asyncio.gather(*(run_edge(edges, mode, i, host.ports[i], window, requests, errors,
@@ -470,7 +478,7 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
         "round_seconds": metric_delta(before, after, "hybridspec_round_seconds_sum"),
         "gamma": cfg.gamma if mode == "hybrid" else None, "draft_ms": cfg.draft_ms if cfg.synthetic else None,
         "batch_histograms": {k: v for k, v in batch.items() if v is not None},
-        **measured["process"],
+        **measured["cpu"],
         "proxy_mean_lateness_ms": 1000 * statistics.fmean(lateness) if lateness else None,
         "proxy_max_lateness_ms": 1000 * max((s["late_max_s"] for s in proxy_stats), default=0.0),
     }
@@ -611,6 +619,9 @@ def markdown(result: dict) -> str:
     sources = sorted({r["target_cost_source"] for r in result["runs"]})
     lines += ["", f"Target cost: {'; '.join(sources)}. TPOT is per request over its commits inside the window: "
                   "(last commit − first commit) / tokens between them; TTFT counts from the request's arrival. Verifier CPU is in cores busy.",
+              "CPU of the harness (cores busy; edges: this process, every edge's client and drafting; proxies: every "
+              "link): " + ", ".join(f"{r['edges']}/{r['mode']}: {_f(r.get('edges_cpu_cores'), 1, 2)}/"
+                                    f"{_f(r.get('proxy_cpu_cores'), 1, 2)}" for r in result["runs"]),
               f"Proxy lateness (mean per chunk, max): " + ", ".join(
                   f"{r['edges']}/{r['mode']}: {_f(r['proxy_mean_lateness_ms'], 1, 2)}/{_f(r['proxy_max_lateness_ms'], 1, 1)} ms"
                   for r in result["runs"]), ""]

@@ -1,10 +1,18 @@
-"""The fleet simulator against what can be worked out by hand (no sockets, no models)."""
+"""The fleet simulator against what can be worked out by hand, the proxy's own link model and the
+verifier's own batcher (no sockets, no models)."""
 from __future__ import annotations
+
+import random
+import statistics
 
 import pytest
 
-from netsim.fleet import (H200, FleetConfig, LinearCost, alpha_from_tokens_per_round, calibrate_from_load, gpu_cost,
-                          kv_sessions, simulate)
+from netsim.effects import LinkContext
+from netsim.fleet import (H200, ROUND_BYTES, EdgeLink, FleetConfig, LinearCost, _fair_share_plan, _Job,
+                          alpha_from_tokens_per_round, calibrate_from_load, check_against_load, cpu_per_unit, gpu_cost,
+                          kv_sessions, load_batching, pass_cost_from_histograms, simulate)
+from netsim.profiles import get_profile
+from netsim.proxy import connection_rng
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:
@@ -52,9 +60,12 @@ def test_calibration_recovers_the_parameters_of_a_load_run():
     assert params["cost"].pass_s(5, 1) == pytest.approx(0.020)
     assert params["server_overhead_s"] == pytest.approx(0.002)
     assert expected_tokens_per_round(params["alpha"], 4) == pytest.approx(2.5)
-    # 34 ms per round = 8 ms drafting + 1 ms RTT + 20 ms pass + 2 ms server: 3 ms left on the edge side.
-    assert params["edge_overhead_s"] == pytest.approx(0.003, abs=1e-9)
+    # 34 ms per round = 8 ms drafting + 1 ms RTT (+ 2.9 us of transmission at 1 Gbit/s) + 20 ms pass
+    # + 2 ms server: 3 ms left on the edge side.
+    transmission_s = sum(ROUND_BYTES) * 8 / 1e9
+    assert params["edge_overhead_s"] == pytest.approx(0.003 - transmission_s, abs=1e-9)
     assert params["cloud_server_overhead_s"] == pytest.approx(0.001)
+    assert params["batching"] is False                     # no --batching among its verifier's arguments
 
 
 def test_gpu_roofline_figures():
@@ -65,3 +76,193 @@ def test_gpu_roofline_figures():
     assert cost.pass_s(4096, 0) == pytest.approx(2 * 8.03e9 * 4096 / (989e12 * 0.5) + 0.0005)
     # (141 GB · 0.9 − 16.06 GB) / (131 kB · 1024 tokens) = 825 sessions.
     assert kv_sessions(141e9, cost) == 825
+
+
+# --- links: the proxy's own model ----------------------------------------------------------
+
+def test_edge_link_is_the_proxys_link():
+    # Same profile, same seed, same connection: the simulator's delays are the proxy's, draw for draw.
+    profile = get_profile("3g")
+    link = EdgeLink(profile, seed=7)
+    proxy_side = profile.uplink.open(LinkContext(rng=connection_rng(7, 0, "up"), rtt_s=profile.rtt_ms() / 1000.0,
+                                                 seed=7))
+    for k in range(500):
+        sent_s = 0.013 * k
+        assert link.arrival_s("up", 250, sent_s) == proxy_side.departure_s(250, sent_s)
+
+
+def test_lone_messages_have_the_links_expected_delay():
+    # 3g: 120 ms + jitter of mean 30 ms + 250 B at 700 kbit/s + 0.5% loss stalls of RTT + 200 ms.
+    profile = get_profile("3g")
+    link = EdgeLink(profile, seed=3)
+    delays = [link.arrival_s("up", 250, 1.0 * k) - 1.0 * k for k in range(10_000)]
+    expected_s = profile.uplink.expected_delay_ms(250, profile.rtt_ms()) / 1000.0
+    assert statistics.fmean(delays) == pytest.approx(expected_s, abs=0.0012)   # ~3.5 standard errors
+    # A lost segment stalls a lone message by RTT + 200 ms (and again, once the retransmission is lost
+    # too), as netsim.effects.loss says.
+    unstalled = (0.120 + 250 * 8 / 700e3, 0.120 + 0.060 + 250 * 8 / 700e3)
+    stalled = [d for d in delays if d > 0.4]
+    for d in stalled:
+        assert any(unstalled[0] - 1e-9 <= d - 0.5 * k <= unstalled[1] + 1e-9 for k in (1, 2)), d
+    assert len(stalled) / len(delays) == pytest.approx(0.005, abs=0.002)
+
+
+def test_jitter_is_a_curve_not_a_draw_per_message():
+    # Messages 1 ms apart see nearly the same jitter: the curve moves at most 2·30 ms per 240 ms.
+    profile = get_profile("3g").without("loss")
+    link = EdgeLink(profile, seed=5)
+    delays = [link.arrival_s("up", 100, 0.001 * k) - 0.001 * k for k in range(5000)]
+    steps = [abs(b - a) for a, b in zip(delays, delays[1:])]
+    assert max(steps) <= 0.060 / 240 + 1e-9
+    arrivals = [0.001 * k + d for k, d in enumerate(delays)]
+    assert arrivals == sorted(arrivals)                                        # never reordered
+    assert statistics.pstdev(delays) > 0.005                                  # yet it does wander
+    # Independent per-message draws (the old model) would jump by ~20 ms between neighbours.
+    rng = random.Random(5)
+    draws = [min(max(rng.gauss(30, 15), 0), 60) for _ in range(5000)]
+    assert max(abs(b - a) for a, b in zip(draws, draws[1:])) > 20
+
+
+# --- the verifier ---------------------------------------------------------------------------
+
+def test_fair_share_plan_is_the_batchers():
+    from cloud_verifier.backends.batcher import Batcher, _Request
+
+    class Packer:
+        n_ubatch = 32
+
+        def prepare(self, seq, tokens, rows):
+            return []
+
+        def decode(self, items):
+            return []
+
+        def release(self, seq):
+            pass
+
+    batcher = Batcher(Packer())
+    try:
+        rng = random.Random(1)
+        for _ in range(200):
+            sizes = [rng.choice([1, 5, 5, 5, 18, 40]) for _ in range(rng.randint(1, 12))]
+            requests = []
+            for seq, n in enumerate(sizes):
+                request = _Request(seq, [0] * n, 1)
+                request.items = [(seq, pos, 0, False) for pos in range(n)]
+                requests.append(request)
+            batcher._active = requests
+            theirs = [n for _, n in batcher._plan()]
+            ours = [n for _, n in _fair_share_plan([_Job(seq, n) for seq, n in enumerate(sizes)], Packer.n_ubatch)]
+            assert ours == theirs, sizes
+    finally:
+        batcher._active = []
+        batcher.close()
+
+
+def test_a_streams_next_token_misses_the_pass_that_starts_without_it():
+    # Measured on the batched synthetic verifier: from 4 streams on, cloud-only takes two passes per
+    # token (TPOT ~40 ms for 20 ms passes), because each stream asks for its next token ~1 ms after its
+    # pass, when the next pass has already started with the other streams.
+    base = FleetConfig(edges=4, mode="cloud-only", cost=LinearCost(0.020, 0.0), batching=True, duration_s=20.0,
+                       server_overhead_s=0.0011)
+    late = simulate(base)
+    assert late["tpot_p50_s"] == pytest.approx(0.0411, rel=0.03)
+    assert late["target_forward_passes_per_committed_token"] == pytest.approx(0.5, rel=0.03)
+    at_once = simulate(FleetConfig(**{**base.__dict__, "server_overhead_s": 0.0}))   # an engine that keeps them
+    assert at_once["tpot_p50_s"] == pytest.approx(0.020, rel=0.03)
+    assert at_once["target_forward_passes_per_committed_token"] == pytest.approx(0.25, rel=0.03)
+
+
+def test_the_servers_cpu_caps_its_rounds():
+    # 4 ms of the server's own CPU per round, one round at a time: at most 250 rounds/s, however
+    # cheap the batched passes are.
+    cfg = FleetConfig(edges=64, mode="hybrid", cost=LinearCost(0.002, 0.0), batching=True, alpha=0.0,
+                      server_cpu_s=0.004, duration_s=20.0)
+    result = simulate(cfg)
+    assert result["committed_tokens_per_s"] == pytest.approx(250.0, rel=0.03)   # α = 0: one token a round
+    assert result["committed_tokens_per_s"] < simulate(FleetConfig(**{**cfg.__dict__, "server_cpu_s": 0.0}))[
+        "committed_tokens_per_s"] / 4
+
+
+# --- calibration ----------------------------------------------------------------------------
+
+def _histograms(passes: int, tokens: int, seconds: float, sessions: int) -> dict:
+    return {"hybridspec_batch_tokens": {"count": passes, "sum": tokens, "buckets": {}},
+            "hybridspec_batch_seconds": {"count": passes, "sum": seconds, "buckets": {}},
+            "hybridspec_batch_sessions": {"count": passes, "sum": sessions, "buckets": {}}}
+
+
+@pytest.mark.parametrize("args, batching", [(["--batching", "on"], True), (["--batching=on"], True),
+                                            (["--batching", "off"], False), ([], False),
+                                            (["--max-sessions", "64", "--batching", "on"], True)])
+def test_calibration_reads_the_verifiers_arguments(args, batching):
+    load = {"config": {"verifier_args": args}, "runs": [{"batch_histograms": _histograms(10, 50, 0.2, 10)}]}
+    assert load_batching(load) is batching
+
+
+def test_a_verifier_we_did_not_start_batched_if_a_pass_held_two_sessions():
+    serial = {"config": {"verifier_args": []}, "runs": [{"batch_histograms": _histograms(100, 500, 2.0, 100)}]}
+    batched = {"config": {"verifier_args": []}, "runs": [{"batch_histograms": _histograms(100, 900, 2.1, 180)}]}
+    assert not load_batching(serial) and load_batching(batched)
+
+
+def test_pass_cost_is_fitted_to_the_per_pass_histograms():
+    # Passes of 5 tokens took 21 ms, passes of 50 tokens 30 ms: 20 ms + 0.2 ms/token.
+    runs = [{"batch_histograms": _histograms(100, 500, 2.1, 100)}, {"batch_histograms": _histograms(300, 15000, 9.0, 3000)},
+            {"mode": "cloud-only"}]
+    cost = pass_cost_from_histograms(runs)
+    assert cost.fixed_s == pytest.approx(0.020) and cost.per_token_s == pytest.approx(0.0002)
+    assert pass_cost_from_histograms(runs, per_token_s=0.0).pass_s(5, 1) == pytest.approx(11.1 / 400)   # all passes
+    assert pass_cost_from_histograms([{"mode": "hybrid"}]) is None
+
+
+def test_cpu_per_round_and_per_token_from_the_processes_cores():
+    # 0.05 cores idle, 1 ms per round, 0.25 ms per streamed token.
+    def run(mode, rounds, tokens):
+        return {"mode": mode, "duration_s": 8.0, "verify_rounds": rounds, "committed_tokens": tokens,
+                "verifier_cpu_cores": (0.05 * 8 + 0.001 * rounds + (0.00025 * tokens if mode == "cloud-only" else 0)) / 8}
+    runs = [run("hybrid", 200, 500), run("hybrid", 2000, 5000), run("cloud-only", 0, 400), run("cloud-only", 0, 8000)]
+    assert cpu_per_unit(runs, "verifier_cpu_cores") == pytest.approx((0.001, 0.00025))
+    assert cpu_per_unit(runs, "edges_cpu_cores") == (0.0, 0.0)   # not recorded
+
+
+def test_a_batched_load_run_is_checked_against_a_batching_verifier():
+    # A load result whose verifier batched: its calibration says so and its check simulates a batching
+    # verifier (16 cloud-only streams on 20 ms passes: far above the serial verifier's 50 tok/s).
+    hist = _histograms(400, 1200, 8.0, 1200)
+    load = {"config": {"gamma": 4, "draft_ms": 2.0, "max_tokens": 64, "profiles": ["lan"], "synthetic": True,
+                       "verifier_args": ["--batching", "on"]},
+            "runs": [{"edges": 1, "mode": "hybrid", "verify_rounds": 235, "model_seconds": 4.75, "round_seconds": 5.1,
+                      "committed_tokens": 560, "duration_s": 8.0, "warmup_s": 1.0, "committed_tokens_per_s": 70.0,
+                      "tpot_p95_s": 0.016, "batch_histograms": hist},
+                     {"edges": 16, "mode": "cloud-only", "tpot_p50_s": 0.041, "duration_s": 8.0, "warmup_s": 1.0,
+                      "committed_tokens": 3000, "committed_tokens_per_s": 380.0, "tpot_p95_s": 0.041,
+                      "batch_histograms": hist}]}
+    params = calibrate_from_load(load)
+    assert params["batching"] is True and params["max_batch_tokens"] == 512
+    rows = {row["mode"]: row for row in check_against_load(load, params, seeds=2)}
+    assert rows["cloud-only"]["simulated_tokens_per_s"] > 300
+    assert rows["hybrid"]["alpha"] == pytest.approx(alpha_from_tokens_per_round(560 / 235, 4))
+
+
+def test_the_capacity_table_takes_each_verifiers_own_calibration(monkeypatch):
+    import netsim.fleet as fleet
+
+    def load(batching: bool, pass_s: float) -> dict:
+        hist = _histograms(100, 500, 100 * pass_s, 250 if batching else 100)
+        return {"config": {"gamma": 4, "draft_ms": 2.0, "max_tokens": 64, "profiles": ["lan"], "synthetic": True,
+                           "verifier_args": ["--batching", "on" if batching else "off"], "out": f"b{batching}"},
+                "runs": [{"edges": 1, "mode": "hybrid", "verify_rounds": 100, "model_seconds": 100 * pass_s,
+                          "round_seconds": 100 * pass_s + 0.1, "committed_tokens": 240, "duration_s": 4.0,
+                          "batch_histograms": hist}]}
+    seen = {}
+    monkeypatch.setattr(fleet, "check_against_load", lambda result, params: [])
+    monkeypatch.setattr(fleet, "capacity_table", lambda scenarios, *a, **k: seen.update(
+        {name: (params["cost"].pass_s(5, 1), batching) for name, params, batching in scenarios}) or [])
+    result = fleet.run_fleet([load(False, 0.030), load(True, 0.020)], slo_s=0.15, totals=[1000], profiles=["lte"],
+                             cpu_per_token_s=0.0, gpu="h200", gpu_alpha=0.7, gpu_draft_s=0.01, gpu_context=1024,
+                             gpu_overhead_s=0.00005)
+    assert result["capacity_calibration"] == {"serial": 0, "batched": 1}
+    assert seen["CPU as measured, serial"] == (pytest.approx(0.030), False)
+    assert seen["CPU as measured, batched"] == (pytest.approx(0.020), True)
+    assert [check["calibration"]["batching"] for check in result["checks"]] == [False, True]

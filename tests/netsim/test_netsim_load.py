@@ -38,6 +38,7 @@ def test_load_run_on_the_synthetic_pair(tmp_path):
         assert 0 < run["tpot_p50_s"] <= run["tpot_p95_s"] <= run["tpot_p99_s"] < 5.0
         assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"] < 5.0
         assert run["verifier_cpu_cores"] is not None and run["verifier_peak_rss_mb"] > 0
+        assert run["edges_cpu_cores"] > 0 and run["proxy_cpu_cores"] > 0   # the harness drafted and carried bytes
         assert set(run["tpot_per_edge_mean_s"]) == {"0", "1", "2", "3"}   # every edge was measured
     # The verifier batches by default (and says so): 4 cloud-only streams share passes, so fewer
     # passes than tokens; hybrid: fewer passes (γ+1 tokens each) than tokens.
