@@ -499,6 +499,10 @@ class EdgeClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        if self._background:
+            # Close calls of generations cancelled mid-open: let them reach the verifier before
+            # the channel goes (else their sessions hold KV memory until the verifier's TTL).
+            await asyncio.wait(list(self._background), timeout=self.deadline_s)
         if self._own_channel and self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -563,12 +567,15 @@ class EdgeClient:
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
-            def close_opened(done: asyncio.Future) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    task = asyncio.ensure_future(self._close(done.result().session_id))
-                    self._background.add(task)
-                    task.add_done_callback(self._background.discard)
-            call.add_done_callback(close_opened)
+            async def close_when_opened() -> None:
+                try:
+                    reply = await call
+                except (Exception, asyncio.CancelledError):  # noqa: BLE001 - no session was opened
+                    return
+                await self._close(reply.session_id)
+            task = asyncio.ensure_future(close_when_opened())
+            self._background.add(task)   # leaving the client waits for it (__aexit__)
+            task.add_done_callback(self._background.discard)
             raise
 
     async def _close(self, session_id: str) -> None:

@@ -138,3 +138,19 @@ async def test_open_key_must_be_sixteen_bytes_and_not_reused_for_another_prompt(
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Verify(open_req(b"k" * 16, prompt=(0, 9, 9)), timeout=5)
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "already used" in e.value.details()
+
+
+async def test_a_generation_cancelled_mid_open_is_closed_before_the_client_exits():
+    """A generation cancelled while its first round (the open) is still being verified: leaving
+    the EdgeClient waits for the background Close, so the verifier does not keep the session (and
+    its KV memory) until its TTL. Before, the channel closed first and the Close was lost."""
+    backend = SyntheticBackend(vocab=16, step_ms=300)
+    async with running_server(backend) as server:
+        async with EdgeClient(f"127.0.0.1:{server.port}", SyntheticDrafter(16, noise=1.0), SyntheticTokenizer(16),
+                              gamma=2) as c:
+            gen = c.generate([0, 3], SamplingSettings(temperature=0.0, max_new_tokens=50, ignore_eos=True))
+            task = asyncio.ensure_future(gen.text())
+            await asyncio.sleep(0.1)            # the open round is in the verifier's pass
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert len(server.engine.sessions) == 0
