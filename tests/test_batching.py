@@ -44,6 +44,15 @@ def batched_backend(tiny_models, **kw):
 
 # --- the runtime: rows do not depend on the batch ----------------------------------------------
 
+def _in_threads(fn, n: int, timeout_s: float) -> None:
+    """fn(0) .. fn(n - 1), each in a thread of its own, all at once."""
+    threads = [threading.Thread(target=fn, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+
+
 def _random_rounds(model, k: int, n_rounds: int = 12):
     """Rounds of sequence k: drafts of 0-5 random tokens, a random accepted prefix, a new token."""
     rng = np.random.default_rng(k)
@@ -75,11 +84,7 @@ def test_shared_cache_rows_match_private_context_rows(tiny_models):
         results[k] = [backend.target_logits(state, toks, rows)[0] for toks, rows in _random_rounds(model, k)]
         backend.release(state)
 
-    threads = [threading.Thread(target=run_batched, args=(k,)) for k in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    _in_threads(run_batched, len(PROMPTS), timeout_s=120)
     passes = backend.batcher.passes
     backend.close()
     assert passes < sum(len(list(_random_rounds(model, k))) for k in range(len(PROMPTS))), \
@@ -112,11 +117,7 @@ def test_compaction_moves_cells_without_changing_a_row(tiny_models):
         with sem:
             run(k)
 
-    threads = [threading.Thread(target=bounded, args=(k,)) for k in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    _in_threads(bounded, 16, timeout_s=120)
     batcher.close()
     print(f"{kv.compactions} compactions in {batcher.passes} passes, {kv.compaction_seconds * 1e3:.1f} ms in all")
     assert kv.compactions >= 2, kv.compactions
@@ -191,11 +192,7 @@ def test_tree_rows_in_shared_passes_equal_chain_rows(tiny_models):
         ctx.close()
         batcher.release(seq)
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    _in_threads(run, 4, timeout_s=300)
     batcher.close()
     print(f"{n_trees[0]} trees, {kv.compactions} compactions in {batcher.passes} passes")
     assert not failures, failures
@@ -241,6 +238,22 @@ async def _generate(port, drafter, prompt, seed, n=24, gamma=4, **client_kw):
                                                   seed=seed))
         await gen.text()
     return gen.stats
+
+
+async def _while_evicting(server, every_s: float, runs) -> list:
+    """Run the generations while the server evicts an idle session every `every_s`."""
+    async def evict_often(stop: asyncio.Event):
+        while not stop.is_set():
+            server.engine.sessions.evict_idle()
+            await asyncio.sleep(every_s)
+
+    stop = asyncio.Event()
+    evictor = asyncio.create_task(evict_often(stop))
+    try:
+        return await asyncio.gather(*runs)
+    finally:
+        stop.set()
+        await evictor
 
 
 async def test_eight_concurrent_sessions_equal_their_single_session_runs(tiny_models, drafters):
@@ -296,17 +309,8 @@ async def test_same_text_across_replays(tiny_models, drafters):
         alone = [(await _generate(server.port, d, p, seed=k, n=40)).token_ids
                  for k, (d, p) in enumerate(zip(drafters[:4], PROMPTS))]
 
-        async def evict_often(stop: asyncio.Event):
-            while not stop.is_set():
-                server.engine.sessions.evict_idle()
-                await asyncio.sleep(0.005)
-
-        stop = asyncio.Event()
-        evictor = asyncio.create_task(evict_often(stop))
-        runs = await asyncio.gather(*[_generate(server.port, d, p, seed=k, n=40, max_replays=1000)
-                                      for k, (d, p) in enumerate(zip(drafters[:4], PROMPTS))])
-        stop.set()
-        await evictor
+        runs = await _while_evicting(server, 0.005, [_generate(server.port, d, p, seed=k, n=40, max_replays=1000)
+                                                     for k, (d, p) in enumerate(zip(drafters[:4], PROMPTS))])
     backend.close()
     assert sum(s.replays for s in runs) >= 4, "the test needs replays"
     assert [s.token_ids for s in runs] == alone
@@ -339,18 +343,9 @@ async def test_same_seed_same_text_on_the_bundled_target():
                      for k, (d, p) in enumerate(zip(ds, prompts))]
             together = await asyncio.gather(*[_generate(server.port, d, p, seed=k, n=48)
                                               for k, (d, p) in enumerate(zip(ds, prompts))])
-
-            async def evict_often(stop: asyncio.Event):
-                while not stop.is_set():
-                    server.engine.sessions.evict_idle()
-                    await asyncio.sleep(0.05)
-
-            stop = asyncio.Event()
-            evictor = asyncio.create_task(evict_often(stop))
-            replayed = await asyncio.gather(*[_generate(server.port, d, p, seed=k, n=48, max_replays=1000)
-                                              for k, (d, p) in enumerate(zip(ds, prompts))])
-            stop.set()
-            await evictor
+            replayed = await _while_evicting(server, 0.05, [_generate(server.port, d, p, seed=k, n=48,
+                                                                      max_replays=1000)
+                                                            for k, (d, p) in enumerate(zip(ds, prompts))])
         batched.close()
     finally:
         for d in ds:

@@ -17,16 +17,21 @@ FIELDS = ("edges", "mode", "committed_tokens_per_s", "tpot_p50_s", "tpot_p95_s",
           "ttft_p99_s", "target_tokens_per_committed_token", "errors")
 
 
-def test_load_run_on_the_synthetic_pair(tmp_path):
+def _netsim_load(out: Path, *args: str) -> dict:
+    """`netsim load --synthetic --edges 4` with 24-token requests and a 5 ms pass, as a process."""
     pytest.importorskip("psutil")
-    out = tmp_path / "load"
-    command = [sys.executable, "-m", "netsim", "load", "--synthetic", "--edges", "4", "--profile", "lan,cable",
-               "--mode", "hybrid,cloud-only", "--duration", "3", "--warmup", "0.5", "--max-tokens", "24",
-               "--synthetic-step-ms", "5", "--verifier-arg=--session-ttl", "--verifier-arg=300", "--out", str(out)]
+    command = [sys.executable, "-m", "netsim", "load", "--synthetic", "--edges", "4", "--warmup", "0.5",
+               "--max-tokens", "24", "--synthetic-step-ms", "5", *args, "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((out / "load.json").read_text())
+    return json.loads((out / "load.json").read_text())
+
+
+def test_load_run_on_the_synthetic_pair(tmp_path):
+    out = tmp_path / "load"
+    result = _netsim_load(out, "--profile", "lan,cable", "--mode", "hybrid,cloud-only", "--duration", "3",
+                          "--verifier-arg=--session-ttl", "--verifier-arg=300")
     runs = {run["mode"]: run for run in result["runs"]}
     assert set(runs) == {"hybrid", "cloud-only"}
     for mode, run in runs.items():
@@ -55,15 +60,8 @@ def test_load_run_on_the_synthetic_pair(tmp_path):
 def test_load_run_against_the_serial_verifier(tmp_path):
     """--verifier-arg=--batching --verifier-arg=off: today's serial verifier, one pass per
     cloud-only token (plus the prompts' prefill passes)."""
-    pytest.importorskip("psutil")
-    out = tmp_path / "load"
-    command = [sys.executable, "-m", "netsim", "load", "--synthetic", "--edges", "4", "--profile", "lan",
-               "--mode", "cloud-only", "--duration", "2", "--warmup", "0.5", "--max-tokens", "24",
-               "--synthetic-step-ms", "5", "--verifier-arg=--batching", "--verifier-arg=off", "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((out / "load.json").read_text())
+    result = _netsim_load(tmp_path / "load", "--profile", "lan", "--mode", "cloud-only", "--duration", "2",
+                          "--verifier-arg=--batching", "--verifier-arg=off")
     assert result["server"]["batching"] is False
     run = result["runs"][0]
     assert run["target_forward_passes_per_committed_token"] == pytest.approx(1.0, abs=0.05)
