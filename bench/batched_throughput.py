@@ -169,9 +169,10 @@ def main(argv=None) -> int:
                     tok_pass, sess_pass, s_pass, passes = delta_means(before, pass_stats(metrics_port))
                     tp = np.array([t for t in tpots if np.isfinite(t)])
                     rows[v, mode, n] = (total / wall, np.percentile(tp, 95))
+                    per_pass = (f"{passes:6d} {tok_pass:8.1f} {sess_pass:9.2f} {s_pass * 1e3:8.1f}" if passes
+                                else f"{'–':>6s} {'–':>8s} {'–':>9s} {'–':>8s}")   # vLLM: its scheduler's passes
                     print(f"{v:8s} {mode:10s} {n:3d} {total / wall:7.1f} {np.percentile(tp, 50) * 1e3:7.1f}ms "
-                          f"{np.percentile(tp, 95) * 1e3:7.1f}ms {passes:6d} {tok_pass:8.1f} {sess_pass:9.2f} "
-                          f"{s_pass * 1e3:8.1f}", flush=True)
+                          f"{np.percentile(tp, 95) * 1e3:7.1f}ms {per_pass}", flush=True)
     finally:
         for proc, _, _ in procs.values():
             proc.terminate()
