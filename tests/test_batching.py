@@ -4,14 +4,12 @@ for the statistical test)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import time
 
 import grpc
 import numpy as np
 import pytest
-from scipy.stats import chisquare
 
 from cloud_verifier.backends.llama_cpp import LlamaCppBackend
 from cloud_verifier.backends.synthetic import SyntheticBackend
@@ -19,6 +17,7 @@ from edge_client import EdgeClient
 from edge_client.drafters import GGUFDrafter, SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
 from helpers import running_server, stub_for
+from test_exactness_stats import chi_square_p, exact_sequence_probs
 from llama_runtime import GGUFModel, SharedKV
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.synthetic import synthetic_fingerprint, synthetic_pair
@@ -492,34 +491,7 @@ async def test_an_edge_that_disappears_mid_round_does_not_stall_the_others(tiny_
 
 # --- statistics over real concurrent sessions -------------------------------------------------
 
-V, L = 5, 3
-
-
-def _exact_sequence_probs(target, prompt, s):
-    out = {}
-    for seq in itertools.product(range(V), repeat=L):
-        ctx, prob = list(prompt), 1.0
-        for tok in seq:
-            prob *= processed_probs(target.logits(ctx), s.temperature, s.top_k, s.top_p)[tok]
-            ctx.append(tok)
-        out[seq] = prob
-    return out
-
-
-def _chi2_p(counts, probs, n):
-    obs, exp, so, se = [], [], 0.0, 0.0
-    for seq, p in probs.items():
-        if p * n < 5:
-            so += counts.get(seq, 0)
-            se += p * n
-        else:
-            obs.append(counts.get(seq, 0))
-            exp.append(p * n)
-    if se > 0:
-        obs.append(so)
-        exp.append(se)
-    exp = np.array(exp) * (sum(obs) / sum(exp))
-    return chisquare(obs, exp).pvalue
+V, L = 5, 3   # as in test_exactness_stats, whose exact probabilities and chi-square these use
 
 
 class AcceptEverything(SyntheticBackend):
@@ -572,18 +544,18 @@ async def test_sequences_follow_the_target_with_sessions_in_shared_batches(tree)
     the same test."""
     n = 3000
     target, _ = synthetic_pair(V, 0, 1.0, 1)
-    probs = _exact_sequence_probs(target, [0], SamplingSettings(temperature=1.0))
+    probs = exact_sequence_probs(target, [0], SamplingSettings(temperature=1.0))
     backend = SyntheticBackend(vocab=V, seed=0, step_ms=2.0, batching=True)
     counts = await _sequence_counts(backend, n, tree=tree)
     shared = backend.batcher.passes
     backend.close()
     assert sum(counts.values()) == n
     assert shared < 0.5 * n * 2, f"rounds should have shared passes ({shared} passes)"
-    p_value = _chi2_p(counts, probs, n)
+    p_value = chi_square_p(counts, probs, n)
     control = (AcceptEverything if tree == "off" else FollowFirstChild)(vocab=V, seed=0, step_ms=2.0, batching=True)
     bad = await _sequence_counts(control, n, tree=tree)
     control.close()
-    p_control = _chi2_p(bad, probs, n)
+    p_control = chi_square_p(bad, probs, n)
     print(f"{n} generations in {shared} passes; chi-square p = {p_value:.3g}, control p = {p_control:.3g}")
     assert p_value > 1e-4
     assert p_control < 1e-4

@@ -65,15 +65,22 @@ def chi_square_p(counts: dict, expected_probs: dict, n: int) -> float:
     return float(chisquare(obs, exp).pvalue)
 
 
-def run_setting(temperature, top_k, top_p, gamma, qmode, seed=0, n=N, verify=verify_round):
+def sequence_counts(generate, temperature, top_k, top_p, seed=0, n=N):
+    """n sequences from generate(target, draft, prompt, settings, rng) on the synthetic pair:
+    (counts per sequence, exact target probabilities)."""
     target, draft = synthetic_pair(vocab=V, seed=3, noise=1.5)
     s = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p)
     rng = np.random.default_rng(seed)
     counts: dict[tuple, int] = {}
     for _ in range(n):
-        seq = speculative_sequence(target, draft, [0], s, gamma, qmode, rng, verify)
+        seq = generate(target, draft, [0], s, rng)
         counts[seq] = counts.get(seq, 0) + 1
     return counts, exact_sequence_probs(target, [0], s)
+
+
+def run_setting(temperature, top_k, top_p, gamma, qmode, seed=0, n=N, verify=verify_round):
+    return sequence_counts(lambda t, d, p, s, rng: speculative_sequence(t, d, p, s, gamma, qmode, rng, verify),
+                           temperature, top_k, top_p, seed, n)
 
 
 QMODES = {"full": QMode("float", 0), "sparse-fixed": QMode("fixed", 3, 6), "none": QMode("none", 0, 0)}

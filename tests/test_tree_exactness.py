@@ -19,7 +19,7 @@ from spec_core.tree import (ROOT, DraftTree, TreeError, TreeResult, TreeShape, g
                             validate_tree, verify_tree, without_tokens)
 from spec_core.verify import RoundResult, commit_round, verify_round
 from spec_core.warping import SamplingSettings, processed_probs, sample
-from test_exactness_stats import L, N, P_MIN, V, chi_square_p, exact_sequence_probs
+from test_exactness_stats import L, N, P_MIN, V, chi_square_p, exact_sequence_probs, sequence_counts
 
 SHAPE = TreeShape(budget=8, depth=3, branching=3, width=2)
 
@@ -56,14 +56,8 @@ def speculative_tree_sequence(target, draft, prompt, s, shape, kind, rng, verify
 
 
 def run_tree_setting(temperature, top_k, top_p, kind, seed=0, n=N, verify=verify_tree, shape=SHAPE):
-    target, draft = synthetic_pair(vocab=V, seed=3, noise=1.5)
-    s = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p)
-    rng = np.random.default_rng(seed)
-    counts: dict[tuple, int] = {}
-    for _ in range(n):
-        seq = speculative_tree_sequence(target, draft, [0], s, shape, kind, rng, verify)
-        counts[seq] = counts.get(seq, 0) + 1
-    return counts, exact_sequence_probs(target, [0], s)
+    return sequence_counts(lambda t, d, p, s, rng: speculative_tree_sequence(t, d, p, s, shape, kind, rng, verify),
+                           temperature, top_k, top_p, seed, n)
 
 
 @pytest.mark.parametrize("kind", ["deterministic", "sampled-fixed", "sampled-float"])
