@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cloud_verifier.process import spawn_verifier  # noqa: E402
-from edge_client.cli import SERVE_READY  # noqa: E402
+from edge_client.process import spawn_edge_server  # noqa: E402
 from edge_client.drafters import DEFAULT_DRAFT  # noqa: E402
 from llama_runtime import bundled_model_path  # noqa: E402
 from netsim.profiles import get_profile  # noqa: E402
@@ -77,15 +76,9 @@ def main() -> int:
         drafter_args = ["--draft", str(DEFAULT_DRAFT)]
     vhost, vport = address.rsplit(":", 1)
     proxy = LinkProxy(upstream=(vhost, int(vport)), profile=get_profile(args.profile), seed=0).start_in_thread()
-    edge = subprocess.Popen([sys.executable, "-m", "edge_client", "serve", "--server", f"127.0.0.1:{proxy.port}",
-                             *drafter_args, "--port", "0", "--threads", str(args.threads), "--gamma", args.gamma,
-                             "--max-concurrent", str(n)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    edge, url, _ = spawn_edge_server(["--server", f"127.0.0.1:{proxy.port}", *drafter_args, "--threads",
+                                      str(args.threads), "--gamma", args.gamma, "--max-concurrent", str(n)])
     try:
-        line = edge.stdout.readline()
-        if not line.startswith(SERVE_READY):
-            raise SystemExit(f"edge-client serve did not start: {line!r}")
-        url = line.split()[len(SERVE_READY.split())]
         host, port = url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
         request(host, int(port), prompts[0], 4)  # warm-up: connection to the verifier, first draft context
 

@@ -23,7 +23,6 @@ import asyncio
 import http.client
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cloud_verifier.process import spawn_verifier  # noqa: E402
 from edge_client import EdgeClient  # noqa: E402
-from edge_client.cli import SERVE_READY  # noqa: E402
+from edge_client.process import spawn_edge_server  # noqa: E402
 from edge_client.drafters import DEFAULT_DRAFT, GGUFDrafter, SyntheticDrafter  # noqa: E402
 from edge_client.text import SyntheticTokenizer  # noqa: E402
 from llama_runtime import bundled_model_path  # noqa: E402
@@ -108,14 +107,9 @@ def main() -> int:
         target = args.target or str(bundled_model_path())
         verifier, address = spawn_verifier(["--model", target, "--n-ctx", "1024", "--threads", str(args.threads)])
         drafter_args = ["--draft", args.draft]
-    edge = subprocess.Popen([sys.executable, "-m", "edge_client", "serve", "--server", address, *drafter_args,
-                             "--port", "0", "--threads", str(args.threads), "--gamma", args.gamma],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    edge, url, _ = spawn_edge_server(["--server", address, *drafter_args, "--threads", str(args.threads),
+                                      "--gamma", args.gamma])
     try:
-        line = edge.stdout.readline()
-        if not line.startswith(SERVE_READY):
-            raise SystemExit(f"edge-client serve did not start: {line!r}")
-        url = line.split()[len(SERVE_READY.split())]
         host, port = url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
         oai = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
         if args.synthetic:

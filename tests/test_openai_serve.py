@@ -24,7 +24,7 @@ import pytest
 from cloud_verifier.backends.llama_cpp import LlamaCppBackend
 from cloud_verifier.engine import Limits
 from cloud_verifier.server import VerifierServer
-from edge_client.cli import SERVE_READY
+from edge_client.process import spawn_edge_server
 from edge_client.stopstrings import StopStrings, tokens_covering
 from llama_runtime import GGUFModel
 from spec_core.proto import verifier_pb2 as pb
@@ -81,16 +81,7 @@ def verifier(tiny_models):
 
 def spawn_edge(server: str, draft, *extra: str) -> tuple[subprocess.Popen, str, str | None]:
     """`edge-client serve` as its own process; returns (process, base url .../v1, metrics url)."""
-    proc = subprocess.Popen([sys.executable, "-m", "edge_client", "serve", "--server", server, "--draft", str(draft),
-                             "--port", "0", "--threads", "1", "--gamma", GAMMA, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if not line.startswith(SERVE_READY):
-        proc.kill()
-        raise RuntimeError(f"edge-client serve did not start: {line!r} {proc.stderr.read()[-3000:]}")
-    words = line.split()
-    metrics = words[words.index("metrics") + 1] if "metrics" in words else None
-    return proc, words[len(SERVE_READY.split())], metrics
+    return spawn_edge_server(["--server", server, "--draft", str(draft), "--threads", "1", "--gamma", GAMMA, *extra])
 
 
 @pytest.fixture(scope="module")
