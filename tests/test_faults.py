@@ -69,15 +69,15 @@ async def test_lost_replies_are_retried_without_double_commit(temperature):
         assert st.token_ids == synthetic_greedy([0, 5, 6, 7], N)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-async def test_verifier_restart_is_survived_by_replay(temperature):
-    backend = SyntheticBackend(vocab=VOCAB, step_ms=15)
-    server = await VerifierServer(backend, "127.0.0.1", 0, Limits(), grace_s=0).start()
+async def generate_across_a_restart(client_for, settings: SamplingSettings):
+    """Generate "5 6 7" on a synthetic verifier (15 ms per pass) that dies after the session's
+    4th round (sessions gone) and comes back on the same port; returns the generation's stats.
+    client_for(port) makes the EdgeClient."""
+    server = await VerifierServer(SyntheticBackend(vocab=VOCAB, step_ms=15), "127.0.0.1", 0, Limits(),
+                                  grace_s=0).start()
     port = server.port
-    async with EdgeClient(f"127.0.0.1:{port}", SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB),
-                          gamma=3, deadline_s=10) as c:
-        gen = c.generate("5 6 7", SamplingSettings(temperature=temperature, max_new_tokens=N, ignore_eos=True,
-                                                   seed=4))
+    async with client_for(port) as c:
+        gen = c.generate("5 6 7", settings)
         task = asyncio.create_task(gen.text())
         while not any(s.round >= 4 for s in server.engine.sessions.sessions()):
             await asyncio.sleep(0.005)
@@ -88,7 +88,15 @@ async def test_verifier_restart_is_survived_by_replay(temperature):
             await asyncio.wait_for(task, 60)
         finally:
             await server.stop()
-    st = gen.stats
+    return gen.stats
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_verifier_restart_is_survived_by_replay(temperature):
+    st = await generate_across_a_restart(
+        lambda port: EdgeClient(f"127.0.0.1:{port}", SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB),
+                                gamma=3, deadline_s=10),
+        SamplingSettings(temperature=temperature, max_new_tokens=N, ignore_eos=True, seed=4))
     assert st.replays >= 1
     assert st.tokens == N == len(st.token_ids)
     if temperature == 0.0:

@@ -13,8 +13,6 @@ import pytest
 
 from cloud_verifier.backends.llama_cpp import LlamaCppBackend
 from cloud_verifier.backends.synthetic import SyntheticBackend
-from cloud_verifier.engine import Limits
-from cloud_verifier.server import VerifierServer
 from edge_client import EdgeClient
 from edge_client.drafters import GGUFDrafter, SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
@@ -22,7 +20,7 @@ from helpers import running_server, stub_for
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.warping import SamplingSettings
 from test_e2e_grpc import PROMPTS, check_same_or_near_tie, target_greedy
-from test_faults import VOCAB, LosingReplies, synthetic_greedy
+from test_faults import VOCAB, LosingReplies, generate_across_a_restart, synthetic_greedy
 
 N = 60
 
@@ -89,22 +87,9 @@ async def test_sampled_pipeline_commits_every_token_once():
 
 
 async def test_restart_with_rounds_in_flight_keeps_greedy_output():
-    backend = SyntheticBackend(vocab=VOCAB, step_ms=15)
-    server = await VerifierServer(backend, "127.0.0.1", 0, Limits(), grace_s=0).start()
-    port = server.port
-    async with synthetic_client(port, noise=0.3, gamma=3, pipeline=True, deadline_s=10) as c:
-        gen = c.generate("5 6 7", SamplingSettings(temperature=0.0, max_new_tokens=N, ignore_eos=True))
-        task = asyncio.create_task(gen.text())
-        while not any(s.round >= 4 for s in server.engine.sessions.sessions()):
-            await asyncio.sleep(0.005)
-        await server.stop()
-        await asyncio.sleep(0.2)
-        server = await VerifierServer(SyntheticBackend(vocab=VOCAB, step_ms=15), "127.0.0.1", port, Limits()).start()
-        try:
-            await asyncio.wait_for(task, 60)
-        finally:
-            await server.stop()
-    st = gen.stats
+    st = await generate_across_a_restart(
+        lambda port: synthetic_client(port, noise=0.3, gamma=3, pipeline=True, deadline_s=10),
+        SamplingSettings(temperature=0.0, max_new_tokens=N, ignore_eos=True))
     assert st.replays >= 1
     assert st.token_ids == synthetic_greedy([0, 5, 6, 7], N)
 
