@@ -71,7 +71,6 @@ def track_kv(kv) -> None:
     KV_CELLS.labels("total").set_function(lambda: kv.n_cells)
 
 
-def observe_compactions(compactions: int, seconds: float) -> None:
-    if compactions:
-        KV_COMPACTIONS.inc(compactions)
-        KV_COMPACTION_SECONDS.inc(seconds)
+def observe_compaction(seconds: float) -> None:
+    KV_COMPACTIONS.inc()
+    KV_COMPACTION_SECONDS.inc(seconds)

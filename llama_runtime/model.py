@@ -8,7 +8,7 @@ import threading
 import time
 from functools import cached_property
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import llama_cpp
 import numpy as np
@@ -497,7 +497,8 @@ class SharedKV:
     """
 
     def __init__(self, model: GGUFModel, n_seqs: int, seq_ctx: int, n_ubatch: int = INVARIANT_UBATCH,
-                 invariant: bool = True, slack: int | None = None, tree_ids: int = 0):
+                 invariant: bool = True, slack: int | None = None, tree_ids: int = 0,
+                 on_compact: Callable[[float], None] | None = None):
         # llama.cpp's LLAMA_MAX_SEQ is 256: sessions + the scratch and retired sequences + tree ids
         if not 1 <= n_seqs <= 254 - tree_ids:
             raise ValueError(f"n_seqs must be in 1..{254 - tree_ids} with {tree_ids} tree ids, got {n_seqs}")
@@ -524,6 +525,7 @@ class SharedKV:
         self._holes = False      # a failed decode may have freed cells below _top: compact first
         self.compactions = 0
         self.compaction_seconds = 0.0
+        self.on_compact = on_compact   # called with each compaction's seconds (metrics)
 
     @property
     def free_seqs(self) -> int:
@@ -616,8 +618,6 @@ class SharedKV:
             saved.append((seq, buf, size, data))
         llama_cpp.llama_memory_clear(self._mem, False)
         self._top, self._holes = 0, False
-        for job in self._trees:
-            job.lost = True
         lost = []
         for seq, buf, size, _data in saved:
             if llama_cpp.llama_state_seq_set_data(self._ctx, buf, size, seq) != size:
@@ -626,8 +626,11 @@ class SharedKV:
                 self._holes = True
                 continue
             self._top += len(self.held[seq])
+        seconds = time.perf_counter() - t0
         self.compactions += 1
-        self.compaction_seconds += time.perf_counter() - t0
+        self.compaction_seconds += seconds
+        if self.on_compact is not None:
+            self.on_compact(seconds)
         if lost:
             for seq in lost:
                 self.held[seq].clear()   # their next request evaluates them from the start
@@ -655,9 +658,7 @@ class SharedKV:
             for seq in {_first_seq(it) for it in items} & self.held.keys():
                 llama_cpp.llama_memory_seq_rm(self._mem, seq, len(self.held[seq]), -1)
             llama_cpp.llama_memory_seq_rm(self._mem, self.scratch, 0, -1)
-            for job in self._trees:
-                job.lost = True
-            self._holes = True
+            self._holes = True   # the next maintain() compacts, and tree jobs start over
             raise RuntimeError(f"llama_decode failed with code {rc}")
         self._top += len(items)
         out = []
@@ -699,7 +700,7 @@ class TreeJob:
     The session's sequence ends holding exactly `committed` (the kept path is evaluated again as
     part of the next round, as KVContext.keep_tree_path does in invariant mode). `finish` hands
     the node cells to the retired sequence and the ids back to the pool; a compaction in between
-    drops the node cells (`lost`), and `prepare` starts the job over.
+    drops the node cells, and `prepare` (called again by the batcher) starts the job over.
     """
 
     def __init__(self, kv: SharedKV, seq: int, committed: list[int], node_tokens: list[int], parents: list[int],
@@ -707,7 +708,6 @@ class TreeJob:
         self.kv, self.seq, self.committed, self.node_tokens, self.parents = kv, seq, committed, node_tokens, parents
         self.leaves, self.below, self.depth = leaves, below, depth
         self.ids: list[int] | None = None
-        self.lost = False
 
     def prepare(self) -> list[tuple]:
         """Take tree ids (TreeIdsBusy when the pool has too few now), roll the session back, and
@@ -718,10 +718,7 @@ class TreeJob:
                 raise TreeIdsBusy(f"{len(self.leaves)} tree ids wanted, {len(kv._tree_free)} free")
             self.ids = [kv._tree_free.pop() for _ in self.leaves]
             kv._trees.add(self)
-        else:  # prepared again after a compaction: nothing of the node cells is left
-            for lid in self.ids:
-                llama_cpp.llama_memory_seq_rm(kv._mem, lid, -1, -1)
-        self.lost = False
+        # (prepared again after a compaction, the job keeps its ids: the clear left them empty)
         held = kv.held[self.seq]
         keep = reusable_prefix(held, self.committed, 1)
         if keep < len(held):

@@ -200,25 +200,30 @@ def _check_same_or_near_tie(backend, prompt_ids, hybrid, reference, near_tie=1e-
     pytest.xfail(f"near-tie flip at position {i}: top-2 margin {margin:.2e}")
 
 
-@needs_vllm
-@pytest.mark.parametrize("gamma, qmode", [(1, "none"), (4, "none"), (4, "fixed:8"), (4, "float:0")])
-async def test_greedy_hybrid_equals_backend_greedy_generate(backend, tiny, gamma, qmode):
+async def _greedy_hybrid_and_reference(backend, tiny, n: int, max_tree_nodes: int = 0, **client_kw):
+    """A greedy hybrid generation of PROMPT through gRPC, and the backend's own greedy Generate:
+    (stats, prompt ids, reference ids)."""
     from edge_client import EdgeClient
     from edge_client.drafters import GGUFDrafter
     from helpers import running_server
-    n = 32
-    drafter = GGUFDrafter(str(tiny["draft"]), n_threads=1, n_ctx=512)
+    drafter = GGUFDrafter(str(tiny["draft"]), n_threads=1, n_ctx=512, max_tree_nodes=max_tree_nodes)
     try:
         async with running_server(backend) as server:
-            async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=gamma,
-                                  qmode=qmode) as c:
+            async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, **client_kw) as c:
                 gen = c.generate(PROMPT, SamplingSettings(temperature=0.0, max_new_tokens=n, ignore_eos=True))
                 await gen.text()
             ids = drafter.model.tokenize(PROMPT)
             reference = await _target_greedy(server, ids, n)
     finally:
         drafter.close()
-    st = gen.stats
+    return gen.stats, ids, reference
+
+
+@needs_vllm
+@pytest.mark.parametrize("gamma, qmode", [(1, "none"), (4, "none"), (4, "fixed:8"), (4, "float:0")])
+async def test_greedy_hybrid_equals_backend_greedy_generate(backend, tiny, gamma, qmode):
+    n = 32
+    st, ids, reference = await _greedy_hybrid_and_reference(backend, tiny, n, gamma=gamma, qmode=qmode)
     assert len(reference) == n and st.tokens == n and st.finish_reason == "length"
     assert st.rounds < n or gamma == 1
     _check_same_or_near_tie(backend, ids, st.token_ids, reference)
@@ -228,22 +233,9 @@ async def test_greedy_hybrid_equals_backend_greedy_generate(backend, tiny, gamma
 @pytest.mark.parametrize("qmode", ["none", "fixed:8"])
 async def test_greedy_hybrid_with_trees_equals_backend_greedy_generate(backend, tiny, qmode):
     """Trees on vLLM: a request per node (verify_tree_from_scores), greedy = the target's greedy."""
-    from edge_client import EdgeClient
-    from edge_client.drafters import GGUFDrafter
-    from helpers import running_server
     n = 32
-    drafter = GGUFDrafter(str(tiny["draft"]), n_threads=1, n_ctx=512, max_tree_nodes=16)
-    try:
-        async with running_server(backend) as server:
-            async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=4, qmode=qmode,
-                                  tree="budget=8,depth=4,branching=2,width=2") as c:
-                gen = c.generate(PROMPT, SamplingSettings(temperature=0.0, max_new_tokens=n, ignore_eos=True))
-                await gen.text()
-            ids = drafter.model.tokenize(PROMPT)
-            reference = await _target_greedy(server, ids, n)
-    finally:
-        drafter.close()
-    st = gen.stats
+    st, ids, reference = await _greedy_hybrid_and_reference(backend, tiny, n, max_tree_nodes=16, gamma=4, qmode=qmode,
+                                                            tree="budget=8,depth=4,branching=2,width=2")
     # every round is a tree, but a last one with room for no draft (one token left: a chain of 0)
     assert st.tokens == n and st.rounds - 1 <= st.tree_rounds <= st.rounds and st.rounds < n
     _check_same_or_near_tie(backend, ids, st.token_ids, reference)

@@ -62,11 +62,10 @@ class LlamaCppBackend(Backend):
             if n_seqs < 1:
                 raise ValueError(f"--kv-tokens {kv_tokens} cannot hold one session of --n-ctx {n_ctx} tokens")
             self.kv = SharedKV(self.model, min(n_seqs, 254 - max_tree_leaves), n_ctx, invariant=invariant,
-                               tree_ids=max_tree_leaves)
-            self._compactions_seen = (0, 0.0)
+                               tree_ids=max_tree_leaves, on_compact=metrics.observe_compaction)
             metrics.track_kv(self.kv)
-            self.batcher = Batcher(self.kv, batch_window_ms / 1000, on_step=self._observe_shared_step,
-                                   name="llama-batcher")
+            # Compactions happen between passes (Batcher -> SharedKV.maintain), outside the pass times.
+            self.batcher = Batcher(self.kv, batch_window_ms / 1000, on_step=_observe_step, name="llama-batcher")
 
     @property
     def max_states(self) -> int | None:
@@ -139,15 +138,6 @@ class LlamaCppBackend(Backend):
             if self.kv is not None:
                 self.kv.close()
             self.model.close()
-
-    def _observe_shared_step(self, step: BatchStep) -> None:
-        """Per pass of the shared cache (batcher thread): a compaction inside it is reported on
-        its own and left out of the pass's time, which the fleet simulator calibrates from."""
-        kv = self.kv
-        n, secs = kv.compactions - self._compactions_seen[0], kv.compaction_seconds - self._compactions_seen[1]
-        self._compactions_seen = (kv.compactions, kv.compaction_seconds)
-        metrics.observe_compactions(n, secs)
-        _observe_step(BatchStep(step.tokens, step.sessions, max(0.0, step.seconds - secs)))
 
     def forward_tokens(self) -> int:
         return self.kv.tokens_decoded if self.kv is not None else self._forwarded

@@ -158,7 +158,6 @@ class _SyntheticTreeJob:
     def __init__(self, packer: _SyntheticPacker, seq: int, committed: list[int], tokens: list[int],
                  parents: list[int]):
         self.packer, self.seq, self.committed, self.tokens, self.parents = packer, seq, committed, tokens, parents
-        self.lost = False
 
     def context(self, node: int) -> list[int]:
         path = []
