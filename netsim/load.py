@@ -377,10 +377,8 @@ async def _one_request(mode, stub, channel, drafter, edges, prompt, settings, re
                 stats = generation.stats
                 committed(stats.accepted + stats.rounds)
         finally:
-            # Cut off at the window's end: close the session now, while the channel is open (an
-            # async generator left to the garbage collector would send its Close too late, and
-            # the session would hold its KV cells until the verifier's TTL).
-            await asyncio.shield(generation.aclose())
+            # Cut off at the window's end, the generation closes its session itself (EdgeClient
+            # waits for that Close before it lets the channel go).
             request.replays = generation.stats.replays
             request.rounds = generation.stats.rounds
 
