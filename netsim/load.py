@@ -48,6 +48,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from hybridspec.machine import describe as describe_machine, summary as machine_summary
 from netsim.profiles import get_profile
 from netsim.proxyhost import LinkSpec, ProxyHost
 
@@ -496,6 +497,8 @@ def verifier_args(cfg: LoadConfig, metrics_port: int, max_edges: int) -> list[st
     # Room for every edge's session (the verifier's default is 8): evictions are then a finding,
     # not a setting. Requests are short: 512-token contexts, and KV cells for all of them.
     given = {a.split("=", 1)[0] for a in cfg.verifier_args if a.startswith("--")}
+    if "--threads" not in given and not cfg.synthetic:
+        args += ["--threads", str(verifier_threads())]
     if "--n-ctx" not in given:
         args += ["--n-ctx", str(LOAD_N_CTX)]
     if "--max-sessions" not in given:
@@ -510,6 +513,43 @@ def verifier_args(cfg: LoadConfig, metrics_port: int, max_edges: int) -> list[st
 
 
 LOAD_N_CTX = 512
+
+
+def verifier_threads(cores: int | None = None) -> int:
+    """Threads for a verifier that shares this machine with the harness: half the cores, at least
+    one. llama.cpp's threads spin-wait, so a verifier on every core stalls against the edges'
+    drafting, the proxies and the event loop on the same cores (docs/benchmarks.md has the figures).
+    `--verifier-arg=--threads=N` overrides it; load.json records what the verifier ran with."""
+    return max(1, (cores or os.cpu_count() or 1) // 2)
+
+
+def _given_threads(args: list[str]) -> int | None:
+    for i, a in enumerate(args):
+        if a == "--threads" and i + 1 < len(args):
+            return int(args[i + 1])
+        if a.startswith("--threads="):
+            return int(a.split("=", 1)[1])
+    return None
+
+
+HARNESS_SATURATED = 0.9   # share of the cores left to the harness above which a run is flagged
+
+
+def saturation(run: dict, cores: int, verifier_threads: int | None) -> str | None:
+    """Why a run is not representative of the verifier, or None: the harness (every edge in this
+    process's one event loop, every link in the proxy process) used the cores the verifier left it,
+    so the edges, not the verifier, set the pace."""
+    edges, proxy = run.get("edges_cpu_cores"), run.get("proxy_cpu_cores")
+    if edges is None:
+        return None
+    reasons = []
+    if edges >= HARNESS_SATURATED:
+        reasons.append(f"the edges' event loop kept {edges:.2f} cores busy")
+    left = max(1, cores - (verifier_threads or 0))
+    harness = edges + (proxy or 0.0)
+    if harness >= HARNESS_SATURATED * left:
+        reasons.append(f"edges and proxies kept {harness:.2f} of the {left} cores the verifier left them busy")
+    return "; ".join(reasons) or None
 
 
 async def drain(metrics_url: str | None, timeout_s: float = 120.0) -> float | None:
@@ -544,7 +584,7 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
         get_profile(name)
     cfg.out.mkdir(parents=True, exist_ok=True)
     edges = Edges(cfg)
-    proc = None
+    proc, args = None, []
     if cfg.server:
         host, _, port = cfg.server.rpartition(":")
         upstream, metrics_url, pid = (host, int(port)), cfg.metrics_url, None
@@ -571,8 +611,13 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
             proc.terminate()
             proc.wait(30)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    machine = describe_machine()
+    threads = _given_threads(args) if proc is not None else None
+    for run in runs:
+        run["not_representative"] = saturation(run, machine["cores"] or 1, threads)
     return {"config": config, "server": info, "runs": runs, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "machine": {"cpus": os.cpu_count(), "load_1min_at_end": os.getloadavg()[0]}}
+            "verifier_threads": threads,
+            "machine": {**machine, "load_1min_at_end": os.getloadavg()[0]}}
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -606,14 +651,22 @@ def markdown(result: dict) -> str:
              f"γ {cfg['gamma']} (hybrid); up to {cfg['max_tokens']} tokens per request; "
              f"{'Poisson arrivals, ' + str(cfg['arrival_rate']) + '/s per edge' if cfg['arrival_rate'] else 'back-to-back requests'}; "
              f"{'verifier at ' + cfg['server'] if cfg['server'] else 'verifier started with ' + ' '.join(cfg['verifier_args'] or ['(defaults)'])}"
-             f"{_server_says(result.get('server'))}.",
-             "",
-             "| edges | mode | tok/s | TPOT p50 ms | p95 | p99 | TTFT p50 ms | p99 | passes/tok | target tok/tok "
+             f"{_server_says(result.get('server'))}"
+             f"{'; verifier threads ' + str(result['verifier_threads']) if result.get('verifier_threads') else ''}.",
+             "", f"Machine: {machine_summary(result['machine']) if 'cpu_model' in result.get('machine', {}) else 'not recorded'}.",
+             ""]
+    flagged = [r for r in result["runs"] if r.get("not_representative")]
+    if flagged:
+        lines += ["**Not representative** (the harness saturated this machine's CPU; the verifier's figures "
+                  "are the harness's): " + "; ".join(f"{r['edges']} edges {r['mode']}: {r['not_representative']}"
+                                                    for r in flagged), ""]
+    lines += ["| edges | mode | tok/s | TPOT p50 ms | p95 | p99 | TTFT p50 ms | p99 | passes/tok | target tok/tok "
              "| errors | replays | verifier CPU | RSS MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         errors = ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "0"
-        lines.append(f"| {r['edges']} | {r['mode']} | {_f(r['committed_tokens_per_s'])} | {_f(r['tpot_p50_s'], 1e3)} "
+        mark = " ⚠" if r.get("not_representative") else ""
+        lines.append(f"| {r['edges']}{mark} | {r['mode']} | {_f(r['committed_tokens_per_s'])} | {_f(r['tpot_p50_s'], 1e3)} "
                      f"| {_f(r['tpot_p95_s'], 1e3)} | {_f(r['tpot_p99_s'], 1e3)} | {_f(r['ttft_p50_s'], 1e3, 0)} "
                      f"| {_f(r['ttft_p99_s'], 1e3, 0)} | {_f(r['target_forward_passes_per_committed_token'], 1, 3)} "
                      f"| {_f(r['target_tokens_per_committed_token'], 1, 2)} | {errors} | {r['session_replays']} "

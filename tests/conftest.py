@@ -1,7 +1,10 @@
-"""Shared fixtures: tiny GGUF models (built with the gguf package) and a verifier on 127.0.0.1:0."""
+"""Shared fixtures: tiny GGUF models (built with the gguf package) and a verifier on 127.0.0.1:0;
+the `timing` marker's rule for busy machines."""
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,57 @@ from tiny_gguf import write_tiny_llama  # noqa: E402
 
 def pytest_addoption(parser):
     parser.addoption("--fast", action="store_true", help="skip tests marked slow (real models, vLLM)")
+
+
+# --- timing tests on a busy machine -----------------------------------------------------------
+#
+# A test marked `timing` asserts wall-clock bounds (a link's delay within milliseconds). Those
+# bounds measure the proxy only while the machine gives the test's processes a CPU when they
+# wake. So the share of the test's own run time in which runnable tasks waited for a CPU is
+# measured (Linux PSI, /proc/pressure/cpu, 'some'; the load average where PSI is missing), and a
+# failure while that share was above BUSY_SHARE is reported as a skip that gives the measurement
+# and the assertion. On a machine that was not busy, the failure stands.
+
+BUSY_SHARE = 0.25
+
+
+def _cpu_stall_us() -> float | None:
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    return float(dict(f.split("=") for f in line.split()[1:])["total"])
+
+
+def pytest_runtest_setup(item):
+    if "timing" in item.keywords:
+        item.stash[_TIMING_START] = (time.monotonic(), _cpu_stall_us())
+
+
+_TIMING_START = pytest.StashKey[tuple]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or not report.failed or "timing" not in item.keywords or _TIMING_START not in item.stash:
+        return
+    t0, stall0 = item.stash[_TIMING_START]
+    wall_s, stall1 = time.monotonic() - t0, _cpu_stall_us()
+    if stall0 is not None and stall1 is not None and wall_s > 0:
+        share = (stall1 - stall0) / 1e6 / wall_s
+        measured = f"runnable tasks waited for a CPU {share:.0%} of the test's {wall_s:.1f} s (PSI)"
+    else:
+        cores = os.cpu_count() or 1
+        share = os.getloadavg()[0] / cores - 1.0 if hasattr(os, "getloadavg") else 0.0
+        measured = f"load average {os.getloadavg()[0]:.1f} on {cores} cores"
+    if share > BUSY_SHARE:
+        first_line = str(call.excinfo.value).splitlines()[0][:300] if call.excinfo else "?"
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0,
+                           f"Skipped: machine busy ({measured}); a wall-clock bound measures the scheduler "
+                           f"then, not the code. The failed check: {first_line}")
 
 
 def pytest_collection_modifyitems(config, items):

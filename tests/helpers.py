@@ -1,7 +1,10 @@
-"""Small helpers for the gRPC tests."""
+"""Small helpers for the gRPC and batching tests."""
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
+from typing import Callable
 
 import grpc
 
@@ -25,3 +28,44 @@ async def running_server(backend: Backend, port: int = 0, **limits):
 async def stub_for(server: VerifierServer):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
         yield pb_grpc.VerifierStub(ch)
+
+
+class HeldPasses:
+    """Drives a Batcher deterministically instead of by the scheduler's luck: before it takes the
+    arrivals for a pass, the batcher waits (outside its model lock, so sessions can still open)
+    until it holds `want(pass_index)` requests, queued, waiting or unfinished, so that requests the
+    test knows are coming share that pass whatever the machine's load. `max_wait_s` only keeps a
+    broken test from hanging (`timed_out` counts those waits). It also wraps the packer to record
+    how many sessions each pass held (`sessions_per_pass`) and when the first pass began
+    (`entered`)."""
+
+    def __init__(self, batcher, want: Callable[[int], int], max_wait_s: float = 60.0):
+        self.batcher, self.want, self.max_wait_s = batcher, want, max_wait_s
+        self.inner = batcher.packer
+        self.sessions_per_pass: list[int] = []
+        self.timed_out = 0
+        self.entered = threading.Event()
+        self._take_arrivals = batcher._take_arrivals
+        batcher._take_arrivals = self._take_arrivals_when_held
+        batcher.packer = self
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def held(self) -> int:
+        b = self.batcher
+        return len(b._queue) + len(b._waiting) + len(b._active)
+
+    def _take_arrivals_when_held(self):
+        deadline = time.monotonic() + self.max_wait_s
+        while self.held() < self.want(len(self.sessions_per_pass)) and not self.batcher._closed:
+            if time.monotonic() > deadline:
+                self.timed_out += 1
+                break
+            time.sleep(0.0005)
+        return self._take_arrivals()
+
+    def decode(self, items):
+        self.entered.set()
+        self.sessions_per_pass.append(len({it[0] for it in items}))
+        return self.inner.decode(items)

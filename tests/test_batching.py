@@ -16,7 +16,7 @@ from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
 from edge_client.drafters import GGUFDrafter, SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
-from helpers import running_server, stub_for
+from helpers import HeldPasses, running_server, stub_for
 from test_exactness_stats import chi_square_p, exact_sequence_probs
 from llama_runtime import GGUFModel, SharedKV
 from spec_core.proto import verifier_pb2 as pb
@@ -77,17 +77,21 @@ def test_shared_cache_rows_match_private_context_rows(tiny_models):
     backend = batched_backend(tiny_models)
     model = GGUFModel(str(tiny_models["target"]), n_threads=1)
     results: dict[int, list[np.ndarray]] = {}
+    states = [backend.new_state() for _ in PROMPTS]   # before the gate: acquire waits between passes
+    running, lock = [len(PROMPTS)], threading.Lock()
+    held = HeldPasses(backend.batcher, lambda _: running[0])   # every running thread's round in each pass
 
     def run_batched(k: int):
-        state = backend.new_state()
-        results[k] = [backend.target_logits(state, toks, rows)[0] for toks, rows in _random_rounds(model, k)]
-        backend.release(state)
+        try:
+            results[k] = [backend.target_logits(states[k], toks, rows)[0] for toks, rows in _random_rounds(model, k)]
+        finally:
+            with lock:
+                running[0] -= 1
+            backend.release(states[k])
 
     _in_threads(run_batched, len(PROMPTS), timeout_s=120)
-    passes = backend.batcher.passes
     backend.close()
-    assert passes < sum(len(list(_random_rounds(model, k))) for k in range(len(PROMPTS))), \
-        "the calls should have shared passes"
+    assert held.timed_out == 0 and max(held.sessions_per_pass) == len(PROMPTS), held.sessions_per_pass
     for k in range(len(PROMPTS)):
         np.testing.assert_array_equal(_rows_alone(model, k), np.concatenate(results[k]))
 
@@ -286,9 +290,15 @@ async def test_tree_rounds_in_a_batch_equal_their_single_session_runs(tiny_model
             alone = [await _generate(server.port, d, p, seed=k, n=30, tree=tree, max_tree_nodes=16)
                      for k, (d, p) in enumerate(zip(ds, PROMPTS))]
             passes = backend.batcher.passes
-            together = await asyncio.gather(*[_generate(server.port, d, p, seed=k, n=30, tree=tree,
-                                                        max_tree_nodes=16)
-                                              for k, (d, p) in enumerate(zip(ds, PROMPTS))])
+            running = [len(PROMPTS)]   # each pass waits for every running session's round
+            held = HeldPasses(backend.batcher, lambda _: running[0], max_wait_s=10.0)
+
+            async def counted(k, d, p):
+                try:
+                    return await _generate(server.port, d, p, seed=k, n=30, tree=tree, max_tree_nodes=16)
+                finally:
+                    running[0] -= 1
+            together = await asyncio.gather(*[counted(k, d, p) for k, (d, p) in enumerate(zip(ds, PROMPTS))])
             passes_together = backend.batcher.passes - passes
     finally:
         backend.close()
@@ -296,6 +306,7 @@ async def test_tree_rounds_in_a_batch_equal_their_single_session_runs(tiny_model
             d.close()
     assert all(st.tree_rounds > 0 and st.nodes_per_round > 1 for st in alone)
     assert [st.token_ids for st in together] == [st.token_ids for st in alone]
+    assert held.timed_out == 0 and max(held.sessions_per_pass) > 1
     assert passes_together < passes, (passes_together, passes)
 
 
@@ -375,11 +386,20 @@ async def test_cloud_only_streams_batch_and_match_single_streams(tiny_models):
             alone = [await stream(stub, k) for k in range(len(PROMPTS))]
             passes_alone = backend.batcher.passes
             sessions_before, tokens_before = _histogram("sessions"), _histogram("tokens")
-            together = await asyncio.gather(*[stream(stub, k) for k in range(len(PROMPTS))])
+            running = [len(PROMPTS)]   # each pass waits for every running stream's step
+            held = HeldPasses(backend.batcher, lambda _: running[0], max_wait_s=5.0)
+
+            async def counted(k):
+                try:
+                    return await stream(stub, k)
+                finally:
+                    running[0] -= 1
+            together = await asyncio.gather(*[counted(k) for k in range(len(PROMPTS))])
             passes_together = backend.batcher.passes - passes_alone
             sessions_after, tokens_after = _histogram("sessions"), _histogram("tokens")
     backend.close()
     assert together == alone
+    assert held.timed_out == 0
     assert passes_together < 0.6 * passes_alone, (passes_together, passes_alone)
     # The per-pass metrics saw the same passes, with more than one session in them on average.
     assert sessions_after[1] - sessions_before[1] == passes_together
@@ -466,6 +486,7 @@ class SlowPacker:
         self.inner.release(seq)
 
 
+@pytest.mark.timing
 async def test_an_edge_that_disappears_mid_round_does_not_stall_the_others(tiny_models, drafters):
     backend = batched_backend(tiny_models)
     slow = SlowPacker(backend.kv, 0.15)
@@ -546,17 +567,20 @@ async def test_sequences_follow_the_target_with_sessions_in_shared_batches(tree)
     target, _ = synthetic_pair(V, 0, 1.0, 1)
     probs = exact_sequence_probs(target, [0], SamplingSettings(temperature=1.0))
     backend = SyntheticBackend(vocab=V, seed=0, step_ms=2.0, batching=True)
+    # Each pass waits (at most 20 ms) for 8 rounds to be there: sharing by construction, not by luck.
+    held = HeldPasses(backend.batcher, lambda _: 8, max_wait_s=0.02)
     counts = await _sequence_counts(backend, n, tree=tree)
     shared = backend.batcher.passes
     backend.close()
     assert sum(counts.values()) == n
-    assert shared < 0.5 * n * 2, f"rounds should have shared passes ({shared} passes)"
+    multi = sum(1 for k in held.sessions_per_pass if k > 1)
+    assert multi > 0, f"no pass held rounds of two sessions ({shared} passes)"
     p_value = chi_square_p(counts, probs, n)
     control = (AcceptEverything if tree == "off" else FollowFirstChild)(vocab=V, seed=0, step_ms=2.0, batching=True)
     bad = await _sequence_counts(control, n, tree=tree)
     control.close()
     p_control = chi_square_p(bad, probs, n)
-    print(f"{n} generations in {shared} passes; chi-square p = {p_value:.3g}, control p = {p_control:.3g}")
+    print(f"{n} generations in {shared} passes ({multi} with more than one session); chi-square p = {p_value:.3g}, control p = {p_control:.3g}")
     assert p_value > 1e-4
     assert p_control < 1e-4
 
@@ -674,19 +698,20 @@ class RecordingPacker:
 
 
 def test_a_long_prefill_does_not_hold_up_short_rounds():
-    """A 300-token prefill and four 5-token rounds arrive while a pass runs: the next pass holds
-    all four rounds and a share of the prefill, which is spread over the following passes."""
+    """A 300-token prefill and four 5-token rounds arrive together: the next pass holds all four
+    rounds and a share of the prefill, which is spread over the following passes."""
     from cloud_verifier.backends.batcher import Batcher
-    packer = RecordingPacker(delay_s=0.05)
+    packer = RecordingPacker()
     batcher = Batcher(packer)
+    held = HeldPasses(batcher, lambda i: 5 if i == 1 else 0)   # the second pass waits for the five
     out = {}
 
     def call(seq, n, rows):
         out[seq] = batcher.submit(seq, list(range(n)), rows)
 
-    first = threading.Thread(target=call, args=(9, 1, 1))  # keeps the batcher busy for 50 ms
+    first = threading.Thread(target=call, args=(9, 1, 1))
     first.start()
-    time.sleep(0.02)
+    assert held.entered.wait(30)
     threads = [threading.Thread(target=call, args=(0, 300, 1))] + \
               [threading.Thread(target=call, args=(k, 5, 5)) for k in range(1, 5)]
     for t in threads:

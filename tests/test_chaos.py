@@ -287,6 +287,7 @@ async def test_overload_is_refused_early_with_bounded_memory_and_every_edge_fini
     assert peak_mb < 400
 
 
+@pytest.mark.timing
 async def test_sigterm_drains_and_edges_move_on_by_replay():
     n_tokens = 120
     verifier = Verifier(["--synthetic-step-ms", "20", "--grace", "5"])

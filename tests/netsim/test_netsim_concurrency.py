@@ -102,6 +102,7 @@ MAX_LOAD_PER_CORE = 1.5          # above this the machine, not the proxy, sets t
                                   # NETSIM_TIMING_TESTS=always runs it anyway)
 
 
+@pytest.mark.timing
 async def test_64_connections_keep_every_links_delay_and_rate(record_property):
     load_1min, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load_1min > MAX_LOAD_PER_CORE * cores and os.environ.get("NETSIM_TIMING_TESTS") != "always":

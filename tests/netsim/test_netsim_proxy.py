@@ -54,6 +54,7 @@ async def close(writer: asyncio.StreamWriter) -> None:
         pass
 
 
+@pytest.mark.timing
 async def test_one_way_delay(echo_port, record_property):
     async with LinkProxy(upstream=("127.0.0.1", echo_port), profile=one_way(Delay(100))) as proxy:
         reader, writer = await connect(proxy)
@@ -64,6 +65,7 @@ async def test_one_way_delay(echo_port, record_property):
     assert statistics.median(rtts_ms) <= 100 + LATE_MS, rtts_ms
 
 
+@pytest.mark.timing
 async def test_two_delays_compose(echo_port, record_property):
     profile = one_way(Delay(100), Delay(100))
     async with LinkProxy(upstream=("127.0.0.1", echo_port), profile=profile) as proxy:
@@ -93,6 +95,7 @@ async def bulk_echo_s(proxy: LinkProxy, payload: bytes) -> float:
     return elapsed_s
 
 
+@pytest.mark.timing
 async def test_bulk_throughput_matches_the_link_rate(echo_port, record_property):
     payload = random.Random(1).randbytes(200_000)
     profile = one_way(Bandwidth(1000))   # 1 Mbit/s: 1.6 s for 200 kB
@@ -103,6 +106,7 @@ async def test_bulk_throughput_matches_the_link_rate(echo_port, record_property)
     assert rate_kbit_s == pytest.approx(1000, rel=0.15)
 
 
+@pytest.mark.timing
 async def test_loss_stalls_match_the_seeded_model(echo_port, record_property):
     # 30% loss so that a dozen pings certainly meet a few stalls of RTT + 200 ms = 250 ms.
     profile = one_way(Delay(20), Loss(0.3, rtt_ms=50))
@@ -132,6 +136,7 @@ def since_start_s(proxy: LinkProxy) -> float:
     return asyncio.get_running_loop().time() - proxy.epoch_s
 
 
+@pytest.mark.timing
 async def test_outage_stall_holds_data_until_the_link_returns(echo_port, record_property):
     profile = one_way(Outage(windows_s=((0.3, 0.4),)))   # down from 0.3 s to 0.7 s
     async with LinkProxy(upstream=("127.0.0.1", echo_port), profile=profile) as proxy:
@@ -148,6 +153,7 @@ async def test_outage_stall_holds_data_until_the_link_returns(echo_port, record_
     assert stalls == 1
 
 
+@pytest.mark.timing
 async def test_outage_reset_resets_and_refuses_until_it_ends(echo_port, record_property):
     outage = Outage(windows_s=((0.3, 0.3),), mode="reset")   # down from 0.3 s to 0.6 s
     profile = one_way(outage, downlink=(outage,))
@@ -177,6 +183,7 @@ async def test_outage_reset_resets_and_refuses_until_it_ends(echo_port, record_p
     assert resets == 2
 
 
+@pytest.mark.timing
 async def test_trace_replay_paces_at_the_trace_rate(echo_port, tmp_path, record_property):
     trace = tmp_path / "every-10ms.trace"
     trace.write_text("".join(f"{t}\n" for t in range(10, 1001, 10)))   # 1500 B / 10 ms = 1.2 Mbit/s
@@ -276,6 +283,7 @@ async def test_a_peer_reset_follows_the_data_in_flight():
     assert ended_by == ["reset"]
 
 
+@pytest.mark.timing
 async def test_grpc_calls_cross_the_proxy(record_property):
     grpc = pytest.importorskip("grpc")
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -303,6 +311,7 @@ async def test_grpc_calls_cross_the_proxy(record_property):
     assert statistics.median(rtts_ms) <= 100 + LATE_MS, rtts_ms
 
 
+@pytest.mark.timing
 def test_proxy_in_a_thread_for_synchronous_callers(threaded_echo_port, record_property):
     profile = Profile("test", uplink=Link((Delay(50),)), downlink=Link((Delay(50),)))
     handle = LinkProxy(upstream=("127.0.0.1", threaded_echo_port), profile=profile).start_in_thread()
