@@ -8,7 +8,7 @@ import threading
 import time
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import llama_cpp
 import numpy as np
@@ -225,6 +225,13 @@ def tree_leaves(parents: Sequence[int]) -> tuple[list[int], list[list[int]], lis
     return leaves, below, depth
 
 
+class _TreeState(NamedTuple):
+    """What a KVContext's tree pass (or draft tree) left in the cache until it is kept or dropped."""
+    n_committed: int             # tokens of sequence 0 before the tree
+    seqs: list[list[int]]        # per node, the scratch sequence ids it carries
+    scratch: list[int]           # every scratch sequence in use
+
+
 class KVContext:
     """One sequence's KV cache. `logits(tokens, rows)` brings the cache to hold exactly `tokens`,
     reusing the longest common prefix and rolling back the rest, and returns raw logits for the
@@ -255,7 +262,7 @@ class KVContext:
             if not invariant:
                 params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self._tree_batch = None
-        self._tree_state: tuple[int, list[list[int]], list[int]] | None = None  # committed length, seq ids per node, scratch
+        self._tree_state: _TreeState | None = None
         self._ctx = llama_cpp.llama_init_from_model(model._model, params)
         if not self._ctx:
             raise MemoryError(f"llama.cpp could not create a context of {n_ctx} tokens")
@@ -368,7 +375,7 @@ class KVContext:
             raise RuntimeError(f"llama_decode failed with code {rc} on a tree of {n} nodes")
         self.tokens.extend(tail)
         self.tokens_decoded += i
-        self._tree_state = (len(committed), seqs, scratch)
+        self._tree_state = _TreeState(len(committed), seqs, scratch)
         out = np.empty((n + 1, self.model.n_vocab), dtype=np.float32)
         first = 0
         if row0 is not None:
@@ -410,7 +417,7 @@ class KVContext:
         sees exactly committed + its ancestors. `draft_tree_end` drops the scratch sequences."""
         self._drop_scratch()
         row = self.logits(committed, 1)[0]
-        self._tree_state = (len(committed), [], [])
+        self._tree_state = _TreeState(len(committed), [], [])
         self._draft_depth: dict[int, int] = {}
         return row
 
@@ -452,7 +459,7 @@ class KVContext:
 
     def _drop_scratch(self, scratch: Sequence[int] | None = None) -> None:
         if scratch is None:
-            scratch = self._tree_state[2] if self._tree_state else []
+            scratch = self._tree_state.scratch if self._tree_state else []
         for s in scratch:
             llama_cpp.llama_memory_seq_rm(self._mem, s, -1, -1)
         self._tree_state = None
