@@ -3,7 +3,7 @@
 One edge (the load test's synthetic drafter and prompts, γ = 4, q fixed:16:16) talks to a
 synthetic verifier through a lan proxy in this process; every read the proxy schedules is
 recorded. Prints, per mode, the pieces per request and per round (or streamed token) and their
-sizes: the figures behind netsim.fleet.ROUND_BYTES and STREAM_BYTES. The 17-byte pieces are
+sizes: the figures behind netsim.fleet.links.ROUND_BYTES and STREAM_BYTES. The 17-byte pieces are
 HTTP/2 PING and PING ACK frames (gRPC's BDP probe).
 
     python bench/fleet_wire.py [--requests 3] [--batching on]

@@ -8,11 +8,12 @@ import threading
 import time
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import llama_cpp
 import numpy as np
 
+from spec_core.batchplan import PassItem
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.kvreuse import reusable_prefix
 
@@ -156,11 +157,11 @@ class GGUFModel:
 INVARIANT_UBATCH = 32
 
 
-def _pad(items: list, scratch: int) -> list:
+def _pad(items: list[PassItem], scratch: int) -> list[PassItem]:
     """Add a scratch-sequence token when a decode would hold one token or want one row."""
-    wanted = sum(1 for it in items if it[3])
+    wanted = sum(1 for it in items if it.want_logits)
     if len(items) == 1 or wanted == 1:
-        return items + [(scratch, 0, 0, wanted == 1)]
+        return items + [PassItem(scratch, 0, 0, wanted == 1)]
     return items
 
 
@@ -181,25 +182,25 @@ def _context_params(model: GGUFModel, n_ctx: int, n_ubatch: int, n_seq_max: int,
     return params
 
 
-def _fill_batch(batch, items) -> None:
-    """items: (seq, pos, token, want_logits) per token; seq is an id or a tuple of ids (a token
-    several sequences share; llama.cpp masks its attention by the first)."""
-    for i, (seq, pos, tok, want) in enumerate(items):
-        batch.token[i] = tok
-        batch.pos[i] = pos
-        if isinstance(seq, tuple):
-            batch.n_seq_id[i] = len(seq)
-            for m, s in enumerate(seq):
+def _fill_batch(batch, items: Sequence[PassItem]) -> None:
+    """One token per item; an item's seq is an id or a tuple of ids (a token several sequences
+    share; llama.cpp masks its attention by the first)."""
+    for i, item in enumerate(items):
+        batch.token[i] = item.token
+        batch.pos[i] = item.pos
+        if isinstance(item.seq, tuple):
+            batch.n_seq_id[i] = len(item.seq)
+            for m, s in enumerate(item.seq):
                 batch.seq_id[i][m] = s
         else:
             batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-        batch.logits[i] = want
+            batch.seq_id[i][0] = item.seq
+        batch.logits[i] = item.want_logits
     batch.n_tokens = len(items)
 
 
-def _first_seq(item) -> int:
-    return item[0][0] if isinstance(item[0], tuple) else item[0]
+def _first_seq(item: PassItem) -> int:
+    return item.seq[0] if isinstance(item.seq, tuple) else item.seq
 
 
 class TreeIdsBusy(RuntimeError):
@@ -222,6 +223,13 @@ def tree_leaves(parents: Sequence[int]) -> tuple[list[int], list[list[int]], lis
     for p in parents:
         depth.append(0 if p == -1 else depth[p] + 1)
     return leaves, below, depth
+
+
+class _TreeState(NamedTuple):
+    """What a KVContext's tree pass (or draft tree) left in the cache until it is kept or dropped."""
+    n_committed: int             # tokens of sequence 0 before the tree
+    seqs: list[list[int]]        # per node, the scratch sequence ids it carries
+    scratch: list[int]           # every scratch sequence in use
 
 
 class KVContext:
@@ -254,7 +262,7 @@ class KVContext:
             if not invariant:
                 params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self._tree_batch = None
-        self._tree_state: tuple[int, list[list[int]], list[int]] | None = None  # committed length, seq ids per node, scratch
+        self._tree_state: _TreeState | None = None
         self._ctx = llama_cpp.llama_init_from_model(model._model, params)
         if not self._ctx:
             raise MemoryError(f"llama.cpp could not create a context of {n_ctx} tokens")
@@ -278,7 +286,7 @@ class KVContext:
         pos = keep
         while pos < len(tokens):
             chunk = tokens[pos: pos + self.n_batch]
-            items = [(0, pos + i, tok, pos + i >= first_row) for i, tok in enumerate(chunk)]
+            items = [PassItem(0, pos + i, tok, pos + i >= first_row) for i, tok in enumerate(chunk)]
             if self.invariant:
                 llama_cpp.llama_memory_seq_rm(self._mem, self._pad_seq, 0, -1)
                 items = _pad(items, self._pad_seq)
@@ -367,7 +375,7 @@ class KVContext:
             raise RuntimeError(f"llama_decode failed with code {rc} on a tree of {n} nodes")
         self.tokens.extend(tail)
         self.tokens_decoded += i
-        self._tree_state = (len(committed), seqs, scratch)
+        self._tree_state = _TreeState(len(committed), seqs, scratch)
         out = np.empty((n + 1, self.model.n_vocab), dtype=np.float32)
         first = 0
         if row0 is not None:
@@ -409,7 +417,7 @@ class KVContext:
         sees exactly committed + its ancestors. `draft_tree_end` drops the scratch sequences."""
         self._drop_scratch()
         row = self.logits(committed, 1)[0]
-        self._tree_state = (len(committed), [], [])
+        self._tree_state = _TreeState(len(committed), [], [])
         self._draft_depth: dict[int, int] = {}
         return row
 
@@ -451,7 +459,7 @@ class KVContext:
 
     def _drop_scratch(self, scratch: Sequence[int] | None = None) -> None:
         if scratch is None:
-            scratch = self._tree_state[2] if self._tree_state else []
+            scratch = self._tree_state.scratch if self._tree_state else []
         for s in scratch:
             llama_cpp.llama_memory_seq_rm(self._mem, s, -1, -1)
         self._tree_state = None
@@ -559,9 +567,9 @@ class SharedKV:
         llama_cpp.llama_memory_seq_cp(self._mem, seq, self.retired, p0, -1)
         llama_cpp.llama_memory_seq_rm(self._mem, seq, p0, -1)
 
-    def prepare(self, seq: int, tokens: Sequence[int], rows: int) -> list[tuple[int, int, int, bool]]:
+    def prepare(self, seq: int, tokens: Sequence[int], rows: int) -> list[PassItem]:
         """Roll `seq` back to the longest prefix of `tokens` it holds that leaves the last `rows`
-        positions to compute, and return what must be decoded: (seq, pos, token, want_logits)."""
+        positions to compute, and return what must be decoded."""
         tokens = list(tokens)
         held = self.held[seq]
         keep = reusable_prefix(held, tokens, rows)
@@ -571,7 +579,7 @@ class SharedKV:
             self._retire(seq, keep)
             del held[keep:]
         first_row = len(tokens) - rows
-        return [(seq, pos, tokens[pos], pos >= first_row) for pos in range(keep, len(tokens))]
+        return [PassItem(seq, pos, tokens[pos], pos >= first_row) for pos in range(keep, len(tokens))]
 
     def tree_job(self, seq: int, committed: Sequence[int], node_tokens: Sequence[int],
                  parents: Sequence[int]) -> "TreeJob":
@@ -636,7 +644,7 @@ class SharedKV:
                 self.held[seq].clear()   # their next request evaluates them from the start
             raise RuntimeError(f"llama.cpp could not copy back the KV cells of sequences {lost}")
 
-    def decode(self, items: Sequence[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+    def decode(self, items: Sequence[PassItem]) -> list[np.ndarray]:
         """Evaluate up to `n_ubatch` tokens of any sequences in one llama_decode; each sequence's
         tokens must continue what it holds, in order. Returns the wanted rows, in item order
         # each [n_vocab] float32 copy. On failure every sequence is rolled back to what it held."""
@@ -662,16 +670,16 @@ class SharedKV:
             raise RuntimeError(f"llama_decode failed with code {rc}")
         self._top += len(items)
         out = []
-        for i, (seq, _, tok, want) in enumerate(items):
-            if seq == self.scratch:
+        for i, item in enumerate(items):
+            if item.seq == self.scratch:
                 continue
-            held = self.held.get(seq[0] if isinstance(seq, tuple) else seq)
+            held = self.held.get(_first_seq(item))
             if held is not None:   # a session's token (a tree node's first id is a tree id)
-                held.append(tok)
-            if want:
+                held.append(item.token)
+            if item.want_logits:
                 ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
                 out.append(np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy())
-        self.tokens_decoded += sum(1 for it in items if it[0] != self.scratch)
+        self.tokens_decoded += sum(1 for it in items if it.seq != self.scratch)
         return out
 
     def close(self) -> None:
@@ -709,7 +717,7 @@ class TreeJob:
         self.leaves, self.below, self.depth = leaves, below, depth
         self.ids: list[int] | None = None
 
-    def prepare(self) -> list[tuple]:
+    def prepare(self) -> list[PassItem]:
         """Take tree ids (TreeIdsBusy when the pool has too few now), roll the session back, and
         list the items to evaluate."""
         kv, c = self.kv, len(self.committed)
@@ -727,8 +735,8 @@ class TreeJob:
         for lid in self.ids:
             llama_cpp.llama_memory_seq_cp(kv._mem, self.seq, lid, -1, -1)
         every = (self.seq, *self.ids)
-        items = [(every, pos, self.committed[pos], pos == c - 1) for pos in range(keep, c)]
-        items += [(tuple(self.ids[j] for j in self.below[i]), c + self.depth[i], tok, True)
+        items = [PassItem(every, pos, self.committed[pos], pos == c - 1) for pos in range(keep, c)]
+        items += [PassItem(tuple(self.ids[j] for j in self.below[i]), c + self.depth[i], tok, True)
                   for i, tok in enumerate(self.node_tokens)]
         return items
 

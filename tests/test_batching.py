@@ -19,6 +19,7 @@ from edge_client.text import SyntheticTokenizer
 from helpers import HeldPasses, running_server, stub_for
 from test_exactness_stats import chi_square_p, exact_sequence_probs
 from llama_runtime import GGUFModel, SharedKV
+from spec_core.batchplan import PassItem
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.synthetic import synthetic_fingerprint, synthetic_pair
 from spec_core.warping import SamplingSettings, processed_probs
@@ -473,7 +474,7 @@ class SlowPacker:
         return self.inner.prepare(seq, tokens, rows)
 
     def decode(self, items):
-        self.in_pass = {it[0] for it in items}
+        self.in_pass = {it.seq for it in items}
         time.sleep(self.delay_s)
         try:
             return self.inner.decode(items)
@@ -686,12 +687,12 @@ class RecordingPacker:
         self.passes: list[list] = []
 
     def prepare(self, seq, tokens, rows):
-        return [(seq, pos, tok, pos >= len(tokens) - rows) for pos, tok in enumerate(tokens)]
+        return [PassItem(seq, pos, tok, pos >= len(tokens) - rows) for pos, tok in enumerate(tokens)]
 
     def decode(self, items):
         self.passes.append(list(items))
         time.sleep(self.delay_s)
-        return [np.zeros(4, dtype=np.float32) for it in items if it[3]]
+        return [np.zeros(4, dtype=np.float32) for it in items if it.want_logits]
 
     def release(self, seq):
         pass
@@ -720,11 +721,11 @@ def test_a_long_prefill_does_not_hold_up_short_rounds():
         t.join(timeout=30)
     batcher.close()
     assert out[0][0].shape == (1, 4) and all(out[k][0].shape == (5, 4) for k in range(1, 5))
-    assert {it[0] for it in packer.passes[0]} == {9}
-    second_pass = {it[0] for it in packer.passes[1]}
+    assert {it.seq for it in packer.passes[0]} == {9}
+    second_pass = {it.seq for it in packer.passes[1]}
     assert second_pass == {0, 1, 2, 3, 4}, second_pass
     assert all(len(p) <= 32 for p in packer.passes)
-    assert sum(1 for p in packer.passes for it in p if it[0] == 0) == 300
+    assert sum(1 for p in packer.passes for it in p if it.seq == 0) == 300
 
 
 @pytest.mark.slow

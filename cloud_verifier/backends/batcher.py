@@ -5,10 +5,11 @@ when a pass finishes it takes every request that has arrived since (a round neve
 batch to fill; `window_s` optionally waits that long after the first arrival when the batcher is
 idle), and packs the pending tokens of all active requests into the next pass. Each active
 request gets a fair share of a pass (long prefills are spread over several passes and do not
-hold up short rounds), and the rest of the pass is filled in arrival order.
+hold up short rounds), and the rest of the pass is filled in arrival order: that is
+`spec_core.batchplan.fair_share`, which the fleet simulator plans with too.
 
 The model is a `Packer`: `prepare` rolls a request's sequence back and lists the tokens to
-evaluate as (seq, pos, token, want_logits) items; `decode` runs one pass over such items. A
+evaluate as `PassItem`s (seq, pos, token, want_logits); `decode` runs one pass over such items. A
 request's items need not come from a single sequence: a tree round (`submit_tree`, with a packer
 that has `tree_job`) lists its nodes on sequence ids of their own, for as long as the request
 runs; such a job may have to wait a pass for ids, and is prepared again if the packer's
@@ -28,17 +29,17 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-log = logging.getLogger(__name__)
+from spec_core.batchplan import PassItem, fair_share
 
-Item = tuple[int, int, int, bool]  # (sequence id, position, token, whether its logits are wanted)
+log = logging.getLogger(__name__)
 
 
 class Packer(Protocol):
     n_ubatch: int
 
-    def prepare(self, seq: int, tokens: Sequence[int], rows: int) -> list[Item]: ...
+    def prepare(self, seq: int, tokens: Sequence[int], rows: int) -> list[PassItem]: ...
 
-    def decode(self, items: Sequence[Item]) -> list[np.ndarray]: ...
+    def decode(self, items: Sequence[PassItem]) -> list[np.ndarray]: ...
 
     def release(self, seq: int) -> None: ...
 
@@ -59,11 +60,11 @@ class BatchStep:
 @dataclass
 class _Request:
     seq: int
-    prepare: Callable[[], list[Item]]          # (re)builds the items; batcher thread, between passes
+    prepare: Callable[[], list[PassItem]]      # (re)builds the items; batcher thread, between passes
     finish: Callable[[], None] | None = None   # once, when the request ends (done or failed)
     redo_after_maintain: bool = False          # prepare again from scratch if the packer moved the cache
     t_submit: float = field(default_factory=time.perf_counter)
-    items: list[Item] = field(default_factory=list)
+    items: list[PassItem] = field(default_factory=list)
     cursor: int = 0
     out: list[np.ndarray] = field(default_factory=list)
     t_first: float | None = None
@@ -192,23 +193,9 @@ class Batcher:
                     self._finish(req, e)
 
     def _plan(self) -> list[tuple[_Request, int]]:
-        """How many pending tokens of each active request go into the next pass."""
-        budget = self.packer.n_ubatch
-        share = max(1, budget // len(self._active))
-        plan = []
-        for req in self._active:
-            n = min(len(req.items) - req.cursor, share, budget)
-            if n:
-                plan.append([req, n])
-                budget -= n
-        for entry in plan:
-            if budget <= 0:
-                break
-            req, n = entry
-            extra = min(len(req.items) - req.cursor - n, budget)
-            entry[1] += extra
-            budget -= extra
-        return [(req, n) for req, n in plan]
+        """How many pending tokens of each active request go into the next pass (none: left out)."""
+        takes = fair_share([len(req.items) - req.cursor for req in self._active], self.packer.n_ubatch)
+        return [(req, n) for req, n in zip(self._active, takes) if n]
 
     def _step(self) -> None:
         plan = self._plan()
@@ -228,7 +215,7 @@ class Batcher:
         self.passes += 1
         at = 0
         for req, n in plan:
-            wanted = sum(1 for it in req.items[req.cursor:req.cursor + n] if it[3])
+            wanted = sum(1 for it in req.items[req.cursor:req.cursor + n] if it.want_logits)
             req.out.extend(rows[at:at + wanted])
             at += wanted
             req.cursor += n

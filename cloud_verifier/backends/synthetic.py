@@ -15,7 +15,8 @@ import numpy as np
 
 from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, BackendInfo
-from cloud_verifier.backends.batcher import Batcher, BatchStep, Item
+from cloud_verifier.backends.batcher import Batcher, BatchStep
+from spec_core.batchplan import PassItem
 from spec_core.kvreuse import reusable_prefix
 from spec_core.synthetic import SyntheticLM, synthetic_fingerprint
 from spec_core.tree import DraftTree
@@ -125,25 +126,25 @@ class _SyntheticPacker:
     def release(self, seq: int) -> None:
         self.held.pop(seq, None)
 
-    def prepare(self, seq: int, tokens: Sequence[int], rows: int) -> list[Item]:
+    def prepare(self, seq: int, tokens: Sequence[int], rows: int) -> list[PassItem]:
         tokens, held = list(tokens), self.held[seq]
         keep = reusable_prefix(held, tokens, rows)
         del held[keep:]
-        return [(seq, pos, tokens[pos], pos >= len(tokens) - rows) for pos in range(keep, len(tokens))]
+        return [PassItem(seq, pos, tokens[pos], pos >= len(tokens) - rows) for pos in range(keep, len(tokens))]
 
     def tree_job(self, seq: int, committed: Sequence[int], tokens: Sequence[int], parents: Sequence[int]):
         return _SyntheticTreeJob(self, seq, list(committed), list(tokens), list(parents))
 
-    def decode(self, items: Sequence[Item]) -> list[np.ndarray]:
+    def decode(self, items: Sequence[PassItem]) -> list[np.ndarray]:
         out = []
-        for seq, _, tok, want in items:
-            if isinstance(seq, tuple):  # a tree node: ("node", job, index)
-                _, job, node = seq
+        for item in items:
+            if isinstance(item.seq, tuple):  # a tree node: ("node", job, index)
+                _, job, node = item.seq
                 out.append(self.backend.lm.logits(job.context(node)))
                 continue
-            held = self.held[seq]
-            held.append(tok)
-            if want:
+            held = self.held[item.seq]
+            held.append(item.token)
+            if item.want_logits:
                 out.append(self.backend.lm.logits(held))
         self.backend._forwarded += len(items)
         self.backend._cost(len(items))
@@ -166,12 +167,12 @@ class _SyntheticTreeJob:
             node = self.parents[node]
         return self.committed + path[::-1]
 
-    def prepare(self) -> list[Item]:
+    def prepare(self) -> list[PassItem]:
         held, c = self.packer.held[self.seq], len(self.committed)
         keep = reusable_prefix(held, self.committed, 1)
         del held[keep:]
-        items = [(self.seq, pos, self.committed[pos], pos == c - 1) for pos in range(keep, c)]
-        return items + [(("node", self, i), c + len(self.context(i)) - c - 1, tok, True)
+        items = [PassItem(self.seq, pos, self.committed[pos], pos == c - 1) for pos in range(keep, c)]
+        return items + [PassItem(("node", self, i), c + len(self.context(i)) - c - 1, tok, True)
                         for i, tok in enumerate(self.tokens)]
 
     def finish(self) -> None:

@@ -1,5 +1,6 @@
-"""The fleet simulator against what can be worked out by hand, the proxy's own link model and the
-verifier's own batcher (no sockets, no models)."""
+"""The fleet simulator against what can be worked out by hand and the proxy's own link model (no
+sockets, no models). The verifier's pass planner, which the simulator shares with the Batcher, has
+its own tests (tests/test_batchplan.py)."""
 from __future__ import annotations
 
 import random
@@ -8,9 +9,9 @@ import statistics
 import pytest
 
 from netsim.effects import LinkContext
-from netsim.fleet import (H200, ROUND_BYTES, EdgeLink, FleetConfig, LinearCost, _fair_share_plan, _Job,
-                          alpha_from_tokens_per_round, calibrate_from_load, check_against_load, cpu_per_unit, gpu_cost,
-                          kv_sessions, load_batching, pass_cost_from_histograms, simulate)
+from netsim.fleet import (H200, ROUND_BYTES, EdgeLink, FleetConfig, LinearCost, alpha_from_tokens_per_round,
+                          calibrate_from_load, check_against_load, cpu_per_unit, gpu_cost, kv_sessions, load_batching,
+                          pass_cost_from_histograms, simulate)
 from netsim.profiles import get_profile
 from netsim.proxy import connection_rng
 
@@ -57,15 +58,15 @@ def test_calibration_recovers_the_parameters_of_a_load_run():
                       "committed_tokens": 250, "duration_s": 3.4},
                      {"edges": 1, "mode": "cloud-only", "tpot_p50_s": 0.021}]}
     params = calibrate_from_load(load)
-    assert params["cost"].pass_s(5, 1) == pytest.approx(0.020)
-    assert params["server_overhead_s"] == pytest.approx(0.002)
-    assert expected_tokens_per_round(params["alpha"], 4) == pytest.approx(2.5)
+    assert params.cost.pass_s(5, 1) == pytest.approx(0.020)
+    assert params.server_overhead_s == pytest.approx(0.002)
+    assert expected_tokens_per_round(params.alpha, 4) == pytest.approx(2.5)
     # 34 ms per round = 8 ms drafting + 1 ms RTT (+ 2.9 us of transmission at 1 Gbit/s) + 20 ms pass
     # + 2 ms server: 3 ms left on the edge side.
     transmission_s = sum(ROUND_BYTES) * 8 / 1e9
-    assert params["edge_overhead_s"] == pytest.approx(0.003 - transmission_s, abs=1e-9)
-    assert params["cloud_server_overhead_s"] == pytest.approx(0.001)
-    assert params["batching"] is False                     # no --batching among its verifier's arguments
+    assert params.edge_overhead_s == pytest.approx(0.003 - transmission_s, abs=1e-9)
+    assert params.cloud_server_overhead_s == pytest.approx(0.001)
+    assert params.batching is False                        # no --batching among its verifier's arguments
 
 
 def test_gpu_roofline_figures():
@@ -125,38 +126,17 @@ def test_jitter_is_a_curve_not_a_draw_per_message():
 
 # --- the verifier ---------------------------------------------------------------------------
 
-def test_fair_share_plan_is_the_batchers():
-    from cloud_verifier.backends.batcher import Batcher, _Request
-
-    class Packer:
-        n_ubatch = 32
-
-        def prepare(self, seq, tokens, rows):
-            return []
-
-        def decode(self, items):
-            return []
-
-        def release(self, seq):
-            pass
-
-    batcher = Batcher(Packer())
-    try:
-        rng = random.Random(1)
-        for _ in range(200):
-            sizes = [rng.choice([1, 5, 5, 5, 18, 40]) for _ in range(rng.randint(1, 12))]
-            requests = []
-            for seq, n in enumerate(sizes):
-                request = _Request(seq, [0] * n, 1)
-                request.items = [(seq, pos, 0, False) for pos in range(n)]
-                requests.append(request)
-            batcher._active = requests
-            theirs = [n for _, n in batcher._plan()]
-            ours = [n for _, n in _fair_share_plan([_Job(seq, n) for seq, n in enumerate(sizes)], Packer.n_ubatch)]
-            assert ours == theirs, sizes
-    finally:
-        batcher._active = []
-        batcher.close()
+def test_the_simulators_passes_are_planned_as_the_batcher_plans_them():
+    # A 300-token prefill between two 5-token rounds, 32 tokens a pass: the Batcher's fair share
+    # (spec_core.batchplan.fair_share); a job with nothing in the pass is left out of it.
+    from netsim.fleet.simulation import _fair_share_plan, _fcfs_plan, _Job
+    jobs = [_Job(edge=0, tokens=5), _Job(edge=1, tokens=300), _Job(edge=2, tokens=5)]
+    assert [(take.job.edge, take.tokens) for take in _fair_share_plan(jobs, 32)] == [(0, 5), (1, 22), (2, 5)]
+    many = [_Job(edge=i, tokens=1) for i in range(40)]
+    assert [take.job.edge for take in _fair_share_plan(many, 32)] == list(range(32))
+    # Whole requests first come (the GPU case): the prefill goes alone, however far past the budget.
+    assert [(take.job.edge, take.tokens) for take in _fcfs_plan(jobs, 32)] == [(0, 5)]
+    assert [(take.job.edge, take.tokens) for take in _fcfs_plan(jobs[1:], 32)] == [(1, 300)]
 
 
 def test_a_streams_next_token_misses_the_pass_that_starts_without_it():
@@ -239,14 +219,14 @@ def test_a_batched_load_run_is_checked_against_a_batching_verifier():
                       "committed_tokens": 3000, "committed_tokens_per_s": 380.0, "tpot_p95_s": 0.041,
                       "batch_histograms": hist}]}
     params = calibrate_from_load(load)
-    assert params["batching"] is True and params["max_batch_tokens"] == 512
+    assert params.batching is True and params.max_batch_tokens == 512
     rows = {row["mode"]: row for row in check_against_load(load, params, seeds=2)}
     assert rows["cloud-only"]["simulated_tokens_per_s"] > 300
     assert rows["hybrid"]["alpha"] == pytest.approx(alpha_from_tokens_per_round(560 / 235, 4))
 
 
 def test_the_capacity_table_takes_each_verifiers_own_calibration(monkeypatch):
-    import netsim.fleet as fleet
+    import netsim.fleet.report as report
 
     def load(batching: bool, pass_s: float) -> dict:
         hist = _histograms(100, 500, 100 * pass_s, 250 if batching else 100)
@@ -256,12 +236,12 @@ def test_the_capacity_table_takes_each_verifiers_own_calibration(monkeypatch):
                           "round_seconds": 100 * pass_s + 0.1, "committed_tokens": 240, "duration_s": 4.0,
                           "batch_histograms": hist}]}
     seen = {}
-    monkeypatch.setattr(fleet, "check_against_load", lambda result, params: [])
-    monkeypatch.setattr(fleet, "capacity_table", lambda scenarios, *a, **k: seen.update(
-        {name: (params["cost"].pass_s(5, 1), batching) for name, params, batching in scenarios}) or [])
-    result = fleet.run_fleet([load(False, 0.030), load(True, 0.020)], slo_s=0.15, totals=[1000], profiles=["lte"],
-                             cpu_per_token_s=0.0, gpu="h200", gpu_alpha=0.7, gpu_draft_s=0.01, gpu_context=1024,
-                             gpu_overhead_s=0.00005)
+    monkeypatch.setattr(report, "check_against_load", lambda result, params: [])
+    monkeypatch.setattr(report, "capacity_table", lambda scenarios, *a, **k: seen.update(
+        {s.name: (s.params.cost.pass_s(5, 1), s.batching) for s in scenarios}) or [])
+    result = report.run_fleet([load(False, 0.030), load(True, 0.020)], slo_s=0.15, totals=[1000], profiles=["lte"],
+                              cpu_per_token_s=0.0, gpu="h200", gpu_alpha=0.7, gpu_draft_s=0.01, gpu_context=1024,
+                              gpu_overhead_s=0.00005)
     assert result["capacity_calibration"] == {"serial": 0, "batched": 1}
     assert seen["CPU as measured, serial"] == (pytest.approx(0.030), False)
     assert seen["CPU as measured, batched"] == (pytest.approx(0.020), True)

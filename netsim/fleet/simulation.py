@@ -1,0 +1,357 @@
+"""The discrete-event simulation of one verifier and the edges assigned to it.
+
+Per edge, per round (hybrid): draft γ tokens on the device, the request crosses the uplink,
+waits for the verifier, is verified, the reply crosses the downlink, and 1 + k tokens commit, k
+drawn from the geometric acceptance model (per-token acceptance α, capped at γ). Cloud-only: the
+request crosses the uplink once and the verifier streams one token per pass, each crossing the
+downlink. Links are the proxy's own (netsim.fleet.links).
+
+The verifier, serial (`batching=False`): one round, or one stream's token, per pass, first come
+first served (the model's lock: a random order put 64 cloud-only streams' p95 74% above the
+measured). With continuous batching (`batching=True`), `packing="fair-share"` is
+cloud_verifier's `Batcher`, planned by the same function (`spec_core.batchplan.fair_share`):
+when a pass ends, every request that has arrived joins the active ones, each active request gets
+a fair share of the pass's `max_batch_tokens` (the backend's n_ubatch) and the rest of the pass
+is filled in arrival order; a request is answered after the pass that holds its last token, and
+no pass waits for a batch to fill. `packing="fcfs"` takes whole requests in arrival order up to
+`max_batch_tokens` (a vLLM-like scheduler: the GPU case). A pass over T tokens for S sessions
+costs `cost.pass_s(T, S)`.
+
+Outside its passes the server spends, per round or streamed token, `server_cpu_s` of CPU (gRPC,
+protobuf, a round's checks and sampling) on one processor, one piece at a time (one Python
+process), then `server_overhead_s` of delay that holds nothing. Neither holds the model: a
+stream's next token reaches the batcher that long after its pass ended, and misses the next
+pass when other requests were already waiting (the batched synthetic verifier's cloud-only
+streams take two passes per token from 4 edges on). The edge side likewise: `edge_cpu_s` of
+CPU per round (on a processor of its own, or, in the load test, one shared by every edge) and
+`edge_overhead_s` of delay; the load test's proxy process reads every message (`proxy_cpu_s`).
+
+Events (one heap, ordered by time, then by when they were pushed): `Send` (a message written:
+the proxy reads it and its link carries it), then on the far side `Arrive` (a request reaches
+the verifier), `Reply` (a round's answer reaches the edge) or `Token` (a streamed token does);
+`PassDone` (the verifier finished a pass).
+"""
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from netsim.fleet.links import ROUND_BYTES, STREAM_BYTES, EdgeLink
+from netsim.profiles import get_profile
+from spec_core.batchplan import fair_share
+
+
+@dataclass
+class FleetConfig:
+    edges: int                          # edges on this one verifier
+    mode: str                           # "hybrid" or "cloud-only"
+    cost: object                        # LinearCost or RooflineCost
+    batching: bool = False
+    profiles: list[str] = field(default_factory=lambda: ["lan"])
+    gamma: int = 4
+    alpha: float = 0.7                  # per-token acceptance
+    draft_s: float = 0.002              # device drafting time per token
+    max_tokens: int = 64                # per request; requests back to back
+    prompt_tokens: int = 13
+    # Per round (hybrid) or streamed token (cloud-only). CPU work is done by one processor, a piece at
+    # a time (the verifier is one Python process; with edges_share_cpu, so are the edges, as in the
+    # load test); an overhead is a delay that takes no one's turn (timers, the kernel, the proxy's hops).
+    server_cpu_s: float = 0.0           # the verifier's own work outside passes (gRPC, checks, sampling)
+    server_overhead_s: float = 0.0      # the rest of the server's time outside passes
+    edge_cpu_s: float = 0.0             # the edge's work (client stack, drafting code)
+    edge_overhead_s: float = 0.0        # the rest of the edge side's time (timer slack, the proxy's own work)
+    edges_share_cpu: bool = False       # every edge on one processor (the load test), else each its own
+    proxy_cpu_s: float = 0.0            # per message: the load test's proxy process (every link) reading it
+    max_batch_tokens: int = 512         # batching: tokens per pass (n_ubatch; synthetic 512, llama.cpp 32)
+    packing: str = "fair-share"         # batching: "fair-share" (cloud_verifier's Batcher) or "fcfs" (whole requests)
+    round_bytes: tuple[int, int] = ROUND_BYTES     # hybrid: a Verify request and its reply on the wire (B)
+    stream_bytes: tuple[int, int] = STREAM_BYTES   # cloud-only: a Generate request and one streamed token (B)
+    duration_s: float = 30.0
+    warmup_s: float = 3.0
+    seed: int = 1
+
+
+# --- the verifier's work --------------------------------------------------------------------
+
+@dataclass
+class _Job:
+    """A round (hybrid) or one stream's next token (cloud-only) at the verifier."""
+    edge: int
+    tokens: int                         # tokens still to evaluate
+    arrived_s: float = 0.0              # when it reached the verifier
+
+
+class Take(NamedTuple):
+    """A job's share of a pass."""
+    job: _Job
+    tokens: int
+
+
+def _fair_share_plan(active: list[_Job], budget: int) -> list[Take]:
+    """cloud_verifier's Batcher: a fair share each, then the rest in arrival order."""
+    takes = fair_share([job.tokens for job in active], budget)
+    return [Take(job, n) for job, n in zip(active, takes) if n]
+
+
+def _fcfs_plan(active: list[_Job], budget: int) -> list[Take]:
+    """Whole requests in arrival order while they fit (the first always does)."""
+    plan, tokens = [], 0
+    for job in active:
+        if plan and tokens + job.tokens > budget:
+            break
+        plan.append(Take(job, job.tokens))
+        tokens += job.tokens
+    return plan
+
+
+class _Cpu:
+    """A processor that does one piece of work at a time, first come first served."""
+
+    def __init__(self) -> None:
+        self.free_s = 0.0
+
+    def run(self, t: float, work_s: float) -> float:
+        """When work of `work_s` handed over at `t` is done."""
+        self.free_s = max(t, self.free_s) + work_s
+        return self.free_s
+
+
+# --- events ---------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Arrive:
+    """A request (a round, a stream's opening or its next token) reaches the verifier."""
+    job: _Job
+
+
+@dataclass(slots=True)
+class Reply:
+    """A round's answer reaches its edge."""
+    edge: int
+    tokens: int                         # tokens it commits (accepted + 1, within max_tokens)
+
+
+@dataclass(slots=True)
+class Token:
+    """A streamed token reaches its edge."""
+    edge: int
+    last: bool                          # the stream's last
+
+
+@dataclass(slots=True)
+class Send:
+    """A message written by one side: the proxy reads it, its link carries it, then `deliver`."""
+    edge: int
+    direction: str                      # "up" (to the verifier) or "down"
+    size_bytes: int
+    deliver: Arrive | Reply | Token
+
+
+@dataclass(slots=True)
+class PassDone:
+    """The verifier finished a pass."""
+    plan: list[Take]
+
+
+@dataclass
+class _Edge:
+    link: EdgeLink
+    committed: int = 0                  # tokens of the current request
+    request_start: float = 0.0
+    token_times: list = field(default_factory=list)   # (time, tokens) of the current request
+
+
+# --- the run --------------------------------------------------------------------------------
+
+class _Simulation:
+    """One run of `simulate`: the state, a handler per event, and the figures measured."""
+
+    def __init__(self, cfg: FleetConfig) -> None:
+        if cfg.mode not in ("hybrid", "cloud-only"):
+            raise ValueError(f"mode must be hybrid or cloud-only, got {cfg.mode!r}")
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.edges = [_Edge(EdgeLink(get_profile(cfg.profiles[i % len(cfg.profiles)]), cfg.seed * 100_003 + i))
+                      for i in range(cfg.edges)]
+        self.events: list[tuple[float, int, object]] = []   # (time, push order, event)
+        self.pushed = 0
+        self.t_measure, self.t_end = cfg.warmup_s, cfg.warmup_s + cfg.duration_s
+        self.finished_tpots: list[float] = []
+        self.ttfts: list[float] = []
+        self.server_times: list[float] = []   # from reaching the verifier to its answer leaving
+        self.committed_in_window = 0
+        self.passes = self.target_tokens = 0
+        self.busy_s = 0.0
+        self.waiting: list[_Job] = []    # arrived since the last pass started
+        self.active: list[_Job] = []     # batching: taken in, tokens left to evaluate
+        self.streams: dict[int, int] = {}   # cloud-only: edge -> tokens still to generate
+        self.verifier_free = True
+        self.hybrid = cfg.mode == "hybrid"
+        self.up_bytes, self.down_bytes = cfg.round_bytes if self.hybrid else cfg.stream_bytes
+        self.server_cpu, self.proxy_cpu = _Cpu(), _Cpu()
+        shared_edge_cpu = _Cpu()
+        self.edge_cpus = [shared_edge_cpu if cfg.edges_share_cpu else _Cpu() for _ in range(cfg.edges)]
+        self.plan = _fair_share_plan if cfg.packing == "fair-share" else _fcfs_plan
+
+    def push(self, t: float, event) -> None:
+        heapq.heappush(self.events, (t, self.pushed, event))
+        self.pushed += 1
+
+    def in_window(self, t: float) -> bool:
+        return self.t_measure <= t <= self.t_end
+
+    def windowed_tpot(self, e: _Edge) -> float | None:
+        inside = [(t, n) for t, n in e.token_times if self.in_window(t)]
+        if len(inside) < 2 or inside[-1][1] == inside[0][1]:
+            return None
+        return (inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1])
+
+    def commit(self, i: int, t: float, n: int) -> None:
+        e = self.edges[i]
+        if not e.token_times and self.in_window(e.request_start):
+            self.ttfts.append(t - e.request_start)
+        e.committed += n
+        e.token_times.append((t, e.committed))
+        if self.in_window(t):
+            self.committed_in_window += n
+
+    def send_round(self, i: int, t: float, gamma: int, tokens: int) -> None:
+        cfg = self.cfg
+        self.push(t + gamma * cfg.draft_s + cfg.edge_overhead_s, Send(i, "up", self.up_bytes, Arrive(_Job(i, tokens))))
+
+    def start_request(self, i: int, t: float) -> None:
+        cfg, e = self.cfg, self.edges[i]
+        if e.token_times:
+            tpot = self.windowed_tpot(e)
+            if tpot is not None:
+                self.finished_tpots.append(tpot)
+        e.committed, e.request_start, e.token_times = 0, t, []
+        if self.hybrid:
+            self.send_round(i, t, cfg.gamma, cfg.gamma + 1 + cfg.prompt_tokens)
+        else:
+            self.streams[i] = cfg.max_tokens
+            self.push(t + cfg.edge_overhead_s, Send(i, "up", self.up_bytes, Arrive(_Job(i, cfg.prompt_tokens))))
+
+    def next_pass(self, t: float) -> None:
+        cfg = self.cfg
+        if cfg.batching:
+            self.active.extend(self.waiting)
+            self.waiting.clear()
+            if not self.active:
+                self.verifier_free = True
+                return
+            plan = self.plan(self.active, cfg.max_batch_tokens)
+        else:
+            if not self.waiting:
+                self.verifier_free = True
+                return
+            job = self.waiting.pop(0)   # the model's lock: measured closer to first come than to random
+            plan = [Take(job, job.tokens)]
+        tokens = sum(take.tokens for take in plan)
+        duration = cfg.cost.pass_s(tokens, len(plan))
+        if self.in_window(t):
+            self.passes += 1
+            self.target_tokens += tokens
+            self.busy_s += duration
+        self.verifier_free = False
+        self.push(t + duration, PassDone(plan))
+
+    # --- handlers ---
+
+    def on_send(self, t: float, send: Send) -> None:
+        taken_s = self.proxy_cpu.run(t, self.cfg.proxy_cpu_s)   # the proxy reads it, then its link delays it
+        self.push(self.edges[send.edge].link.arrival_s(send.direction, send.size_bytes, taken_s), send.deliver)
+
+    def on_arrive(self, t: float, arrive: Arrive) -> None:
+        arrive.job.arrived_s = t
+        self.waiting.append(arrive.job)
+        if self.verifier_free:
+            self.next_pass(t)
+
+    def on_pass_done(self, t: float, done: PassDone) -> None:
+        cfg = self.cfg
+        for job, n in done.plan:
+            job.tokens -= n
+            if job.tokens > 0:
+                continue        # more of it in the next pass
+            if cfg.batching:
+                self.active.remove(job)
+            i, e = job.edge, self.edges[job.edge]
+            out = self.server_cpu.run(t, cfg.server_cpu_s) + cfg.server_overhead_s
+            if self.in_window(t):
+                self.server_times.append(out - job.arrived_s)
+            if self.hybrid:
+                remaining = cfg.max_tokens - e.committed
+                accepted = 0
+                while accepted < cfg.gamma and self.rng.random() < cfg.alpha:
+                    accepted += 1
+                self.push(out, Send(i, "down", self.down_bytes, Reply(i, min(accepted + 1, remaining))))
+            else:
+                self.streams[i] -= 1
+                self.push(out, Send(i, "down", self.down_bytes, Token(i, self.streams[i] == 0)))
+                if self.streams[i] > 0:   # the stream asks for its next token (at once: it is in the next pass)
+                    nxt = _Job(i, 1, arrived_s=out)
+                    if out <= t:
+                        self.waiting.append(nxt)
+                    else:
+                        self.push(out, Arrive(nxt))
+        self.next_pass(t)
+
+    def on_reply(self, t: float, reply: Reply) -> None:
+        cfg, i = self.cfg, reply.edge
+        ready = self.edge_cpus[i].run(t, cfg.edge_cpu_s)   # the reply taken in, the next draft's code run
+        self.commit(i, ready, reply.tokens)
+        e = self.edges[i]
+        if e.committed >= cfg.max_tokens:
+            self.start_request(i, ready)
+        else:
+            gamma = min(cfg.gamma, cfg.max_tokens - e.committed - 1)
+            self.send_round(i, ready, gamma, gamma + 1)
+
+    def on_token(self, t: float, token: Token) -> None:
+        ready = self.edge_cpus[token.edge].run(t, self.cfg.edge_cpu_s)
+        self.commit(token.edge, ready, 1)
+        if token.last:
+            self.start_request(token.edge, ready)
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        handlers = {Send: self.on_send, Arrive: self.on_arrive, PassDone: self.on_pass_done, Reply: self.on_reply,
+                    Token: self.on_token}
+        for i in range(cfg.edges):
+            self.start_request(i, self.rng.uniform(0.0, 0.05))
+        while self.events:
+            t, _, event = heapq.heappop(self.events)
+            if t > self.t_end:
+                break
+            handlers[type(event)](t, event)
+        for e in self.edges:
+            tpot = self.windowed_tpot(e)
+            if tpot is not None:
+                self.finished_tpots.append(tpot)
+        return self.result()
+
+    def result(self) -> dict:
+        cfg = self.cfg
+        committed = max(self.committed_in_window, 1)
+        tpots = self.finished_tpots
+        pct = (lambda q: float(np.percentile(tpots, q)) if tpots else None)
+        return {"edges": cfg.edges, "mode": cfg.mode, "batching": cfg.batching,
+                "committed_tokens_per_s": self.committed_in_window / cfg.duration_s,
+                "tpot_p50_s": pct(50), "tpot_p95_s": pct(95), "tpot_p99_s": pct(99),
+                "ttft_p50_s": float(np.percentile(self.ttfts, 50)) if self.ttfts else None,
+                "target_forward_passes_per_committed_token": self.passes / committed,
+                "target_tokens_per_committed_token": self.target_tokens / committed,
+                "verifier_utilisation": min(1.0, self.busy_s / cfg.duration_s),
+                "server_s_mean": float(np.mean(self.server_times)) if self.server_times else None,
+                "link_resets": sum(e.link.resets for e in self.edges)}
+
+
+def simulate(cfg: FleetConfig) -> dict:
+    """Run `cfg` for its warm-up and window: throughput, TPOT and TTFT percentiles, the verifier's
+    passes and busy time, per committed token, measured in the window."""
+    return _Simulation(cfg).run()
