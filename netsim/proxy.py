@@ -99,8 +99,9 @@ class WakeLatency:
 class PreciseSleeper:
     """Sleep until a loop time with sub-millisecond precision.
 
-    asyncio waits in epoll, whose timeout is whole milliseconds rounded up: a 0.5 ms sleep took
-    about 1.1 ms here, which added ~1.2 ms to the lan profile's 1 ms round trip. A Linux timerfd
+    asyncio waits in epoll, whose timeout is whole milliseconds rounded up, so a sub-millisecond
+    sleep lasts a millisecond or more, which is the whole of the lan profile's round trip (the
+    measured figures are on the docs' benchmarks page). A Linux timerfd
     armed at an absolute CLOCK_MONOTONIC time (the clock `loop.time()` reads) wakes the loop
     within tens of microseconds instead, and it is aimed early by the loop's learned wake-up
     latency (WakeLatency). Elsewhere the fallback sleeps whole milliseconds and sends a

@@ -7,7 +7,8 @@ clipped to that range) and the delay moves linearly from one to the next. Three 
 - Its mean is the stated mean whatever the traffic looks like. Per-chunk draws cannot keep
   the stream in order without holding a chunk behind the one in front of it, and that hold
   raised the mean: a gRPC message written as two or three chunks is delivered with the
-  largest of their draws (a 300 ms 3g profile read 310–325 ms).
+  largest of their draws, so the round trip read above the profile's (figures on the docs'
+  benchmarks page).
 - A delay that changes by at most `2·jitter_ms` per `interval_ms` moves slower than time
   (the default interval is four times the spread, so by at most half a millisecond per
   millisecond); a later chunk therefore never overtakes an earlier one, with no hold at all.
