@@ -209,6 +209,10 @@ class Generation:
                 piece = await loop.step()
                 if piece:
                     yield piece
+        except EdgeError as e:
+            if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.retry_after_s is None:
+                self._client._forget_server_limits()  # a verifier restarted with other limits: ask again
+            raise
         finally:
             await loop.close()
 
@@ -618,6 +622,9 @@ class EdgeClient:
                 limits = ServerLimits()  # a verifier that does not say: nothing to cap by
             _SERVER_LIMITS[self._channel] = limits
         return self.speculation.within(limits)
+
+    def _forget_server_limits(self) -> None:
+        _SERVER_LIMITS.pop(self._channel, None)
 
     async def _verify(self, req: pb.VerifyRequest, st: GenerationStats, retries: int | None = None) -> pb.VerifyReply:
         async def attempt() -> pb.VerifyReply:

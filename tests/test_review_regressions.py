@@ -176,3 +176,21 @@ async def test_the_edge_keeps_its_rounds_within_the_verifier_limits(options):
     assert gen.stats.nodes_per_round <= 6
     if "tree" in options:
         assert gen.stats.tree_rounds > 0
+
+
+async def test_limits_are_asked_again_after_a_refusal_for_them():
+    """The limits are asked once per channel; a verifier restarted behind it with smaller ones
+    (here: a stale answer) fails one generation, and the next asks again instead of failing too."""
+    from edge_client.client import _SERVER_LIMITS, EdgeError
+    from edge_client.options import ServerLimits
+    async with running_server(SyntheticBackend(vocab=64), max_gamma=3) as server:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=8), SyntheticDrafter(64, noise=1.0),
+                              SyntheticTokenizer(64)) as c:
+            _SERVER_LIMITS[c._channel] = ServerLimits(max_gamma=16)  # what the verifier said before its restart
+            settings = SamplingSettings(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+            with pytest.raises(EdgeError) as e:
+                await c.generate([0, 5, 6], settings).text()
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.retry_after_s is None
+            gen = c.generate([0, 5, 6], settings)
+            await gen.text()
+    assert gen.stats.tokens == 20
