@@ -63,15 +63,16 @@ def _at_least(name: str, value: int, low: int) -> None:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one verifier accepts in a round (its ServerInfo)."""
+    """What one verifier accepts in a round (its ServerInfo); None: not stated, nothing to cap by."""
 
-    max_gamma: int = 0            # largest chain (and tree depth); 0 = not stated
-    max_tree_nodes: int = 0       # 0 = chains only
-    max_tree_branching: int = 0   # 0 = not stated
+    max_gamma: int | None = None           # largest chain (and tree depth)
+    max_tree_nodes: int | None = None      # 0: chains only
+    max_tree_branching: int | None = None  # children of one node
 
     @classmethod
     def from_info(cls, info) -> "ServerLimits":
-        return cls(info.max_gamma, info.max_tree_nodes, info.max_tree_branching)
+        # In ServerInfo 0 means "not stated" for γ and branching, "chains only" for tree nodes.
+        return cls(info.max_gamma or None, info.max_tree_nodes, info.max_tree_branching or None)
 
 
 @dataclass(frozen=True)
@@ -116,20 +117,21 @@ class Speculation:
         """These options, capped by what one verifier accepts (a longer γ or a larger tree would be
         refused with RESOURCE_EXHAUSTED every round)."""
         out = self
-        if limits.max_gamma:
+        if limits.max_gamma is not None:
             if self.gamma != ADAPTIVE and self.gamma > limits.max_gamma:
                 log.warning("gamma %d is above the verifier's limit; drafting %d", self.gamma, limits.max_gamma)
                 out = dataclasses.replace(out, gamma=limits.max_gamma)
             out = dataclasses.replace(out, max_gamma=min(out.max_gamma, limits.max_gamma))
         if self.tree == "off":
             return out
-        if not limits.max_tree_nodes:
+        if limits.max_tree_nodes == 0:
             log.warning("the verifier verifies chains only; drafting chains instead of trees")
             return dataclasses.replace(out, tree="off")
-        out = dataclasses.replace(out, max_tree_nodes=min(out.max_tree_nodes, limits.max_tree_nodes))
+        if limits.max_tree_nodes is not None:
+            out = dataclasses.replace(out, max_tree_nodes=min(out.max_tree_nodes, limits.max_tree_nodes))
         if isinstance(self.tree, TreeShape):
             s = self.tree
-            capped = TreeShape(budget=min(s.budget, limits.max_tree_nodes),
+            capped = TreeShape(budget=min(s.budget, limits.max_tree_nodes or s.budget),
                                depth=min(s.depth, limits.max_gamma or s.depth),
                                branching=min(s.branching, limits.max_tree_branching or s.branching), width=s.width)
             if capped != s:
