@@ -32,6 +32,7 @@ import numpy as np
 from cloud_verifier.process import spawn_verifier
 from edge_client import EdgeClient
 from edge_client.client import stream_cloud_only
+from edge_client.options import EdgeOptions, Speculation, Transport
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
 
@@ -81,7 +82,8 @@ async def run_edges(addr, mode, n_edges, args, tokenizer, make_drafter) -> tuple
     async def edge(k):
         nonlocal total
         if mode == "hybrid":
-            async with EdgeClient(addr, make_drafter(), tokenizer, gamma=args.gamma, qmode="none") as c:
+            options = EdgeOptions(Transport(addr), Speculation(gamma=args.gamma, qmode="none"))
+            async with EdgeClient(options, make_drafter(), tokenizer) as c:
                 for r in range(args.reps):
                     gen = c.generate(prompt(k, r), settings)
                     await gen.text()

@@ -164,6 +164,7 @@ async def framework_figures(tokens: int) -> None:
     from cloud_verifier.process import spawn_verifier
     from edge_client import EdgeClient
     from edge_client.client import sampling_proto
+    from edge_client.options import EdgeOptions, Speculation, Transport
     from edge_client.drafters import SyntheticDrafter
     from spec_core import qcodec
     from spec_core.proto import verifier_pb2 as pb
@@ -173,7 +174,8 @@ async def framework_figures(tokens: int) -> None:
     try:
         drafter = SyntheticDrafter(vocab=64, seed=0, noise=1.0)
         # 1. The edge's own session loop (EdgeClient), as `edge-client generate` runs it.
-        async with EdgeClient(address, drafter, _Vocab64(), gamma=5, qmode="fixed") as client:
+        options = EdgeOptions(Transport(address), Speculation(gamma=5, qmode="fixed"))
+        async with EdgeClient(options, drafter, _Vocab64()) as client:
             settings = SamplingSettings(temperature=0.7, max_new_tokens=100, ignore_eos=True, seed=1)
             await client.generate([0], settings).text()  # warm up the channel and the server
             per_round, draft, rpc = [], [], []

@@ -33,6 +33,7 @@ from cloud_verifier.process import spawn_verifier  # noqa: E402
 from edge_client import EdgeClient  # noqa: E402
 from edge_client.process import spawn_edge_server  # noqa: E402
 from edge_client.drafters import DEFAULT_DRAFT, GGUFDrafter, SyntheticDrafter  # noqa: E402
+from edge_client.options import EdgeOptions, Speculation, Transport  # noqa: E402
 from edge_client.text import SyntheticTokenizer  # noqa: E402
 from llama_runtime import bundled_model_path  # noqa: E402
 from spec_core.warping import SamplingSettings  # noqa: E402
@@ -121,8 +122,8 @@ def main() -> int:
         texts: dict[str, set[str]] = {k: set() for k in results}
 
         async def run_all():
-            async with EdgeClient(address, drafter, tokenizer, gamma=args.gamma if args.gamma == "adaptive"
-                                  else int(args.gamma)) as client:
+            options = EdgeOptions(Transport(address), Speculation(gamma=args.gamma))  # "5" or "adaptive"
+            async with EdgeClient(options, drafter, tokenizer) as client:
                 for i in range(args.requests + 2):
                     for way in results:
                         if way == "direct":

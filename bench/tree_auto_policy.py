@@ -20,6 +20,7 @@ async def main() -> None:
     from cloud_verifier.server import VerifierServer
     from edge_client import EdgeClient
     from edge_client.drafters import DEFAULT_DRAFT, GGUFDrafter, SyntheticDrafter
+    from edge_client.options import EdgeOptions, Speculation, Transport
     from edge_client.text import SyntheticTokenizer, render_chat
     from llama_runtime import bundled_model_path
     from spec_core.warping import SamplingSettings
@@ -28,7 +29,8 @@ async def main() -> None:
     drafter = GGUFDrafter(str(DEFAULT_DRAFT), n_threads=1, n_ctx=1024, max_tree_nodes=64)
     try:
         async with VerifierServer(backend, "127.0.0.1", 0) as server:
-            async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=4, tree="auto") as c:
+            options = EdgeOptions(Transport(f"127.0.0.1:{server.port}"), Speculation(gamma=4, tree="auto"))
+            async with EdgeClient(options, drafter, drafter.model) as c:
                 gen = c.generate(render_chat(drafter.model, "Tell me about the history of the bicycle."),
                                  SamplingSettings(temperature=0.7, top_p=0.95, max_new_tokens=96, seed=1,
                                                   ignore_eos=True))
@@ -40,8 +42,8 @@ async def main() -> None:
         drafter.close()
         backend.close()
     async with VerifierServer(SyntheticBackend(vocab=64, step_ms=20, per_token_ms=0.05), "127.0.0.1", 0) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", SyntheticDrafter(64, noise=1.0, per_token_ms=2),
-                              SyntheticTokenizer(64), gamma=4, tree="auto") as c:
+        options = EdgeOptions(Transport(f"127.0.0.1:{server.port}"), Speculation(gamma=4, tree="auto"))
+        async with EdgeClient(options, SyntheticDrafter(64, noise=1.0, per_token_ms=2), SyntheticTokenizer(64)) as c:
             gen = c.generate([0, 5, 6], SamplingSettings(temperature=0.0, max_new_tokens=160, ignore_eos=True))
             await gen.text()
     s = gen.stats

@@ -57,6 +57,7 @@ async def part1(args) -> list[dict]:
     from cloud_verifier.server import VerifierServer
     from edge_client.client import EdgeClient
     from edge_client.drafters import DEFAULT_DRAFT, GGUFDrafter
+    from edge_client.options import EdgeOptions, Speculation, Transport
     from edge_client.text import render_chat
     from llama_runtime import bundled_model_path
     from spec_core.warping import SamplingSettings
@@ -70,8 +71,9 @@ async def part1(args) -> list[dict]:
                 ids = render_chat(drafter.model, prompt)
                 for temperature in (0.0, 0.7):
                     for name, tree in shapes(args.gamma).items():
-                        async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=args.gamma,
-                                              tree=tree) as c:
+                        options = EdgeOptions(Transport(f"127.0.0.1:{server.port}"),
+                                              Speculation(gamma=args.gamma, tree=tree))
+                        async with EdgeClient(options, drafter, drafter.model) as c:
                             gen = c.generate(ids, SamplingSettings(temperature=temperature, top_p=0.95,
                                                                    max_new_tokens=args.max_tokens, seed=1,
                                                                    ignore_eos=True))

@@ -10,7 +10,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from spec_core import qcodec
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.tree import DraftTree, TreeError, prune_to_fit, validate_tree
 from spec_core.verify import RoundResult, commit_round
-from spec_core.warping import GENERATE_STREAM, VERIFIER_STREAM, SamplingSettings, seeded_rng
+from spec_core.warping import GENERATE_STREAM, VERIFIER_STREAM, SamplingError, SamplingSettings, seeded_rng
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +81,14 @@ class VerifierEngine:
     def _settings(self, sp: pb.SamplingParams, has_sampling: bool) -> SamplingSettings:
         if not has_sampling:
             raise _bad("open.sampling is missing: set temperature (0 for greedy), top_k, top_p, max_new_tokens")
-        if not math.isfinite(sp.temperature) or sp.temperature < 0:
-            raise _bad(f"sampling.temperature must be finite and >= 0, got {sp.temperature}")
-        if not math.isfinite(sp.top_p) or not 0 <= sp.top_p <= 1:
-            raise _bad(f"sampling.top_p must be in [0, 1], got {sp.top_p}")
+        try:  # the one rule for valid settings (spec_core.warping); the wire's top_p 0 means off
+            settings = SamplingSettings(
+                temperature=float(sp.temperature), top_k=int(sp.top_k), top_p=float(sp.top_p),
+                max_new_tokens=int(sp.max_new_tokens or self.limits.default_max_new_tokens),
+                stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+                seed=sp.seed if sp.HasField("seed") else None)
+        except SamplingError as e:
+            raise _bad(f"sampling.{e}") from None
         if sp.max_new_tokens > self.limits.max_new_tokens_cap:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"sampling.max_new_tokens = {sp.max_new_tokens} is above this server's cap of "
@@ -93,12 +96,7 @@ class VerifierEngine:
         if len(sp.stop_token_ids) > MAX_STOP_IDS:
             raise _bad(f"sampling.stop_token_ids has {len(sp.stop_token_ids)} ids; at most {MAX_STOP_IDS} are allowed")
         self._check_ids(sp.stop_token_ids, "sampling.stop_token_ids")
-        return SamplingSettings(
-            temperature=float(sp.temperature), top_k=int(sp.top_k),
-            top_p=float(sp.top_p) if 0 < sp.top_p < 1 else 1.0,
-            max_new_tokens=int(sp.max_new_tokens or self.limits.default_max_new_tokens),
-            stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-            seed=sp.seed if sp.HasField("seed") else None)
+        return settings
 
     def _stop_ids(self, s: SamplingSettings) -> frozenset[int]:
         return frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else self.info.eos_token_ids)

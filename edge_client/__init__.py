@@ -2,6 +2,8 @@
 
 - `drafters`: where drafts come from (a GGUF model on llama.cpp, prompt lookup, synthetic).
 - `gamma`: fixed γ, or adaptive γ from the measured cost model.
+- `options`: EdgeOptions (speculation, transport, security), built once, from code or from
+  the command line (`add_edge_options`, `options_from_args`).
 - `client`: the session loop (deadlines, idempotent retries, replay) and the Python API.
 - `cli`: `edge-client generate | info | serve | make-draft | eval-draft`.
 - `serve`: the OpenAI-compatible HTTP API on the edge (`openai_protocol`: request and response
@@ -9,5 +11,7 @@
   imported only when `edge-client serve` runs.
 """
 from edge_client.client import EdgeClient, EdgeError, Generation, GenerationStats
+from edge_client.options import EdgeOptions, Security, Speculation, Transport
 
-__all__ = ["EdgeClient", "EdgeError", "Generation", "GenerationStats"]
+__all__ = ["EdgeClient", "EdgeError", "EdgeOptions", "Generation", "GenerationStats", "Security", "Speculation",
+           "Transport"]

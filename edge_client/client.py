@@ -1,11 +1,15 @@
 """The session loop and the Python API an app calls.
 
-    async with EdgeClient("127.0.0.1:50051", drafter, tokenizer) as client:
+    options = EdgeOptions(Transport("127.0.0.1:50051"), Speculation(gamma="adaptive"))
+    async with EdgeClient(options, drafter, tokenizer) as client:
         gen = client.generate("Write a haiku.", SamplingSettings(temperature=0.7, max_new_tokens=64))
         async for piece in gen:
             print(piece, end="")
         print(gen.stats)
 
+The options (edge_client.options) say how to speculate, how to reach the verifier and how to
+prove who we are; the verifier's own limits (ServerInfo: largest γ, tree nodes) cap what is sent,
+asked once per channel before the first round.
 Every call has a deadline. UNAVAILABLE and DEADLINE_EXCEEDED are retried with the same request
 (the server answers a repeated round from its reply cache, so a retry never commits twice).
 NOT_FOUND (the verifier lost the session: restart, eviction, another replica) and an
@@ -15,9 +19,9 @@ A refusal for load (RESOURCE_EXHAUSTED or UNAVAILABLE with a `retry-after-ms` hi
 admission control, a tenant limit, a draining server) is waited out: at least the hint, plus
 random jitter so that refused edges do not come back together, up to `max_wait_s` per round.
 
-Security: `tls=True` (or any of tls_ca / tls_cert / tls_key) connects with TLS, mutual when a
-client certificate and key are given; `token` (default: $HYBRIDSPEC_TOKEN) is sent on every call
-as `authorization: Bearer <token>`.
+Security (`Security` in the options): `tls=True` (or any of tls_ca / tls_cert / tls_key) connects
+with TLS, mutual when a client certificate and key are given; `token` (default: $HYBRIDSPEC_TOKEN)
+is sent on every call as `authorization: Bearer <token>`.
 """
 from __future__ import annotations
 
@@ -28,21 +32,23 @@ import logging
 import os
 import random
 import time
+import weakref
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable, Protocol, Sequence
+from typing import AsyncIterator, Awaitable, Callable, NamedTuple, Protocol, Sequence
 
 import grpc
+import numpy as np
 
 from edge_client.drafters import Draft, Drafter, TreeDraft
 from edge_client.gamma import AdaptiveGamma, FixedGamma, RoundPlan, TreePolicy
+from edge_client.options import ADAPTIVE, TOKEN_ENV, EdgeOptions, ServerLimits, Speculation, Transport
 from spec_core import qcodec
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.drafting import QMode
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
-from spec_core.tree import TreeShape
 from spec_core.warping import EDGE_STREAM, SamplingSettings, seeded_rng
 
 log = logging.getLogger(__name__)
@@ -52,7 +58,9 @@ GRPC_FRAME_BYTES = 5  # gRPC length-prefixed message header
 # asyncio.CancelledError instead, so retrying CANCELLED is safe. Rounds are idempotent.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 RETRY_AFTER_KEY = "retry-after-ms"   # trailing metadata of a refusal for load (cloud_verifier.admission)
-TOKEN_ENV = "HYBRIDSPEC_TOKEN"
+# The verifier's limits, per channel (one connection to one verifier): asked once, shared by the
+# clients on that channel.
+_SERVER_LIMITS: "weakref.WeakKeyDictionary[grpc.aio.Channel, ServerLimits]" = weakref.WeakKeyDictionary()
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -110,11 +118,13 @@ class Tokenizer(Protocol):
 
 
 class EdgeError(RuntimeError):
-    """The verifier refused the request; `code` is the gRPC status, the message says why."""
+    """The verifier refused the request; `code` is the gRPC status, the message says why.
+    `retry_after_s`: the server's retry hint, set only when it refused for load (the same request
+    may succeed later); a refusal without one is about the request itself."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
         super().__init__(f"{code.name}: {message}")
-        self.code = code
+        self.code, self.retry_after_s = code, retry_after_s
 
 
 @dataclass
@@ -192,189 +202,280 @@ class Generation:
         await self._it.aclose()
 
     async def _run(self) -> AsyncIterator[str]:
-        c, st = self._client, self.stats
-        settings = self.settings
-        policy = AdaptiveGamma(max_gamma=c.max_gamma) if c.gamma == "adaptive" else FixedGamma(int(c.gamma))
-        planner = TreePolicy(policy, c.tree, max_nodes=c.max_tree_nodes)
-        rng = seeded_rng(settings.seed, EDGE_STREAM)  # never the verifier's stream (see warping)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        committed = list(self.prompt_ids)
-        prompt_len = len(committed)
-        session_id, last_round = "", 0
-        gammas: list[int] = []
-        nodes_sent = 0
-        t0 = time.perf_counter()
-        pieces: list[str] = []
-        finished = False
-        stop_ids = frozenset(settings.stop_token_ids) | (frozenset() if settings.ignore_eos else c.hidden_ids)
-        ahead: _Prepared | None = None  # drafted during the last round trip, for a guessed base
-
-        def base_rng(base: list[int]):
-            # With a user seed, a round's draft depends only on the committed tokens (a stream per
-            # committed length, like the verifier's): a round redone after a replay drafts the same.
-            return rng if settings.seed is None else seeded_rng(settings.seed, EDGE_STREAM, len(base))
-
-        def prepare(base: list[int], plan: RoundPlan) -> _Prepared:
-            """Draft a chain or tree after `base` (in the drafting executor while a round is in flight)."""
-            if plan.shape is None:
-                d = c.drafter.propose(base, plan.gamma, settings, c.qmode, base_rng(base))
-                return _Prepared(base, plan, d, [], len(d.tokens))
-            d = c.drafter.propose_tree(base, plan.shape, settings, c.qmode, base_rng(base))
-            return _Prepared(base, plan, d, d.parents, d.rows)
-
-        def guess_and_prepare(prep: _Prepared, remaining: int) -> tuple[list[int], _Prepared] | None:
-            """The most likely outcome (every draft, or the most probable branch, accepted; the next token
-            the draft's argmax), and a draft after it. None when the round may end generation."""
-            path = prep.guess_path()
-            if not path or len(path) + 1 >= remaining or stop_ids & set(path):
-                return None
-            bonus = c.drafter.propose(prep.base + path, 1, GREEDY, QMode("none"), base_rng(prep.base + path)).tokens
-            if not bonus or bonus[0] in stop_ids:
-                return None
-            guess = path + bonus
-            return guess, prepare(prep.base + guess, planner.plan(remaining - len(guess)))
-
-        def build(prep: _Prepared, round_: int, assumed: Sequence[int] = ()) -> pb.VerifyRequest:
-            req = pb.VerifyRequest(session_id=session_id, round=round_, committed_length=len(prep.base),
-                                   draft_token_ids=prep.draft.tokens, draft_parents=prep.parents,
-                                   q=qcodec.to_proto(prep.draft.qs, c.qmode.scale_bits), assumed_tokens=list(assumed))
-            if not session_id:
-                req.open.CopyFrom(pb.OpenSession(
-                    prompt_token_ids=self.prompt_ids, resume_token_ids=prep.base[prompt_len:],
-                    sampling=sampling_proto(settings), tokenizer_fingerprint=c.drafter.fingerprint or "",
-                    open_key=os.urandom(16)))
-            return req
-
-        def apply(prep: _Prepared, reply: pb.VerifyReply, round_s: float) -> list[int]:
-            """Commit a reply's tokens (checked against the server's view) and learn from the round."""
-            nonlocal session_id, last_round, nodes_sent
-            draft, parents = prep.draft, prep.parents
-            if parents:
-                kept = list(reply.kept_nodes)
-                is_path = len(kept) == reply.num_accepted and all(
-                    k < len(draft.tokens) and draft.parents[k] == (kept[j - 1] if j else -1) for j, k in enumerate(kept))
-                if not is_path:
-                    raise EdgeError(grpc.StatusCode.INTERNAL, f"kept_nodes {kept} is not a path from the root of "
-                                                              f"{reply.num_accepted} nodes")
-                accepted = [draft.tokens[i] for i in kept]
-            else:
-                accepted = draft.tokens[: reply.num_accepted]
-            new = accepted + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
-            committed.extend(new)
-            if reply.committed_length != len(committed):
-                raise EdgeError(grpc.StatusCode.INTERNAL, f"server committed {reply.committed_length} tokens, "
-                                                          f"the edge {len(committed)}")
-            session_id, last_round = reply.session_id, reply.round
-            st.rounds += 1
-            st.drafted += len(draft.tokens)
-            st.accepted += reply.num_accepted
-            depth = prep.plan.gamma if parents else len(draft.tokens)
-            rejected = reply.HasField("next_token_id") and reply.num_accepted < depth
-            st.rejections += rejected
-            st.draft_s += draft.seconds
-            st.server_model_s += reply.timings.model_ms / 1e3
-            nodes_sent += len(draft.tokens)
-            st.tree_rounds += bool(parents)
-            gammas.append(depth)
-            server_s, model_s = reply.timings.total_ms / 1e3, reply.timings.model_ms / 1e3
-            if not parents:  # the chain's α and γ model; a tree round's acceptance is not geometric
-                policy.observe(gamma=len(draft.tokens), num_accepted=reply.num_accepted, draft_s=draft.seconds,
-                               round_s=round_s, server_s=server_s, model_s=model_s, rejected=rejected)
-            planner.observe(prep.plan, nodes=len(draft.tokens), rows=prep.rows, tokens=len(new), draft_s=draft.seconds,
-                            round_s=round_s, server_s=server_s, model_s=model_s)
-            c.drafter.observe(committed, reply.num_accepted)
-            if c.on_round is not None:
-                c.on_round(RoundEvent(gamma=depth, accepted=reply.num_accepted, tokens=len(new),
-                                      draft_s=draft.seconds, rpc_s=round_s, server_s=server_s))
-            return new
-
-        ahead_job = spec_task = None
+        spec = await self._client._speculation(self.stats)  # within the verifier's limits
+        loop = _SessionLoop(self._client, spec, self.prompt_ids, self.settings, self.stats)
         try:
-            while not finished:
-                remaining = settings.max_new_tokens - (len(committed) - prompt_len)
-                if ahead is not None and ahead.base == committed:
-                    prep = ahead  # the round trip's guess came true: this draft is ready
-                    st.reused_drafts += len(prep.draft.tokens)
-                else:
-                    prep = await c._in_drafter(prepare, list(committed), planner.plan(remaining))
-                ahead = None
-                req = build(prep, last_round + 1)
-                t_round = time.perf_counter()
-                reply_task = asyncio.ensure_future(c._verify(req, st) if session_id else c._open_round(req, st))
-                overlap = (c.proactive or c.pipeline) and session_id and prep.draft.tokens
-                ahead_job = asyncio.ensure_future(c._in_drafter(guess_and_prepare, prep, remaining, thread=True)) if overlap else None
-                spec_task = spec = None
-                if ahead_job is not None and c.pipeline:
-                    # Send the next round before this one's reply, if the draft for it is ready in time.
-                    done, _ = await asyncio.wait({reply_task, ahead_job}, return_when=asyncio.FIRST_COMPLETED)
-                    if ahead_job in done and not reply_task.done() and ahead_job.result() is not None:
-                        guess, spec = ahead_job.result()
-                        spec_req = build(spec, req.round + 1, assumed=guess)
-                        # Retried like any round: a lost reply is answered from the server's cache.
-                        spec_task = asyncio.ensure_future(c._verify(spec_req, st))
-                try:
-                    reply = await reply_task
-                except EdgeError as e:
-                    await _settle(ahead_job, spec_task)
-                    st.discarded_rounds += spec_task is not None
-                    if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) and session_id \
-                            and st.replays < c.max_replays:
-                        log.warning("replaying %d committed tokens: %s", len(committed) - prompt_len, e)
-                        st.replays += 1
-                        session_id, last_round = "", 0
-                        continue
-                    raise
-                round_s = time.perf_counter() - t_round
-                guessed = await ahead_job if ahead_job is not None else None  # the drafter is free again
-                new = apply(prep, reply, round_s)
-                final = reply  # the last reply applied: its finish reason is the generation's
-                finished = reply.finish_reason != pb.NOT_FINISHED
-                if guessed is not None and not finished:
-                    guess, next_prep = guessed
-                    if spec_task is not None:
-                        spec_reply = await _settle(None, spec_task)
-                        if committed == next_prep.base and spec_reply is not None and not spec_reply.base_mismatch:
-                            new += apply(next_prep, spec_reply, time.perf_counter() - t_round)
-                            st.pipelined_rounds += 1
-                            final = spec_reply
-                            finished = spec_reply.finish_reason != pb.NOT_FINISHED
-                        else:
-                            st.discarded_rounds += 1
-                    elif committed == next_prep.base:
-                        ahead = next_prep
-                elif spec_task is not None:
-                    await _settle(None, spec_task)
-                    st.discarded_rounds += 1
-                if new and not st.ttft_s:
-                    st.ttft_s = time.perf_counter() - t0
-                if finished:
-                    st.finish_reason = pb.FinishReason.Name(final.finish_reason).lower()
-                piece = decoder.decode(b"".join(c.tokenizer.token_bytes(t) for t in new if t not in c.hidden_ids))
-                if finished:
-                    piece += decoder.decode(b"", final=True)
+            while not loop.finished:
+                piece = await loop.step()
                 if piece:
-                    pieces.append(piece)
                     yield piece
+        except EdgeError as e:
+            if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.retry_after_s is None:
+                self._client._forget_server_limits()  # a verifier restarted with other limits: ask again
+            raise
         finally:
-            await _settle(ahead_job, spec_task)
-            st.wall_s = time.perf_counter() - t0
-            st.text = "".join(pieces)
-            st.token_ids = committed[prompt_len:]
-            st.tokens = len(st.token_ids)
-            st.acceptance_rate = st.accepted / st.drafted if st.drafted else 0.0
-            st.alpha = st.accepted / (st.accepted + st.rejections) if st.accepted + st.rejections else 0.0
-            st.tokens_per_round = st.tokens / st.rounds if st.rounds else 0.0
-            st.mean_gamma = sum(gammas) / len(gammas) if gammas else 0.0
-            st.gamma = policy.describe()
-            st.nodes_per_round = nodes_sent / st.rounds if st.rounds else 0.0
-            st.plans = planner.describe()
-            st.expected_tokens_per_round = expected_tokens_per_round(st.alpha, round(st.mean_gamma))
-            st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
-            # A finished session needs no Close: the server frees its KV cache when generation ends.
-            # One left early (the caller stopped reading, was cancelled, or a round failed) is closed
-            # now; shielded, so a cancelled caller still sends it.
-            if session_id and not finished:
-                await asyncio.shield(c._close(session_id))
+            await loop.close()
+
+
+class _Guess(NamedTuple):
+    """The most likely outcome of a round in flight, and the draft made after it."""
+
+    tokens: list[int]       # every draft (or the most probable branch) accepted, then the draft's argmax
+    prep: "_Prepared"       # the next round's draft, for base = this round's base + tokens
+
+
+class _SessionLoop:
+    """One generation's rounds on one verifier session: draft, send, commit what the verifier
+    kept, learn. While a round is in flight it may draft the next round from the most likely
+    outcome (proactive) and send it before the reply (pipeline); `ahead` holds such a draft for
+    the next round, kept only if its base comes true."""
+
+    def __init__(self, client: "EdgeClient", spec: Speculation, prompt_ids: list[int], settings: SamplingSettings,
+                 stats: GenerationStats):
+        self.c, self.spec, self.settings, self.st = client, spec, settings, stats
+        self.prompt_ids = prompt_ids
+        if spec.gamma == ADAPTIVE:
+            self.policy = AdaptiveGamma(max_gamma=spec.max_gamma,
+                                        start_gamma=min(AdaptiveGamma.start_gamma, spec.max_gamma))
+        else:
+            self.policy = FixedGamma(spec.gamma)
+        self.planner = TreePolicy(self.policy, spec.tree, max_nodes=spec.max_tree_nodes)
+        self.rng = seeded_rng(settings.seed, EDGE_STREAM)  # never the verifier's stream (see warping)
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.committed = list(prompt_ids)
+        self.prompt_len = len(self.committed)
+        self.session_id, self.last_round = "", 0
+        self.gammas: list[int] = []
+        self.nodes_sent = 0
+        self.t0 = time.perf_counter()
+        self.pieces: list[str] = []
+        self.finished = False
+        self.final: pb.VerifyReply | None = None  # the last reply applied: its finish reason is the generation's
+        self.stop_ids = frozenset(settings.stop_token_ids) | (frozenset() if settings.ignore_eos else client.hidden_ids)
+        self.ahead: _Prepared | None = None  # drafted during the last round trip, for a guessed base
+        self.ahead_job: asyncio.Future | None = None  # drafting `ahead` during the round trip
+        self.spec_task: asyncio.Future | None = None  # the pipelined round, sent before the reply
+
+    # --- one round ----------------------------------------------------------------------------
+
+    async def step(self) -> str:
+        """One round (and the pipelined one after it, when its base came true): its text."""
+        remaining = self.settings.max_new_tokens - (len(self.committed) - self.prompt_len)
+        prep = await self._next_draft(remaining)
+        req = self._request(prep, self.last_round + 1)
+        t_round = time.perf_counter()
+        reply_task = asyncio.ensure_future(self.c._verify(req, self.st) if self.session_id
+                                           else self.c._open_round(req, self.st))
+        await self._work_during_round_trip(prep, remaining, reply_task, req.round)
+        try:
+            reply = await reply_task
+        except EdgeError as e:
+            await _settle(self.ahead_job, self.spec_task)
+            self.st.discarded_rounds += self.spec_task is not None
+            if not self._replay_after(e):
+                raise
+            return ""
+        round_s = time.perf_counter() - t_round
+        guess = await self.ahead_job if self.ahead_job is not None else None  # the drafter is free again
+        new = self._apply(prep, reply, round_s)
+        self.final = reply
+        self.finished = reply.finish_reason != pb.NOT_FINISHED
+        if guess is not None and not self.finished:
+            new += await self._use_guess(guess, t_round)
+        elif self.spec_task is not None:
+            await _settle(None, self.spec_task)
+            self.st.discarded_rounds += 1
+        return self._text(new)
+
+    async def _next_draft(self, remaining: int) -> "_Prepared":
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.base == self.committed:
+            self.st.reused_drafts += len(ahead.draft.tokens)
+            return ahead  # the round trip's guess came true: this draft is ready
+        return await self.c._in_drafter(self._prepare, list(self.committed), self.planner.plan(remaining))
+
+    async def _work_during_round_trip(self, prep: "_Prepared", remaining: int, reply_task: asyncio.Future,
+                                      round_: int) -> None:
+        """Draft the next round from this one's most likely outcome (proactive), and send it before
+        the reply when that draft is ready first (pipeline)."""
+        self.ahead_job = self.spec_task = None
+        if not ((self.spec.proactive or self.spec.pipeline) and self.session_id and prep.draft.tokens):
+            return
+        self.ahead_job = asyncio.ensure_future(
+            self.c._in_drafter(self._guess_and_prepare, prep, remaining, thread=True))
+        if not self.spec.pipeline:
+            return
+        done, _ = await asyncio.wait({reply_task, self.ahead_job}, return_when=asyncio.FIRST_COMPLETED)
+        if self.ahead_job in done and not reply_task.done() and self.ahead_job.result() is not None:
+            guess = self.ahead_job.result()
+            spec_req = self._request(guess.prep, round_ + 1, assumed=guess.tokens)
+            # Retried like any round: a lost reply is answered from the server's cache.
+            self.spec_task = asyncio.ensure_future(self.c._verify(spec_req, self.st))
+
+    def _replay_after(self, e: EdgeError) -> bool:
+        """Whether to replay the committed tokens in a new session: the verifier lost ours (NOT_FOUND)
+        or is out of step with it (FAILED_PRECONDITION)."""
+        if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) and self.session_id \
+                and self.st.replays < self.c.transport.max_replays:
+            log.warning("replaying %d committed tokens: %s", len(self.committed) - self.prompt_len, e)
+            self.st.replays += 1
+            self.session_id, self.last_round = "", 0
+            return True
+        return False
+
+    async def _use_guess(self, guess: _Guess, t_round: float) -> list[int]:
+        """After a reply: commit the pipelined round if its base came true (its tokens), or keep the
+        proactive draft for the next round if its base did."""
+        if self.spec_task is None:
+            if self.committed == guess.prep.base:
+                self.ahead = guess.prep
+            return []
+        spec_reply = await _settle(None, self.spec_task)
+        if self.committed == guess.prep.base and spec_reply is not None and not spec_reply.base_mismatch:
+            new = self._apply(guess.prep, spec_reply, time.perf_counter() - t_round)
+            self.st.pipelined_rounds += 1
+            self.final = spec_reply
+            self.finished = spec_reply.finish_reason != pb.NOT_FINISHED
+            return new
+        self.st.discarded_rounds += 1
+        return []
+
+    def _text(self, new: list[int]) -> str:
+        """The text of newly committed tokens (special tokens hidden; UTF-8 split across tokens kept
+        until complete)."""
+        st, c = self.st, self.c
+        if new and not st.ttft_s:
+            st.ttft_s = time.perf_counter() - self.t0
+        if self.finished:
+            st.finish_reason = pb.FinishReason.Name(self.final.finish_reason).lower()
+        piece = self.decoder.decode(b"".join(c.tokenizer.token_bytes(t) for t in new if t not in c.hidden_ids))
+        if self.finished:
+            piece += self.decoder.decode(b"", final=True)
+        if piece:
+            self.pieces.append(piece)
+        return piece
+
+    # --- drafts and requests --------------------------------------------------------------------
+
+    def _base_rng(self, base: list[int]) -> np.random.Generator:
+        # With a user seed, a round's draft depends only on the committed tokens (a stream per
+        # committed length, like the verifier's): a round redone after a replay drafts the same.
+        seed = self.settings.seed
+        return self.rng if seed is None else seeded_rng(seed, EDGE_STREAM, len(base))
+
+    def _prepare(self, base: list[int], plan: RoundPlan) -> "_Prepared":
+        """Draft a chain or tree after `base` (in the drafting executor while a round is in flight)."""
+        drafter = self.c.drafter
+        if plan.shape is None:
+            d = drafter.propose(base, plan.gamma, self.settings, self.spec.qmode, self._base_rng(base))
+            return _Prepared(base, plan, d, [], len(d.tokens))
+        d = drafter.propose_tree(base, plan.shape, self.settings, self.spec.qmode, self._base_rng(base))
+        return _Prepared(base, plan, d, d.parents, d.rows)
+
+    def _guess_and_prepare(self, prep: "_Prepared", remaining: int) -> _Guess | None:
+        """The most likely outcome (every draft, or the most probable branch, accepted; the next token
+        the draft's argmax), and a draft after it. None when the round may end generation."""
+        path = prep.guess_path()
+        if not path or len(path) + 1 >= remaining or self.stop_ids & set(path):
+            return None
+        after = prep.base + path
+        bonus = self.c.drafter.propose(after, 1, GREEDY, QMode("none"), self._base_rng(after)).tokens
+        if not bonus or bonus[0] in self.stop_ids:
+            return None
+        guess = path + bonus
+        return _Guess(guess, self._prepare(prep.base + guess, self.planner.plan(remaining - len(guess))))
+
+    def _request(self, prep: "_Prepared", round_: int, assumed: Sequence[int] = ()) -> pb.VerifyRequest:
+        req = pb.VerifyRequest(session_id=self.session_id, round=round_, committed_length=len(prep.base),
+                               draft_token_ids=prep.draft.tokens, draft_parents=prep.parents,
+                               q=qcodec.to_proto(prep.draft.qs, self.spec.qmode.scale_bits),
+                               assumed_tokens=list(assumed))
+        if not self.session_id:
+            req.open.CopyFrom(pb.OpenSession(
+                prompt_token_ids=self.prompt_ids, resume_token_ids=prep.base[self.prompt_len:],
+                sampling=sampling_proto(self.settings), tokenizer_fingerprint=self.c.drafter.fingerprint or "",
+                open_key=os.urandom(16)))
+        return req
+
+    # --- replies --------------------------------------------------------------------------------
+
+    def _apply(self, prep: "_Prepared", reply: pb.VerifyReply, round_s: float) -> list[int]:
+        """Commit a reply's tokens (checked against the server's view) and learn from the round."""
+        new = self._accepted(prep, reply) + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
+        self.committed.extend(new)
+        if reply.committed_length != len(self.committed):
+            raise EdgeError(grpc.StatusCode.INTERNAL, f"server committed {reply.committed_length} tokens, "
+                                                      f"the edge {len(self.committed)}")
+        self.session_id, self.last_round = reply.session_id, reply.round
+        self._learn(prep, reply, round_s, len(new))
+        return new
+
+    @staticmethod
+    def _accepted(prep: "_Prepared", reply: pb.VerifyReply) -> list[int]:
+        """The draft tokens the verifier kept: a prefix of a chain, or a path from a tree's root."""
+        draft = prep.draft
+        if not prep.parents:
+            return draft.tokens[: reply.num_accepted]
+        kept = list(reply.kept_nodes)
+        is_path = len(kept) == reply.num_accepted and all(
+            k < len(draft.tokens) and draft.parents[k] == (kept[j - 1] if j else -1) for j, k in enumerate(kept))
+        if not is_path:
+            raise EdgeError(grpc.StatusCode.INTERNAL, f"kept_nodes {kept} is not a path from the root of "
+                                                      f"{reply.num_accepted} nodes")
+        return [draft.tokens[i] for i in kept]
+
+    def _learn(self, prep: "_Prepared", reply: pb.VerifyReply, round_s: float, n_new: int) -> None:
+        """Count the round, and teach γ, the tree planner and the drafter what it cost and kept."""
+        st, draft, parents = self.st, prep.draft, prep.parents
+        st.rounds += 1
+        st.drafted += len(draft.tokens)
+        st.accepted += reply.num_accepted
+        depth = prep.plan.gamma if parents else len(draft.tokens)
+        rejected = reply.HasField("next_token_id") and reply.num_accepted < depth
+        st.rejections += rejected
+        st.draft_s += draft.seconds
+        st.server_model_s += reply.timings.model_ms / 1e3
+        self.nodes_sent += len(draft.tokens)
+        st.tree_rounds += bool(parents)
+        self.gammas.append(depth)
+        server_s, model_s = reply.timings.total_ms / 1e3, reply.timings.model_ms / 1e3
+        if not parents:  # the chain's α and γ model; a tree round's acceptance is not geometric
+            self.policy.observe(gamma=len(draft.tokens), num_accepted=reply.num_accepted, draft_s=draft.seconds,
+                                round_s=round_s, server_s=server_s, model_s=model_s, rejected=rejected)
+        self.planner.observe(prep.plan, nodes=len(draft.tokens), rows=prep.rows, tokens=n_new,
+                             draft_s=draft.seconds, round_s=round_s, server_s=server_s, model_s=model_s)
+        self.c.drafter.observe(self.committed, reply.num_accepted)
+        if self.c.on_round is not None:
+            self.c.on_round(RoundEvent(gamma=depth, accepted=reply.num_accepted, tokens=n_new,
+                                       draft_s=draft.seconds, rpc_s=round_s, server_s=server_s))
+
+    # --- the end --------------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Settle background work, complete the stats, and close the session if it is unfinished."""
+        await _settle(self.ahead_job, self.spec_task)
+        self._complete_stats()
+        # A finished session needs no Close: the server frees its KV cache when generation ends.
+        # One left early (the caller stopped reading, was cancelled, or a round failed) is closed
+        # now; shielded, so a cancelled caller still sends it.
+        if self.session_id and not self.finished:
+            await asyncio.shield(self.c._close(self.session_id))
+
+    def _complete_stats(self) -> None:
+        st = self.st
+        st.wall_s = time.perf_counter() - self.t0
+        st.text = "".join(self.pieces)
+        st.token_ids = self.committed[self.prompt_len:]
+        st.tokens = len(st.token_ids)
+        st.acceptance_rate = st.accepted / st.drafted if st.drafted else 0.0
+        st.alpha = st.accepted / (st.accepted + st.rejections) if st.accepted + st.rejections else 0.0
+        st.tokens_per_round = st.tokens / st.rounds if st.rounds else 0.0
+        st.mean_gamma = sum(self.gammas) / len(self.gammas) if self.gammas else 0.0
+        st.gamma = self.policy.describe()
+        st.nodes_per_round = self.nodes_sent / st.rounds if st.rounds else 0.0
+        st.plans = self.planner.describe()
+        st.expected_tokens_per_round = expected_tokens_per_round(st.alpha, round(st.mean_gamma))
+        st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
 
 
 GREEDY = SamplingSettings(temperature=0.0)
@@ -420,7 +521,7 @@ async def _settle(job, spec_task):
 
 
 def sampling_proto(s: SamplingSettings) -> pb.SamplingParams:
-    p = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.top_p < 1 else 0.0,
+    p = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,  # 1.0 = off, as the wire says
                           max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids),
                           ignore_eos=s.ignore_eos)
     if s.seed is not None:
@@ -456,37 +557,25 @@ async def stream_cloud_only(stub: pb_grpc.VerifierStub, prompt_ids: Sequence[int
 
 
 class EdgeClient:
-    def __init__(self, server: str, drafter: Drafter, tokenizer: Tokenizer, *, gamma: int | str = 5,
-                 qmode: QMode | str = "fixed", deadline_s: float = 30.0, max_retries: int = 8,
-                 max_replays: int = 8, max_gamma: int = 12, channel: grpc.aio.Channel | None = None,
-                 draft_executor: Executor | None = None, on_round: Callable[[RoundEvent], None] | None = None,
-                 token: str | None = None, tls: bool = False, tls_ca: str | bytes | None = None,
-                 tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
-                 tls_server_name: str | None = None, max_wait_s: float = 300.0,
-                 tree: "str | TreeShape" = "off", max_tree_nodes: int = 64, proactive: bool = False,
-                 pipeline: bool = False):
-        self.server, self.drafter, self.tokenizer = server, drafter, tokenizer
-        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    """Generations against one verifier. `options`: EdgeOptions (or just the verifier's address);
+    `channel`: share an open channel instead of opening one; `draft_executor`: where drafting runs
+    (a server: one worker serialises the sessions' drafting); `on_round`: called with each
+    committed round (metrics)."""
+
+    def __init__(self, options: EdgeOptions | str, drafter: Drafter, tokenizer: Tokenizer, *,
+                 channel: grpc.aio.Channel | None = None, draft_executor: Executor | None = None,
+                 on_round: Callable[[RoundEvent], None] | None = None):
+        self.options = EdgeOptions(Transport(options)) if isinstance(options, str) else options
+        self.transport, self.speculation = self.options.transport, self.options.speculation
+        self.drafter, self.tokenizer = drafter, tokenizer
+        self.token = self.options.security.bearer_token()
         self._metadata = auth_metadata(self.token)
-        self._tls = dict(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, tls_server_name=tls_server_name)
-        self.max_wait_s = max_wait_s
-        self.gamma = gamma
-        self.qmode = QMode.parse(qmode) if isinstance(qmode, str) else qmode
-        self.deadline_s, self.max_retries, self.max_replays, self.max_gamma = deadline_s, max_retries, max_replays, max_gamma
         self._channel = channel
         self._own_channel = channel is None
-        # Drafting in an executor keeps the event loop free while the draft model runs (a server
-        # with many sessions); one worker serialises the sessions' drafting on the CPU.
         self.draft_executor = draft_executor
         self.on_round = on_round
         self._background: set[asyncio.Task] = set()  # Close calls that outlive a cancelled generation
-        # "off": chains; "auto": the cost model picks chain or tree each round; a TreeShape: always.
-        self.tree = TreeShape.parse(tree) if isinstance(tree, str) and tree not in ("off", "auto") else tree
-        self.max_tree_nodes = max_tree_nodes
-        # proactive: draft the next round during the round trip, from the most likely outcome;
-        # pipeline: also send it before the reply (the server verifies it only on that base).
-        self.proactive, self.pipeline = proactive, pipeline
-        if self.tree != "off" and not drafter.supports_trees:
+        if self.speculation.tree != "off" and not drafter.supports_trees:
             raise ValueError(f"the {drafter.name} drafter does not build trees; use tree='off'")
         self._reached = False
         # Special tokens (EOS, <|im_end|>) end generation; they are not printed.
@@ -494,7 +583,7 @@ class EdgeClient:
 
     async def __aenter__(self) -> "EdgeClient":
         if self._channel is None:
-            self._channel = open_channel(self.server, **self._tls)
+            self._channel = open_channel(self.transport.server, **self.options.security.channel_kwargs())
         self._stub = pb_grpc.VerifierStub(self._channel)
         return self
 
@@ -502,7 +591,7 @@ class EdgeClient:
         if self._background:
             # Close calls of generations cancelled mid-open: let them reach the verifier before
             # the channel goes (else their sessions hold KV memory until the verifier's TTL).
-            await asyncio.wait(list(self._background), timeout=self.deadline_s)
+            await asyncio.wait(list(self._background), timeout=self.transport.deadline_s)
         if self._own_channel and self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -512,43 +601,76 @@ class EdgeClient:
         return Generation(self, ids, settings)
 
     async def server_info(self) -> pb.ServerInfo:
-        return await self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.deadline_s, metadata=self._metadata)
+        info = await self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.transport.deadline_s,
+                                              metadata=self._metadata)
+        _SERVER_LIMITS[self._channel] = ServerLimits.from_info(info)
+        return info
+
+    async def _speculation(self, st: GenerationStats) -> Speculation:
+        """The speculation options within the verifier's limits (its ServerInfo, asked once per
+        channel: clients that share a channel share the answer)."""
+        limits = _SERVER_LIMITS.get(self._channel)
+        if limits is None:
+            async def ask() -> pb.ServerInfo:
+                return await self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.transport.deadline_s,
+                                                      wait_for_ready=self._reached, metadata=self._metadata)
+            try:
+                limits = ServerLimits.from_info(await self._call(ask, st, "server info"))
+            except EdgeError as e:
+                if e.code != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                limits = ServerLimits()  # a verifier that does not say: nothing to cap by
+            _SERVER_LIMITS[self._channel] = limits
+        return self.speculation.within(limits)
+
+    def _forget_server_limits(self) -> None:
+        _SERVER_LIMITS.pop(self._channel, None)
 
     async def _verify(self, req: pb.VerifyRequest, st: GenerationStats, retries: int | None = None) -> pb.VerifyReply:
-        delay, attempt, waited_s = 0.05, 0, 0.0
-        max_retries = self.max_retries if retries is None else retries
-        while True:
+        async def attempt() -> pb.VerifyReply:
             st.bytes_up += req.ByteSize() + GRPC_FRAME_BYTES
+            # Once a verifier has answered, wait for it to come back (restart) instead of failing fast;
+            # before that, an address with nothing behind it fails within the retry budget.
+            reply = await self._stub.Verify(req, timeout=self.transport.deadline_s, wait_for_ready=self._reached,
+                                            metadata=self._metadata)
+            st.bytes_down += reply.ByteSize() + GRPC_FRAME_BYTES
+            return reply
+        return await self._call(attempt, st, f"round {req.round}", retries)
+
+    async def _call(self, attempt: Callable[[], Awaitable], st: GenerationStats, what: str,
+                    retries: int | None = None):
+        """`attempt()`, one RPC, until it answers: a refusal for load (a retry hint) is waited out,
+        UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED are retried with backoff; anything else, or
+        running out of patience, raises EdgeError."""
+        delay, attempts, waited_s = 0.05, 0, 0.0
+        max_retries = self.transport.max_retries if retries is None else retries
+        while True:
             try:
-                # Once a verifier has answered, wait for it to come back (restart) instead of failing fast;
-                # before that, an address with nothing behind it fails within the retry budget.
-                reply = await self._stub.Verify(req, timeout=self.deadline_s, wait_for_ready=self._reached,
-                                                metadata=self._metadata)
+                answer = await attempt()
                 self._reached = True
-                st.bytes_down += reply.ByteSize() + GRPC_FRAME_BYTES
-                return reply
+                return answer
             except grpc.aio.AioRpcError as e:
                 hint_s = retry_after_s(e)
                 if hint_s is not None and e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) \
-                        and waited_s < self.max_wait_s:
+                        and waited_s < self.transport.max_wait_s:
                     # Refused for load: wait the hint plus up to as much again, drawn at random, so
                     # that edges refused together do not return together.
                     self._reached = True
-                    wait_s = min(hint_s * (1 + random.random()), self.max_wait_s - waited_s)
+                    wait_s = min(hint_s * (1 + random.random()), self.transport.max_wait_s - waited_s)
                     st.backoffs += 1
                     st.backoff_s += wait_s
                     waited_s += wait_s
-                    log.info("round %d: %s, backing off %.2fs: %s", req.round, e.code().name, wait_s, e.details())
+                    log.info("%s: %s, backing off %.2fs: %s", what, e.code().name, wait_s, e.details())
                     await asyncio.sleep(wait_s)
                     continue
-                if e.code() in RETRYABLE and attempt < max_retries:
-                    attempt += 1
+                if e.code() in RETRYABLE and attempts < max_retries:
+                    attempts += 1
                     st.retries += 1
-                    log.info("round %d: %s, retrying in %.2fs", req.round, e.code().name, delay)
+                    log.info("%s: %s, retrying in %.2fs", what, e.code().name, delay)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 2.0)
                     continue
-                raise EdgeError(e.code(), e.details() or "") from None
+                raise EdgeError(e.code(), e.details() or "", retry_after_s=hint_s) from None
 
     async def _in_drafter(self, fn, *args, thread: bool = False):
         """Run drafting work in the drafting executor when there is one (a server: one worker
@@ -580,7 +702,7 @@ class EdgeClient:
 
     async def _close(self, session_id: str) -> None:
         try:
-            await self._stub.Close(pb.CloseRequest(session_id=session_id), timeout=self.deadline_s,
+            await self._stub.Close(pb.CloseRequest(session_id=session_id), timeout=self.transport.deadline_s,
                                    metadata=self._metadata)
         except grpc.aio.AioRpcError as e:  # best effort: the server's TTL frees it anyway
             log.debug("close failed: %s", e.code().name)

@@ -168,10 +168,13 @@ def _block_count(path: str) -> int:
 def cmd_eval_draft(args) -> int:
     from rich.console import Console
     from edge_client.draftmaker.evaluate import evaluate_drafts, load_prompts
+    from spec_core.warping import SamplingSettings
 
     err = Console(stderr=True)
     try:
-        temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
+        # Checked as sampling settings (the one rule), before any model loads.
+        temps = [SamplingSettings(temperature=float(t)).temperature for t in args.temperatures.split(",") if t.strip()]
+        SamplingSettings(temperature=args.fom_temperature)
         prompts = load_prompts(args.prompts)
         if args.per_category:
             prompts = _first_per_category(prompts, args.per_category)

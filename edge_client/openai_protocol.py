@@ -22,10 +22,11 @@ class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers  # e.g. retry-after on a 429
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -48,10 +49,12 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = ""
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)          # vLLM's extension: -1 or 0 = off
-    max_tokens: int | None = Field(default=None, ge=1)
+    # Sampling values are typed here and checked where the settings are built (SamplingSettings:
+    # one rule for the whole project), which refuses a bad one with a 400 naming it.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None                               # vLLM's extension: -1 or 0 = off
+    max_tokens: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -81,6 +84,10 @@ class SamplingRequest(BaseModel):
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+    def max_tokens_param(self) -> str:
+        """The parameter that sets max_new_tokens, to name it in an error."""
+        return "max_tokens"
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -119,10 +126,13 @@ REFUSED: list[tuple[str, tuple, str]] = [
 
 class ChatRequest(SamplingRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def conversation(self) -> list[dict[str, str]]:
         """Messages as {"role", "content"} strings for the chat template; refuses images, audio, tools."""

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import signal
 import socket
 import threading
@@ -31,16 +32,15 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from edge_client.cli import build_drafter, security_kwargs
 from edge_client.client import EdgeClient, EdgeError, GenerationStats, RoundEvent
 from edge_client.drafters import Drafter, GGUFDrafter
 from edge_client.metrics import EdgeMetrics
 from edge_client.openai_protocol import (APIError, ChatRequest, CompletionRequest, ResponseShape, SamplingRequest,
                                          Usage, parse)
+from edge_client.options import EdgeOptions, build_drafter, draft_path, options_from_args
 from edge_client.stopstrings import StopStrings, tokens_covering
-from spec_core.drafting import QMode
 from spec_core.proto import verifier_pb2 as pb
-from spec_core.warping import SamplingSettings
+from spec_core.warping import SamplingError, SamplingSettings
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,19 @@ class ClientGone(Exception):
 
 
 def api_error_from_edge(e: EdgeError, server: str) -> APIError:
-    """A gRPC status from the verifier as the HTTP status an OpenAI client understands."""
+    """A gRPC status from the verifier as the HTTP status an OpenAI client understands. Only a
+    refusal for load (one with a retry hint) is a 429: OpenAI clients retry a 429, and retrying
+    a request the verifier refuses for what it asks (a limit, the context window) never helps."""
     c = grpc.StatusCode
     if e.code in (c.UNAVAILABLE, c.DEADLINE_EXCEEDED, c.CANCELLED):
         return APIError(503, f"the verifier at {server} is unavailable: {e}", code="verifier_unavailable")
+    if e.code == c.RESOURCE_EXHAUSTED and e.retry_after_s is not None:
+        return APIError(429, f"the verifier is busy; retry in {e.retry_after_s:g} s or later: {e}",
+                        code="verifier_busy", type="rate_limit_error",
+                        headers={"retry-after": str(max(1, math.ceil(e.retry_after_s)))})
     if e.code == c.RESOURCE_EXHAUSTED:
-        return APIError(429, f"the verifier is at its limits: {e}", code="verifier_busy", type="rate_limit_error")
+        return APIError(400, f"the request is beyond the verifier's limits (retrying will not help; ask for "
+                             f"less): {e}", code="verifier_limit")
     if e.code in (c.INVALID_ARGUMENT, c.OUT_OF_RANGE):
         return APIError(400, f"the verifier refused the request: {e}")
     # Credentials, a tokenizer mismatch, an internal fault: nothing the app can change.
@@ -73,9 +80,11 @@ class DraftPool:
     only in the draft worker thread; idle ones are kept for the next request. Stateless drafters
     (prompt lookup, synthetic) are shared by every session."""
 
-    def __init__(self, size: int, executor: ThreadPoolExecutor, model=None, shared: Drafter | None = None):
+    def __init__(self, size: int, executor: ThreadPoolExecutor, model=None, shared: Drafter | None = None,
+                 tree_nodes: int = 0):
         assert (model is None) != (shared is None)
         self.model, self.shared, self.executor = model, shared, executor
+        self.tree_nodes = tree_nodes  # nodes each drafter's KV cache holds for a tree (0: chains only)
         self._slots = asyncio.Semaphore(size)
         self._idle: list[GGUFDrafter] = []
 
@@ -86,7 +95,7 @@ class DraftPool:
                 yield self.shared
                 return
             d = self._idle.pop() if self._idle else await asyncio.get_running_loop().run_in_executor(
-                self.executor, lambda: GGUFDrafter(self.model, n_ctx=n_ctx))
+                self.executor, lambda: GGUFDrafter(self.model, n_ctx=n_ctx, max_tree_nodes=self.tree_nodes))
             try:
                 yield d
             finally:
@@ -126,7 +135,9 @@ class Outcome:
             "round_trip_s_mean": sum(rtt) / n if n else 0.0,
             "verify_rpc_s_mean": sum(r.rpc_s for r in self.rounds) / n if n else 0.0,
             "draft_s": st.draft_s, "server_model_s": st.server_model_s, "ttft_s": st.ttft_s, "wall_s": st.wall_s,
-            "retries": st.retries, "replays": st.replays,
+            "retries": st.retries, "replays": st.replays, "nodes_per_round": st.nodes_per_round,
+            "tree_rounds": st.tree_rounds, "plans": st.plans, "reused_drafts": st.reused_drafts,
+            "pipelined_rounds": st.pipelined_rounds, "discarded_rounds": st.discarded_rounds,
         }}
 
 
@@ -134,10 +145,10 @@ class EdgeService:
     """One loaded draft, one gRPC channel to the verifier, the drafting thread; what the HTTP
     handlers call. Start and stop it inside the event loop that serves (`async with`)."""
 
-    def __init__(self, server: str, tokenizer, pool: DraftPool, client_kwargs: dict, metrics: EdgeMetrics,
+    def __init__(self, options: EdgeOptions, tokenizer, pool: DraftPool, metrics: EdgeMetrics,
                  served_model_name: str | None = None, on_close: Callable[[], None] | None = None):
-        self.server, self.tokenizer, self.pool = server, tokenizer, pool
-        self.client_kwargs, self.metrics = client_kwargs, metrics
+        self.options, self.tokenizer, self.pool, self.metrics = options, tokenizer, pool, metrics
+        self.server = options.transport.server
         self.served_model_name = served_model_name
         self._on_close = on_close
         self._info: pb.ServerInfo | None = None
@@ -147,7 +158,8 @@ class EdgeService:
     async def __aenter__(self) -> "EdgeService":
         # The parent client owns the channel (and whatever credentials EdgeClient puts on it);
         # each request's EdgeClient shares it.
-        self._parent = EdgeClient(self.server, _NoDrafter(), self.tokenizer, **self.client_kwargs)
+        channel_only = EdgeOptions(self.options.transport, security=self.options.security)
+        self._parent = EdgeClient(channel_only, _NoDrafter(), self.tokenizer)
         await self._parent.__aenter__()
         return self
 
@@ -209,11 +221,16 @@ class EdgeService:
             raise APIError(400, f"this model's maximum context length is {n_ctx} tokens; {n_prompt + max_new} "
                                 f"were requested ({n_prompt} in the prompt, {max_new} to generate)",
                            param="max_tokens", code="context_length_exceeded")
-        return SamplingSettings(
-            temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
-            top_k=max(0, req.top_k or 0), top_p=1.0 if req.top_p is None else req.top_p,
-            max_new_tokens=max_new if max_new is not None else n_ctx - n_prompt,
-            seed=req.seed, ignore_eos=req.ignore_eos)
+        try:
+            return SamplingSettings(
+                temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
+                top_k=0 if req.top_k in (None, -1) else req.top_k,  # vLLM's -1 = off
+                top_p=1.0 if req.top_p is None else req.top_p,
+                max_new_tokens=max_new if max_new is not None else n_ctx - n_prompt,
+                seed=req.seed, ignore_eos=req.ignore_eos)
+        except SamplingError as e:
+            param = req.max_tokens_param() if e.field == "max_new_tokens" else e.field
+            raise APIError(400, f"{param}: {e.problem}", param=param) from None
 
     async def generate(self, prompt_ids: list[int], settings: SamplingSettings, stops: list[str],
                        n_ctx: int, out: Outcome) -> AsyncIterator[str]:
@@ -226,8 +243,8 @@ class EdgeService:
         try:
             # Every request's client shares the parent's channel (one HTTP/2 connection to the verifier).
             async with self.pool.drafter(n_ctx) as drafter, \
-                    EdgeClient(self.server, drafter, self.tokenizer, channel=self._parent._channel,
-                               draft_executor=self.pool.executor, on_round=on_round, **self.client_kwargs) as client:
+                    EdgeClient(self.options, drafter, self.tokenizer, channel=self._parent._channel,
+                               draft_executor=self.pool.executor, on_round=on_round) as client:
                 gen = client.generate(prompt_ids, settings)
                 stop = StopStrings(stops)
                 try:
@@ -314,7 +331,7 @@ def create_app(service: EdgeService) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(_request: Request, e: APIError):
         metrics.errors.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_request: Request, _e: ClientGone):
@@ -406,27 +423,20 @@ def create_app(service: EdgeService) -> FastAPI:
 # --- process ------------------------------------------------------------------------------------
 
 def service_from_args(args) -> EdgeService:
-    """Load the draft (once) and build the service from `edge-client serve` arguments."""
+    """Load the draft (once) and build the service from `edge-client serve` arguments (OptionError
+    for a bad one, before anything loads)."""
+    options = options_from_args(args)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
-    on_close = None
     if args.drafter == "gguf":
-        from edge_client.drafters import DEFAULT_DRAFT
         from llama_runtime import GGUFModel
-        path = args.draft or (str(DEFAULT_DRAFT) if DEFAULT_DRAFT.is_file() else None)
-        if not path:
-            raise SystemExit("--draft DRAFT.gguf is required with --drafter gguf "
-                             "(make one with: edge-client make-draft --target TARGET.gguf --out DRAFT.gguf)")
-        model = GGUFModel(path, n_threads=args.threads)
-        pool, tokenizer, on_close = DraftPool(args.max_concurrent, executor, model=model), model, model.close
+        model = GGUFModel(draft_path(args), n_threads=args.threads)
+        pool = DraftPool(args.max_concurrent, executor, model=model, tree_nodes=options.speculation.draft_tree_nodes)
+        tokenizer, on_close = model, model.close
     else:
-        drafter, tokenizer = build_drafter(args)
+        drafter, tokenizer = build_drafter(args, options.speculation)
         pool = DraftPool(args.max_concurrent, executor, shared=drafter)
         on_close = drafter.close
-    client_kwargs = dict(gamma=args.gamma if args.gamma == "adaptive" else int(args.gamma),
-                         qmode=QMode.parse(args.qmode), deadline_s=args.deadline, max_retries=args.retries,
-                         max_gamma=args.max_gamma, **security_kwargs(args))
-    return EdgeService(args.server, tokenizer, pool, client_kwargs, EdgeMetrics(), args.served_model_name,
-                       on_close=on_close)
+    return EdgeService(options, tokenizer, pool, EdgeMetrics(), args.served_model_name, on_close=on_close)
 
 
 async def serve(app: FastAPI, host: str, port: int, on_ready: Callable[[int], None] | None = None) -> None:

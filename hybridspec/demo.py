@@ -20,14 +20,16 @@ DEFAULT_PROMPT = "Write a Python function that reverses a list."
 
 
 def add_parser(sub) -> None:
-    from edge_client.cli import add_generation_args
+    from edge_client.cli import add_sampling_args
+    from edge_client.options import add_edge_options
     p = sub.add_parser("demo", help="run a verifier and an edge on the bundled models and print the stats",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="target GGUF (default: bundled SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--verifier-threads", type=int, default=1)
     p.add_argument("--no-baseline", action="store_true", help="skip the cloud-only comparison")
     p.add_argument("--json", action="store_true", help="end with one JSON line of statistics")
-    add_generation_args(p)
+    add_sampling_args(p)
+    add_edge_options(p, server=False, security=False)  # the demo starts its own verifier, on loopback
     p.set_defaults(func=cmd_demo, prompt=DEFAULT_PROMPT, chat=True, threads=1, seed=1, top_p=0.95)
 
 
@@ -43,7 +45,9 @@ async def cloud_only(server: str, ids: list[int], settings) -> dict:
 def cmd_demo(args) -> int:
     from cloud_verifier.process import spawn_verifier
     from edge_client.cli import prompt_ids, run_generate, settings_from_args
+    from edge_client.options import options_from_args
     from llama_runtime import GGUFModel, bundled_model_path
+    options, settings = options_from_args(args), settings_from_args(args)  # before anything starts
     target = args.target or str(bundled_model_path())
     if args.drafter == "gguf" and not args.draft:
         if DEFAULT_DRAFT.is_file():
@@ -58,13 +62,13 @@ def cmd_demo(args) -> int:
     proc, server = spawn_verifier(["--model", target, "--threads", str(args.verifier_threads)])
     try:
         print(f"[demo] verifier on {server}; edge output follows\n", file=sys.stderr)
-        stats = asyncio.run(run_generate(args, server))
+        stats = asyncio.run(run_generate(args, options.at(server), settings))
         baseline = None
         if not args.no_baseline:
             tok = GGUFModel(target, vocab_only=True)
             ids = prompt_ids(args, tok)
             ids = tok.tokenize(ids) if isinstance(ids, str) else ids
-            baseline = asyncio.run(cloud_only(server, ids, settings_from_args(args)))
+            baseline = asyncio.run(cloud_only(server, ids, settings))
     finally:
         proc.terminate()
         proc.wait(10)

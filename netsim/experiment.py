@@ -166,6 +166,7 @@ class Runner:
         if mode == "edge-only":
             return self._edge_only(profile, workload, index, prompt_ids, settings)
         from edge_client.client import EdgeClient, stream_cloud_only
+        from edge_client.options import EdgeOptions, Speculation, Transport
         from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.VerifierStub(channel)
@@ -180,8 +181,9 @@ class Runner:
                 extra = {"proactive": {"proactive": True}, "pipeline": {"pipeline": True}}.get(mode, {})
                 if mode == "tree":
                     extra = {"tree": f"budget={4 * int(gamma)},depth={gamma},branching=2,width=2"}
-                async with EdgeClient(f"127.0.0.1:{port}", self.drafter, self.tokenizer, gamma=g,
-                                      qmode=self.cfg.qmode, channel=channel, deadline_s=120, **extra) as client:
+                options = EdgeOptions(Transport(f"127.0.0.1:{port}", deadline_s=120),
+                                      Speculation(gamma=g, qmode=self.cfg.qmode, **extra))
+                async with EdgeClient(options, self.drafter, self.tokenizer, channel=channel) as client:
                     gen = client.generate(prompt_ids, settings)
                     await gen.text()
                 st = gen.stats

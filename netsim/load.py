@@ -370,8 +370,9 @@ async def _one_request(mode, stub, channel, drafter, edges, prompt, settings, re
             committed(count)
         return
     gamma = "adaptive" if mode == "adaptive" else edges.cfg.gamma
-    async with EdgeClient("", drafter, edges.tokenizer, gamma=gamma, qmode=edges.cfg.qmode, channel=channel,
-                          deadline_s=120) as client:
+    from edge_client.options import EdgeOptions, Speculation, Transport
+    options = EdgeOptions(Transport("", deadline_s=120), Speculation(gamma=gamma, qmode=edges.cfg.qmode))
+    async with EdgeClient(options, drafter, edges.tokenizer, channel=channel) as client:
         generation = client.generate(prompt, settings)
         try:
             async for _ in generation:

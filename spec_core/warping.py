@@ -22,25 +22,79 @@ without changing a number:
 """
 from __future__ import annotations
 
+import math
+import operator
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 
 
+def is_greedy(temperature: float) -> bool:
+    """The one rule: temperature 0 means greedy (a point mass on the first argmax)."""
+    return temperature <= 0.0
+
+
+class SamplingError(ValueError):
+    """A sampling setting out of range: `field` names the SamplingSettings field, `problem` says
+    what is wrong with its value."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field} {problem}")
+        self.field, self.problem = field, problem
+
+
+def _integer(name: str, value, low: int, high: int | None = None) -> int:
+    try:
+        v = operator.index(value)  # any integer type (numpy's too); a float is refused
+    except TypeError:
+        raise SamplingError(name, f"must be an integer, got {value!r}") from None
+    if v < low or (high is not None and v > high):
+        raise SamplingError(name, f"must be in [{low}, {high}], got {v}" if high is not None
+                            else f"must be >= {low}, got {v}")
+    return v
+
+
+def _real(name: str, value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise SamplingError(name, f"must be a number, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0            # 0 = off
-    top_p: float = 1.0        # >= 1 or <= 0 = off
-    max_new_tokens: int = 128
+    """How the target samples, and so how the draft drafts. Checked on construction (the one rule
+    for a valid setting, both ends use it): SamplingError names the field and what to change."""
+
+    temperature: float = 1.0  # >= 0; 0 = greedy
+    top_k: int = 0            # >= 0; 0 = off
+    top_p: float = 1.0        # in [0, 1]; 1 (and 0, the wire's "unset") = off, kept as 1.0
+    max_new_tokens: int = 128  # >= 1
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = None   # None = fresh entropy; else in [0, 2**64 - 1] (the wire's uint64)
+
+    def __post_init__(self):
+        temperature = _real("temperature", self.temperature)
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise SamplingError("temperature", f"must be finite and >= 0 (0 = greedy), got {temperature}")
+        top_p = _real("top_p", self.top_p)
+        if not 0.0 <= top_p <= 1.0:  # NaN fails too
+            raise SamplingError("top_p", f"must be in [0, 1] (1 = off), got {top_p}")
+        checked = dict(
+            temperature=temperature, top_k=_integer("top_k", self.top_k, 0),
+            top_p=top_p if 0.0 < top_p < 1.0 else 1.0,  # the one place "off" is spelled
+            max_new_tokens=_integer("max_new_tokens", self.max_new_tokens, 1),
+            stop_token_ids=tuple(_integer("stop_token_ids", t, 0) for t in self.stop_token_ids),
+            ignore_eos=bool(self.ignore_eos),
+            seed=None if self.seed is None else _integer("seed", self.seed, 0, 2 ** 64 - 1))
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return is_greedy(self.temperature)
 
 
 # Rows shorter than this take the plain path: sorting a few thousand entries is already cheap.
@@ -58,7 +112,7 @@ def processed_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_
     if logits.dtype != np.float32:
         logits = logits.astype(np.float64, copy=False)
     rows, vocab = logits.shape
-    if temperature <= 0.0:
+    if is_greedy(temperature):
         out = np.zeros((rows, vocab), dtype=np.float64)
         out[np.arange(rows), np.argmax(logits, axis=-1)] = 1.0  # float32 -> float64 keeps the order
         return out

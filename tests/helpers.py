@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from typing import Callable
@@ -11,6 +12,7 @@ import grpc
 from cloud_verifier.backends.base import Backend
 from cloud_verifier.engine import Limits
 from cloud_verifier.server import VerifierServer
+from edge_client.options import EdgeOptions, Security, Speculation, Transport
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 
 
@@ -69,3 +71,16 @@ class HeldPasses:
         self.entered.set()
         self.sessions_per_pass.append(len({it[0] for it in items}))
         return self.inner.decode(items)
+
+
+def edge_options(server: str, **fields) -> EdgeOptions:
+    """EdgeOptions for the verifier at `server`, each keyword given to the record with that field
+    (gamma=4, qmode="none": Speculation; deadline_s=10: Transport; token="t": Security)."""
+    parts = {}
+    for record in (Transport, Speculation, Security):
+        names = {f.name for f in dataclasses.fields(record)}
+        parts[record] = {k: fields.pop(k) for k in list(fields) if k in names}
+    if fields:
+        raise TypeError(f"no edge option named {sorted(fields)}")
+    return EdgeOptions(Transport(server, **parts[Transport]), Speculation(**parts[Speculation]),
+                       Security(**parts[Security]))

@@ -149,3 +149,34 @@ async def test_generate_validates_too(stub):
                                                         sampling=pb.SamplingParams(temperature=1)), timeout=5):
             pass
     assert e.value.code() == INVALID and "outside the vocabulary" in e.value.details()
+
+
+# --- one rule for sampling settings (spec_core.warping), used by both ends and every CLI ----------
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2 ** 64}, "seed"),
+    ({"stop_token_ids": (3, -1)}, "stop_token_ids"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_sampling_settings_refuse_bad_values_naming_the_field(kwargs, field):
+    from spec_core.warping import SamplingError, SamplingSettings
+    with pytest.raises(SamplingError) as e:
+        SamplingSettings(**kwargs)
+    assert e.value.field == field and str(e.value).startswith(field)
+
+
+def test_sampling_settings_spell_top_p_off_once_and_greedy_once():
+    from spec_core.warping import SamplingSettings, is_greedy
+    assert SamplingSettings(top_p=0.0).top_p == SamplingSettings(top_p=1.0).top_p == 1.0  # both mean off
+    assert SamplingSettings(top_p=0.9).top_p == 0.9
+    assert SamplingSettings(temperature=0.0).greedy and is_greedy(0.0)
+    assert not SamplingSettings(temperature=0.1).greedy and not is_greedy(0.1)

@@ -16,7 +16,7 @@ from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
 from edge_client.drafters import GGUFDrafter, SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
-from helpers import HeldPasses, running_server, stub_for
+from helpers import HeldPasses, edge_options, running_server, stub_for
 from test_exactness_stats import chi_square_p, exact_sequence_probs
 from llama_runtime import GGUFModel, SharedKV
 from spec_core.batchplan import PassItem
@@ -237,7 +237,7 @@ def test_replayed_cache_equals_the_cache_built_in_rounds(tiny_models):
 # --- end to end: same seed, same text ---------------------------------------------------------
 
 async def _generate(port, drafter, prompt, seed, n=24, gamma=4, **client_kw):
-    async with EdgeClient(f"127.0.0.1:{port}", drafter, drafter.model, gamma=gamma, **client_kw) as c:
+    async with EdgeClient(edge_options(f"127.0.0.1:{port}", gamma=gamma, **client_kw), drafter, drafter.model) as c:
         gen = c.generate(prompt, SamplingSettings(temperature=0.9, top_p=0.95, max_new_tokens=n, ignore_eos=True,
                                                   seed=seed))
         await gen.text()
@@ -543,8 +543,8 @@ async def _sequence_counts(backend, n, concurrency=48, tree="off"):
     sem = asyncio.Semaphore(concurrency)
     settings = SamplingSettings(temperature=1.0, max_new_tokens=L, ignore_eos=True)
     async with running_server(backend, max_sessions=concurrency + 8) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", SyntheticDrafter(V, seed=0, noise=1.0), tok,
-                              gamma=2, qmode="float:0", tree=tree) as c:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2, qmode="float:0", tree=tree),
+                              SyntheticDrafter(V, seed=0, noise=1.0), tok) as c:
             async def one():
                 async with sem:
                     gen = c.generate([0], settings)

@@ -32,6 +32,7 @@ from cloud_verifier.process import READY
 from edge_client import EdgeClient
 from edge_client.drafters import SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
+from helpers import edge_options
 from netsim.effects import Delay, Jitter, Loss, Outage
 from netsim.link import Link
 from netsim.profiles import Profile
@@ -111,7 +112,8 @@ class Edge:
         self.greedy = k % 2 == 0
         self.stop_at_eos = k % 4 == 3   # the rest ignore EOS and run to their length
         self.drafter = RecordingDrafter(VOCAB, seed=k, noise=1.0)
-        self.client = EdgeClient(address, self.drafter, SyntheticTokenizer(VOCAB), gamma=4, token=token, **client)
+        self.client = EdgeClient(edge_options(address, gamma=4, token=token, **client), self.drafter,
+                                 SyntheticTokenizer(VOCAB))
         self.settings = SamplingSettings(temperature=0.0 if self.greedy else 1.0, max_new_tokens=n_tokens,
                                          ignore_eos=not self.stop_at_eos, seed=100 + k)
         self.gen = None

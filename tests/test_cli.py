@@ -75,3 +75,46 @@ def test_demo_runs_verifier_edge_and_baseline(tiny_models):
     assert stats["tokens"] >= 1 and stats["rounds"] >= 1
     assert stats["cloud_only"]["tokens"] >= 1 and stats["cloud_only"]["wall_s"] > 0
     assert "[demo] hybrid:" in r.stderr and "[demo] cloud-only:" in r.stderr
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature"),
+    (["generate", "--prompt", "hi", "--top-p", "1.5"], "--top-p"),
+    (["generate", "--prompt", "hi", "--max-tokens", "0"], "--max-tokens"),
+    (["generate", "--prompt", "hi", "--seed", "-3"], "--seed"),
+    (["generate", "--prompt", "hi", "--gamma", "-2"], "--gamma"),
+    (["generate", "--prompt", "hi", "--tree", "budget=lots"], "--tree"),
+    (["generate", "--prompt", "hi", "--q", "fixed:x"], "--q"),
+    (["serve", "--gamma", "many"], "--gamma"),
+    (["serve", "--max-gamma", "0"], "--max-gamma"),
+    (["serve", "--deadline", "0"], "--deadline"),
+])
+def test_bad_values_are_refused_before_any_model_loads(argv, flag, capsys, tmp_path):
+    """An argparse error naming the option; the draft (a file that does not exist) is never loaded."""
+    from edge_client.cli import main
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--draft", str(tmp_path / "missing.gguf"), "--server", "127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}:" in err and "usage:" in err
+
+
+def test_demo_refuses_a_bad_value_before_it_starts_a_verifier(capsys):
+    from hybridspec.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--temperature", "-1", "--target", "/nonexistent/target.gguf"])
+    assert e.value.code == 2 and "argument --temperature:" in capsys.readouterr().err
+
+
+def test_serve_honours_trees_and_rounds_in_flight():
+    """`edge-client serve` took --tree, --proactive and --pipeline and dropped them."""
+    from edge_client.cli import build_parser
+    from edge_client.serve import service_from_args
+    args = build_parser().parse_args(["serve", "--drafter", "synthetic", "--gamma", "adaptive", "--tree", "auto",
+                                      "--proactive", "--pipeline", "--max-tree-nodes", "16"])
+    service = service_from_args(args)
+    try:
+        spec = service.options.speculation
+        assert (spec.gamma, spec.tree, spec.max_tree_nodes, spec.proactive, spec.pipeline) == \
+            ("adaptive", "auto", 16, True, True)
+    finally:
+        service.pool.executor.shutdown()

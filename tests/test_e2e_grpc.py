@@ -9,7 +9,7 @@ from cloud_verifier.backends.llama_cpp import LlamaCppBackend
 from edge_client import EdgeClient, EdgeError
 from edge_client.drafters import GGUFDrafter, PromptLookupDrafter
 from edge_client.text import render_chat
-from helpers import running_server, stub_for
+from helpers import edge_options, running_server, stub_for
 from llama_runtime import GGUFModel
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.warping import SamplingSettings
@@ -62,7 +62,8 @@ def check_same_or_near_tie(model_path, prompt_ids, hybrid, reference):
 async def test_greedy_hybrid_equals_target_greedy(target_backend, drafter, tiny_models, gamma, qmode, prompt):
     n = 40
     async with running_server(target_backend) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=gamma, qmode=qmode) as c:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=gamma, qmode=qmode), drafter,
+                              drafter.model) as c:
             gen = c.generate(prompt, SamplingSettings(temperature=0.0, max_new_tokens=n, ignore_eos=True))
             await gen.text()
         ids = drafter.model.tokenize(prompt)
@@ -75,7 +76,7 @@ async def test_greedy_hybrid_equals_target_greedy(target_backend, drafter, tiny_
 
 async def test_sampling_run_reports_consistent_stats(target_backend, drafter):
     async with running_server(target_backend) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=4) as c:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=4), drafter, drafter.model) as c:
             gen = c.generate("the list", SamplingSettings(temperature=0.8, top_p=0.95, max_new_tokens=30,
                                                            ignore_eos=True, seed=5))
             pieces = [p async for p in gen]
@@ -92,7 +93,7 @@ async def test_same_seed_same_output(target_backend, drafter):
     outs = []
     async with running_server(target_backend) as server:
         for _ in range(2):
-            async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=3) as c:
+            async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=3), drafter, drafter.model) as c:
                 gen = c.generate("hello", SamplingSettings(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=9))
                 await gen.text()
                 outs.append(gen.stats.token_ids)
@@ -104,7 +105,7 @@ async def test_prompt_lookup_drafter_runs_exact_greedy(target_backend, tiny_mode
     d = PromptLookupDrafter(fingerprint=model.fingerprint)
     prompt = "the list the list the list the list"
     async with running_server(target_backend) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", d, model, gamma=4, qmode="none") as c:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=4, qmode="none"), d, model) as c:
             gen = c.generate(prompt, SamplingSettings(temperature=0.0, max_new_tokens=24, ignore_eos=True))
             await gen.text()
         reference = await target_greedy(server, model.tokenize(prompt), 24)
@@ -114,7 +115,7 @@ async def test_prompt_lookup_drafter_runs_exact_greedy(target_backend, tiny_mode
 async def test_stop_token_ends_generation(target_backend, drafter):
     # Make a frequent token a stop token: generation must end right after it is committed.
     async with running_server(target_backend) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=4) as c:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=4), drafter, drafter.model) as c:
             free = c.generate("hello", SamplingSettings(temperature=0.0, max_new_tokens=30, ignore_eos=True))
             await free.text()
             stop = free.stats.token_ids[5]
@@ -155,7 +156,7 @@ async def test_mismatched_tokenizer_is_refused(target_backend, tiny_models):
     d = GGUFDrafter(str(tiny_models["other_vocab"]), n_threads=1, n_ctx=512)
     try:
         async with running_server(target_backend) as server:
-            async with EdgeClient(f"127.0.0.1:{server.port}", d, d.model, gamma=2) as c:
+            async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2), d, d.model) as c:
                 with pytest.raises(EdgeError, match="tokenizer mismatch") as e:
                     await c.generate("hello", SamplingSettings(temperature=0.0, max_new_tokens=5)).text()
     finally:

@@ -125,3 +125,20 @@ def test_a_fresh_venv_with_only_the_edge_extra_generates(tiny_models, tmp_path):
         proc.wait(20)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["tokens"] == 8
+
+
+def _modules(path: Path) -> set[str]:
+    """Every module a file imports, by full name (`from edge_client import cli` counts as edge_client.cli)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def test_serve_does_not_import_the_cli():
+    """cli and serve imported each other; what both need (the options, the drafter) is in options."""
+    assert "edge_client.cli" not in _modules(ROOT / "edge_client" / "serve.py")
+    assert "edge_client.cli" not in _modules(ROOT / "edge_client" / "options.py")

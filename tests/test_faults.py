@@ -15,6 +15,7 @@ from cloud_verifier.server import VerifierServer
 from edge_client import EdgeClient
 from edge_client.drafters import GGUFDrafter, SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
+from helpers import edge_options
 from spec_core.synthetic import SyntheticLM
 from spec_core.warping import SamplingSettings
 
@@ -56,8 +57,8 @@ def _unavailable():
 async def test_lost_replies_are_retried_without_double_commit(temperature):
     backend = SyntheticBackend(vocab=VOCAB)
     async with VerifierServer(backend, "127.0.0.1", 0, Limits()) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", SyntheticDrafter(VOCAB, noise=1.0),
-                              SyntheticTokenizer(VOCAB), gamma=4) as c:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=4), SyntheticDrafter(VOCAB, noise=1.0),
+                              SyntheticTokenizer(VOCAB)) as c:
             c._stub = LosingReplies(c._stub)
             gen = c.generate("5 6 7", SamplingSettings(temperature=temperature, max_new_tokens=N, ignore_eos=True,
                                                        seed=3))
@@ -94,8 +95,8 @@ async def generate_across_a_restart(client_for, settings: SamplingSettings):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 async def test_verifier_restart_is_survived_by_replay(temperature):
     st = await generate_across_a_restart(
-        lambda port: EdgeClient(f"127.0.0.1:{port}", SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB),
-                                gamma=3, deadline_s=10),
+        lambda port: EdgeClient(edge_options(f"127.0.0.1:{port}", gamma=3, deadline_s=10),
+                                SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB)),
         SamplingSettings(temperature=temperature, max_new_tokens=N, ignore_eos=True, seed=4))
     assert st.replays >= 1
     assert st.tokens == N == len(st.token_ids)
@@ -109,7 +110,7 @@ async def test_restart_with_real_gguf_target_keeps_greedy_output(tiny_models):
     make = lambda: LlamaCppBackend(str(tiny_models["target"]), n_ctx=512, n_threads=1)  # noqa: E731
     settings = SamplingSettings(temperature=0.0, max_new_tokens=40, ignore_eos=True)
     async with VerifierServer(make(), "127.0.0.1", 0, Limits()) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=4) as c:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=4), drafter, drafter.model) as c:
             reference = c.generate("hello world", settings)
             await reference.text()
     server = await VerifierServer(make(), "127.0.0.1", 0, Limits(), grace_s=0).start()
@@ -124,7 +125,7 @@ async def test_restart_with_real_gguf_target_keeps_greedy_output(tiny_models):
         return original(*a, **kw)
     drafter.propose = propose
     try:
-        async with EdgeClient(f"127.0.0.1:{port}", drafter, drafter.model, gamma=4, deadline_s=10) as c:
+        async with EdgeClient(edge_options(f"127.0.0.1:{port}", gamma=4, deadline_s=10), drafter, drafter.model) as c:
             gen = c.generate("hello world", settings)
             it = gen.__aiter__()
             await it.__anext__()

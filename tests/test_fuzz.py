@@ -26,6 +26,7 @@ from cloud_verifier.server import VerifierServer
 from edge_client import EdgeClient
 from edge_client.drafters import SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
+from helpers import edge_options
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.synthetic import SyntheticLM, synthetic_fingerprint
@@ -157,8 +158,8 @@ class EdgeAlongside(threading.Thread):
 
     async def _loop(self):
         settings_ = SamplingSettings(temperature=0.0, max_new_tokens=40, ignore_eos=True)
-        async with EdgeClient(self.address, SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB), gamma=4,
-                              deadline_s=20, max_replays=1000) as c:
+        async with EdgeClient(edge_options(self.address, gamma=4, deadline_s=20, max_replays=1000),
+                              SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB)) as c:
             while not self.done.is_set() or self.completed == 0:
                 k = self.completed % 7
                 gen = c.generate(f"3 {k} 9", settings_)

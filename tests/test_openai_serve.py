@@ -257,14 +257,14 @@ async def test_edge_client_hooks_executor_on_round_and_close_when_left_early(tin
 
     from edge_client import EdgeClient
     from edge_client.drafters import GGUFDrafter
-    from helpers import running_server
+    from helpers import edge_options, running_server
     from spec_core.warping import SamplingSettings
 
     drafter = GGUFDrafter(str(tiny_models["draft"]), n_threads=1, n_ctx=N_CTX)
     events, executor = [], ThreadPoolExecutor(1)
     try:
         async with running_server(LlamaCppBackend(str(tiny_models["target"]), n_ctx=N_CTX, n_threads=1)) as server:
-            async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=2,
+            async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2), drafter, drafter.model,
                                   draft_executor=executor, on_round=events.append) as c:
                 gen = c.generate("hello", SamplingSettings(temperature=0, max_new_tokens=200, ignore_eos=True))
                 async for _ in gen:
@@ -291,7 +291,7 @@ async def test_edge_client_hooks_executor_on_round_and_close_when_left_early(tin
         {"type": "text", "text": "what is this?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "messages[0].content[1]"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"temperature": 3.0}, "temperature"),
+    ({"temperature": -1.0}, "temperature"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
@@ -302,6 +302,46 @@ def test_unsupported_parameters_get_400_naming_them(client, kwargs, param):
     assert e.value.status_code == 400
     assert e.value.param == param and e.value.type == "invalid_request_error"
     assert param.split("[")[0] in e.value.message
+
+
+def test_only_a_refusal_with_a_retry_hint_is_a_429():
+    """A 429 tells an OpenAI client to retry (the SDK does, by itself); a refusal without a retry
+    hint is about the request (a limit), and retrying it never helps: 400, saying so."""
+    import grpc
+
+    from edge_client.client import EdgeError
+    from edge_client.serve import api_error_from_edge
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+    limit = api_error_from_edge(EdgeError(exhausted, "gamma = 12 draft tokens is above this server's limit of 8"), "v")
+    assert limit.status == 400 and limit.type == "invalid_request_error" and "limit of 8" in limit.message
+    assert "retrying will not help" in limit.message
+    busy = api_error_from_edge(EdgeError(exhausted, "all 8 session slots are in use", retry_after_s=1.5), "v")
+    assert busy.status == 429 and busy.type == "rate_limit_error" and busy.headers == {"retry-after": "2"}
+
+
+def test_bad_sampling_values_get_400_naming_them(client):
+    for kwargs, param in (({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"),
+                          ({"max_tokens": 0}, "max_tokens"), ({"extra_body": {"top_k": -3}}, "top_k")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="any", prompt="hi", **kwargs)
+        assert e.value.param == param and param in e.value.message
+
+
+def test_serve_with_trees_and_pipelining_reports_them(verifier, tiny_models):
+    """--tree and --pipeline reach each request's generation (they were dropped), and the
+    response's hybridspec field says how the rounds went."""
+    proc, url, _ = spawn_edge(verifier.address, tiny_models["draft"], "--tree", "budget=8,depth=3", "--pipeline")
+    try:
+        c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        r = c.completions.create(model="any", prompt="hello world, the list", max_tokens=24, temperature=0)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    hs = r.model_extra["hybridspec"]
+    assert hs["tree_rounds"] > 0 and hs["nodes_per_round"] > 1
+    assert {"pipelined_rounds", "discarded_rounds", "reused_drafts", "plans"} <= set(hs)
+    reference = edge_generate(verifier, tiny_models, "hello world, the list", 24)  # greedy: the same text
+    assert r.choices[0].text == reference["text"]
 
 
 def test_bad_json_and_batch_prompts_get_400(edge, client):

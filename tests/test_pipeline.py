@@ -16,7 +16,7 @@ from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
 from edge_client.drafters import GGUFDrafter, SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
-from helpers import running_server, stub_for
+from helpers import edge_options, running_server, stub_for
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.warping import SamplingSettings
 from test_e2e_grpc import PROMPTS, check_same_or_near_tie, target_greedy
@@ -26,7 +26,8 @@ N = 60
 
 
 def synthetic_client(port, noise=0.3, **kw):
-    return EdgeClient(f"127.0.0.1:{port}", SyntheticDrafter(VOCAB, noise=noise), SyntheticTokenizer(VOCAB), **kw)
+    return EdgeClient(edge_options(f"127.0.0.1:{port}", **kw), SyntheticDrafter(VOCAB, noise=noise),
+                      SyntheticTokenizer(VOCAB))
 
 
 @pytest.mark.parametrize("mode", [{"proactive": True}, {"pipeline": True},
@@ -57,8 +58,8 @@ async def test_greedy_gguf_hybrid_with_rounds_in_flight_equals_target(tiny_model
     drafter = GGUFDrafter(str(tiny_models["draft"]), n_threads=1, n_ctx=512, max_tree_nodes=16)
     try:
         async with running_server(backend) as server:
-            async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=4, qmode="none",
-                                  **mode) as c:
+            async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=4, qmode="none", **mode),
+                                  drafter, drafter.model) as c:
                 gen = c.generate(prompt, SamplingSettings(temperature=0.0, max_new_tokens=n, ignore_eos=True))
                 await gen.text()
             ids = drafter.model.tokenize(prompt)

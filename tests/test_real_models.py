@@ -7,7 +7,7 @@ from cloud_verifier.backends.llama_cpp import LlamaCppBackend
 from edge_client import EdgeClient
 from edge_client.drafters import PromptLookupDrafter
 from edge_client.text import render_chat
-from helpers import running_server
+from helpers import edge_options, running_server
 from llama_runtime import GGUFModel, bundled_model_path
 from spec_core.warping import SamplingSettings
 from test_e2e_grpc import check_same_or_near_tie, target_greedy
@@ -32,7 +32,7 @@ async def test_greedy_hybrid_equals_target_greedy_on_smollm2(target_path, prompt
     n = 48
     drafter = PromptLookupDrafter(fingerprint=tok.fingerprint)
     async with running_server(backend) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", drafter, tok, gamma=4, qmode="none") as c:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=4, qmode="none"), drafter, tok) as c:
             gen = c.generate(ids, SamplingSettings(temperature=0.0, max_new_tokens=n, ignore_eos=True))
             await gen.text()
         reference = await target_greedy(server, ids, n)

@@ -13,7 +13,7 @@ from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
 from edge_client.drafters import SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
-from helpers import running_server, stub_for
+from helpers import edge_options, running_server, stub_for
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.synthetic import synthetic_fingerprint
 from spec_core.warping import SamplingSettings
@@ -119,8 +119,8 @@ async def test_refused_first_round_leaves_no_session_behind():
 
 async def test_generation_runs_to_the_end_of_the_context():
     async with running_server(SyntheticBackend(vocab=64, n_ctx=40)) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", SyntheticDrafter(64), SyntheticTokenizer(64),
-                              gamma=6) as c:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=6), SyntheticDrafter(64),
+                              SyntheticTokenizer(64)) as c:
             gen = c.generate([0, 5, 6], SamplingSettings(temperature=1.0, max_new_tokens=100, ignore_eos=True,
                                                          seed=2))
             await gen.text()
@@ -146,11 +146,51 @@ async def test_a_generation_cancelled_mid_open_is_closed_before_the_client_exits
     its KV memory) until its TTL. Before, the channel closed first and the Close was lost."""
     backend = SyntheticBackend(vocab=16, step_ms=300)
     async with running_server(backend) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", SyntheticDrafter(16, noise=1.0), SyntheticTokenizer(16),
-                              gamma=2) as c:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2), SyntheticDrafter(16, noise=1.0),
+                              SyntheticTokenizer(16)) as c:
             gen = c.generate([0, 3], SamplingSettings(temperature=0.0, max_new_tokens=50, ignore_eos=True))
             task = asyncio.ensure_future(gen.text())
             await asyncio.sleep(0.1)            # the open round is in the verifier's pass
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         assert len(server.engine.sessions) == 0
+
+
+@pytest.mark.parametrize("options", [
+    {"gamma": "adaptive", "max_gamma": 12},
+    {"gamma": 8},
+    {"gamma": 4, "tree": "budget=12,depth=5,branching=2,width=2"},
+], ids=["adaptive", "fixed-above-the-limit", "tree-above-the-limits"])
+async def test_the_edge_keeps_its_rounds_within_the_verifier_limits(options):
+    """The edge reads the verifier's ServerInfo: against `--max-gamma 3` (and at most 6 tree nodes)
+    adaptive γ (which starts at 4), a fixed γ of 8 and a 12-node tree used to be refused with
+    RESOURCE_EXHAUSTED every round, failing the generation."""
+    events = []
+    async with running_server(SyntheticBackend(vocab=64), max_gamma=3, max_tree_nodes=6) as server:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", **options), SyntheticDrafter(64, noise=1.0),
+                              SyntheticTokenizer(64), on_round=events.append) as c:
+            gen = c.generate([0, 5, 6], SamplingSettings(temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=3))
+            await gen.text()
+    assert gen.stats.tokens == 40 and events
+    assert max(e.gamma for e in events) <= 3  # chain length, or tree depth
+    assert gen.stats.nodes_per_round <= 6
+    if "tree" in options:
+        assert gen.stats.tree_rounds > 0
+
+
+async def test_limits_are_asked_again_after_a_refusal_for_them():
+    """The limits are asked once per channel; a verifier restarted behind it with smaller ones
+    (here: a stale answer) fails one generation, and the next asks again instead of failing too."""
+    from edge_client.client import _SERVER_LIMITS, EdgeError
+    from edge_client.options import ServerLimits
+    async with running_server(SyntheticBackend(vocab=64), max_gamma=3) as server:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=8), SyntheticDrafter(64, noise=1.0),
+                              SyntheticTokenizer(64)) as c:
+            _SERVER_LIMITS[c._channel] = ServerLimits(max_gamma=16)  # what the verifier said before its restart
+            settings = SamplingSettings(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+            with pytest.raises(EdgeError) as e:
+                await c.generate([0, 5, 6], settings).text()
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.retry_after_s is None
+            gen = c.generate([0, 5, 6], settings)
+            await gen.text()
+    assert gen.stats.tokens == 20

@@ -28,6 +28,7 @@ from edge_client import EdgeClient
 from edge_client.client import EdgeError, open_channel
 from edge_client.drafters import SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
+from helpers import edge_options
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.synthetic import SyntheticLM, synthetic_fingerprint
@@ -82,7 +83,8 @@ def server(tokens=None, tls=None, policy=ServerPolicy(), backend=None, **limits)
 
 
 def edge(addr, **kw):
-    return EdgeClient(addr, SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB), gamma=3, deadline_s=10, **kw)
+    return EdgeClient(edge_options(addr, gamma=3, deadline_s=10, **kw), SyntheticDrafter(VOCAB, noise=1.0),
+                      SyntheticTokenizer(VOCAB))
 
 
 GREEDY = SamplingSettings(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -328,6 +330,22 @@ async def test_full_server_refuses_newcomers_instead_of_evicting_busy_sessions()
                 await stub.Verify(pb.VerifyRequest(session_id=r.session_id, round=2,
                                                    committed_length=r.committed_length), timeout=3)
             assert (await stub.Verify(open_req(b"x" * 16), timeout=3)).round == 1
+
+
+async def test_a_refusal_says_whether_retrying_can_help():
+    """EdgeError carries the verifier's retry hint: set when it refused for load (no session slot),
+    None when it refused what the request asks (above a cap): `edge-client serve` answers only the
+    first with HTTP 429, which OpenAI clients retry."""
+    async with server(policy=ServerPolicy(evict_idle_after_s=60), max_sessions=1, max_new_tokens_cap=50) as s:
+        async with edge(f"127.0.0.1:{s.port}", max_wait_s=0) as c:
+            with pytest.raises(EdgeError) as too_long:
+                await c.generate("5 1", SamplingSettings(temperature=0.0, max_new_tokens=100)).text()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") as ch:
+                await pb_grpc.VerifierStub(ch).Verify(open_req(b"1" * 16), timeout=3)  # takes the one slot
+            with pytest.raises(EdgeError) as busy:
+                await c.generate("5 1", GREEDY).text()
+    assert busy.value.code == too_long.value.code == EXHAUSTED
+    assert busy.value.retry_after_s > 0 and too_long.value.retry_after_s is None
 
 
 async def test_a_session_whose_round_queued_long_is_not_idle_when_it_ends():

@@ -10,7 +10,7 @@ from edge_client import EdgeClient
 from edge_client.drafters import GGUFDrafter, SyntheticDrafter
 from edge_client.gamma import FixedGamma, RoundPlan, TreePolicy
 from edge_client.text import SyntheticTokenizer
-from helpers import running_server
+from helpers import edge_options, running_server
 from spec_core.tree import TreeShape
 from spec_core.warping import SamplingSettings
 from test_e2e_grpc import PROMPTS, check_same_or_near_tie, target_greedy
@@ -35,8 +35,8 @@ async def test_greedy_hybrid_with_trees_equals_target_greedy(target_backend, tre
                                                              prompt):
     n = 40
     async with running_server(target_backend) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", tree_drafter, tree_drafter.model, gamma=4, qmode=qmode,
-                              tree=tree, max_tree_nodes=16) as c:
+        options = edge_options(f"127.0.0.1:{server.port}", gamma=4, qmode=qmode, tree=tree, max_tree_nodes=16)
+        async with EdgeClient(options, tree_drafter, tree_drafter.model) as c:
             gen = c.generate(prompt, SamplingSettings(temperature=0.0, max_new_tokens=n, ignore_eos=True))
             await gen.text()
         ids = tree_drafter.model.tokenize(prompt)
@@ -49,8 +49,8 @@ async def test_greedy_hybrid_with_trees_equals_target_greedy(target_backend, tre
 
 async def test_sampled_tree_run_reports_consistent_stats(target_backend, tree_drafter):
     async with running_server(target_backend) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", tree_drafter, tree_drafter.model, gamma=4,
-                              tree="budget=8,depth=3,branching=2,width=2") as c:
+        options = edge_options(f"127.0.0.1:{server.port}", gamma=4, tree="budget=8,depth=3,branching=2,width=2")
+        async with EdgeClient(options, tree_drafter, tree_drafter.model) as c:
             gen = c.generate("the list", SamplingSettings(temperature=0.8, top_p=0.95, max_new_tokens=30,
                                                            ignore_eos=True, seed=5))
             await gen.text()
@@ -65,8 +65,8 @@ async def test_synthetic_pair_with_trees_commits_the_kept_paths():
     backend = SyntheticBackend(vocab=64, seed=0)
     drafter = SyntheticDrafter(vocab=64, seed=0, noise=1.0)
     async with running_server(backend) as server:
-        async with EdgeClient(f"127.0.0.1:{server.port}", drafter, SyntheticTokenizer(64), gamma=4,
-                              tree="budget=12,depth=4,branching=3,width=2") as c:
+        options = edge_options(f"127.0.0.1:{server.port}", gamma=4, tree="budget=12,depth=4,branching=3,width=2")
+        async with EdgeClient(options, drafter, SyntheticTokenizer(64)) as c:
             gen = c.generate([0, 5], SamplingSettings(temperature=1.0, max_new_tokens=60, ignore_eos=True, seed=1))
             await gen.text()
     assert gen.stats.tokens == 60 and gen.stats.tokens_per_round > 1

@@ -205,11 +205,11 @@ async def _greedy_hybrid_and_reference(backend, tiny, n: int, max_tree_nodes: in
     (stats, prompt ids, reference ids)."""
     from edge_client import EdgeClient
     from edge_client.drafters import GGUFDrafter
-    from helpers import running_server
+    from helpers import edge_options, running_server
     drafter = GGUFDrafter(str(tiny["draft"]), n_threads=1, n_ctx=512, max_tree_nodes=max_tree_nodes)
     try:
         async with running_server(backend) as server:
-            async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, **client_kw) as c:
+            async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", **client_kw), drafter, drafter.model) as c:
                 gen = c.generate(PROMPT, SamplingSettings(temperature=0.0, max_new_tokens=n, ignore_eos=True))
                 await gen.text()
             ids = drafter.model.tokenize(PROMPT)
@@ -278,13 +278,13 @@ def test_first_token_through_tree_verify_follows_the_processed_target(backend, t
 async def test_seeded_sampling_through_grpc_is_reproducible(backend, tiny):
     from edge_client import EdgeClient
     from edge_client.drafters import GGUFDrafter
-    from helpers import running_server
+    from helpers import edge_options, running_server
     drafter = GGUFDrafter(str(tiny["draft"]), n_threads=1, n_ctx=512)
     outs = []
     try:
         async with running_server(backend) as server:
             for _ in range(2):
-                async with EdgeClient(f"127.0.0.1:{server.port}", drafter, drafter.model, gamma=3) as c:
+                async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=3), drafter, drafter.model) as c:
                     gen = c.generate(PROMPT, SamplingSettings(temperature=0.8, top_k=20, top_p=0.9,
                                                               max_new_tokens=16, ignore_eos=True, seed=11))
                     await gen.text()

@@ -65,7 +65,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from spec_core.costmodel import RoundCosts, best_gamma, expected_tokens_per_round
-from spec_core.warping import processed_probs, sample
+from spec_core.warping import is_greedy, processed_probs, sample
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def target_continuation(ctx, ids: Sequence[int], n_tokens: int, temperature: flo
     seq, out = list(ids), []
     for _ in range(n_tokens):
         logits = ctx.logits(seq, 1)[0]
-        tok = int(np.argmax(logits)) if temperature <= 0 else sample(processed_probs(logits, temperature), rng)
+        tok = int(np.argmax(logits)) if is_greedy(temperature) else sample(processed_probs(logits, temperature), rng)
         out.append(tok)
         seq.append(tok)
         if tok in stop_ids:
@@ -142,7 +142,7 @@ def teacher_forced_logits(ctx, ids: Sequence[int], continuation: Sequence[int]) 
 
 def acceptance(target_logits: np.ndarray, draft_logits: np.ndarray, temperature: float) -> np.ndarray:
     """sum_x min(p_T, q_T) per row  # [rows, vocab] x2 -> [rows]"""
-    if temperature <= 0:
+    if is_greedy(temperature):
         return (np.argmax(target_logits, axis=-1) == np.argmax(draft_logits, axis=-1)).astype(np.float64)
     target_probs = processed_probs(target_logits, temperature)
     draft_probs = processed_probs(draft_logits, temperature)

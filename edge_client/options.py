@@ -1,0 +1,318 @@
+"""The edge's options, built once: how to speculate, how to reach the verifier, how to prove who
+we are. `EdgeClient(options, drafter, tokenizer)` takes them.
+
+    options = EdgeOptions(Transport("127.0.0.1:50051"), Speculation(gamma="adaptive", tree="auto"))
+
+From a command line: `add_edge_options(parser)` adds the shared options (drafter, speculation,
+network, security) and `options_from_args(args)` builds the object, raising OptionError that names
+the option to change. Each record checks itself on construction, so a bad value is refused here,
+before a model loads or a verifier is asked.
+
+The verifier states its own limits (ServerInfo: largest γ, tree nodes, branching);
+`Speculation.within(limits)` is what the edge actually sends against that verifier.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+
+from spec_core.drafting import QMode
+from spec_core.tree import TreeShape
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "HYBRIDSPEC_TOKEN"   # the bearer token when none is given
+DEFAULT_SERVER = "127.0.0.1:50051"
+ADAPTIVE = "adaptive"
+TREE_MODES = ("off", "auto")
+
+
+class OptionError(ValueError):
+    """A bad option value: `option` names it (a field, or on the command line the flag, e.g.
+    'argument --gamma'), `problem` says what is wrong with it."""
+
+    def __init__(self, option: str, problem: str):
+        super().__init__(f"{option}: {problem}")
+        self.option, self.problem = option, problem
+
+
+def parse_gamma(value: str | int) -> int | str:
+    """γ: draft tokens per round (an integer >= 0; 0 drafts nothing, the target steps alone), or
+    'adaptive' (the cost model picks it each round). The one place γ is read from text."""
+    if value == ADAPTIVE:
+        return ADAPTIVE
+    problem = f"must be an integer >= 0 or 'adaptive', got {value!r}"
+    if isinstance(value, float) and not value.is_integer():
+        raise OptionError("gamma", problem)
+    try:
+        gamma = int(value)
+    except (TypeError, ValueError):
+        raise OptionError("gamma", problem) from None
+    if gamma < 0:
+        raise OptionError("gamma", problem)
+    return gamma
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise OptionError(name, f"must be >= {low}, got {value}")
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one verifier accepts in a round (its ServerInfo); None: not stated, nothing to cap by."""
+
+    max_gamma: int | None = None           # largest chain (and tree depth)
+    max_tree_nodes: int | None = None      # 0: chains only
+    max_tree_branching: int | None = None  # children of one node
+
+    @classmethod
+    def from_info(cls, info) -> "ServerLimits":
+        # In ServerInfo 0 means "not stated" for γ and branching, "chains only" for tree nodes.
+        return cls(info.max_gamma or None, info.max_tree_nodes, info.max_tree_branching or None)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How the edge drafts. Strings are accepted where the command line has them
+    (gamma '5' or 'adaptive', qmode 'fixed:16:16', tree 'budget=16,depth=4')."""
+
+    gamma: int | str = 5                 # draft tokens per round, or "adaptive"
+    max_gamma: int = 12                  # upper bound for adaptive γ
+    qmode: QMode | str = field(default_factory=QMode)   # q on the wire (spec_core.drafting.QMode)
+    tree: str | TreeShape = "off"        # "off" (chains), "auto" (cost model), or a TreeShape every round
+    max_tree_nodes: int = 64             # largest tree "auto" may send
+    proactive: bool = False              # draft the next round during the round trip
+    pipeline: bool = False               # also send it before the reply (verified only on its base)
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        set_("gamma", parse_gamma(self.gamma))
+        _at_least("max_gamma", self.max_gamma, 1)
+        _at_least("max_tree_nodes", self.max_tree_nodes, 1)
+        if isinstance(self.qmode, str):
+            try:
+                set_("qmode", QMode.parse(self.qmode))
+            except (TypeError, ValueError) as e:
+                raise OptionError("qmode", f"{self.qmode!r}: {e}") from None
+        if isinstance(self.tree, str) and self.tree not in TREE_MODES:
+            try:
+                set_("tree", TreeShape.parse(self.tree))
+            except (TypeError, ValueError) as e:
+                raise OptionError("tree", f"'off', 'auto' or a shape such as 'budget=16,depth=4,branching=2,"
+                                          f"width=4', got {self.tree!r}: {e}") from None
+
+    @property
+    def draft_tree_nodes(self) -> int:
+        """Tree nodes the drafter must hold at once (0: chains only)."""
+        if self.tree == "off":
+            return 0
+        budget = self.tree.budget if isinstance(self.tree, TreeShape) else 0
+        return max(self.max_tree_nodes, budget, 64)
+
+    def within(self, limits: ServerLimits) -> "Speculation":
+        """These options, capped by what one verifier accepts (a longer γ or a larger tree would be
+        refused with RESOURCE_EXHAUSTED every round)."""
+        out = self
+        if limits.max_gamma is not None:
+            if self.gamma != ADAPTIVE and self.gamma > limits.max_gamma:
+                log.warning("gamma %d is above the verifier's limit; drafting %d", self.gamma, limits.max_gamma)
+                out = dataclasses.replace(out, gamma=limits.max_gamma)
+            out = dataclasses.replace(out, max_gamma=min(out.max_gamma, limits.max_gamma))
+        if self.tree == "off":
+            return out
+        if limits.max_tree_nodes == 0:
+            log.warning("the verifier verifies chains only; drafting chains instead of trees")
+            return dataclasses.replace(out, tree="off")
+        if limits.max_tree_nodes is not None:
+            out = dataclasses.replace(out, max_tree_nodes=min(out.max_tree_nodes, limits.max_tree_nodes))
+        if isinstance(self.tree, TreeShape):
+            s = self.tree
+            capped = TreeShape(budget=min(s.budget, limits.max_tree_nodes or s.budget),
+                               depth=min(s.depth, limits.max_gamma or s.depth),
+                               branching=min(s.branching, limits.max_tree_branching or s.branching), width=s.width)
+            if capped != s:
+                log.warning("tree %s is beyond the verifier's limits; drafting %s", s, capped)
+                out = dataclasses.replace(out, tree=capped)
+        return out
+
+
+@dataclass(frozen=True)
+class Transport:
+    """Where the verifier is and how hard to try."""
+
+    server: str = DEFAULT_SERVER         # host:port
+    deadline_s: float = 30.0             # allowed per RPC before it is retried
+    max_retries: int = 8                 # retries of one round on UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED
+    max_replays: int = 8                 # replays of the committed sequence after NOT_FOUND / out of step
+    max_wait_s: float = 300.0            # waiting out refusals for load (retry hints), per round
+
+    def __post_init__(self):
+        if not self.deadline_s > 0:
+            raise OptionError("deadline_s", f"must be > 0 seconds, got {self.deadline_s}")
+        _at_least("max_retries", self.max_retries, 0)
+        _at_least("max_replays", self.max_replays, 0)
+        if not self.max_wait_s >= 0:
+            raise OptionError("max_wait_s", f"must be >= 0 seconds, got {self.max_wait_s}")
+
+
+@dataclass(frozen=True)
+class Security:
+    """TLS (mutual with a client certificate and key) and the bearer token. PEM values are bytes
+    or paths to PEM files."""
+
+    tls: bool = False                    # TLS trusting the system's CAs (implied by any tls_* below)
+    tls_ca: str | bytes | None = None    # CA bundle to trust for the verifier's certificate
+    tls_cert: str | bytes | None = None  # client certificate, for mutual TLS (with tls_key)
+    tls_key: str | bytes | None = None
+    tls_server_name: str | None = None   # name to check the certificate against, when not the address
+    token: str | None = None             # bearer token; None: $HYBRIDSPEC_TOKEN
+
+    def __post_init__(self):
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise OptionError("tls_cert", "give both tls_cert and tls_key, or neither (a client certificate and "
+                                          "its key, for mutual TLS)")
+
+    def bearer_token(self) -> str | None:
+        return self.token if self.token is not None else os.environ.get(TOKEN_ENV) or None
+
+    def channel_kwargs(self) -> dict:
+        """open_channel's keyword arguments."""
+        return dict(tls=self.tls, tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
+                    tls_server_name=self.tls_server_name)
+
+
+@dataclass(frozen=True)
+class EdgeOptions:
+    transport: Transport = field(default_factory=Transport)
+    speculation: Speculation = field(default_factory=Speculation)
+    security: Security = field(default_factory=Security)
+
+    def at(self, server: str) -> "EdgeOptions":
+        """The same options for the verifier at `server`."""
+        return dataclasses.replace(self, transport=dataclasses.replace(self.transport, server=server))
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+def add_edge_options(p: argparse.ArgumentParser, *, server: bool = True, drafting: bool = True,
+                     security: bool = True) -> None:
+    """The options every edge command shares: --server, the drafter and speculation (`drafting`),
+    the network, and TLS and the token (`security`)."""
+    if server:
+        p.add_argument("--server", default=DEFAULT_SERVER, help="verifier address host:port")
+    if drafting:
+        _add_drafting(p)
+    n = p.add_argument_group("network")
+    n.add_argument("--deadline", type=float, default=30.0, help="seconds allowed per RPC before it is retried")
+    if drafting:
+        n.add_argument("--retries", type=int, default=8, help="retries of one round on UNAVAILABLE / DEADLINE_EXCEEDED")
+    if security:
+        _add_security(p)
+
+
+def _add_drafting(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("speculation")
+    s.add_argument("--gamma", default="5", help="draft tokens per round, or 'adaptive'")
+    s.add_argument("--max-gamma", type=int, default=12, help="upper bound for adaptive gamma")
+    s.add_argument("--q", default="fixed:16:16", dest="qmode",
+                   help="q on the wire: none | fixed[:TOPK[:BITS]] | float[:TOPK] (TOPK 0 = whole vocabulary)")
+    s.add_argument("--drafter", choices=["gguf", "lookup", "synthetic"], default="gguf",
+                   help="gguf: a draft model (--draft); lookup: prompt lookup, no model; synthetic: test pair")
+    s.add_argument("--draft", help="draft GGUF file sharing the target's tokenizer (default: models/smollm2-draft.gguf "
+                                   "when it exists)")
+    s.add_argument("--tokenizer", help="GGUF file whose vocabulary to use with --drafter lookup (default: bundled)")
+    s.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
+    s.add_argument("--tree", default="off",
+                   help="token trees: 'off' (chains), 'auto' (the cost model picks chain or tree each round), or a "
+                        "shape 'budget=16,depth=4,branching=2,width=4' (that tree every round)")
+    s.add_argument("--max-tree-nodes", type=int, default=64, help="largest tree --tree auto may send")
+    s.add_argument("--proactive", action="store_true",
+                   help="while a round is in flight, draft the next one from its most likely outcome; reuse it "
+                        "when the reply matches")
+    s.add_argument("--pipeline", action="store_true",
+                   help="also send that next round before the reply (verified only if its base was committed, "
+                        "discarded and counted otherwise)")
+    s.add_argument("--synthetic-vocab", type=int, default=64)
+    s.add_argument("--synthetic-seed", type=int, default=0)
+    s.add_argument("--synthetic-noise", type=float, default=1.0)
+
+
+def _add_security(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("security", "TLS to the verifier and the bearer token it asks for")
+    t.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    t.add_argument("--tls-ca", help="PEM CA bundle to trust for the verifier's certificate (implies --tls)")
+    t.add_argument("--tls-cert", help="PEM client certificate, for mutual TLS (with --tls-key)")
+    t.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    t.add_argument("--tls-server-name", help="name to check the verifier's certificate against, when it differs "
+                                             "from the address in --server")
+    t.add_argument("--token", help=f"bearer token (default: ${TOKEN_ENV}); prefer --token-file or the "
+                                   "environment: a command line is visible to other users of the machine")
+    t.add_argument("--token-file", help="file holding the bearer token (e.g. a mounted secret)")
+
+
+# The flag that sets each field, to name it when a record refuses a value.
+FLAGS = {"gamma": "--gamma", "max_gamma": "--max-gamma", "qmode": "--q", "tree": "--tree",
+         "max_tree_nodes": "--max-tree-nodes", "deadline_s": "--deadline", "max_retries": "--retries",
+         "tls_cert": "--tls-cert/--tls-key"}
+
+
+def _as_flag(build):
+    try:
+        return build()
+    except OptionError as e:
+        raise OptionError(f"argument {FLAGS.get(e.option, e.option)}", e.problem) from None
+
+
+def options_from_args(args: argparse.Namespace) -> EdgeOptions:
+    """The EdgeOptions of add_edge_options' arguments; OptionError names a bad one."""
+    spec = Speculation()
+    if hasattr(args, "gamma"):
+        spec = _as_flag(lambda: Speculation(
+            gamma=args.gamma, max_gamma=args.max_gamma, qmode=args.qmode, tree=args.tree,
+            max_tree_nodes=args.max_tree_nodes, proactive=args.proactive, pipeline=args.pipeline))
+    transport = _as_flag(lambda: Transport(
+        server=getattr(args, "server", ""), deadline_s=args.deadline,
+        max_retries=getattr(args, "retries", Transport.max_retries)))
+    security = Security()
+    if hasattr(args, "token_file"):
+        token = args.token
+        if args.token_file:
+            try:
+                with open(args.token_file) as f:
+                    token = f.read().strip()
+            except OSError as e:
+                raise OptionError("argument --token-file", f"cannot read {args.token_file}: {e.strerror}") from None
+        security = _as_flag(lambda: Security(
+            tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            tls_server_name=args.tls_server_name, token=token))
+    return EdgeOptions(transport, spec, security)
+
+
+def build_drafter(args: argparse.Namespace, spec: Speculation):
+    """(drafter, tokenizer) from add_edge_options' drafter arguments (this loads the draft model)."""
+    from edge_client.drafters import GGUFDrafter, PromptLookupDrafter, SyntheticDrafter
+    if args.drafter == "synthetic":
+        from edge_client.text import SyntheticTokenizer
+        return (SyntheticDrafter(args.synthetic_vocab, args.synthetic_seed, args.synthetic_noise),
+                SyntheticTokenizer(args.synthetic_vocab))
+    if args.drafter == "lookup":
+        from llama_runtime import GGUFModel, bundled_model_path
+        tok = GGUFModel(args.tokenizer or bundled_model_path(), vocab_only=True)
+        return PromptLookupDrafter(fingerprint=tok.fingerprint), tok
+    d = GGUFDrafter(draft_path(args), n_threads=args.threads, max_tree_nodes=spec.draft_tree_nodes)
+    return d, d.model
+
+
+def draft_path(args: argparse.Namespace) -> str:
+    """--draft, or the default draft when it exists; SystemExit saying how to make one otherwise."""
+    from edge_client.drafters import DEFAULT_DRAFT
+    if args.draft:
+        return args.draft
+    if DEFAULT_DRAFT.is_file():
+        return str(DEFAULT_DRAFT)
+    raise SystemExit("--draft DRAFT.gguf is required with --drafter gguf "
+                     "(make one with: edge-client make-draft --target TARGET.gguf --out DRAFT.gguf)")
