@@ -140,18 +140,19 @@ class GGUFModel:
             pass
 
 
-# Batch-invariant evaluation on ggml's CPU backend (measured by bench/batch_invariance.py): a
+# Batch-invariant evaluation on ggml's CPU backend (bench/batch_invariance.py checks it; the sizes
+# of the differences are on docs/benchmarks.md): a
 # row's logits are bit-identical whatever else shares its llama_decode and however its KV cache
 # was chunked, provided that
 #   - flash attention is on: the non-flash path sums attention over KV cells in SIMD lanes, so a
-#     row depends on where other sequences' cells sit in a shared cache (0.36 logits measured);
+#     row depends on where other sequences' cells sit in a shared cache;
 #   - no decode holds a single token, nor asks for a single row of logits: for one row ggml
 #     picks vec_dot instead of llamafile's tinyBLAS for matmuls (the output projection runs over
-#     the wanted rows only), and a split-KV flash attention once the KV view reaches 512 cells
-#     (0.8-1.1 logits measured); such a decode gets a padding token in a scratch sequence, whose
+#     the wanted rows only), and a split-KV flash attention once the KV view reaches 512 cells;
+#     such a decode gets a padding token in a scratch sequence, whose
 #     row is computed too when one row is wanted;
 #   - no decode holds 64 tokens or more (GGML_FA_TILE_Q): from there ggml-cpu switches to a tiled
-#     flash attention (1.0 logits measured); decodes are cut at INVARIANT_UBATCH tokens.
+#     flash attention; decodes are cut at INVARIANT_UBATCH tokens.
 # The padding costs one extra token (and output row) per single-row decode; the cut only splits
 # long prefills. Contexts are made one token larger than the cut, for the padding.
 INVARIANT_UBATCH = 32
@@ -489,7 +490,7 @@ class SharedKV:
 
     Cells stay in position order. llama.cpp's CPU attention sums a row over the KV cells in cell
     order, so a sequence whose later tokens sit in cells before its earlier ones gets different
-    logits (up to 1.4 on the bundled target, measured). llama.cpp puts a decode's tokens in the
+    logits (by more than a rounding error: docs/many-edges.md). llama.cpp puts a decode's tokens in the
     first free cells from its search head, in batch order; so SharedKV never leaves a free cell
     below a used one. A rollback or a release hands the cells over to a retired sequence that no
     token attends to (llama_memory_seq_cp + seq_rm, metadata only), the free cells are one block
@@ -599,9 +600,8 @@ class SharedKV:
     def maintain(self) -> bool:
         """Between passes: compact if the next pass might not fit, or early, when retired cells
         are at least 256 and half the live ones (no tree in flight): attention runs over every
-        cell up to the top, masked or not, so retired cells slow each pass (bundled target, one
-        session, 5-token rounds: 30 ms with 200 cells taken, 64 ms with 15,000), while a
-        compaction costs ~15 us per live cell once. True when it compacted (tree jobs in flight
+        cell up to the top, masked or not, so retired cells slow each pass, while a compaction
+        costs a copy of each live cell once (both measured on docs/benchmarks.md). True when it compacted (tree jobs in flight
         lost their node cells and must be prepared again)."""
         live = self.live_cells
         if (self._holes or self._top + self.n_ubatch + 1 > self.n_cells

@@ -56,8 +56,8 @@ def format_blocks(blocks: Iterable[int]) -> str:
 class GGUFSource:
     """A GGUF file opened once for many layer-subset writes.
 
-    Parsing the metadata with gguf-py is the slow part (about 2.5 s for SmolLM2's 49k-token
-    vocabulary), so it is done here once; each write then costs only the byte copy (~0.3 s on tmpfs).
+    Parsing the metadata with gguf-py is the slow part (it grows with the vocabulary), so it is
+    done here once; each write then costs only the byte copy.
     """
 
     def __init__(self, path: str | os.PathLike):
