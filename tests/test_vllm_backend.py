@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from cloud_verifier.backends.vllm import PositionScore, verify_from_scores
+from spec_core.verify import PositionScore, verify_from_scores
 from spec_core.qcodec import encode_fixed, encode_float
 from spec_core.warping import SamplingSettings, processed_probs, sample
 
