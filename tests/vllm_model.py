@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from hybridspec.testing.vllm_model import cache_root, hf_folder_from_gguf, smollm2_folder  # noqa: E402,F401
+from hybridspec.testing.vllm_model import hf_folder_from_gguf, smollm2_folder  # noqa: E402
 from tiny_gguf import write_tiny_llama  # noqa: E402
 
 # head_dim = 128 / 2 = 64: vLLM's CPU attention kernels take 32..256 in steps of 16, not tests'
