@@ -29,10 +29,10 @@ import urllib.request
 import grpc
 import numpy as np
 
-from cloud_verifier.process import spawn_verifier
 from edge_client import EdgeClient
 from edge_client.client import stream_cloud_only
 from edge_client.options import EdgeOptions, Speculation, Transport
+from hybridspec.launch import spawn_verifier
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
 
@@ -130,8 +130,7 @@ def main(argv=None) -> int:
     elif args.target == "vllm":
         from edge_client.drafters import PromptLookupDrafter
         from llama_runtime import GGUFModel, bundled_model_path
-        sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))
-        from vllm_model import smollm2_folder
+        from hybridspec.testing.vllm_model import smollm2_folder
         tokenizer = GGUFModel(bundled_model_path(), vocab_only=True)
         make_drafter = lambda: PromptLookupDrafter(fingerprint=tokenizer.fingerprint)  # noqa: E731
         target_args = ["--backend", "vllm", "--model", args.vllm_model or str(smollm2_folder())]

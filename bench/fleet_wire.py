@@ -23,8 +23,8 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 
 import netsim.link  # noqa: E402
-from cloud_verifier.process import spawn_verifier  # noqa: E402
 from edge_client.client import EdgeClient, sampling_proto  # noqa: E402
+from hybridspec.launch import spawn_verifier  # noqa: E402
 from netsim.load import DraftCost, Edges, LoadConfig, Request, Window, _one_request  # noqa: E402
 from netsim.profiles import get_profile  # noqa: E402
 from netsim.proxy import LinkProxy  # noqa: E402

@@ -31,9 +31,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-import warping_reference as ref  # noqa: E402  the code before the fast paths
+from hybridspec.testing import warping_reference as ref  # noqa: E402  the code before the fast paths
 from spec_core.drafting import QMode, draft_step  # noqa: E402
 from spec_core.verify import verify_round, verify_round_on_logits  # noqa: E402
 from spec_core.warping import SamplingSettings, processed_probs  # noqa: E402
@@ -161,11 +160,11 @@ async def framework_figures(tokens: int) -> None:
 
     import grpc
 
-    from cloud_verifier.process import spawn_verifier
     from edge_client import EdgeClient
     from edge_client.client import sampling_proto
     from edge_client.options import EdgeOptions, Speculation, Transport
     from edge_client.drafters import SyntheticDrafter
+    from hybridspec.launch import spawn_verifier
     from spec_core import qcodec
     from spec_core.proto import verifier_pb2 as pb
     from spec_core.proto import verifier_pb2_grpc as pb_grpc

@@ -29,12 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cloud_verifier.process import spawn_verifier  # noqa: E402
 from edge_client import EdgeClient  # noqa: E402
-from edge_client.process import spawn_edge_server  # noqa: E402
 from edge_client.drafters import DEFAULT_DRAFT, GGUFDrafter, SyntheticDrafter  # noqa: E402
 from edge_client.options import EdgeOptions, Speculation, Transport  # noqa: E402
 from edge_client.text import SyntheticTokenizer  # noqa: E402
+from hybridspec.launch import spawn_edge_server, spawn_verifier  # noqa: E402
 from llama_runtime import bundled_model_path  # noqa: E402
 from spec_core.warping import SamplingSettings  # noqa: E402
 

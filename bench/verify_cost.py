@@ -11,7 +11,7 @@ writes a Markdown table.
   .venv-vllm/bin/python bench/verify_cost.py                      # both, SmolLM2, 512/2k/8k
   .venv-vllm/bin/python bench/verify_cost.py --backends llama.cpp --contexts 512,2048
 
-The vLLM model is the bundled SmolLM2 GGUF dequantized to an HF folder (tests/vllm_model.py,
+The vLLM model is the bundled SmolLM2 GGUF dequantized to an HF folder (hybridspec/testing/vllm_model.py,
 cached), or --vllm-model FOLDER. --prompt-logprobs also times the rejected alternative: one
 request with prompt_logprobs over context + drafts (no prefix cache).
 """
@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 TEXT = ("Speculative decoding lets a small draft model propose several tokens that a large target "
         "model checks in one forward pass. The output has exactly the target's distribution. ")
@@ -119,7 +118,7 @@ def main() -> int:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
             from cloud_verifier.backends.vllm import VllmBackend
-            from vllm_model import smollm2_folder
+            from hybridspec.testing.vllm_model import smollm2_folder
             folder = args.vllm_model or str(smollm2_folder())
             engine_args = dict(kv.split("=", 1) for kv in args.vllm_arg)
             backend = VllmBackend(folder, n_ctx=n_ctx, engine_args=engine_args)

@@ -364,18 +364,14 @@ class VerifierEngine:
                 self.backend.release(state)
 
     async def _generate_tokens(self, state, tokens, settings, stop, rng) -> AsyncIterator[pb.GenerateChunk]:
-        for n in range(1, settings.max_new_tokens + 1):
+        for generated in range(settings.max_new_tokens):
             tok, _, model_s = await run_in_thread(self.backend.sample_next, state, tokens, settings, rng)
+            # A round without drafts: the hybrid path's stop, length and context cuts, one token at a time.
+            done = commit_round((), RoundResult(0, tok), stop, remaining=settings.max_new_tokens - generated,
+                                context_left=self.info.n_ctx - len(tokens))
             tokens.append(tok)
-            reason = pb.NOT_FINISHED
-            if tok in stop:
-                reason = pb.STOP
-            elif n >= settings.max_new_tokens:
-                reason = pb.LENGTH
-            elif len(tokens) >= self.info.n_ctx:
-                reason = pb.CONTEXT
-            yield pb.GenerateChunk(token_ids=[tok], finish_reason=reason, model_ms=model_s * 1e3)
-            if reason != pb.NOT_FINISHED:
+            yield pb.GenerateChunk(token_ids=[tok], finish_reason=done.finish_reason, model_ms=model_s * 1e3)
+            if done.finish_reason != pb.NOT_FINISHED:
                 return
 
     def server_info(self) -> pb.ServerInfo:

@@ -165,6 +165,15 @@ def _block_count(path: str) -> int:
         m.close()
 
 
+def link_figures(name: str):
+    """The figure of merit's LinkFigures of a netsim profile (KeyError names the known ones)."""
+    from edge_client.draftmaker.evaluate import LinkFigures
+    from netsim.profiles import get_profile
+    profile = get_profile(name)
+    rate = profile.uplink.rate_kbit_s()
+    return LinkFigures(name, profile.rtt_ms() / 1000.0, (rate * 1000.0 / 8.0) if rate else float("inf"))
+
+
 def cmd_eval_draft(args) -> int:
     from rich.console import Console
     from edge_client.draftmaker.evaluate import evaluate_drafts, load_prompts
@@ -183,7 +192,7 @@ def cmd_eval_draft(args) -> int:
                 _target(args), args.draft, prompts, max_new_tokens=args.tokens, temperatures=temps,
                 continuation=args.continuation, seed=args.seed, threads=args.threads,
                 measure_speed=not args.no_speed, speed_tokens=args.speed_tokens, speed_repeats=args.speed_repeats,
-                verify_threads=args.verify_threads, link=args.link, fom_temperature=args.fom_temperature,
+                verify_threads=args.verify_threads, link=link_figures(args.link), fom_temperature=args.fom_temperature,
                 draft_threads=args.draft_threads, max_gamma=args.max_gamma,
                 prompts_file=args.prompts or "edge_client/prompts/eval.jsonl",
                 progress=lambda msg: status.update(msg))

@@ -43,7 +43,7 @@ async def cloud_only(server: str, ids: list[int], settings) -> dict:
 
 
 def cmd_demo(args) -> int:
-    from cloud_verifier.process import spawn_verifier
+    from hybridspec.launch import spawn_verifier
     from edge_client.cli import prompt_ids, run_generate, settings_from_args
     from edge_client.options import options_from_args
     from llama_runtime import GGUFModel, bundled_model_path

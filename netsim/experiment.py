@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from cloud_verifier.process import spawn_verifier
+from hybridspec.launch import spawn_verifier
 from netsim.effects import Delay
 from netsim.link import Link
 from netsim.profiles import Profile, get_profile

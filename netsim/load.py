@@ -580,7 +580,7 @@ async def server_info(upstream: tuple[str, int]) -> dict:
 
 
 async def run_load(cfg: LoadConfig, progress=None) -> dict:
-    from cloud_verifier.process import spawn_verifier
+    from hybridspec.launch import spawn_verifier
     for name in cfg.profiles:
         get_profile(name)
     cfg.out.mkdir(parents=True, exist_ok=True)

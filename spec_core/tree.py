@@ -39,15 +39,15 @@ then sampling), and the wire refuses duplicate siblings.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from spec_core.acceptance import RESIDUAL_EPS, accepts, after_rejection, coin, sparse_after_rejection
 from spec_core.qcodec import EncodedQ
 from spec_core.warping import sample
 
 ROOT = -1
-_RESIDUAL_EPS = 1e-12  # residual mass below this is rounding noise (p and q agree): keep p_i
 
 
 class TreeError(ValueError):
@@ -158,7 +158,6 @@ def verify_tree(target_probs: np.ndarray, tree: DraftTree, draft_probs: Sequence
     """target_probs  # [n + 1, vocab]: row 0 after the committed sequence, row i + 1 after node i.
     draft_probs  # [n] (None at a node, or None for all: point masses)."""
     assert target_probs.shape[0] == len(tree) + 1, (target_probs.shape, len(tree))
-    vocab = target_probs.shape[1]
     children = tree.children()
     node, path = ROOT, []
     while True:
@@ -166,22 +165,84 @@ def verify_tree(target_probs: np.ndarray, tree: DraftTree, draft_probs: Sequence
         for c in children[node]:
             x = tree.tokens[c]
             q_c = None if draft_probs is None else draft_probs[c]
-            ratio = float(probs[x]) / (1.0 if q_c is None else q_c.prob_of(x))
-            # Draw u only when the outcome is uncertain (0 < ratio < 1), as spec_core.verify does.
-            if ratio >= 1.0 or (ratio > 0.0 and rng.random() < ratio):
+            if accepts(float(probs[x]), q_c, x, rng):
                 node = c
                 path.append(c)
                 break
-            if q_c is None:
-                residual = probs.copy()
-                residual[x] = 0.0
-            else:
-                residual = np.maximum(probs - q_c.dense(vocab), 0.0)
-            total = residual.sum()
-            if total > _RESIDUAL_EPS:
-                probs = residual / total
+            probs = after_rejection(probs, q_c, x)
         else:
             return TreeResult(path, sample(probs, rng))
+
+
+# --- the same rule from scores (the vLLM backend: p at a few tokens per node, not full rows) ----
+
+@dataclass(frozen=True)
+class NodeScore:
+    """What the target tells about the position after a tree node (or the root) without a full row."""
+
+    sample: int                  # y ~ p, drawn by the target's own sampler
+    sample_prob: float           # p(y)
+    probs: dict[int, float]      # p(t) for every token the tree rule may need here (tree_tokens_needed)
+
+
+def tree_tokens_needed(tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None, node: int) -> list[int] | None:
+    """Tokens whose p the rule may read after `node`: its children and their q supports.
+    None when a child's q is dense (then the whole processed row is needed for that node)."""
+    need: set[int] = set()
+    for c in tree.children().get(node, []):
+        need.add(tree.tokens[c])
+        q = None if draft_probs is None else draft_probs[c]
+        if q is not None:
+            if q.token_ids is None:
+                return None
+            need.update(int(t) for t in q.token_ids)
+    return sorted(need)
+
+
+def verify_tree_from_scores(tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
+                            scores: Sequence[NodeScore], full_row: Callable[[int], np.ndarray],
+                            rng: np.random.Generator) -> tuple[TreeResult, bool]:
+    """verify_tree's rule from per-node scores instead of full rows.
+
+    At a node, p is known on T (the children and their q supports); every residual step
+    p_{i+1} = norm(max(0, p_i - q_i)) changes only tokens in q_i's support (a subset of T) and
+    divides the rest by r_i = 1 - sum_{t in supp q_i} min(p_i(t), q_i(t)), so outside T
+    p_{k+1}(t) = p(t) / prod r (spec_core.acceptance.sparse_after_rejection). The accept tests
+    read p_i at the children (in T). The corrected token: keep the target's y ~ p with probability
+    a(y) = p_{k+1}(y) prod r / p(y) (<= 1), else draw from p_{k+1} built from the full row:
+        P(out = t) = p(t) a(t) + (1 - prod r) p_{k+1}(t) = prod r p_{k+1}(t) + (1 - prod r) p_{k+1}(t).
+    Outside T, a = 1: the full row is needed only when y lands on a child or a q support.
+    scores  # [n + 1]: index 0 the root, i + 1 node i. full_row(node) -> processed p  # [vocab].
+    Returns (result, whether full_row was needed).
+    """
+    children = tree.children()
+    node, path = ROOT, []
+    while True:
+        s = scores[node + 1]
+        cur = dict(s.probs)   # p_i on T, kept normalised
+        scale = 1.0           # p_i(t) = p(t) * scale outside T
+        rejected = []
+        for c in children.get(node, []):
+            x = tree.tokens[c]
+            q = None if draft_probs is None else draft_probs[c]
+            if accepts(cur[x], q, x, rng):
+                node = c
+                path.append(c)
+                break
+            rejected.append(c)
+            cur, r = sparse_after_rejection(cur, q, x)
+            scale /= r
+        else:
+            y, p_y = s.sample, s.sample_prob
+            if not rejected:  # a leaf (or a node without children): y ~ p is the bonus
+                return TreeResult(path, y), False
+            p_cur_y = cur[y] if y in cur else p_y * scale
+            if coin(p_cur_y / (p_y * scale) if p_y > 0.0 else 0.0, rng):
+                return TreeResult(path, y), False
+            probs = full_row(node)  # [vocab]
+            for c in rejected:
+                probs = after_rejection(probs, None if draft_probs is None else draft_probs[c], tree.tokens[c])
+            return TreeResult(path, sample(probs, rng)), True
 
 
 def without_tokens(q: EncodedQ, tokens: Sequence[int]) -> EncodedQ:
@@ -278,7 +339,7 @@ def grow_tree(next_probs, shape: TreeShape, rng: np.random.Generator, encode=Non
                 # Children of this node are fixed in number up front: its share of the budget.
                 drawn: list[int] = []
                 for _k in range(min(shape.branching, left - len(candidates))):
-                    if remaining_mass(q, drawn) <= 1e-12:
+                    if remaining_mass(q, drawn) <= RESIDUAL_EPS:  # the rest of q is rounding noise
                         break
                     q_i = without_tokens(q, drawn)
                     tok = q_i.sample(rng)

@@ -12,6 +12,7 @@ Why it is exact (Leviathan et al. 2023, Chen et al. 2023): P(out = y) = q(y) min
 + (1 - sum_x min(p(x), q(x))) * max(0, p(y) - q(y)) / sum_x max(0, p(x) - q(x)) = p(y).
 A point mass q = 1[x] gives accept with p(x), else draw from p with x removed (vLLM's n-gram rule).
 Greedy p is one-hot, so the same code accepts iff x is the argmax and corrects to the argmax.
+The accept test and the residual are spec_core.acceptance's, shared with trees and the vLLM backend.
 """
 from __future__ import annotations
 
@@ -20,12 +21,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from spec_core.acceptance import accepts, corrected_probs, keeps_sample
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.qcodec import EncodedQ
 from spec_core.warping import SamplingSettings, processed_probs, sample
-
-# Residual mass below this is rounding noise (p and q agree); draw from p instead.
-_RESIDUAL_EPS = 1e-12
 
 
 @dataclass(frozen=True)
@@ -62,35 +61,39 @@ def _verify(target_row: Callable[[int], np.ndarray], draft_tokens: Sequence[int]
     for i, x in enumerate(draft_tokens):
         q_i = None if draft_probs is None else draft_probs[i]
         p_i = target_row(i)
-        p_x = float(p_i[x])
-        q_x = 1.0 if q_i is None else q_i.prob_of(x)
-        ratio = p_x / q_x
-        # Draw u only when the outcome is uncertain (0 < ratio < 1).
-        if ratio >= 1.0 or (ratio > 0.0 and rng.random() < ratio):
-            continue
-        if q_i is None:
-            residual = p_i.copy()
-            residual[x] = 0.0
-        else:
-            residual = _residual(p_i, q_i)
-        if residual.sum() <= _RESIDUAL_EPS:
-            residual = p_i
-        return RoundResult(i, sample(residual, rng))
+        if not accepts(float(p_i[x]), q_i, x, rng):
+            return RoundResult(i, sample(corrected_probs(p_i, q_i, x), rng))
     return RoundResult(gamma, sample(target_row(gamma), rng))
 
 
-def _residual(target_probs: np.ndarray, draft_probs: EncodedQ) -> np.ndarray:
-    """max(0, p - q)  # [vocab]"""
-    ids = draft_probs.token_ids
-    if draft_probs.fixed and ids is not None and len(np.unique(ids)) == len(ids):
-        # Integer weights sum exactly in any order, so these are q.dense()'s values on the support;
-        # off it p - 0 = p. The same numbers without two passes over the vocabulary.
-        ids = ids.astype(np.intp)
-        residual = target_probs.copy()
-        q_support = draft_probs.weights.astype(np.float64) / float(np.sum(draft_probs.weights))
-        residual[ids] = np.maximum(target_probs[ids] - q_support, 0.0)
-        return residual
-    return np.maximum(target_probs - draft_probs.dense(len(target_probs)), 0.0)
+@dataclass(frozen=True)
+class PositionScore:
+    """What the target tells about position i without a full row (the vLLM backend)."""
+
+    sample: int                # y_i ~ p_i, drawn by the target's own sampler
+    sample_prob: float         # p_i(y_i)
+    draft_prob: float | None   # p_i(x_i) for the draft token x_i; None at the bonus position
+
+
+def verify_from_scores(draft_tokens: Sequence[int], draft_probs: Sequence[EncodedQ | None] | None,
+                       scores: Sequence[PositionScore], full_row: Callable[[int], np.ndarray],
+                       rng: np.random.Generator) -> tuple[RoundResult, bool]:
+    """verify_round's rule from per-position scores (spec_core.acceptance: keeping the sample).
+
+    draft_tokens  # [gamma]; draft_probs  # [gamma] or None; scores  # [gamma + 1]
+    full_row(i) -> processed p_i over the vocabulary  # [vocab], called at most once, only when
+    the target's sample at the first rejection is not kept. Returns (result, whether it was called).
+    """
+    gamma = len(draft_tokens)
+    assert len(scores) == gamma + 1, (len(scores), gamma)
+    for i, x in enumerate(draft_tokens):
+        q_i = None if draft_probs is None else draft_probs[i]
+        if accepts(scores[i].draft_prob, q_i, x, rng):
+            continue
+        if keeps_sample(scores[i].sample, scores[i].sample_prob, q_i, x, rng):
+            return RoundResult(i, scores[i].sample), False
+        return RoundResult(i, sample(corrected_probs(full_row(i), q_i, x), rng)), True
+    return RoundResult(gamma, scores[gamma].sample), False
 
 
 @dataclass(frozen=True)

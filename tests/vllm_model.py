@@ -1,7 +1,8 @@
 """Local Hugging Face model folders for the vLLM backend, built without a model hub.
 
-vLLM cannot load GGUF on CPU, so we convert: transformers reads a GGUF file (dequantizing any
-quantized tensors to float32) and writes an ordinary HF folder with its tokenizer. Two uses:
+vLLM cannot load GGUF on CPU, so we convert (hybridspec/testing/vllm_model.py: transformers reads
+a GGUF file, dequantizing any quantized tensors to float32, and writes an ordinary HF folder with
+its tokenizer). Two uses:
 
   tiny_vllm_pair(dir)        a tiny random llama GGUF target (tests/tiny_gguf.py, head_dim 64 so
                              vLLM's CPU attention takes it), a blurred GGUF draft sharing its
@@ -14,52 +15,18 @@ and mtime, and written atomically (a temp folder renamed into place).
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from hybridspec.testing.vllm_model import hf_folder_from_gguf, smollm2_folder  # noqa: E402
 from tiny_gguf import write_tiny_llama  # noqa: E402
 
 # head_dim = 128 / 2 = 64: vLLM's CPU attention kernels take 32..256 in steps of 16, not tests'
 # usual 16.
 TINY_SHAPE = dict(n_embd=128, n_layer=2, n_head=2, n_head_kv=1, n_ff=256, n_ctx=2048)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("HYBRIDSPEC_CACHE", Path.home() / ".cache" / "hybridspec"))
-
-
-def hf_folder_from_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
-    """Convert a GGUF file into an HF model folder (float32 weights + tokenizer); cached."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = Path(gguf_path).resolve()
-    st = src.stat()
-    key = hashlib.sha256(f"{src}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = Path(out) if out else cache_root() / "hf-from-gguf" / f"{src.stem}-{key}"
-    if (out / "config.json").is_file():
-        return out
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
-    # The GGUF quantizer marks the model "not serializable"; the weights are plain f32 by now.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(out)
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def tiny_vllm_pair(directory: str | os.PathLike) -> dict[str, Path]:
@@ -73,12 +40,6 @@ def tiny_vllm_pair(directory: str | os.PathLike) -> dict[str, Path]:
     if not draft.is_file():
         write_tiny_llama(draft, seed=1, base_seed=0, noise=0.5, **TINY_SHAPE)
     return {"target": target, "draft": draft, "target_hf": hf_folder_from_gguf(target, d / "vtarget-hf")}
-
-
-def smollm2_folder() -> Path:
-    """The bundled SmolLM2-135M-Instruct GGUF as a float32 HF folder (cached)."""
-    from llama_runtime import bundled_model_path
-    return hf_folder_from_gguf(bundled_model_path())
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The backend interface: per-session state and the target's logits at the rows a round needs.
 
 A backend supplies raw target logits; the engine turns them into p with spec_core.warping and
-runs spec_core.verify, so exactness lives in one place. A backend that cannot return full
-logits cheaply (vLLM) overrides `verify` / `sample_next` with its own exact mechanism.
+runs spec_core.verify, so exactness lives in one place (spec_core.acceptance). A backend that
+cannot return full logits cheaply (vLLM) overrides `verify` / `sample_next` and runs the same
+rule from scores (spec_core.verify.verify_from_scores, spec_core.tree.verify_tree_from_scores).
 Methods are synchronous and called from a worker thread; a backend serialises its own model.
 """
 from __future__ import annotations

@@ -13,24 +13,22 @@ each position i (prompt = committed + drafts[:i]):
   draft_prob    p_i(x_i) for the draft token x_i (`logprob_token_ids=[x_i]`)
 
 where p_i is vLLM's processed distribution (temperature, then top-k, then top-p), the one plain
-generation with these settings samples from. `verify_from_scores` then runs the round:
+generation with these settings samples from. `spec_core.verify.verify_from_scores` then runs the
+round with spec_core.acceptance's rule (the proof is there):
 
   accepted   x_i survives with probability min(1, p_i(x_i) / q_i(x_i)); q = None is a point mass.
-  corrected  at the first rejection j we need one draw from R = norm(max(0, p_j - q_j)).
-             Propose y_j (already drawn from p_j, independently of the accept coins) and keep it
-             with probability a(y) = max(0, 1 - q_j(y) / p_j(y)). Otherwise fetch the full
-             processed row p_j (one extra request, `logprobs=-1`) and draw from R directly.
+  corrected  at the first rejection j, y_j (already drawn from p_j, independently of the accept
+             coins) is kept with probability max(0, 1 - q_j(y_j) / p_j(y_j)); otherwise the full
+             processed row p_j is fetched (one extra request, `logprobs=-1`) and the corrected
+             token drawn from norm(max(0, p_j - q_j)).
   bonus      after gamma acceptances, y_gamma, which vLLM drew from p_gamma.
 
-Why the corrected token is exact: with r = sum_y max(0, p_j(y) - q_j(y)),
-  P(keep y_j and y_j = y) = p_j(y) * a(y) = max(0, p_j(y) - q_j(y)) = r * R(y),
-  P(fall through) = 1 - r, and the fall-through draws from R, so
-  P(out = y) = r * R(y) + (1 - r) * R(y) = R(y)   (Leviathan et al. 2023 do the rest).
 No top-k truncation of p is involved anywhere: p_j(x), p_j(y) and the fallback row are the
 processed distribution over the whole vocabulary. The extra request is needed with probability
-1 - r given a rejection, so rarely when p and q differ a lot, and it costs one row, not a context.
-Greedy (temperature 0) needs no probabilities: y_i is the argmax, x_i is accepted iff x_i == y_i,
-and the corrected / bonus token is y_j.
+1 - r given a rejection (r = sum_y max(0, p_j(y) - q_j(y))), so rarely when p and q differ a lot,
+and it costs one row, not a context. Greedy (temperature 0) needs no probabilities: y_i is the
+argmax, x_i is accepted iff x_i == y_i, and the corrected / bonus token is y_j. Trees use the same
+scores per node (spec_core.tree.verify_tree_from_scores).
 
 The target's distribution is vLLM's own: `sample_next` (the cloud-only Generate stream) samples
 with the same request parameters, so hybrid and cloud-only output have the same distribution.
@@ -51,23 +49,19 @@ import math
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from cloud_verifier.backends.base import Backend, BackendInfo
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
-from spec_core.tree import ROOT, DraftTree, TreeResult
-from spec_core.verify import RoundResult
-from spec_core.warping import SamplingSettings, sample
+from spec_core.tree import ROOT, DraftTree, NodeScore, TreeResult, tree_tokens_needed, verify_tree_from_scores
+from spec_core.verify import PositionScore, RoundResult, verify_from_scores
+from spec_core.warping import SamplingSettings
 
 log = logging.getLogger(__name__)
-
-# Residual mass below this is rounding noise (p and q agree); draw from p instead (as spec_core.verify).
-_RESIDUAL_EPS = 1e-12
 
 # Engine settings the exactness argument depends on; a user may not change them.
 _REQUIRED = {"logprobs_mode": "processed_logprobs", "max_logprobs": -1, "enable_prefix_caching": True}
@@ -80,152 +74,6 @@ _DEFAULTS = {"generation_config": "vllm"}
 # a seeded request's prefill is split across steps (it rewinds the generator, which CPU
 # generators cannot do). max_num_batched_tokens is raised to the context window to match.
 _CPU_DEFAULTS = {"enforce_eager": True, "block_size": 32, "enable_chunked_prefill": False}
-
-
-@dataclass(frozen=True)
-class PositionScore:
-    """What one generation request tells about position i."""
-
-    sample: int                # y_i ~ p_i, drawn by the target's sampler
-    sample_prob: float         # p_i(y_i)
-    draft_prob: float | None   # p_i(x_i); None at the bonus position
-
-
-def verify_from_scores(draft_tokens: Sequence[int], draft_probs: Sequence[EncodedQ | None] | None,
-                       scores: Sequence[PositionScore], full_row: Callable[[int], np.ndarray],
-                       rng: np.random.Generator) -> tuple[RoundResult, bool]:
-    """One exact round from per-position scores (see the module docstring for the proof).
-
-    draft_tokens  # [gamma]; draft_probs  # [gamma] or None; scores  # [gamma + 1]
-    full_row(i) -> processed p_i over the vocabulary  # [vocab], called at most once.
-    Returns (result, whether full_row was needed).
-    """
-    gamma = len(draft_tokens)
-    assert len(scores) == gamma + 1, (len(scores), gamma)
-    for i, x in enumerate(draft_tokens):
-        q_i = None if draft_probs is None else draft_probs[i]
-        p_x = scores[i].draft_prob
-        q_x = 1.0 if q_i is None else q_i.prob_of(x)
-        ratio = p_x / q_x
-        if ratio >= 1.0 or (ratio > 0.0 and rng.random() < ratio):
-            continue
-        return _corrected(i, x, q_i, scores[i], full_row, rng)
-    return RoundResult(gamma, scores[gamma].sample), False
-
-
-def _corrected(i: int, x: int, q_i: EncodedQ | None, s: PositionScore,
-               full_row: Callable[[int], np.ndarray], rng: np.random.Generator) -> tuple[RoundResult, bool]:
-    y, p_y = s.sample, s.sample_prob
-    if p_y >= 1.0:
-        # p_i is a point mass on y (greedy, or all other mass rounded away): so is the residual.
-        return RoundResult(i, y), False
-    q_y = (1.0 if y == x else 0.0) if q_i is None else q_i.prob_of(y)
-    keep = 1.0 - q_y / p_y if p_y > 0.0 else 0.0
-    if keep >= 1.0 or (keep > 0.0 and rng.random() < keep):
-        return RoundResult(i, y), False
-    target_probs = full_row(i)  # [vocab]
-    if q_i is None:
-        residual = target_probs.copy()
-        residual[x] = 0.0
-    else:
-        residual = np.maximum(target_probs - q_i.dense(len(target_probs)), 0.0)
-    if residual.sum() <= _RESIDUAL_EPS:
-        residual = target_probs
-    return RoundResult(i, sample(residual, rng)), True
-
-
-# --- trees: the same scores, one request per node -------------------------------------------
-
-@dataclass(frozen=True)
-class NodeScore:
-    """What one generation request tells about the position after a tree node (or the root)."""
-
-    sample: int                  # y ~ p, drawn by the target's sampler
-    sample_prob: float           # p(y)
-    probs: dict[int, float]      # p(t) for every token the tree rule may need here (tree_tokens_needed)
-
-
-def tree_tokens_needed(tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None, node: int) -> list[int] | None:
-    """Tokens whose p the rule may read after `node`: its children and their q supports.
-    None when a child's q is dense (then the whole processed row is fetched for that node)."""
-    need: set[int] = set()
-    for c in tree.children().get(node, []):
-        need.add(tree.tokens[c])
-        q = None if draft_probs is None else draft_probs[c]
-        if q is not None:
-            if q.token_ids is None:
-                return None
-            need.update(int(t) for t in q.token_ids)
-    return sorted(need)
-
-
-def verify_tree_from_scores(tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
-                            scores: Sequence[NodeScore], full_row: Callable[[int], np.ndarray],
-                            rng: np.random.Generator) -> tuple[TreeResult, bool]:
-    """spec_core.tree.verify_tree's rule from per-node scores instead of full rows.
-
-    At a node, p is known on T (the children and their q supports); every residual step
-    p_{i+1} = norm(max(0, p_i - q_i)) changes only tokens in q_i's support (a subset of T) and
-    divides the rest by r_i = 1 - sum_{t in supp q_i} min(p_i(t), q_i(t)), so outside T
-    p_{k+1}(t) = p(t) / prod r. The accept tests read p_i at the children (in T). The corrected
-    token: keep vLLM's y ~ p with probability a(y) = p_{k+1}(y) prod r / p(y) (<= 1), else draw from
-    p_{k+1} built from the full row (one extra request):
-        P(out = t) = p(t) a(t) + (1 - prod r) p_{k+1}(t) = prod r p_{k+1}(t) + (1 - prod r) p_{k+1}(t).
-    Outside T, a = 1: the fallback is needed only when y lands on a child or a q support.
-    scores  # [n + 1]: index 0 the root, i + 1 node i. full_row(node) -> processed p  # [vocab].
-    Returns (result, whether full_row was needed).
-    """
-    children = tree.children()
-    node, path = ROOT, []
-    while True:
-        s = scores[node + 1]
-        cur = dict(s.probs)   # p_i on T, kept normalised
-        scale = 1.0           # p_i(t) = p(t) * scale outside T
-        rejected = []
-        for c in children.get(node, []):
-            x = tree.tokens[c]
-            q = None if draft_probs is None else draft_probs[c]
-            ratio = cur[x] / (1.0 if q is None else q.prob_of(x))
-            if ratio >= 1.0 or (ratio > 0.0 and rng.random() < ratio):
-                node = c
-                path.append(c)
-                break
-            rejected.append(c)
-            if q is None:
-                supp = {x: 1.0}
-            else:  # a dense q's support is every token with weight (then `cur` holds the full row)
-                total = float(np.sum(q.weights, dtype=np.float64))
-                ids = q.token_ids if q.token_ids is not None else np.flatnonzero(q.weights)
-                weights = q.weights if q.token_ids is not None else q.weights[ids]
-                supp = dict(zip(np.asarray(ids, dtype=np.int64).tolist(),
-                                (np.asarray(weights, dtype=np.float64) / total).tolist()))
-            r = 1.0 - sum(min(cur[t], w) for t, w in supp.items())
-            if r <= _RESIDUAL_EPS:
-                continue  # rounding noise: p_i and q_i agree; keep p_i (as verify_tree does)
-            for t, w in supp.items():
-                cur[t] = max(0.0, cur[t] - w)
-            cur = {t: v / r for t, v in cur.items()}
-            scale /= r
-        else:
-            y, p_y = s.sample, s.sample_prob
-            if not rejected:  # a leaf (or a node without children): y ~ p is the bonus
-                return TreeResult(path, y), False
-            p_cur_y = cur[y] if y in cur else p_y * scale
-            keep = p_cur_y / (p_y * scale) if p_y > 0.0 else 0.0
-            if keep >= 1.0 or (keep > 0.0 and rng.random() < keep):
-                return TreeResult(path, y), False
-            probs = full_row(node)  # [vocab]
-            for c in rejected:
-                q = None if draft_probs is None else draft_probs[c]
-                if q is None:
-                    residual = probs.copy()
-                    residual[tree.tokens[c]] = 0.0
-                else:
-                    residual = np.maximum(probs - q.dense(len(probs)), 0.0)
-                total = residual.sum()
-                if total > _RESIDUAL_EPS:
-                    probs = residual / total
-            return TreeResult(path, sample(probs, rng)), True
 
 
 _EOG_TEXTS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>",

@@ -29,7 +29,7 @@ time to check a round of k = γ+1 tokens (logits for all k rows, KV rolled back 
 with `verify_threads` threads, k = 1..max_gamma+1, median of repeats, then a least-squares line
 t(k) = a + b·k gives RoundCosts(t_verify_base_s = a + b, t_verify_per_token_s = b).
 
-Figure of merit (`hybrid`): expected hybrid tokens/s on the link profile (default netsim's "3g":
+Figure of merit (`hybrid`): expected hybrid tokens/s on a link (LinkFigures; default netsim's "3g":
 300 ms RTT, 700 kbit/s uplink) at T = fom_temperature (0.7), maximised over γ with
 spec_core.costmodel.best_gamma. Per round: γ·t_draft (1 thread: the demo's edge) + RTT + γ·bytes
 per draft token / uplink rate + t_verify(γ). Bytes per draft token is the size of the q payload
@@ -60,7 +60,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -217,12 +217,16 @@ def fit_verify(seconds_by_rows: dict[int, float]) -> tuple[float, float]:
     return max(float(a) + b, 1e-6), b
 
 
-def link_figures(name: str) -> tuple[float, float]:
-    """(RTT seconds, uplink bytes/s) of a netsim profile."""
-    from netsim.profiles import get_profile
-    profile = get_profile(name)
-    rate = profile.uplink.rate_kbit_s()
-    return profile.rtt_ms() / 1000.0, (rate * 1000.0 / 8.0) if rate else float("inf")
+class LinkFigures(NamedTuple):
+    """What the figure of merit needs of a link (the CLI reads them from a netsim profile)."""
+
+    name: str
+    rtt_s: float                # mean round trip
+    uplink_bytes_per_s: float   # inf when the link does not limit the rate
+
+
+# netsim's "3g" profile (tests/test_draftmaker.py checks that the two agree).
+LINK_3G = LinkFigures("3g", rtt_s=0.3, uplink_bytes_per_s=700e3 / 8)
 
 
 def q_payload_bytes(draft_logits: np.ndarray, temperature: float, top_k: int = 16) -> float:
@@ -281,7 +285,7 @@ def evaluate_drafts(target_path: str | os.PathLike, draft_paths: Sequence[str | 
                     temperatures: Sequence[float] = DEFAULT_TEMPERATURES, continuation: str = "sampled",
                     seed: int = 0, threads: int = 1, measure_speed: bool = True, speed_tokens: int = 32,
                     speed_repeats: int = 3, speed_threads: Sequence[int] = (1, 2), verify_threads: int = 1,
-                    verify_repeats: int = 5, link: str = "3g", fom_temperature: float = 0.7,
+                    verify_repeats: int = 5, link: LinkFigures = LINK_3G, fom_temperature: float = 0.7,
                     draft_threads: int = 1, max_gamma: int = 12, prompts_file: str | None = None,
                     progress: Progress | None = None) -> list[EvalReport]:
     """One report per draft. The target's continuations, its logits and its speed are computed
@@ -397,7 +401,7 @@ def _speed_and_merit(reports, target_path, draft_paths, ids, cont, bytes_rows, f
               "base_s": base_s, "per_token_s": per_token_s,
               "method": "measured: target logits for k = γ+1 rows after a rollback, median of "
                         f"{verify_repeats}; least-squares line t(k) = a + b·k"}
-    rtt_s, up_bytes_per_s = link_figures(link)
+    rtt_s, up_bytes_per_s = link.rtt_s, link.uplink_bytes_per_s
     for d, report in enumerate(reports):
         report.speed = {"draft": {th: v[d + 1] for th, v in speeds.items()},
                         "target": {th: v[0] for th, v in speeds.items()},
@@ -413,7 +417,7 @@ def _speed_and_merit(reports, target_path, draft_paths, ids, cont, bytes_rows, f
                     for g in range(1, max_gamma + 1)}
         g_best = best_gamma(alpha, costs, max_gamma)
         report.hybrid = {
-            "link": link, "rtt_s": rtt_s, "uplink_bytes_per_s": up_bytes_per_s,
+            "link": link.name, "rtt_s": rtt_s, "uplink_bytes_per_s": up_bytes_per_s,
             "bytes_per_draft_token": bytes_per_token, "temperature": fom_temperature, "alpha": alpha,
             "draft_threads": draft_threads, "t_draft_s": t_draft_s, "best_gamma": g_best,
             "tokens_per_s": by_gamma[str(g_best)], "tokens_per_s_by_gamma": by_gamma,

@@ -1,6 +1,6 @@
 """The straightforward sampling maths as it was before the fast paths (spec_core at dd70c89).
 
-Kept here, outside the library, as the reference the fast code is checked against
+Kept here, outside spec_core, as the reference the fast code is checked against
 (tests/test_warping_fast.py) and timed against (bench/round_cost.py). Do not optimise it: its
 value is that it is obviously what the docstrings say.
 """
@@ -10,8 +10,9 @@ from typing import Sequence
 
 import numpy as np
 
+from spec_core.acceptance import RESIDUAL_EPS
 from spec_core.qcodec import DEFAULT_SCALE_BITS, DEFAULT_TOP_K, EncodedQ
-from spec_core.verify import _RESIDUAL_EPS, RoundResult
+from spec_core.verify import RoundResult
 
 
 def processed_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
@@ -101,7 +102,7 @@ def verify_round(target_probs: np.ndarray, draft_tokens: Sequence[int],
             residual[x] = 0.0
         else:
             residual = np.maximum(target_probs[i] - dense(q_i, target_probs.shape[1]), 0.0)
-        if residual.sum() <= _RESIDUAL_EPS:
+        if residual.sum() <= RESIDUAL_EPS:
             residual = target_probs[i]
         return RoundResult(i, sample(residual, rng))
     return RoundResult(gamma, sample(target_probs[gamma], rng))

@@ -1,0 +1,142 @@
+"""Which package may import which: the house rules, read from the source with `ast`.
+
+  spec_core        imports nothing of ours but spec_core (pure: both ends import it).
+  edge_client      never imports cloud_verifier; its draftmaker never imports netsim.
+  netsim           never imports cloud_verifier (it starts verifiers through hybridspec.launch).
+  llama_runtime    never imports cloud_verifier, edge_client or netsim.
+  hybridspec.launch  imports nothing of ours (everyone may import it).
+  bench            never imports tests/ and never puts tests/ on sys.path.
+
+Every import counts, at module level or inside a function, absolute or relative. A failure lists
+each offending import as file:line.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = {"spec_core", "edge_client", "cloud_verifier", "netsim", "llama_runtime", "hybridspec", "tests", "bench"}
+# Modules of tests/ that its files import by bare name (tests/ is on sys.path when pytest runs).
+TEST_MODULES = {p.stem for p in (ROOT / "tests").rglob("*.py")}
+
+
+class Import(NamedTuple):
+    file: str     # relative to the repository root
+    line: int
+    module: str   # absolute dotted name ("" for `from . import x` at the top)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_in(source: str, path: Path) -> Iterator[Import]:
+    """Every import statement in `source` (functions and branches included), made absolute."""
+    rel = str(path.relative_to(ROOT))
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    for node in ast.walk(ast.parse(source, rel)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(rel, node.lineno, alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            yield Import(rel, node.lineno, module)
+            for alias in node.names:  # `from pkg import module` imports pkg.module
+                yield Import(rel, node.lineno, f"{module}.{alias.name}")
+
+
+def sys_path_edits(source: str, path: Path) -> Iterator[Import]:
+    """sys.path.insert/append/extend calls and sys.path assignments, with their argument as text."""
+    rel = str(path.relative_to(ROOT))
+    for node in ast.walk(ast.parse(source, rel)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and ast.unparse(node.func.value) == "sys.path":
+            yield Import(rel, node.lineno, " ".join(ast.unparse(a) for a in node.args))
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(ast.unparse(t) == "sys.path" for t in targets):
+                yield Import(rel, node.lineno, ast.unparse(node.value))
+
+
+def python_files(*folders: str) -> list[Path]:
+    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
+
+
+def all_imports(*folders: str) -> list[Import]:
+    return [imp for path in python_files(*folders) for imp in imports_in(path.read_text(), path)]
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def report(bad: list[Import], rule: str) -> str:
+    lines = {(b.file, b.line): b.module for b in reversed(bad)}  # one line per statement: its first name
+    return f"{rule}:\n" + "\n".join(f"  {file}:{line}: {module}" for (file, line), module in sorted(lines.items()))
+
+
+def test_the_collector_sees_imports_in_functions_and_relative_ones():
+    # The rules below are only as good as this: a hidden import must be seen.
+    path = ROOT / "netsim" / "example.py"
+    source = ("import os\n"
+              "def f():\n"
+              "    from cloud_verifier.process import spawn_verifier\n"
+              "from .profiles import get_profile\n"
+              "from . import link\n"
+              "import sys; sys.path.insert(0, str(ROOT / 'tests'))\n")
+    found = {(i.line, i.module) for i in imports_in(source, path)}
+    assert {(1, "os"), (3, "cloud_verifier.process"), (4, "netsim.profiles"), (5, "netsim.link")} <= found
+    assert [(i.line, "tests" in i.module) for i in sys_path_edits(source, path)] == [(6, True)]
+
+
+def test_spec_core_imports_only_itself():
+    bad = [i for i in all_imports("spec_core") if top(i.module) in OURS - {"spec_core"}]
+    assert not bad, report(bad, "spec_core must import nothing of ours but spec_core")
+
+
+def test_edge_client_and_netsim_never_import_cloud_verifier():
+    bad = [i for i in all_imports("edge_client", "netsim") if top(i.module) == "cloud_verifier"]
+    assert not bad, report(bad, "edge_client and netsim must not import cloud_verifier")
+
+
+def test_the_draftmaker_does_not_import_netsim():
+    bad = [i for i in all_imports("edge_client/draftmaker") if top(i.module) == "netsim"]
+    assert not bad, report(bad, "edge_client/draftmaker must not import netsim (its CLI passes LinkFigures)")
+
+
+def test_llama_runtime_imports_no_end():
+    bad = [i for i in all_imports("llama_runtime") if top(i.module) in {"cloud_verifier", "edge_client", "netsim"}]
+    assert not bad, report(bad, "llama_runtime must not import cloud_verifier, edge_client or netsim")
+
+
+def test_the_launcher_imports_nothing_of_ours():
+    path = ROOT / "hybridspec" / "launch.py"
+    bad = [i for i in imports_in(path.read_text(), path) if top(i.module) in OURS]
+    assert not bad, report(bad, "hybridspec/launch.py must import nothing of ours")
+
+
+def test_bench_never_imports_tests():
+    bad = [i for i in all_imports("bench") if top(i.module) == "tests" or i.module in TEST_MODULES]
+    assert not bad, report(bad, "bench must not import tests/ (move what it needs into a package, e.g. "
+                                "hybridspec.testing)")
+    edits = [e for path in python_files("bench") for e in sys_path_edits(path.read_text(), path)
+             if "tests" in e.module]
+    assert not edits, report(edits, "bench must not put tests/ on sys.path")
+
+
+def test_the_launcher_ready_lines_are_the_servers():
+    # edge_client.cli prints its own copy of the ready line; the launcher waits for this one.
+    from edge_client.cli import SERVE_READY
+    from hybridspec.launch import EDGE_SERVER_READY
+    assert SERVE_READY == EDGE_SERVER_READY
