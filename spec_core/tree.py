@@ -39,7 +39,7 @@ then sampling), and the wire refuses duplicate siblings.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -302,6 +302,21 @@ class GrownTree:
     draft_rows: int              # draft forward rows computed (for the cost model)
 
 
+class _FrontierNode(NamedTuple):
+    path_prob: float        # the draft's probability of the path to this node
+    node: int               # its index in the tree (ROOT: the committed sequence)
+    path: list[int]         # the tokens on the path
+
+
+class _Candidate(NamedTuple):
+    path_prob: float        # the path's probability, the ranking key
+    order: int              # the expanded parent's rank this level (parents before children)
+    parent: int
+    token: int
+    q: EncodedQ | None      # the q it was drawn from (None: a point-mass child)
+    path: list[int]         # the parent's path
+
+
 def grow_tree(next_probs, shape: TreeShape, rng: np.random.Generator, encode=None) -> GrownTree:
     """Grow a draft tree level by level, expanding the most probable frontier nodes.
 
@@ -317,23 +332,23 @@ def grow_tree(next_probs, shape: TreeShape, rng: np.random.Generator, encode=Non
     parents: list[int] = []
     qs: list[EncodedQ] = []
     path_probs: list[float] = []
-    frontier = [(1.0, ROOT, [])]  # (path probability, node, tokens on the path)
+    frontier = [_FrontierNode(1.0, ROOT, [])]
     rows = 0
     for _ in range(shape.depth):
         left = shape.budget - len(tokens)
         if left <= 0 or not frontier:
             break
-        frontier.sort(key=lambda f: -f[0])
+        frontier.sort(key=lambda f: -f.path_prob)
         expand = frontier[: min(shape.width, left)]
-        probs = next_probs([node for _, node, _ in expand], tokens, parents)  # [len(expand), vocab]
+        probs = next_probs([f.node for f in expand], tokens, parents)  # [len(expand), vocab]
         rows += len(expand)
-        candidates = []  # (path prob, order, parent, token, q)
+        candidates: list[_Candidate] = []
         for order, ((pp, node, path), row) in enumerate(zip(expand, probs)):
             if encode is None:
                 k = min(shape.branching, int(np.count_nonzero(row)))
                 top = np.argpartition(-row, k - 1)[:k]
                 top = top[np.argsort(-row[top], kind="stable")]
-                candidates += [(pp * float(row[t]), order, node, int(t), None, path) for t in top]
+                candidates += [_Candidate(pp * float(row[t]), order, node, int(t), None, path) for t in top]
             else:
                 q = encode(row)
                 # Children of this node are fixed in number up front: its share of the budget.
@@ -346,23 +361,23 @@ def grow_tree(next_probs, shape: TreeShape, rng: np.random.Generator, encode=Non
                     # Given the drawn siblings, the first is tested first and kept with min(1, p/q) (most
                     # of the time when the draft is good); a later one only gets a chance after every
                     # earlier one failed. Rank by that (a guess of 0.6 acceptance), not by q(token).
-                    candidates.append((pp * SAMPLED_KEEP * (1 - SAMPLED_KEEP) ** len(drawn), order, node, tok, q_i,
-                                       path))
+                    candidates.append(_Candidate(pp * SAMPLED_KEEP * (1 - SAMPLED_KEEP) ** len(drawn), order, node,
+                                                 tok, q_i, path))
                     drawn.append(tok)
         if encode is None:
             # Point-mass children may be kept or dropped by any rule: keep the most probable.
-            candidates.sort(key=lambda c: -c[0])
+            candidates.sort(key=lambda c: -c.path_prob)
         candidates = candidates[:left]
         # Parents before children: emit in (expanded node, sibling) order.
-        candidates.sort(key=lambda c: c[1])
+        candidates.sort(key=lambda c: c.order)
         frontier = []
-        for pp, _, node, tok, q_i, path in candidates:
-            tokens.append(tok)
-            parents.append(node)
-            path_probs.append(pp)
-            if q_i is not None:
-                qs.append(q_i)
-            frontier.append((pp, len(tokens) - 1, path + [tok]))
+        for c in candidates:
+            tokens.append(c.token)
+            parents.append(c.parent)
+            path_probs.append(c.path_prob)
+            if c.q is not None:
+                qs.append(c.q)
+            frontier.append(_FrontierNode(c.path_prob, len(tokens) - 1, c.path + [c.token]))
     tree = DraftTree(tuple(tokens), tuple(parents))
     return GrownTree(tree, qs if encode is not None and qs else None, path_probs, rows)
 

@@ -4,7 +4,7 @@ The order is vLLM's and llama.cpp's: temperature, then top-k, then top-p, then s
 is left. Temperature 0 means greedy: a point mass on the first argmax. Everything is float64 so
 that the draft's q and the verifier's p are computed the same way on both ends.
 
-The plain definition (kept in tests/warping_reference.py) partitions the whole vocabulary for
+The plain definition (kept in hybridspec/testing/warping_reference.py) partitions the whole vocabulary for
 top-k and sorts it for top-p: 49,152 to 262,144 entries per row, of which a handful matter. The
 code here finds the few that can matter and touches the rest only with cheap vectorised passes,
 without changing a number:
