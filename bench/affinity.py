@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from cloud_verifier.backends.llama_cpp import LlamaCppBackend
+from hybridspec.machine import announce, summary as machine_summary
 from llama_runtime import bundled_model_path, default_threads
 from spec_core.warping import SamplingSettings
 
@@ -88,8 +89,8 @@ def markdown(rows: list[dict], args, backend: LlamaCppBackend) -> str:
         f"--warm-repeats {args.warm_repeats} --threads {backend.model.n_threads}`",
         "",
         f"Target: {backend.info.model} (llama.cpp, CPU), {backend.model.n_threads} threads, "
-        f"n_ctx {backend.n_ctx}, n_batch {backend.n_batch}; machine: {platform.machine()}, "
-        f"{os.cpu_count()} cores, Python {platform.python_version()}; load average (1 min) "
+        f"n_ctx {backend.n_ctx}, n_batch {backend.n_batch}; machine: {machine_summary()}, "
+        f"Python {platform.python_version()}; load average (1 min) "
         f"{args.load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other jobs shared the cores).",
         "",
         "warm = `backend.verify` on the session's own KV cache (decodes the last committed token and the "
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=default_threads(), help="llama.cpp threads")
     p.add_argument("--out", default=str(Path(__file__).with_suffix(".md")), help="markdown file, or - for none")
     args = p.parse_args(argv)
+    announce()
 
     args.load_before = os.getloadavg()[0]
     n_ctx = max(args.lengths) + args.gamma + 64

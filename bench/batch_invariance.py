@@ -22,6 +22,7 @@ import time
 import llama_cpp
 import numpy as np
 
+from hybridspec.machine import announce
 from llama_runtime import GGUFModel, bundled_model_path
 
 SCRATCH = 15  # sequence id used for padding tokens
@@ -103,6 +104,7 @@ def main(argv=None) -> int:
                     help="only the shared cache: 8 sessions of random rounds with rollbacks through the "
                          "batched backend vs a private context each, and what a compaction costs")
     args = ap.parse_args(argv)
+    announce()
     model = GGUFModel(args.model, n_threads=args.threads)
     text = ("The history of the printing press begins in the fifteenth century. " * 40)[:-1] + ", when"
     prompt = model.tokenize(text, False)[-args.prompt_tokens:]

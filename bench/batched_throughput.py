@@ -33,6 +33,7 @@ from edge_client import EdgeClient
 from edge_client.client import stream_cloud_only
 from edge_client.options import EdgeOptions, Speculation, Transport
 from hybridspec.launch import spawn_verifier
+from hybridspec.machine import announce
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
 
@@ -119,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--synthetic-per-token-ms", type=float, default=0.5)
     ap.add_argument("--modes", nargs="+", default=["hybrid", "cloud-only"])
     args = ap.parse_args(argv)
+    announce()
 
     if args.target == "synthetic":
         from edge_client.drafters import SyntheticDrafter

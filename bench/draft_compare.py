@@ -16,7 +16,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from rich.console import Console
 
 from edge_client.draftmaker import DraftSpec, make_draft, parse_blocks
 from edge_client.draftmaker.evaluate import evaluate_drafts
+from hybridspec.machine import announce, summary as machine_summary
 from llama_runtime import bundled_model_path
 
 # (file name, spec, make-draft arguments after --out)
@@ -54,6 +54,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--render", metavar="JSON", help="only re-render the markdown from a --json file of an earlier run")
     args = ap.parse_args()
+    machine = announce()
     if args.render:
         saved = json.loads(Path(args.render).read_text())
         built = [(b["name"], Path(b["path"]), b["command"], b["info"]) for b in saved["built"]]
@@ -102,7 +103,7 @@ def main() -> int:
     Path(args.md).write_text(md, encoding="utf-8")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "date": today, "load_average": load, "reports": reps,
+            "date": today, "machine": machine, "load_average": load, "reports": reps,
             "built": [{"name": n, "path": str(p), "command": c, "info": i} for n, p, c, i in built]}, indent=1))
     print(md)
     return 0
@@ -115,7 +116,7 @@ def render_markdown(built, reps, load: tuple[float, float], today: str) -> str:
     lines += [
         "# Draft candidates for the bundled target (SmolLM2-135M-Instruct Q4_1)",
         "",
-        f"Measured on {today} on this machine ({platform.machine()}, 2 vCPU shared with other jobs; timings "
+        f"Measured on {today} on {machine_summary()} (shared with other jobs; timings "
         "are noisy, ±10–25 %), with `bench/draft_compare.py`. Every draft was scored in one `eval-draft` run "
         "on the same target continuations.",
         f"The 1-minute load average was {load[0]:.1f} before and {load[1]:.1f} after the evaluation (2 cores): "

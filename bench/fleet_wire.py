@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 
+from hybridspec.machine import announce
 import netsim.link  # noqa: E402
 from edge_client.client import EdgeClient, sampling_proto  # noqa: E402
 from hybridspec.launch import spawn_verifier  # noqa: E402
@@ -94,4 +95,5 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=3)
     parser.add_argument("--batching", choices=["on", "off"], default="off")
     args = parser.parse_args()
+    announce()
     asyncio.run(main(args.requests, args.batching))

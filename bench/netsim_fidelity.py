@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hybridspec.machine import announce
 from netsim import get_profile  # noqa: E402
 
 # Runs one LinkProxy in its own process; works with the old package too (no new API used).
@@ -127,6 +128,7 @@ def main() -> None:
     parser.add_argument("--gap-ms", type=float, default=1.0, help="between the pieces of a 3-piece ping")
     parser.add_argument("--only", help="run only this case of the ping table, e.g. 3g:loss:3 (no downloads)")
     args = parser.parse_args()
+    announce()
     old = Path(tempfile.mkdtemp(prefix="netsim-baseline-"))
     archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline, "netsim"], check=True,
                              capture_output=True).stdout

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hybridspec.testing import warping_reference as ref  # noqa: E402  the code before the fast paths
+from hybridspec.machine import announce
 from spec_core.drafting import QMode, draft_step  # noqa: E402
 from spec_core.verify import verify_round, verify_round_on_logits  # noqa: E402
 from spec_core.warping import SamplingSettings, processed_probs  # noqa: E402
@@ -233,6 +234,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repeats; skip the Gemma model")
     ap.add_argument("--no-framework", action="store_true", help="skip the loopback measurement")
     args = ap.parse_args()
+    announce()
     repeats = 5 if args.quick else 9
     from llama_runtime import bundled_model_path
 

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edge_client.drafters import DEFAULT_DRAFT  # noqa: E402
 from hybridspec.launch import spawn_edge_server, spawn_verifier  # noqa: E402
+from hybridspec.machine import announce
 from llama_runtime import bundled_model_path  # noqa: E402
 from netsim.profiles import get_profile  # noqa: E402
 from netsim.proxy import LinkProxy  # noqa: E402
@@ -61,6 +62,7 @@ def main() -> int:
     ap.add_argument("--synthetic", action="store_true", help="the synthetic pair instead of GGUF models")
     ap.add_argument("--synthetic-step-ms", type=float, default=5.0, help="verifier cost per forward pass (synthetic)")
     args = ap.parse_args()
+    announce()
     n = args.concurrency
 
     if args.synthetic:

@@ -34,6 +34,7 @@ from edge_client.drafters import DEFAULT_DRAFT, GGUFDrafter, SyntheticDrafter  #
 from edge_client.options import EdgeOptions, Speculation, Transport  # noqa: E402
 from edge_client.text import SyntheticTokenizer  # noqa: E402
 from hybridspec.launch import spawn_edge_server, spawn_verifier  # noqa: E402
+from hybridspec.machine import announce
 from llama_runtime import bundled_model_path  # noqa: E402
 from spec_core.warping import SamplingSettings  # noqa: E402
 
@@ -96,6 +97,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--synthetic", action="store_true", help="the synthetic pair on both ends instead of GGUF models")
     args = ap.parse_args()
+    announce()
     import openai
 
     if args.synthetic:

@@ -10,11 +10,14 @@ import asyncio
 import sys
 from pathlib import Path
 
+from hybridspec.machine import announce
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
 async def main() -> None:
+    announce()
     from cloud_verifier.backends.llama_cpp import LlamaCppBackend
     from cloud_verifier.backends.synthetic import SyntheticBackend
     from cloud_verifier.server import VerifierServer

@@ -14,6 +14,8 @@ import asyncio
 import sys
 from pathlib import Path
 
+from hybridspec.machine import announce
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -33,6 +35,7 @@ def main() -> int:
     ap.add_argument("--cpu", default="19,31", help="CPU curve: ms per pass, ms per node")
     ap.add_argument("--out", default="results/tree_synthetic")
     args = ap.parse_args()
+    announce()
     for name, curve in (("gpu-like", args.gpu), ("cpu", args.cpu)):
         step, per_node = (float(x) for x in curve.split(","))
         cfg = ExperimentConfig(profiles=args.profiles.split(","), modes=args.modes.split(","),

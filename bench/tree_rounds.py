@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridspec.machine import announce
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -210,6 +212,7 @@ def main() -> int:
                     "(default: measured in part 1, else 15)")
     ap.add_argument("--json", help="also write every figure to this JSON file")
     args = ap.parse_args()
+    machine = announce()
     parts = {int(p) for p in args.parts.split(",")}
     result: dict = {}
     if 1 in parts:
@@ -232,6 +235,7 @@ def main() -> int:
         print(f"Part 3: where trees pay (synthetic pair tokens/round; draft {t_row:.1f} ms per row)", flush=True)
         result["part3"] = part3(args, result.get("part2"), t_row)
     if args.json:
+        result["machine"] = machine
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     return 0
 

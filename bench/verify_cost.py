@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from hybridspec.machine import announce, summary as machine_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,6 +100,7 @@ def main() -> int:
     ap.add_argument("--prompt-logprobs", action="store_true", help="also time the prompt_logprobs alternative")
     ap.add_argument("--out", default=str(ROOT / "bench" / "verify_cost.md"))
     args = ap.parse_args()
+    machine = announce()
     contexts = [int(x) for x in args.contexts.split(",")]
     gammas = [int(x) for x in args.gammas.split(",")]
     n_ctx = max(contexts) + max(gammas) + args.rounds * (max(gammas) + 1) + 8
@@ -148,7 +150,7 @@ def main() -> int:
             backend.close()
 
     lines = ["# Cost of one verification round against context length", "",
-             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+             f"Machine: {machine_summary(machine)}; "
              f"{args.rounds} steady-state rounds per cell (median; the first round's prefill is separate).", "",
              *[f"- {n}" for n in notes], "",
              "| backend | context | γ | round median (ms) | min (ms) | first round (s) | tokens prefilled / round |"

@@ -43,7 +43,7 @@ import numpy as np
 
 from edge_client.drafters import Draft, Drafter, TreeDraft
 from edge_client.gamma import AdaptiveGamma, FixedGamma, RoundPlan, TreePolicy
-from edge_client.options import ADAPTIVE, TOKEN_ENV, EdgeOptions, ServerLimits, Speculation, Transport
+from edge_client.options import ADAPTIVE, EdgeOptions, ServerLimits, Speculation, Transport
 from spec_core import qcodec
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.drafting import QMode

@@ -123,6 +123,14 @@ def summary(machine: dict | None = None) -> str:
     return f"{m.get('cpu_model')}, {m.get('arch')}, {m.get('cores')} cores, {' '.join(shown)}{numpy_part}"
 
 
+def announce() -> dict:
+    """For a benchmark: print the machine's one-line summary and return `describe()`, so that the
+    figures that follow (and any file the benchmark writes) carry it."""
+    machine = describe()
+    print(f"Machine: {summary(machine)}", flush=True)
+    return machine
+
+
 def main() -> None:
     """`python -m hybridspec.machine`: the machine as JSON; `--summary`: one line; `--numpy-avx512`:
     the NPY_DISABLE_CPU_FEATURES value that turns numpy's AVX-512 paths off here."""

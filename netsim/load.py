@@ -678,7 +678,7 @@ def markdown(result: dict) -> str:
               "CPU of the harness (cores busy; edges: this process, every edge's client and drafting; proxies: every "
               "link): " + ", ".join(f"{r['edges']}/{r['mode']}: {_f(r.get('edges_cpu_cores'), 1, 2)}/"
                                     f"{_f(r.get('proxy_cpu_cores'), 1, 2)}" for r in result["runs"]),
-              f"Proxy lateness (mean per chunk, max): " + ", ".join(
+              "Proxy lateness (mean per chunk, max): " + ", ".join(
                   f"{r['edges']}/{r['mode']}: {_f(r['proxy_mean_lateness_ms'], 1, 2)}/{_f(r['proxy_max_lateness_ms'], 1, 1)} ms"
                   for r in result["runs"]), ""]
     return "\n".join(lines)

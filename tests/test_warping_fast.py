@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hybridspec.testing import warping_reference as ref
-from spec_core import qcodec, warping
+from spec_core import qcodec
 from spec_core.drafting import QMode, draft_step
 from spec_core.synthetic import synthetic_pair
 from spec_core.verify import commit_round, verify_round, verify_round_on_logits
