@@ -30,6 +30,7 @@ import grpc
 import numpy as np
 
 from hybridspec.launch import spawn_verifier
+from hybridspec.machine import describe as describe_machine
 from netsim.effects import Delay
 from netsim.link import Link
 from netsim.profiles import Profile, get_profile
@@ -262,7 +263,7 @@ async def run_experiment(cfg: ExperimentConfig, progress=None) -> dict:
     result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
               "profiles": {n: get_profile(n).to_dict() for n in cfg.profiles},
               "rows": [asdict(r) for r in rows], "crossover": crossover,
-              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": describe_machine()}
     return result
 
 

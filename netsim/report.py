@@ -5,6 +5,7 @@ import csv
 import json
 from pathlib import Path
 
+from hybridspec.machine import summary as machine_summary
 from netsim.experiment import summarise
 
 
@@ -56,6 +57,7 @@ def markdown(result: dict, summary: list[dict]) -> str:
              f"{', '.join(cfg['workloads'])} ({cfg['prompts_per_workload']} prompt each), up to {cfg['max_tokens']} "
              f"tokens; {'synthetic pair' if cfg['synthetic'] else 'bundled target + draft on llama.cpp'}; "
              f"q {cfg['qmode']}; seed {cfg['seed']}.", "",
+             f"Machine: {machine_summary(result['machine']) if 'machine' in result else 'not recorded'}.", "",
              "Round trips are Verify RPCs (retries included) or the one Generate stream; bytes are measured on the "
              "wire by the proxy (HTTP/2 framing included); forward passes are target passes per generated token "
              "(one per round for the hybrid, one per token for cloud-only).", "",
