@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from netsim.load import LoadConfig, histogram_delta, metric_delta, scrape, verifier_args
+from netsim.load import (LoadConfig, histogram_delta, metric_delta, saturation, scrape, verifier_args,
+                         verifier_threads)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,6 +54,10 @@ def test_load_run_on_the_synthetic_pair(tmp_path):
     assert runs["hybrid"]["target_tokens_per_committed_token"] > 1.0
     assert runs["hybrid"]["session_replays"] == 0   # a session per edge (--max-sessions >= edges)
     assert (out / "load.md").read_text().count("| 4 |") == 2
+    # The machine it ran on, and whether the harness saturated it, travel with the figures.
+    assert result["machine"]["cores"] == os.cpu_count() and result["machine"]["cpu_model"]
+    assert all("not_representative" in run for run in runs.values())
+    assert "Machine: " in (out / "load.md").read_text()
     assert (out / "throughput_vs_edges.png").stat().st_size > 0
     assert (out / "latency_vs_edges.png").stat().st_size > 0
 
@@ -141,3 +146,28 @@ def test_verifier_args_leave_kv_room_for_every_edge():
     mine = LoadConfig(edges=[4], profiles=["lan"], modes=["hybrid"], duration_s=1, out=Path("x"), target="t.gguf",
                       verifier_args=["--kv-tokens=1024"])
     assert verifier_args(mine, 9100, 4).count("--kv-tokens") == 0
+
+
+def test_the_verifier_we_start_leaves_cores_to_the_edges():
+    """llama.cpp's threads spin-wait: a verifier on every core stalls against the edges on the same
+    machine. The one netsim load starts gets half the cores (at least one) unless told otherwise."""
+    assert [verifier_threads(c) for c in (1, 2, 3, 16)] == [1, 1, 1, 8]
+    real = LoadConfig(edges=[16], profiles=["lan"], modes=["hybrid"], duration_s=1, out=Path("x"), target="t.gguf")
+    args = verifier_args(real, 9100, 16)
+    assert args[args.index("--threads") + 1] == str(verifier_threads())
+    mine = LoadConfig(edges=[16], profiles=["lan"], modes=["hybrid"], duration_s=1, out=Path("x"), target="t.gguf",
+                      verifier_args=["--threads=2"])
+    assert verifier_args(mine, 9100, 16).count("--threads") == 0 and "--threads=2" in verifier_args(mine, 9100, 16)
+
+
+def test_a_run_whose_harness_saturated_the_cpu_is_flagged():
+    """2 cores, a verifier on 1 thread: the edges and proxies have 1 core; using 0.9 of it (or the
+    edges' one event loop near a full core) flags the run; a light harness does not."""
+    light = {"edges_cpu_cores": 0.3, "proxy_cpu_cores": 0.2, "verifier_cpu_cores": 1.0}
+    assert saturation(light, cores=2, verifier_threads=1) is None
+    busy = {"edges_cpu_cores": 0.6, "proxy_cpu_cores": 0.35, "verifier_cpu_cores": 1.0}
+    assert "0.95 of the 1 cores" in saturation(busy, cores=2, verifier_threads=1)
+    loop = {"edges_cpu_cores": 0.95, "proxy_cpu_cores": 0.1, "verifier_cpu_cores": 0.5}
+    assert "event loop" in saturation(loop, cores=16, verifier_threads=8)
+    assert saturation(busy, cores=16, verifier_threads=8) is None   # 8 cores left: plenty
+    assert saturation({"edges_cpu_cores": None}, cores=2, verifier_threads=1) is None
