@@ -63,13 +63,17 @@ def test_load_run_on_the_synthetic_pair(tmp_path):
 
 
 def test_load_run_against_the_serial_verifier(tmp_path):
-    """--verifier-arg=--batching --verifier-arg=off: today's serial verifier, one pass per
-    cloud-only token (plus the prompts' prefill passes)."""
+    """--verifier-arg=--batching --verifier-arg=off: the serial verifier, one session per pass and
+    a pass per cloud-only token (plus the prompts' prefill passes; how many of those fall in a short
+    window depends on the machine's speed, so the ratio is bounded below, not pinned)."""
     result = _netsim_load(tmp_path / "load", "--profile", "lan", "--mode", "cloud-only", "--duration", "2",
                           "--verifier-arg=--batching", "--verifier-arg=off")
     assert result["server"]["batching"] is False
     run = result["runs"][0]
-    assert run["target_forward_passes_per_committed_token"] == pytest.approx(1.0, abs=0.05)
+    sessions = run["batch_histograms"]["hybridspec_batch_sessions"]
+    assert sessions["count"] > 0 and sessions["sum"] == sessions["count"]   # never two sessions in a pass
+    assert run["committed_tokens"] > 0
+    assert run["target_forward_passes_per_committed_token"] >= 0.9   # window edges: a pass or two either way
 
 
 PROMETHEUS_TEXT = """\
