@@ -199,7 +199,8 @@ def _run_load(args: argparse.Namespace) -> int:
                      metrics_url=args.metrics_url, verifier_args=args.verifier_arg, gamma=args.gamma,
                      max_tokens=args.max_tokens, arrival_rate=args.arrival_rate, seed=args.seed,
                      draft_ms=args.draft_ms, synthetic_step_ms=args.synthetic_step_ms, target=args.target,
-                     draft=args.draft, drafter=args.drafter, warmup_s=args.warmup)
+                     draft=args.draft, drafter=args.drafter, warmup_s=args.warmup,
+                     slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms)
     return _run_and_report(run_load, write_all, cfg, label_width=32)
 
 
@@ -236,6 +237,11 @@ def _add_load_command(subparsers) -> None:
                              "lookup = prompt lookup, no model, --draft-ms emulated per token (many edges)")
     parser.add_argument("--draft", help="draft GGUF (default: models/smollm2-draft.gguf)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--slo-tpot-ms", type=float, default=150.0,
+                        help="SLO on time per output token: goodput counts requests within it, capacity is the most "
+                             "edges whose p95 is (default 150)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0,
+                        help="SLO on time to first token, for requests that arrive in the window (default 2000)")
     parser.add_argument("--out", default="results/load", help="output folder (load.json, load.md, plots)")
     parser.set_defaults(run=_run_load)
 

@@ -83,6 +83,8 @@ class LoadConfig:
                                         # or "lookup" (prompt lookup, no model; draft_ms emulated per token)
     qmode: str = "fixed:16:16"
     warmup_s: float = 1.0               # each run's first seconds are not measured
+    slo_tpot_ms: float = 150.0          # a request meets the SLO with time per output token at most this
+    slo_ttft_ms: float = 2000.0         # ... and time to first token at most this (when it arrived in the window)
 
 
 # --- the verifier: start, scrape ------------------------------------------------------------
@@ -226,6 +228,15 @@ class Request:
             return None
         (t_first, n_first), (t_last, n_last) = inside[0], inside[-1]
         return (t_last - t_first) / (n_last - n_first) if n_last > n_first else None
+
+    def meets(self, t_from: float, t_to: float, slo_tpot_s: float, slo_ttft_s: float) -> bool | None:
+        """Whether this request met the SLO, judged on what the window saw of it: its TPOT inside
+        the window, and its TTFT if it arrived inside it. None: the window saw too little to say."""
+        tpot = self.tpot_s(t_from, t_to)
+        ttft = self.ttft_s() if t_from <= self.arrival_s <= t_to else None
+        if tpot is None and ttft is None:
+            return None
+        return (tpot is None or tpot <= slo_tpot_s) and (ttft is None or ttft <= slo_ttft_s)
 
 
 class Edges:
@@ -442,6 +453,11 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
     tpot_of = {id(r): r.tpot_s(t_measure, t_end) for r in requests}
     tpots = [t for t in tpot_of.values() if t is not None]
     ttfts = [t for r in requests if t_measure <= r.arrival_s <= t_end and (t := r.ttft_s()) is not None]
+    # Goodput: tokens committed inside the window by requests that met the SLO (SLED, WISP, SpecEdge's
+    # figure of merit); a request the window saw too little of to judge does not count either way.
+    verdicts = {id(r): r.meets(t_measure, t_end, cfg.slo_tpot_ms / 1e3, cfg.slo_ttft_ms / 1e3) for r in requests}
+    judged = [v for v in verdicts.values() if v is not None]
+    good = sum(r.tokens_by(t_end) - r.tokens_by(t_measure) for r in requests if verdicts[id(r)])
     per_edge_tpot = {}
     for r in requests:
         if tpot_of[id(r)] is not None:
@@ -470,7 +486,9 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
         "committed_tokens": committed, "committed_tokens_per_s": committed / duration,
         "tpot_p50_s": percentile(tpots, 50), "tpot_p95_s": percentile(tpots, 95), "tpot_p99_s": percentile(tpots, 99),
         "tpot_per_edge_mean_s": {str(e): statistics.fmean(v) for e, v in sorted(per_edge_tpot.items())},
-        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95), "ttft_p99_s": percentile(ttfts, 99),
+        "goodput_tokens_per_s": good / cfg.duration_s,
+        "slo_met_share": sum(judged) / len(judged) if judged else None,
         "target_forward_passes": passes, "target_tokens": target_tokens, "target_cost_source": source,
         "target_forward_passes_per_committed_token": passes / committed if passes is not None and committed else None,
         "target_tokens_per_committed_token": target_tokens / committed if target_tokens is not None and committed else None,
@@ -617,11 +635,32 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
     for run in runs:
         run["not_representative"] = saturation(run, machine["cores"] or 1, threads)
     return {"config": config, "server": info, "runs": runs, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "capacity": capacity_at_slo(runs, cfg.slo_tpot_ms / 1e3, cfg.slo_ttft_ms / 1e3),
             "verifier_threads": threads,
             "machine": {**machine, "load_1min_at_end": os.getloadavg()[0]}}
 
 
 # --- report ---------------------------------------------------------------------------------
+
+def meets_slo_p95(run: dict, slo_tpot_s: float, slo_ttft_s: float) -> bool:
+    """A run meets the SLO when its p95 TPOT and p95 TTFT are within it (an unmeasured TTFT, e.g.
+    no request arrived in the window, does not count against it)."""
+    tpot, ttft = run.get("tpot_p95_s"), run.get("ttft_p95_s")
+    return tpot is not None and tpot <= slo_tpot_s and (ttft is None or ttft <= slo_ttft_s)
+
+
+def capacity_at_slo(runs: list[dict], slo_tpot_s: float, slo_ttft_s: float) -> dict:
+    """Per mode: the most edges among the counts run whose p95 TPOT and TTFT met the SLO (0: none
+    did), and the goodput there. Counts between those run are not interpolated."""
+    out = {}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        ok = [r for r in runs if r["mode"] == mode and meets_slo_p95(r, slo_tpot_s, slo_ttft_s)]
+        best = max(ok, key=lambda r: r["edges"], default=None)
+        out[mode] = {"edges": best["edges"] if best else 0,
+                     "goodput_tokens_per_s": best["goodput_tokens_per_s"] if best else 0.0,
+                     "edges_run": sorted({r["edges"] for r in runs if r["mode"] == mode})}
+    return out
+
 
 def _pair(cfg: dict) -> str:
     if cfg["synthetic"]:
@@ -661,19 +700,27 @@ def markdown(result: dict) -> str:
         lines += ["**Not representative** (the harness saturated this machine's CPU; the verifier's figures "
                   "are the harness's): " + "; ".join(f"{r['edges']} edges {r['mode']}: {r['not_representative']}"
                                                     for r in flagged), ""]
-    lines += ["| edges | mode | tok/s | TPOT p50 ms | p95 | p99 | TTFT p50 ms | p99 | passes/tok | target tok/tok "
-             "| errors | replays | verifier CPU | RSS MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    slo = (f"p95 TPOT ≤ {cfg.get('slo_tpot_ms', 150.0):g} ms and p95 TTFT ≤ {cfg.get('slo_ttft_ms', 2000.0):g} ms")
+    if result.get("capacity"):
+        lines += [f"**Capacity at the SLO** ({slo}; the most edges among {', '.join(map(str, next(iter(result['capacity'].values()))['edges_run']))} "
+                  "that met it): " + "; ".join(f"{mode} **{c['edges']}** edges ({c['goodput_tokens_per_s']:.1f} tok/s of "
+                                              f"goodput there)" for mode, c in result["capacity"].items()), ""]
+    lines += ["| edges | mode | tok/s | goodput tok/s | met SLO | TPOT p50 ms | p95 | p99 | TTFT p50 ms | p99 | passes/tok "
+             "| target tok/tok | errors | replays | verifier CPU | RSS MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         errors = ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "0"
         mark = " ⚠" if r.get("not_representative") else ""
-        lines.append(f"| {r['edges']}{mark} | {r['mode']} | {_f(r['committed_tokens_per_s'])} | {_f(r['tpot_p50_s'], 1e3)} "
+        lines.append(f"| {r['edges']}{mark} | {r['mode']} | {_f(r['committed_tokens_per_s'])} "
+                     f"| {_f(r.get('goodput_tokens_per_s'))} | {_f(r.get('slo_met_share'), 100, 0)}% | {_f(r['tpot_p50_s'], 1e3)} "
                      f"| {_f(r['tpot_p95_s'], 1e3)} | {_f(r['tpot_p99_s'], 1e3)} | {_f(r['ttft_p50_s'], 1e3, 0)} "
                      f"| {_f(r['ttft_p99_s'], 1e3, 0)} | {_f(r['target_forward_passes_per_committed_token'], 1, 3)} "
                      f"| {_f(r['target_tokens_per_committed_token'], 1, 2)} | {errors} | {r['session_replays']} "
                      f"| {_f(r['verifier_cpu_cores'], 1, 2)} | {_f(r['verifier_peak_rss_mb'], 1, 0)} |")
     sources = sorted({r["target_cost_source"] for r in result["runs"]})
-    lines += ["", f"Target cost: {'; '.join(sources)}. TPOT is per request over its commits inside the window: "
+    lines += ["", f"Goodput: tokens/s committed inside the window by requests that met the SLO (each judged on its "
+                  f"TPOT inside the window and, if it arrived inside it, its TTFT); 'met SLO' is the share of requests judged.",
+              f"Target cost: {'; '.join(sources)}. TPOT is per request over its commits inside the window: "
                   "(last commit − first commit) / tokens between them; TTFT counts from the request's arrival. Verifier CPU is in cores busy.",
               "CPU of the harness (cores busy; edges: this process, every edge's client and drafting; proxies: every "
               "link): " + ", ".join(f"{r['edges']}/{r['mode']}: {_f(r.get('edges_cpu_cores'), 1, 2)}/"

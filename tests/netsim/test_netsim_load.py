@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from netsim.load import (LoadConfig, histogram_delta, metric_delta, saturation, scrape, verifier_args,
-                         verifier_threads)
+from netsim.load import (LoadConfig, Request, capacity_at_slo, histogram_delta, metric_delta, saturation, scrape,
+                         verifier_args, verifier_threads)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,6 +58,12 @@ def test_load_run_on_the_synthetic_pair(tmp_path):
     assert result["machine"]["cores"] == os.cpu_count() and result["machine"]["cpu_model"]
     assert all("not_representative" in run for run in runs.values())
     assert "Machine: " in (out / "load.md").read_text()
+    # Goodput is the part of the throughput whose requests met the SLO (defaults: 150 ms, 2 s).
+    for run in runs.values():
+        assert 0 <= run["goodput_tokens_per_s"] <= run["committed_tokens_per_s"] + 1e-9
+        assert run["slo_met_share"] is not None and 0 <= run["slo_met_share"] <= 1
+    assert set(result["capacity"]) == {"hybrid", "cloud-only"}
+    assert "Capacity at the SLO" in (out / "load.md").read_text()
     assert (out / "throughput_vs_edges.png").stat().st_size > 0
     assert (out / "latency_vs_edges.png").stat().st_size > 0
 
@@ -175,3 +181,24 @@ def test_a_run_whose_harness_saturated_the_cpu_is_flagged():
     assert "event loop" in saturation(loop, cores=16, verifier_threads=8)
     assert saturation(busy, cores=16, verifier_threads=8) is None   # 8 cores left: plenty
     assert saturation({"edges_cpu_cores": None}, cores=2, verifier_threads=1) is None
+
+
+def test_a_request_meets_the_slo_on_what_the_window_saw():
+    """TPOT over the commits inside the window; TTFT only when the request arrived inside it."""
+    r = Request(edge=0, arrival_s=10.0, token_times=[(10.5, 1), (10.6, 2), (10.7, 3)])   # TTFT 0.5 s, TPOT 0.1 s
+    assert r.meets(10.0, 20.0, slo_tpot_s=0.15, slo_ttft_s=2.0) is True
+    assert r.meets(10.0, 20.0, slo_tpot_s=0.05, slo_ttft_s=2.0) is False   # too slow per token
+    assert r.meets(10.0, 20.0, slo_tpot_s=0.15, slo_ttft_s=0.2) is False   # too slow to start
+    assert r.meets(10.55, 20.0, slo_tpot_s=0.15, slo_ttft_s=0.2) is True   # arrived before the window: TPOT only
+    assert r.meets(10.65, 20.0, slo_tpot_s=0.15, slo_ttft_s=2.0) is None   # one commit seen: nothing to judge
+
+
+def test_capacity_is_the_most_edges_whose_p95_met_the_slo():
+    runs = [{"edges": n, "mode": m, "tpot_p95_s": t, "ttft_p95_s": f, "goodput_tokens_per_s": g}
+            for n, m, t, f, g in [(1, "hybrid", 0.05, 0.3, 20.0), (4, "hybrid", 0.12, 0.5, 70.0),
+                                  (16, "hybrid", 0.40, 0.9, 30.0), (1, "cloud-only", 0.03, 0.2, 30.0),
+                                  (4, "cloud-only", 0.09, 2.5, 90.0), (16, "cloud-only", 0.30, 3.0, 10.0)]]
+    cap = capacity_at_slo(runs, slo_tpot_s=0.15, slo_ttft_s=2.0)
+    assert cap["hybrid"]["edges"] == 4 and cap["hybrid"]["goodput_tokens_per_s"] == 70.0
+    assert cap["cloud-only"]["edges"] == 1   # 4 edges kept TPOT but not TTFT
+    assert capacity_at_slo(runs, slo_tpot_s=0.01, slo_ttft_s=2.0)["hybrid"]["edges"] == 0
