@@ -8,7 +8,8 @@ ping's round trip is a fixed number (delay + transmission both ways): loss stall
 are random by design, and their means are checked without sockets in test_netsim_effects.py
 and by bench/netsim_fidelity.py.
 
-Tolerances: a link's mean ping round trip within ±2 ms of its profile's, its download rate
+Tolerances: a link's mean ping round trip within ±2 ms of its profile's (plus the spread of the
+control connections' means in the same run: how exactly this machine lets a mean be measured), its download rate
 within ±5% of the profile's downlink rate (lan's 1 Gbit/s is left out of the rate check: a
 Python proxy on a shared 2-core machine does not move 1 Gbit/s).
 
@@ -134,7 +135,14 @@ async def test_64_connections_keep_every_links_delay_and_rate(record_property):
     link_results, control_results = results[:len(labels)], results[len(labels):]
     assert len(link_results) == 64
     machinery_ms = statistics.fmean(rtt for rtts_ms, _ in control_results for rtt in rtts_ms)
+    # How exactly this machine lets us measure one connection's mean: the control connections'
+    # means spread about the overall mean (the event loop serves 72 connections in turn; on a slow
+    # or shared CPU some wait longer than others). The delay check allows that spread on top of
+    # DELAY_TOLERANCE_MS, so it widens with what it measured here, not with a guess.
+    spread_ms = max(abs(statistics.fmean(rtts_ms) - machinery_ms) for rtts_ms, _ in control_results)
+    tolerance_ms = DELAY_TOLERANCE_MS + spread_ms
     record_property("machinery_round_trip_ms", machinery_ms)
+    record_property("machinery_spread_ms", spread_ms)
     record_property("proxy_lateness_ms_mean_max", [(s["late_s"] / max(s["chunks"], 1) * 1000, s["late_max_s"] * 1000)
                                                    for s in stats])
     assert machinery_ms < MACHINERY_MAX_MS
@@ -145,9 +153,9 @@ async def test_64_connections_keep_every_links_delay_and_rate(record_property):
         report.setdefault(profile.name, []).append((round(mean_ms - expected_ms, 3), round(rate_kbit_s)))
         if len(rtts_ms) < 5:
             errors.append(f"{profile.name}: only {len(rtts_ms)} pings")
-        if abs(mean_ms - expected_ms) > DELAY_TOLERANCE_MS:
+        if abs(mean_ms - expected_ms) > tolerance_ms:
             errors.append(f"{profile.name}: mean round trip {mean_ms:.2f} ms net of the machinery's "
-                          f"{machinery_ms:.2f} ms, profile {expected_ms:.2f} ms")
+                          f"{machinery_ms:.2f} ms, profile {expected_ms:.2f} ms (tolerance {tolerance_ms:.2f} ms)")
         if profile.name != "lan":
             expected_rate = profile.downlink.rate_kbit_s()
             if abs(rate_kbit_s / expected_rate - 1.0) > RATE_TOLERANCE:
