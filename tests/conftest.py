@@ -27,7 +27,7 @@ def pytest_addoption(parser):
 # failure while that share was above BUSY_SHARE is reported as a skip that gives the measurement
 # and the assertion. On a machine that was not busy, the failure stands.
 
-BUSY_SHARE = 0.25
+BUSY_SHARE = 0.10   # an idle 2-core VM measured 3-4% over the 64-connection test, two CPU burners 25-38%
 
 
 def _cpu_stall_us() -> float | None:
