@@ -41,15 +41,29 @@ def cpu_model(cpuinfo: str | None = None) -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_features(cpuinfo: str | None = None) -> list[str]:
-    """The kernel-relevant features of the first processor ('flags' on x86, 'Features' on ARM)."""
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """Every feature word of the first processor in /proc/cpuinfo ('flags' on x86, 'Features' on
+    ARM); what scripts/llama_build.py chooses llama.cpp's build from."""
     text = _cpuinfo() if cpuinfo is None else cpuinfo
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key.strip().lower() in ("flags", "features"):
-            words = set(value.split())
-            return [f for f in KERNEL_FEATURES if f in words]
-    return []
+            return set(value.split())
+    return set()
+
+
+def cpu_features(cpuinfo: str | None = None) -> list[str]:
+    """The kernel-relevant features of the first processor, in KERNEL_FEATURES' order."""
+    words = cpu_flags(cpuinfo)
+    return [f for f in KERNEL_FEATURES if f in words]
+
+
+def cpu_stall_us() -> float | None:
+    """Microseconds, since boot, in which some runnable task waited for a CPU (Linux PSI 'some'
+    total); None where the kernel does not report it. The difference over an interval, divided by
+    its length, is the share of it the CPU was contended."""
+    fields = _psi_some()
+    return float(fields["total"]) if fields else None
 
 
 def numpy_simd() -> dict | None:
@@ -79,15 +93,19 @@ def numpy_avx512_features() -> list[str]:
     return [f for f in simd["dispatched"] if f.startswith("AVX512") or f == "X86_V4"]
 
 
-def cpu_pressure() -> float | None:
-    """Share (0-1) of the last 10 s in which some runnable task waited for a CPU (Linux PSI);
-    None where the kernel does not report it."""
+def _psi_some() -> dict | None:
     try:
         line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
     except (OSError, IndexError):
         return None
-    fields = dict(f.split("=") for f in line.split()[1:])
-    return float(fields["avg10"]) / 100.0
+    return dict(f.split("=") for f in line.split()[1:])
+
+
+def cpu_pressure() -> float | None:
+    """Share (0-1) of the last 10 s in which some runnable task waited for a CPU (Linux PSI);
+    None where the kernel does not report it."""
+    fields = _psi_some()
+    return float(fields["avg10"]) / 100.0 if fields else None
 
 
 def describe() -> dict:

@@ -523,10 +523,7 @@ def verifier_args(cfg: LoadConfig, metrics_port: int, max_edges: int) -> list[st
     if "--max-sessions" not in given:
         args += ["--max-sessions", str(max(8, max_edges))]
     if "--kv-tokens" not in given and not cfg.synthetic:
-        n_ctx = LOAD_N_CTX
-        if "--n-ctx" in given:
-            i = max(i for i, a in enumerate(cfg.verifier_args) if a.split("=", 1)[0] == "--n-ctx")
-            n_ctx = int(cfg.verifier_args[i].split("=", 1)[1] if "=" in cfg.verifier_args[i] else cfg.verifier_args[i + 1])
+        n_ctx = int(_arg_value(cfg.verifier_args, "--n-ctx") or LOAD_N_CTX)
         args += ["--kv-tokens", str(max(8, max_edges) * n_ctx)]
     return args + ["--metrics-port", str(metrics_port)] + list(cfg.verifier_args)
 
@@ -542,13 +539,15 @@ def verifier_threads(cores: int | None = None) -> int:
     return max(1, (cores or os.cpu_count() or 1) // 2)
 
 
-def _given_threads(args: list[str]) -> int | None:
+def _arg_value(args: list[str], name: str) -> str | None:
+    """The value of option `name` in a command line (`--name V` or `--name=V`; the last one wins)."""
+    value = None
     for i, a in enumerate(args):
-        if a == "--threads" and i + 1 < len(args):
-            return int(args[i + 1])
-        if a.startswith("--threads="):
-            return int(a.split("=", 1)[1])
-    return None
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 HARNESS_SATURATED = 0.9   # share of the cores left to the harness above which a run is flagged
@@ -631,7 +630,8 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
             proc.wait(30)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     machine = describe_machine()
-    threads = _given_threads(args) if proc is not None else None
+    given_threads = _arg_value(args, "--threads") if proc is not None else None
+    threads = int(given_threads) if given_threads else None
     for run in runs:
         run["not_representative"] = saturation(run, machine["cores"] or 1, threads)
     return {"config": config, "server": info, "runs": runs, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -718,8 +718,8 @@ def markdown(result: dict) -> str:
                      f"| {_f(r['target_tokens_per_committed_token'], 1, 2)} | {errors} | {r['session_replays']} "
                      f"| {_f(r['verifier_cpu_cores'], 1, 2)} | {_f(r['verifier_peak_rss_mb'], 1, 0)} |")
     sources = sorted({r["target_cost_source"] for r in result["runs"]})
-    lines += ["", f"Goodput: tokens/s committed inside the window by requests that met the SLO (each judged on its "
-                  f"TPOT inside the window and, if it arrived inside it, its TTFT); 'met SLO' is the share of requests judged.",
+    lines += ["", "Goodput: tokens/s committed inside the window by requests that met the SLO (each judged on its "
+                  "TPOT inside the window and, if it arrived inside it, its TTFT); 'met SLO' is the share of requests judged.",
               f"Target cost: {'; '.join(sources)}. TPOT is per request over its commits inside the window: "
                   "(last commit − first commit) / tokens between them; TTFT counts from the request's arrival. Verifier CPU is in cores busy.",
               "CPU of the harness (cores busy; edges: this process, every edge's client and drafting; proxies: every "

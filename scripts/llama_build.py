@@ -49,6 +49,10 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+# One reader of the CPU's feature words for set-up and for reports (standard library only, so this
+# script still runs before the venv exists).
+sys.path.insert(0, str(ROOT))
+from hybridspec.machine import cpu_flags as read_cpu_features  # noqa: E402
 # The source archive's sha256 (written by scripts/lock.sh): pip checks it before compiling.
 SOURCE_LOCK = ROOT / "requirements" / "llama-cpp-python.txt"
 
@@ -107,20 +111,6 @@ def normalise_arch(machine: str) -> str:
     if m in ("aarch64", "arm64", "armv8l", "armv8"):
         return "aarch64"
     return m
-
-
-def read_cpu_features(cpuinfo: str | None = None) -> set[str]:
-    """The feature words of the first processor in /proc/cpuinfo ('flags' on x86, 'Features' on ARM)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            return set(value.split())
-    return set()
 
 
 def _x86(on: set[str], tag: str, why: str, baseline: bool = False) -> BuildPlan:

@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from hybridspec.machine import cpu_stall_us  # noqa: E402
 from tiny_gguf import write_tiny_llama  # noqa: E402
 
 
@@ -30,17 +31,9 @@ def pytest_addoption(parser):
 BUSY_SHARE = 0.10   # an idle 2-core VM measured 3-4% over the 64-connection test, two CPU burners 25-38%
 
 
-def _cpu_stall_us() -> float | None:
-    try:
-        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
-    except (OSError, IndexError):
-        return None
-    return float(dict(f.split("=") for f in line.split()[1:])["total"])
-
-
 def pytest_runtest_setup(item):
     if "timing" in item.keywords:
-        item.stash[_TIMING_START] = (time.monotonic(), _cpu_stall_us())
+        item.stash[_TIMING_START] = (time.monotonic(), cpu_stall_us())
 
 
 _TIMING_START = pytest.StashKey[tuple]()
@@ -53,7 +46,7 @@ def pytest_runtest_makereport(item, call):
     if call.when != "call" or not report.failed or "timing" not in item.keywords or _TIMING_START not in item.stash:
         return
     t0, stall0 = item.stash[_TIMING_START]
-    wall_s, stall1 = time.monotonic() - t0, _cpu_stall_us()
+    wall_s, stall1 = time.monotonic() - t0, cpu_stall_us()
     if stall0 is not None and stall1 is not None and wall_s > 0:
         share = (stall1 - stall0) / 1e6 / wall_s
         measured = f"runnable tasks waited for a CPU {share:.0%} of the test's {wall_s:.1f} s (PSI)"
