@@ -23,8 +23,8 @@ from spec_core.qcodec import EncodedQ
 from spec_core.synthetic import SyntheticLM
 from spec_core.verify import commit_round, verify_round
 from spec_core.warping import SamplingSettings, processed_probs
-from tests.test_exactness_stats import chi_square_p
-from tests.xvocab_pair import DRAFT, TARGET, longest_match_tokenizer
+from test_exactness_stats import chi_square_p
+from xvocab_pair import DRAFT, TARGET, longest_match_tokenizer
 
 L, N = 3, 6000
 P_MIN = 1e-4
