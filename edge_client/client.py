@@ -219,6 +219,7 @@ class Generation:
                 self._client._forget_server_limits()  # a verifier restarted with other limits: ask again
             raise
         finally:
+            self.prompt_ids = loop.prompt_ids or self.prompt_ids   # a text open's: from the verifier
             await loop.close()
 
 

@@ -92,7 +92,7 @@ async def test_edge_negotiates_cross_vocabulary_and_caches_the_vocabulary(vocab_
             gen = c.generate("abc", SamplingSettings(temperature=0.0, max_new_tokens=6, ignore_eos=True))
             text = await gen.text()
             assert isinstance(c.drafter, CrossVocabDrafter)
-        assert gen.prompt_ids is None and gen.stats.tokens == 6
+        assert gen.prompt_ids == [0, 6] and gen.stats.tokens == 6   # the verifier's tokenization of "abc"
         assert text.encode() == TARGET.text_bytes(gen.stats.token_ids)   # decoded with the target's bytes
         assert (vocab_cache / f"{TARGET.fingerprint}.pb").is_file()
         # The target's own greedy continuation of the same text prompt (its Generate stream).

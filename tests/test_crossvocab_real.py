@@ -82,7 +82,7 @@ async def test_greedy_hybrid_equals_cloud_only_across_tokenizers(gemma, smollm2,
     finally:
         drafter.close()
         backend.close()
-    assert gen.prompt_ids is None   # the edge never tokenized for the target
+    assert gen.prompt_ids == prompt_ids   # the verifier's tokenization, learnt from its first reply
     assert gen.stats.accepted > 0 and view.syncs > 0
     if isinstance(prompt, crossvocab.Chat):
         assert prompt_ids[:2] == [2, 105]   # <bos><start_of_turn>: llama.cpp's built-in gemma template
@@ -132,3 +132,38 @@ async def test_sampled_across_tokenizers_decodes_with_the_target_bytes(gemma, sm
     assert 0 < gen.stats.tokens <= 24 and gen.stats.rounds > 0
     visible = [t for t in gen.stats.token_ids if t not in target.eog_ids]
     assert text == target.text_bytes(visible).decode("utf-8", "replace")
+
+
+def test_openai_serve_across_tokenizers(gemma, smollm2):
+    """`edge-client serve --draft SMOLLM2` in front of a Gemma verifier, no other option: chat and
+    text completions work; greedy chat equals the verifier's cloud-only text; usage counts the
+    target's prompt tokens."""
+    import openai
+    from edge_client.process import spawn_edge_server
+    from test_openai_serve import VerifierThread
+
+    verifier = VerifierThread(LlamaCppBackend(gemma, n_ctx=1024, n_threads=1))
+    proc = None
+    try:
+        proc, url, _ = spawn_edge_server(["--server", verifier.address, "--draft", smollm2, "--threads", "1",
+                                          "--gamma", "4"])
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+        chat = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Name three fruits."}],
+                                              temperature=0, max_tokens=N_NEW)
+        text = client.completions.create(model="x", prompt="The sky is", temperature=0.7, max_tokens=12, seed=3)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="x", prompt="One, two,", temperature=0, max_tokens=8, stream=True) if c.choices)
+        prompt_ids, reference = verifier._call(cloud_only(verifier.server, crossvocab.Chat.of("Name three fruits."),
+                                                          N_NEW), timeout=300)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+        verifier.stop()
+    from llama_runtime import GGUFModel
+    vocab = GGUFModel(gemma, vocab_only=True).vocabulary
+    expected = vocab.text_bytes([t for t in reference if t not in vocab.eog_ids]).decode("utf-8", "replace")
+    assert chat.usage.prompt_tokens == len(prompt_ids)
+    assert text.choices[0].text and streamed
+    assert chat.choices[0].message.content == expected[: len(chat.choices[0].message.content)] and \
+        len(chat.choices[0].message.content) > 0
