@@ -6,6 +6,7 @@ from (spec_core.drafting.draft_step does the encode-then-sample), or None for po
 from __future__ import annotations
 
 import abc
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from spec_core.crossvocab import DraftView, TokenMap, Vocabulary, intersection_map, restrict_logits, to_target_q
+from spec_core.crossvocab import DraftView, TokenMap, ViewStats, Vocabulary, intersection_map, restrict_logits, to_target_q
 from spec_core.drafting import QMode, draft_step
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import ROOT, DraftTree, TreeShape, grow_tree, tree_sampling
@@ -81,6 +82,10 @@ class Drafter(abc.ABC):
 
     def anchor_prompt(self, target_prompt: Sequence[int], draft_prompt: Sequence[int]) -> None:
         """The target's prompt ids stand for these draft ids (CrossVocabDrafter; others ignore it)."""
+
+    def retokenization(self) -> ViewStats | None:
+        """Across tokenizers: a copy of the draft view's counters (CrossVocabDrafter); None otherwise."""
+        return None
 
     def observe(self, committed: Sequence[int], num_accepted: int) -> None:
         """Learn from a round's result (committed now holds the round's tokens)."""
@@ -250,6 +255,9 @@ class CrossVocabDrafter(Drafter):
 
     def anchor_prompt(self, target_prompt, draft_prompt) -> None:
         self.view.anchor(target_prompt, draft_prompt)
+
+    def retokenization(self) -> ViewStats:
+        return dataclasses.replace(self.view.stats)
 
     def propose(self, committed, gamma, settings, qmode, rng) -> Draft:
         t0 = time.perf_counter()
