@@ -667,6 +667,12 @@ class EdgeClient:
                             f"the target ({info.model}) has another tokenizer and the {self.drafter.name} drafter "
                             "cannot draft across vocabularies; use a GGUF draft model or one with the target's tokenizer")
         target = crossvocab.known_vocabulary(target_fp)
+        if target is None and self.speculation.target_vocab:
+            target = await asyncio.to_thread(crossvocab.load_vocabulary_file, self.speculation.target_vocab)
+            if target.fingerprint != target_fp:
+                raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{self.speculation.target_vocab} is not the verifier's tokenizer ({info.model})")
+            crossvocab.remember_vocabulary(target)
         if target is None:
             if not info.text_prompts:
                 raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION,

@@ -169,3 +169,20 @@ async def test_sequences_over_grpc_follow_the_target(control, monkeypatch):
         assert p < P_MIN, f"the control was not caught: chi-square p = {p:.2e}"
     else:
         assert p > P_MIN, f"chi-square p = {p:.2e}"
+
+
+async def test_target_vocabulary_from_a_local_file(tmp_path, vocab_cache):
+    """--target-vocab: no GetVocabulary call (the server's is made to fail), nothing cached."""
+    path = tmp_path / "target.pb"
+    path.write_bytes(crossvocab.vocabulary_to_proto(TARGET).SerializeToString())
+    drafter, tok = drafter_pair()
+    backend = target_backend()
+    async with running_server(backend) as server:
+        async def no_vocabulary(req):
+            raise AssertionError("GetVocabulary was called")
+        server.engine.vocabulary = no_vocabulary
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=3, target_vocab=str(path)), drafter,
+                              tok) as c:
+            gen = c.generate("abc", SamplingSettings(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+            await gen.text()
+    assert gen.stats.tokens == 4 and not vocab_cache.exists()
