@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
     from edge_client.options import add_edge_options
     p = sub.add_parser("demo", help="run a verifier and an edge on the bundled models and print the stats",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="target GGUF (default: bundled SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--target", help="target GGUF, or a bundled model's name: smollm2 (default: SmolLM2-135M-Instruct "
+                                    "Q4_1) or gemma (Gemma 3 270M Q4_K_M, another tokenizer: scripts/setup.sh --with gemma)")
     p.add_argument("--verifier-threads", type=int, default=1)
     p.add_argument("--no-baseline", action="store_true", help="skip the cloud-only comparison")
     p.add_argument("--json", action="store_true", help="end with one JSON line of statistics")
@@ -45,9 +46,14 @@ def cmd_demo(args) -> int:
     from hybridspec.launch import spawn_verifier
     from edge_client.cli import prompt_ids, run_generate, settings_from_args
     from edge_client.options import options_from_args
-    from llama_runtime import GGUFModel, bundled_model_path
+    from llama_runtime import GGUFModel
+    from llama_runtime.model import resolve_model
     options, settings = options_from_args(args), settings_from_args(args)  # before anything starts
-    target = args.target or str(bundled_model_path())
+    try:
+        target = str(resolve_model(args.target or "smollm2"))
+    except FileNotFoundError as e:
+        print(f"[demo] {e}", file=sys.stderr)
+        return 2
     if args.drafter == "gguf" and not args.draft:
         if DEFAULT_DRAFT.is_file():
             args.draft = str(DEFAULT_DRAFT)
