@@ -209,3 +209,53 @@ def test_real_pair_overlap_gemma_and_smollm2():
                        token_strings(GGUFModel(runtime_model.bundled_model_path(), vocab_only=True)))
     # Two fixed vocabularies (issue 17 quotes the same figures)
     assert (ov.shared_strings, ov.draft_strings, ov.target_tokens) == (46_145, 49_135, 262_144)
+
+
+# --- netsim: named pairs ---------------------------------------------------------------------------
+
+def test_netsim_pairs_resolve_to_paths_or_say_what_is_missing(tmp_path, monkeypatch):
+    from netsim.pairs import PAIRS, resolve
+    assert set(PAIRS) == {"smollm2", "gemma-smollm2", "gemma-self"}
+    assert resolve(None, None, None) == (None, None, None)
+    assert resolve(None, "t.gguf", "d.gguf") == ("t.gguf", "d.gguf", None)
+    with pytest.raises(ValueError, match="not both"):
+        resolve("gemma-smollm2", "t.gguf", None)
+    with pytest.raises(KeyError, match="known: smollm2, gemma-smollm2, gemma-self"):
+        resolve("llama-phi", None, None)
+    monkeypatch.setenv("HYBRIDSPEC_MODELS", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="make-draft --target gemma"):
+        resolve("gemma-self", None, None)
+    (tmp_path / "smollm2-draft.gguf").write_bytes(b"GGUF")
+    paths = resolve("smollm2", None, None)
+    assert paths.draft == str(tmp_path / "smollm2-draft.gguf") and paths.pair == "smollm2"
+    assert paths.target == str(runtime_model.bundled_model_path("smollm2"))
+
+
+@pytest.mark.parametrize("command", ["experiment", "load"])
+def test_netsim_cli_takes_a_pair_and_refuses_a_pair_with_target(command, tmp_path, monkeypatch):
+    from netsim.cli import build_parser, main
+    args = build_parser().parse_args([command, "--pair", "gemma-smollm2"])
+    assert args.pair == "gemma-smollm2" and args.target is None
+    with pytest.raises(SystemExit, match="not both"):
+        main([command, "--pair", "gemma-smollm2", "--target", "x.gguf", "--out", str(tmp_path)])
+    monkeypatch.setenv("HYBRIDSPEC_MODELS", str(tmp_path))
+    with pytest.raises(SystemExit, match="no draft at"):
+        main([command, "--pair", "smollm2", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):  # argparse: not a known pair
+        build_parser().parse_args([command, "--pair", "llama-phi"])
+
+
+def test_netsim_runner_sends_the_targets_prompt_and_runs_edge_only_on_the_drafts(tiny_models, tmp_path):
+    """Two tokenizers: the prompt is the target's tokens and template; edge-only reads the draft's."""
+    from edge_client.text import render_chat
+    from netsim.experiment import ExperimentConfig, Runner
+    cfg = ExperimentConfig(profiles=["lan"], modes=["edge-only", "hybrid"], out=tmp_path,
+                           target=str(tiny_models["target"]), draft=str(tiny_models["other_vocab"]), pair="tiny")
+    runner = Runner(cfg)
+    target, draft = (GGUFModel(tiny_models[k], vocab_only=True) for k in ("target", "other_vocab"))
+    assert runner.cross_vocabulary and runner.models()["cross_vocabulary"] is True
+    assert runner.prompt_ids("say the list") == render_chat(target, "say the list")
+    assert runner.draft_prompt_ids("say the list") == render_chat(draft, "say the list")
+    same = Runner(ExperimentConfig(profiles=["lan"], modes=["hybrid"], out=tmp_path, target=str(tiny_models["target"]),
+                                   draft=str(tiny_models["draft"])))
+    assert not same.cross_vocabulary and same.draft_prompt_ids("say the list") == same.prompt_ids("say the list")
