@@ -14,6 +14,7 @@ import llama_cpp
 import numpy as np
 
 from spec_core.batchplan import PassItem
+from spec_core.crossvocab import Vocabulary
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.kvreuse import reusable_prefix
 
@@ -138,7 +139,10 @@ class GGUFModel:
         return tmpl.decode("utf-8") if tmpl else None
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
+        return self.tokenize_bytes(text.encode("utf-8"), add_special, parse_special)
+
+    def tokenize_bytes(self, data: bytes, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        """Token ids of UTF-8 bytes (llama.cpp reads invalid UTF-8 as U+FFFD)."""
         cap = len(data) + 16
         buf = (llama_cpp.llama_token * cap)()
         n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
@@ -155,6 +159,19 @@ class GGUFModel:
             buf = ctypes.create_string_buffer(-n)
             n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
+
+    @cached_property
+    def vocabulary(self) -> Vocabulary:
+        """Every token's bytes in text, with the special (control, unknown, unused), byte-fallback and
+        end-of-generation ids (spec_core.crossvocab: drafting across tokenizers)."""
+        attr = llama_cpp.llama_vocab_get_attr
+        special_bits = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN | \
+            llama_cpp.LLAMA_TOKEN_ATTR_UNUSED
+        attrs = [int(attr(self._vocab, i)) for i in range(self.n_vocab)]
+        special = frozenset(i for i, a in enumerate(attrs) if a & special_bits)
+        return Vocabulary(tuple(b"" if i in special else self.token_bytes(i) for i in range(self.n_vocab)),
+                          special_ids=special, eog_ids=self.eog_ids, fingerprint=self.fingerprint,
+                          byte_ids=frozenset(i for i, a in enumerate(attrs) if a & llama_cpp.LLAMA_TOKEN_ATTR_BYTE))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
