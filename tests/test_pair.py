@@ -128,35 +128,31 @@ def test_bundled_gemma_is_found_in_the_models_dir_or_assembled_once(tmp_path, mo
 
 # --- eval-draft across tokenizers ----------------------------------------------------------------
 
-class FakeVocab:
-    """A model's vocabulary only: token strings, and a tokenizer that knows whole strings."""
+class FakeModel:
+    """A model's vocabulary only (token strings, special and byte-fallback ids) for CrossVocab."""
 
-    def __init__(self, strings: list[bytes]):
-        self.strings, self.n_vocab = strings, len(strings)
+    def __init__(self, strings: list[bytes], special=(), byte_ids=()):
+        from spec_core.crossvocab import Vocabulary
+        self.vocabulary = Vocabulary(tuple(strings), special_ids=frozenset(special), byte_ids=frozenset(byte_ids))
 
-    def token_bytes(self, token: int, special: bool = False) -> bytes:
-        return self.strings[token]
-
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        data = text.encode()
-        return [self.strings.index(data)] if data in self.strings else []
+    def tokenize_bytes(self, data: bytes) -> list[int]:
+        return [self.vocabulary.token_bytes.index(data)] if data in self.vocabulary.token_bytes else []
 
 
 def test_tli_moves_q_onto_the_shared_target_ids_and_renormalises():
-    #          0      1     2       3      4      5 (byte twin of "a")
-    target = FakeVocab([b"", b"a", b"bc", b"d", b"xyz", b"a"])
-    #          0      1      2      3       4
-    draft = FakeVocab([b"", b"d", b"a", b"bcd", b"bc"])
+    #                   0      1     2       3      4      5 (byte-fallback twin of "a")
+    target = FakeModel([b"", b"a", b"bc", b"d", b"xyz", b"a"], special=[0], byte_ids=[5])
+    #                  0      1      2      3       4
+    draft = FakeModel([b"", b"d", b"a", b"bcd", b"bc"], special=[0])
     cross = CrossVocab(target, draft)
-    assert cross.draft_to_target.tolist() == [-1, 3, 1, -1, 2]  # "a" -> 1, the id the target's tokenizer gives
+    assert cross.token_map.draft_to_target.tolist() == [-1, 3, 1, -1, 2]  # "a" -> 1, not its byte twin
     assert cross.overlap == (6, 5, 4, 3, 3) and cross.overlap.share == pytest.approx(0.75)
     assert cross.target_has.tolist() == [False, True, True, True, False, False]
-    q = cross.target_probs(np.array([0.1, 0.2, 0.3, 0.3, 0.1]))  # "bcd" (0.3) and control (0.1) dropped
+    draft_logits = np.log(np.array([[0.1, 0.2, 0.3, 0.3, 0.1]]))
+    q = cross.target_probs(draft_logits[0], 1.0)  # "bcd" (0.3) and the control token (0.1) dropped
     np.testing.assert_allclose(q, [0, 0.5, 1 / 6, 1 / 3, 0, 0])
-    assert not cross.target_probs(np.array([0.5, 0, 0, 0.5, 0])).any()  # nothing it can propose
     # α = sum min(p, q_TLI): p = [0, .2, .2, .2, .4, 0] -> .2 + 1/6 + .2
     target_logits = np.log(np.array([[1e-30, 0.2, 0.2, 0.2, 0.4, 1e-30]]))
-    draft_logits = np.log(np.array([[0.1, 0.2, 0.3, 0.3, 0.1]]))
     alpha, kept = cross_acceptance(target_logits, draft_logits, 1.0, cross, keep_q=1)
     assert alpha[0] == pytest.approx(0.2 + 1 / 6 + 0.2, abs=1e-6) and kept.shape == (1, 6)
     # T = 0: the draft's argmax among what it can propose ("a" -> 1; "bcd" has as much but no target id)
@@ -185,7 +181,7 @@ def test_eval_draft_across_tokenizers_reports_overlap_coverage_and_alpha(tiny_mo
     for summary in [rep.overall, *rep.categories.values()]:
         assert set(summary["coverage"]) == set(summary["alpha"]) == {"0", "0.7", "1"}
         assert all(0.0 <= x <= 1.0 for x in [*summary["coverage"].values(), *summary["alpha"].values()])
-    assert all("coverage" in row for row in rep.per_prompt)
+    assert all("coverage" in row for row in rep.per_prompt) and v["rolled_back_per_sync"] >= 0.0
     assert rep.hybrid["bytes_per_draft_token"] > 0 and rep.speed["draft"]["1"] > 0
     # The CLI: the same, as JSON; --strict-vocab refuses the pair (exit 2)
     from edge_client.cli import main

@@ -23,17 +23,18 @@ How continuations are made (`continuation=`):
 A continuation stops early at an end-of-generation token (which is scored too).
 
 Across tokenizers (a draft whose fingerprint differs from the target's, e.g. SmolLM2 drafting for
-Gemma 3): token-level intersection (TLI; Timor et al., ICML 2025), as the edge drafts. The draft
-reads the prompt in its own chat template and the target's continuation as text, re-tokenized
-with its own vocabulary at every position (`CrossVocab.draft_ids`); its processed q is restricted
-to the draft tokens whose bytes are exactly one target token, renormalised and moved onto those
-target ids (`CrossVocab.target_probs`); α_T = sum_x min(p_T(x), q_TLI(x)) as above, and at T = 0
-the restricted argmax against the target's. The report adds `vocabulary`:
-  draft_strings    distinct non-empty token strings (bytes) of the draft
+Gemma 3): token-level intersection (TLI; Timor et al., ICML 2025) with spec_core.crossvocab, as
+the edge drafts. The draft reads the prompt in its own chat template and the target's continuation
+through its DraftView (target ids -> bytes -> draft ids, re-tokenized from the stable boundary
+after every token); its logits are restricted to the intersection before warping and the q moved
+onto target ids (`CrossVocab.target_probs`); α_T = sum_x min(p_T(x), q_TLI(x)) as above, and at
+T = 0 the restricted argmax against the target's. The report adds `vocabulary`:
+  draft_strings    distinct non-empty token strings (bytes) of the draft, special tokens left out
   shared_strings   of those, the ones that are also a target token's string; share = their ratio
-  mapped_tokens    draft ids whose string is exactly one target token (what TLI can propose)
-  coverage{T}      share of the target's generated tokens (the scored positions) whose string is a
-                   draft token: the most TLI could ever accept, also per category
+  mapped_tokens    draft ids in the one-to-one map (what TLI can propose)
+  rolled_back_per_sync  draft tokens the view drops per sync (KV rolled back, re-tokenized)
+  coverage{T}      share of the target's generated tokens (the scored positions) in the map: the
+                   most TLI could ever accept, also per category
 
 Speed: decode tokens/s is one token per llama_decode call after a prompt, as a drafter runs,
 median of `speed_repeats` runs, for 1 and 2 threads, the target and the drafts taking turns in
@@ -56,7 +57,7 @@ JSON report keys (`EvalReport.to_json()`):
   categories                   {category: {prompts, positions{T}, alpha{T}[, coverage{T}]}}
   vocabulary                   null (same tokenizer), or {cross_vocabulary: true, method: "TLI",
                                 target_tokens, draft_tokens, draft_strings, shared_strings,
-                                share, mapped_tokens}
+                                share, mapped_tokens, rolled_back_per_sync}
   per_prompt                   [{category, prompt_tokens, positions{T}, alpha{T}}]
   expected_tokens_per_round    {T: {γ: (1 − α^(γ+1)) / (1 − α)} for γ = 1..8}
   speed                        {draft: {threads: tok/s}, target: {threads: tok/s}, tokens, repeats} or null
@@ -177,7 +178,7 @@ class VocabOverlap(NamedTuple):
     draft_tokens: int
     draft_strings: int    # distinct non-empty draft token strings
     shared_strings: int   # of them, also a target token's string
-    mapped_tokens: int    # draft ids whose string is exactly one target token
+    mapped_tokens: int    # draft ids whose string is exactly one target token (one to one in CrossVocab)
 
     @property
     def share(self) -> float:
@@ -195,63 +196,57 @@ def vocab_overlap(target_strings: Sequence[bytes], draft_strings: Sequence[bytes
 
 
 class CrossVocab:
-    """What the edge does with a draft of another tokenizer, for scoring: the draft's view of a
-    target sequence, and its q moved onto target ids by token-level intersection (TLI).
-
-    `draft_to_target[d]` is the target id whose bytes equal draft token d's, -1 where there is
-    none (several target ids with one string, e.g. a piece and its byte-fallback twin: the one the
-    target's tokenizer produces for that string).
-    """
+    """What the edge does with a draft of another tokenizer, for scoring: spec_core.crossvocab's
+    one-to-one TLI map (`token_map`), its restricted q moved onto target ids, and the draft's view
+    of the committed text (`DraftView`: the target's prompt anchored to the draft's own rendering of
+    it, generated target ids -> bytes -> draft ids, re-tokenized from the stable boundary)."""
 
     def __init__(self, target, draft):
+        from spec_core.crossvocab import intersection_map
         self.target, self.draft = target, draft
-        t_strings, d_strings = token_strings(target), token_strings(draft)
-        self.overlap = vocab_overlap(t_strings, d_strings)
-        by_string: dict[bytes, list[int]] = {}
-        for tid, b in enumerate(t_strings):
-            if b:
-                by_string.setdefault(b, []).append(tid)
-        canonical = {b: self._canonical(b, ids) for b, ids in by_string.items()}
-        self.draft_to_target = np.array([canonical.get(b, -1) if b else -1 for b in d_strings], dtype=np.int64)
-        self.mapped = np.flatnonzero(self.draft_to_target >= 0)              # [mapped] draft ids
-        self.mapped_targets = self.draft_to_target[self.mapped]              # [mapped] their target ids
-        self.target_has = np.zeros(target.n_vocab, dtype=bool)               # [target vocab]
-        self.target_has[self.mapped_targets] = True
+        self.target_vocab, self.draft_vocab = target.vocabulary, draft.vocabulary
+        self.token_map = intersection_map(self.draft_vocab, self.target_vocab)
+        self.overlap = vocab_overlap(self.target_vocab.token_bytes, self.draft_vocab.token_bytes)._replace(
+            mapped_tokens=self.token_map.n_mapped)
+        self.mapped = np.flatnonzero(self.token_map.draft_mask)                 # [mapped] draft ids
+        self.mapped_targets = self.token_map.draft_to_target[self.mapped]       # [mapped] their target ids
+        self.target_has = self.token_map.target_to_draft >= 0                   # [target vocab] bool
+        self.rolled_back = self.syncs = 0
 
-    def _canonical(self, text: bytes, ids: list[int]) -> int:
-        if len(ids) > 1:
-            try:
-                tokens = self.target.tokenize(text.decode("utf-8"), add_special=False, parse_special=False)
-            except UnicodeDecodeError:
-                tokens = []
-            if len(tokens) == 1 and tokens[0] in ids:
-                return tokens[0]
-        return ids[0]
+    def view(self, target_prompt: Sequence[int], draft_prompt: Sequence[int]):
+        from spec_core.crossvocab import DraftView
+        tokenize = getattr(self.draft, "tokenize_bytes", None) or \
+            (lambda data: self.draft.tokenize(data.decode("utf-8", "replace"), add_special=False, parse_special=False))
+        view = DraftView(self.target_vocab, self.draft_vocab, tokenize)
+        view.anchor(target_prompt, draft_prompt)
+        return view
 
-    def draft_ids(self, draft_prompt: Sequence[int], target_tokens: Sequence[int]) -> list[int]:
-        """The draft's tokens for its prompt followed by target tokens read as text."""
-        text = b"".join(self.target.token_bytes(t) for t in target_tokens).decode("utf-8", "replace")
-        return list(draft_prompt) + (self.draft.tokenize(text, add_special=False, parse_special=False) if text else [])
-
-    def target_probs(self, draft_probs: np.ndarray) -> np.ndarray:
-        """q restricted to the mapped draft tokens, renormalised, on target ids  # [Vd] -> [Vt]"""
-        kept = draft_probs[self.mapped]
-        total = kept.sum()
-        if total <= 0:   # the draft puts no mass on anything the target has: it proposes nothing
-            return np.zeros(self.target.n_vocab)
-        return np.bincount(self.mapped_targets, weights=kept / total, minlength=self.target.n_vocab)
+    def target_probs(self, draft_logits: np.ndarray, temperature: float) -> np.ndarray:
+        """The draft's processed q on the intersection (its warping run on the restricted logits,
+        as the edge does), on target ids  # [Vd] -> [Vt]"""
+        from spec_core.crossvocab import restrict_logits
+        out = np.zeros(self.target_vocab.n_vocab)
+        if len(self.mapped):
+            out[self.mapped_targets] = processed_probs(restrict_logits(draft_logits, self.token_map),
+                                                       temperature)[self.mapped]
+        return out
 
     def greedy(self, draft_logits: np.ndarray) -> int:
         """The draft's argmax among the mapped tokens, as a target id."""
         return int(self.mapped_targets[np.argmax(draft_logits[self.mapped])])
 
 
-def cross_draft_logits(ctx, cross: CrossVocab, draft_prompt: Sequence[int], continuation: Sequence[int]) -> np.ndarray:
-    """The draft's next-token logits before each continuation token, reading the text so far in
-    its own tokens (re-tokenized at every position, as the edge does after each commit; the KV
-    cache keeps the common prefix)  # [len(cont), draft vocab]"""
-    rows = [ctx.logits(cross.draft_ids(draft_prompt, continuation[:i]), 1)[0] for i in range(len(continuation))]
-    return np.stack(rows) if rows else np.zeros((0, cross.draft.n_vocab), dtype=np.float32)
+def cross_draft_logits(ctx, cross: CrossVocab, target_prompt: Sequence[int], draft_prompt: Sequence[int],
+                       continuation: Sequence[int]) -> np.ndarray:
+    """The draft's next-token logits before each continuation token, reading the committed text in
+    its own tokens (the edge's DraftView, synced after every token as after a commit; the KV cache
+    keeps the common prefix)  # [len(cont), draft vocab]"""
+    view = cross.view(target_prompt, draft_prompt)
+    rows = [ctx.logits(view.sync(list(target_prompt) + list(continuation[:i])).draft_ids, 1)[0]
+            for i in range(len(continuation))]
+    cross.rolled_back += view.stats.rolled_back
+    cross.syncs += view.stats.syncs
+    return np.stack(rows) if rows else np.zeros((0, cross.draft_vocab.n_vocab), dtype=np.float32)
 
 
 def cross_acceptance(target_logits: np.ndarray, draft_logits: np.ndarray, temperature: float,
@@ -263,7 +258,7 @@ def cross_acceptance(target_logits: np.ndarray, draft_logits: np.ndarray, temper
         return np.array(values, dtype=np.float64), None
     values, kept = [], []
     for t_row, d_row in zip(target_logits, draft_logits):  # a row at a time: Gemma's rows are 262,144 wide
-        q = cross.target_probs(processed_probs(d_row, temperature))
+        q = cross.target_probs(d_row, temperature)
         values.append(float(np.minimum(processed_probs(t_row, temperature), q).sum()))
         if len(kept) < keep_q:
             kept.append(q)
@@ -490,7 +485,7 @@ def evaluate_drafts(target_path: str | os.PathLike, draft_paths: Sequence[str | 
                     else:
                         key = (d, sample_temp)
                         if key not in cross_rows:
-                            cross_rows[key] = cross_draft_logits(ctx, cross, draft_prompts[d], cont)
+                            cross_rows[key] = cross_draft_logits(ctx, cross, ids, draft_prompts[d], cont)
                         values, payload = cross_acceptance(target_logits, cross_rows[key], temp, cross,
                                                            keep_q=32 if want_bytes else 0)
                         covered = int(cross.target_has[np.asarray(cont, dtype=np.int64)].sum())
@@ -529,7 +524,7 @@ def evaluate_drafts(target_path: str | os.PathLike, draft_paths: Sequence[str | 
             per_prompt=per_prompt[d],
             expected_tokens_per_round={t: {str(g): expected_tokens_per_round(a, g) for g in GAMMAS}
                                        for t, a in summary["alpha"].items()},
-            vocabulary=crosses[d].overlap.to_json() if crosses[d] is not None else None,
+            vocabulary=_vocabulary_json(crosses[d]),
         ))
     if measure_speed:
         _speed_and_merit(reports, target_path, draft_paths, first_ids, first_cont, speed_prompts, bytes_rows, fom_temperature,
@@ -538,6 +533,13 @@ def evaluate_drafts(target_path: str | os.PathLike, draft_paths: Sequence[str | 
     for r in reports:
         r.elapsed_s = time.perf_counter() - t_start
     return reports
+
+
+def _vocabulary_json(cross: CrossVocab | None) -> dict | None:
+    if cross is None:
+        return None
+    return {**cross.overlap.to_json(),
+            "rolled_back_per_sync": cross.rolled_back / cross.syncs if cross.syncs else 0.0}
 
 
 def _speed_and_merit(reports, target_path, draft_paths, ids, cont, draft_ids, bytes_rows, fom_temperature, speed_tokens,
