@@ -10,6 +10,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,9 +20,10 @@ import grpc
 import numpy as np
 
 from cloud_verifier import metrics
-from cloud_verifier.backends.base import Backend, NoFreeState
+from cloud_verifier.backends.base import Backend, NoChatTemplate, NoFreeState
 from cloud_verifier.sessions import Session, SessionStore
 from spec_core import qcodec
+from spec_core.crossvocab import pack_token_bytes
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.tree import DraftTree, TreeError, prune_to_fit, validate_tree
 from spec_core.verify import RoundResult, commit_round
@@ -52,6 +54,11 @@ class Limits:
 
 
 MAX_STOP_IDS = 64
+# Text prompts (edges whose draft has another tokenizer): bounded before they are tokenized.
+MAX_PROMPT_TEXT_BYTES = 1 << 20
+MAX_PROMPT_MESSAGES = 256
+_ROLE = re.compile(r"[a-z_]{1,32}")
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 
 
 def _bad(message: str) -> RequestError:
@@ -66,6 +73,8 @@ class VerifierEngine:
         self.max_sessions = min(limits.max_sessions, backend.max_states or limits.max_sessions)
         self.sessions = SessionStore(self.max_sessions, limits.session_ttl_s, backend.release)
         self._streams = asyncio.Semaphore(self.max_sessions)  # concurrent Generate streams
+        self._vocabulary: pb.Vocabulary | None = None     # made on the first GetVocabulary
+        self._vocabulary_lock = asyncio.Lock()
 
     # --- validation --------------------------------------------------------------------------
 
@@ -109,10 +118,72 @@ class VerifierEngine:
                                f"{n_tokens} prompt tokens + 1 do not fit the context window of {self.info.n_ctx} "
                                "tokens; shorten the prompt")
 
+    def _text_prompt(self, text: str, messages, what: str) -> tuple[str | None, list[dict[str, str]] | None]:
+        """(text, messages) of a text prompt, validated; (None, None) when the prompt is ids."""
+        if not text and not len(messages):
+            return None, None
+        if not self.backend.has_vocabulary:
+            raise RequestError(grpc.StatusCode.UNIMPLEMENTED,
+                               f"this server ({self.info.name}) takes prompts as token ids only: send "
+                               f"{what}prompt_token_ids")
+        if text and len(messages):
+            raise _bad(f"{what}prompt_text and {what}prompt_messages are both set: send one")
+        if len(messages) > MAX_PROMPT_MESSAGES:
+            raise _bad(f"{what}prompt_messages has {len(messages)} messages; at most {MAX_PROMPT_MESSAGES}")
+        size = len(text.encode()) + sum(len(m.content.encode()) for m in messages)
+        if size > MAX_PROMPT_TEXT_BYTES:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the prompt text is {size} bytes; this server takes at most {MAX_PROMPT_TEXT_BYTES}")
+        for i, m in enumerate(messages):
+            if not _ROLE.fullmatch(m.role):
+                raise _bad(f"{what}prompt_messages[{i}].role {m.role[:40]!r} is not a role (system, user, "
+                           "assistant: lower-case letters and '_', at most 32)")
+        if not len(messages):
+            return text, None
+        if not self.backend.chat_prompts():
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"{self.info.model} has no chat template: send {what}prompt_text instead of messages")
+        return None, [{"role": m.role, "content": m.content} for m in messages]
+
+    async def _tokenize_prompt(self, text: str | None, messages: list[dict[str, str]] | None, what: str) -> list[int]:
+        try:
+            ids = await run_in_thread(self.backend.prompt_ids, text, messages)
+        except NoChatTemplate as e:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        except ValueError as e:
+            raise _bad(f"{what}prompt_messages: {e}") from None
+        if not ids:
+            raise _bad(f"{what}prompt_text tokenizes to no tokens: send some text")
+        return ids
+
+    async def vocabulary(self, req: pb.VocabularyRequest) -> pb.Vocabulary:
+        """The target's vocabulary, packed once (seconds for a large one, off the event loop)."""
+        if req.fingerprint and not _FINGERPRINT.fullmatch(req.fingerprint):
+            raise _bad("fingerprint must be 64 lower-case hex digits (ServerInfo.tokenizer_fingerprint) or empty")
+        if req.fingerprint and req.fingerprint != self.info.fingerprint:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"this server's tokenizer is {self.info.fingerprint[:16]}…, not {req.fingerprint[:16]}… "
+                               f"({self.info.model}); ask GetServerInfo again")
+        async with self._vocabulary_lock:
+            if self._vocabulary is None:
+                vocab = self.backend.vocabulary()
+                if vocab is None:
+                    raise RequestError(grpc.StatusCode.UNIMPLEMENTED,
+                                       f"this server ({self.info.name}) cannot export its vocabulary")
+
+                def build() -> pb.Vocabulary:
+                    return pb.Vocabulary(fingerprint=self.info.fingerprint, n_vocab=vocab.n_vocab,
+                                         token_bytes_zlib=pack_token_bytes(vocab.token_bytes),
+                                         special_token_ids=sorted(vocab.special_ids),
+                                         eog_token_ids=sorted(vocab.eog_ids), byte_token_ids=sorted(vocab.byte_ids))
+                self._vocabulary = await run_in_thread(build)
+        return self._vocabulary
+
     # --- one round ----------------------------------------------------------------------------
 
     async def verify(self, req: pb.VerifyRequest) -> pb.VerifyReply:
         t_start = time.perf_counter()
+        committed_length = req.committed_length
         drafts = list(req.draft_token_ids)
         tree = self._tree(req, drafts)
         if tree is None and len(drafts) > self.limits.max_gamma:
@@ -135,6 +206,9 @@ class VerifierEngine:
                                    "restarted): resend the round with `open` to replay the committed tokens")
         elif req.HasField("open"):
             session = self._reopen(req) or await self._open(req)
+            if _text_open(req.open):
+                # The edge counted only what follows the prompt it could not tokenize (see the .proto).
+                committed_length = req.committed_length + session.prompt_len
         else:
             raise _bad("session_id is empty and `open` is missing: the first round must carry `open`")
 
@@ -159,7 +233,7 @@ class VerifierEngine:
                 metrics.RETRIES.inc()
                 return session.last_reply
             if assumed and req.round == session.round + 1 and (
-                    req.committed_length != len(session.tokens) or session.tokens[-len(assumed):] != assumed
+                    committed_length != len(session.tokens) or session.tokens[-len(assumed):] != assumed
                     or session.finish_reason != pb.NOT_FINISHED):
                 # A pipelined round on a base that was not committed: answered, never verified, not
                 # cached, and the round number stays free.
@@ -170,9 +244,9 @@ class VerifierEngine:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"round {req.round} is out of step: this session expects round {session.round + 1} "
                                    f"(committed length {len(session.tokens)})")
-            if req.committed_length != len(session.tokens):
+            if committed_length != len(session.tokens):
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"committed_length {req.committed_length} does not match the server's "
+                                   f"committed_length {committed_length} does not match the server's "
                                    f"{len(session.tokens)} (after round {session.round}); resync by replaying")
             if session.finish_reason != pb.NOT_FINISHED:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -215,6 +289,8 @@ class VerifierEngine:
                                          total_ms=(time.perf_counter() - t_start) * 1e3))
             if done.has_next_token:
                 reply.next_token_id = done.tokens[-1]
+            if req.HasField("open") and _text_open(req.open):
+                reply.prompt_token_ids.extend(session.tokens[: session.prompt_len])
             reply.kept_nodes.extend(kept_nodes[: done.num_accepted])
             session.last_reply, session.last_request_digest = reply, digest
             # Used until now, not since the round arrived: a round that queued for seconds behind
@@ -269,6 +345,11 @@ class VerifierEngine:
     async def _open(self, req: pb.VerifyRequest) -> Session:
         o = req.open
         prompt, resume = list(o.prompt_token_ids), list(o.resume_token_ids)
+        text, messages = self._text_prompt(o.prompt_text, o.prompt_messages, "open.")
+        if prompt and (text is not None or messages is not None):
+            raise _bad("open.prompt_token_ids and a text prompt are both set: send one")
+        if text is not None or messages is not None:
+            prompt = await self._tokenize_prompt(text, messages, "open.")
         if not prompt:
             raise _bad("open.prompt_token_ids is empty: send at least one token (e.g. BOS)")
         self._check_context(len(prompt) + len(resume))
@@ -284,10 +365,12 @@ class VerifierEngine:
         if req.round != 1:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"a round with `open` must be round 1, got {req.round}")
-        if req.committed_length != len(tokens):
+        expected = len(resume) if _text_open(o) else len(tokens)
+        if req.committed_length != expected:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"committed_length {req.committed_length} does not match the prompt + resumed "
-                               f"tokens sent ({len(tokens)})")
+                               f"committed_length {req.committed_length} does not match the "
+                               + (f"resumed tokens sent ({expected}; a text open counts the tokens after the prompt only)"
+                                  if _text_open(o) else f"prompt + resumed tokens sent ({expected})"))
         # The verifier's stream must be independent of the edge's even when both get the same user
         # seed (identical streams correlate draft sampling with acceptance and bias the output), and
         # a replay must not restart a stream already used: key it by role and committed length.
@@ -343,6 +426,12 @@ class VerifierEngine:
 
     async def generate(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateChunk]:
         prompt = list(req.prompt_token_ids)
+        text, messages = self._text_prompt(req.prompt_text, req.prompt_messages, "")
+        if prompt and (text is not None or messages is not None):
+            raise _bad("prompt_token_ids and a text prompt are both set: send one")
+        text_prompt = text is not None or messages is not None
+        if text_prompt:
+            prompt = await self._tokenize_prompt(text, messages, "")
         if not prompt:
             raise _bad("prompt_token_ids is empty")
         self._check_ids(prompt, "prompt_token_ids")
@@ -359,6 +448,9 @@ class VerifierEngine:
             tokens = list(prompt)
             try:
                 async for chunk in self._generate_tokens(state, tokens, settings, stop, rng):
+                    if text_prompt:
+                        chunk.prompt_token_ids.extend(prompt)
+                        text_prompt = False
                     yield chunk
             finally:
                 self.backend.release(state)
@@ -382,7 +474,9 @@ class VerifierEngine:
                              version=self.version,
                              max_tree_nodes=self.limits.max_tree_nodes if self.backend.supports_trees else 0,
                              max_tree_branching=self.limits.max_tree_branching,
-                             batching=bool(getattr(self.backend, "batching", False)))
+                             batching=bool(getattr(self.backend, "batching", False)),
+                             text_prompts=self.backend.has_vocabulary,
+                             chat_prompts=self.backend.has_vocabulary and self.backend.chat_prompts())
 
 
 # Backend calls block their worker thread while a batching backend gathers a pass: every session
@@ -412,6 +506,10 @@ def _round_rng(session: Session) -> np.random.Generator:
     if session.settings.seed is None:
         return session.rng
     return seeded_rng(session.settings.seed, VERIFIER_STREAM, len(session.tokens))
+
+
+def _text_open(o: pb.OpenSession) -> bool:
+    return bool(o.prompt_text) or len(o.prompt_messages) > 0
 
 
 def _open_digest(o: pb.OpenSession) -> bytes:

@@ -223,6 +223,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def GetServerInfo(self, request, context):
         return self.engine.server_info()
 
+    async def GetVocabulary(self, request, context):
+        try:
+            self.rounds.admit(current_tenant.get())
+            return await self.engine.vocabulary(request)
+        except Refused as r:
+            await self._refuse(context, r)
+        except RequestError as e:
+            await self._fail(context, e)
+
 
 class VerifierServer:
     """Owns the grpc.aio server. `await start()`, then `.port`; `await stop()` drains gracefully.

@@ -1,9 +1,6 @@
 """Prompt text in, token ids out: chat templates from GGUF metadata, and the synthetic vocabulary."""
 from __future__ import annotations
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from spec_core.synthetic import synthetic_fingerprint
 
 
@@ -15,24 +12,10 @@ def render_chat(model, prompt: str, system: str | None = None) -> list[int]:
 
 def render_messages(model, messages: list[dict[str, str]]) -> list[int]:
     """A conversation ({"role", "content"} dicts) through the model's chat template, tokenized,
-    ending with the assistant's turn opened."""
-    template = model.chat_template()
-    if not template:
-        raise ValueError(f"{model.name} has no chat template in its GGUF metadata; drop --chat")
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
-
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    bos = model.token_bytes(model.bos_id, special=True).decode("utf-8", "replace")
-    eos = model.token_bytes(model.eos_id, special=True).decode("utf-8", "replace")
-    text = env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                            bos_token=bos, eos_token=eos)
-    ids = model.tokenize(text, add_special=False, parse_special=True)
-    if model.add_bos and (not ids or ids[0] != model.bos_id):
-        ids.insert(0, model.bos_id)
-    return ids
+    ending with the assistant's turn opened (llama_runtime.chat: the GGUF template, else llama.cpp's
+    built-in one for the architecture)."""
+    from llama_runtime.chat import render_messages as render
+    return render(model, messages)
 
 
 class SyntheticTokenizer:

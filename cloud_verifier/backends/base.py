@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
+from spec_core.crossvocab import Vocabulary
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import DraftTree, TreeResult, verify_tree
 from spec_core.verify import RoundResult, verify_round_on_logits
@@ -34,12 +35,17 @@ class NoFreeState(Exception):
     """`new_state` found no room (every KV slot is held); the engine may evict an idle session."""
 
 
+class NoChatTemplate(ValueError):
+    """The target has no chat template (its own or a built-in one): chat messages cannot be rendered."""
+
+
 class Backend(abc.ABC):
     info: BackendInfo
     # Sessions + Generate streams the backend can hold at once; None: only the engine's limits.
     max_states: int | None = None
     supports_trees: bool = True  # False: tree rounds are refused (the backend verifies chains only)
     batching: bool = False       # True: rounds of different sessions share target passes
+    has_vocabulary: bool = False  # True: `vocabulary()` exports it and `prompt_ids` takes text prompts
 
     @abc.abstractmethod
     def new_state(self) -> object:
@@ -96,6 +102,23 @@ class Backend(abc.ABC):
         logits, queue_s, model_s = self.target_logits(state, tokens, 1)
         probs = processed_probs(logits[0], settings.temperature, settings.top_k, settings.top_p)
         return sample(probs, rng), queue_s, model_s
+
+    # --- text prompts (edges whose draft has another tokenizer) -------------------------------------
+
+    def vocabulary(self) -> Vocabulary | None:
+        """The target's vocabulary for GetVocabulary; None: this backend cannot export it (then it
+        takes no text prompts either)."""
+        return None
+
+    def chat_prompts(self) -> bool:
+        """Whether `prompt_ids` can render chat messages."""
+        return False
+
+    def prompt_ids(self, text: str | None, messages: Sequence[dict[str, str]] | None) -> list[int]:
+        """The target's ids for a text prompt (BOS as the model wants, special tokens parsed) or a
+        conversation (chat template, assistant turn opened). NoChatTemplate, or ValueError for
+        messages the template refuses."""
+        raise NotImplementedError(f"the {self.info.name} backend takes token ids only")
 
     def forward_tokens(self) -> int:
         """Tokens pushed through the target so far (for cost-per-token figures)."""

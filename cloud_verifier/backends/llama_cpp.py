@@ -18,6 +18,7 @@ through the batcher like any other tokens, on tree sequence ids lent for the rou
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -25,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from cloud_verifier import metrics
-from cloud_verifier.backends.base import Backend, BackendInfo, NoFreeState
+from cloud_verifier.backends.base import Backend, BackendInfo, NoChatTemplate, NoFreeState
 from cloud_verifier.backends.batcher import Batcher, BatchStep
 from llama_runtime import GGUFModel, KVContext, SharedKV
 from spec_core.tree import DraftTree
@@ -130,6 +131,29 @@ class LlamaCppBackend(Backend):
             return  # the session holds `committed`; the kept path is evaluated with the next round
         with self.model.lock:
             state.keep_tree_path(path, [tree.tokens[i] for i in path])
+
+    has_vocabulary = True
+
+    def vocabulary(self):
+        return self.model.vocabulary
+
+    @functools.lru_cache(maxsize=1)
+    def chat_prompts(self) -> bool:
+        from llama_runtime.chat import has_chat_template
+        return has_chat_template(self.model)
+
+    def prompt_ids(self, text, messages) -> list[int]:
+        if messages is None:
+            return self.model.tokenize(text, add_special=True, parse_special=True)
+        import jinja2
+        from llama_runtime.chat import render_messages
+        if not self.chat_prompts():
+            raise NoChatTemplate(f"{self.model.name} has no chat template (in its GGUF metadata or built into "
+                                 "llama.cpp for its architecture); send prompt_text instead")
+        try:
+            return render_messages(self.model, list(messages))
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template refused these messages: {e}") from None
 
     def close(self) -> None:
         if self.batcher is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, BackendInfo
 from cloud_verifier.backends.batcher import Batcher, BatchStep
 from spec_core.batchplan import PassItem
+from spec_core.crossvocab import Vocabulary
 from spec_core.kvreuse import reusable_prefix
 from spec_core.synthetic import SyntheticLM, synthetic_fingerprint
 from spec_core.tree import DraftTree
@@ -29,12 +30,18 @@ def _observe_step(step: BatchStep) -> None:
 class SyntheticBackend(Backend):
     def __init__(self, vocab: int = 64, seed: int = 0, order: int = 1, n_ctx: int = 4096,
                  step_ms: float = 0.0, per_token_ms: float = 0.0, eos_token_ids: Sequence[int] = (1,),
-                 batching: bool = False, batch_tokens: int = 512, batch_window_ms: float = 0.0):
+                 batching: bool = False, batch_tokens: int = 512, batch_window_ms: float = 0.0,
+                 vocabulary: Vocabulary | None = None, tokenize: Callable[[bytes], list[int]] | None = None):
+        """`vocabulary` (with `tokenize`, bytes -> ids): give the synthetic ids bytes, so that the
+        backend serves GetVocabulary and text prompts (tests of drafting across tokenizers)."""
         self.lm = SyntheticLM(vocab, seed, order=order)
+        self._vocabulary, self._tokenize = vocabulary, tokenize
+        self.has_vocabulary = vocabulary is not None and tokenize is not None
         self.batching = batching
         self.step_s, self.per_token_s = step_ms / 1000, per_token_ms / 1000
+        fingerprint = vocabulary.fingerprint if vocabulary is not None else synthetic_fingerprint(vocab)
         self.info = BackendInfo("synthetic", f"synthetic-v{vocab}-s{seed}", vocab, n_ctx,
-                                synthetic_fingerprint(vocab), frozenset(eos_token_ids))
+                                fingerprint, frozenset(eos_token_ids))
         self._lock = threading.Lock()
         self._forwarded = 0
         self.batcher: Batcher | None = None
@@ -42,6 +49,20 @@ class SyntheticBackend(Backend):
             self._packer = _SyntheticPacker(self, batch_tokens)
             self.batcher = Batcher(self._packer, batch_window_ms / 1000, on_step=_observe_step,
                                    name="synthetic-batcher")
+
+    def vocabulary(self):
+        return self._vocabulary
+
+    def prompt_ids(self, text, messages) -> list[int]:
+        if self._tokenize is None:
+            return super().prompt_ids(text, messages)
+        if messages is not None:  # a plain stand-in for a template: "role: content" lines
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return [0] + self._tokenize(text.encode())
+        return [0] + self._tokenize(text.encode())
+
+    def chat_prompts(self) -> bool:
+        return self._tokenize is not None
 
     def new_state(self) -> dict:
         if self.batcher is not None:

@@ -37,18 +37,32 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("prompt_token_ids", "resume_token_ids", "sampling", "tokenizer_fingerprint", "open_key")
+    __slots__ = ("prompt_token_ids", "resume_token_ids", "sampling", "tokenizer_fingerprint", "open_key", "prompt_text", "prompt_messages", "draft_tokenizer_fingerprint")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     OPEN_KEY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     tokenizer_fingerprint: str
     open_key: bytes
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., open_key: _Optional[bytes] = ...) -> None: ...
+    prompt_text: str
+    prompt_messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    draft_tokenizer_fingerprint: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., open_key: _Optional[bytes] = ..., prompt_text: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., draft_tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class DraftDist(_message.Message):
     __slots__ = ("token_ids", "weights", "probs")
@@ -109,7 +123,7 @@ class ServerTimings(_message.Message):
     def __init__(self, model_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("session_id", "round", "num_accepted", "next_token_id", "committed_length", "finish_reason", "timings", "kept_nodes", "base_mismatch")
+    __slots__ = ("session_id", "round", "num_accepted", "next_token_id", "committed_length", "finish_reason", "timings", "kept_nodes", "base_mismatch", "prompt_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +133,7 @@ class VerifyReply(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     KEPT_NODES_FIELD_NUMBER: _ClassVar[int]
     BASE_MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     num_accepted: int
@@ -128,7 +143,8 @@ class VerifyReply(_message.Message):
     timings: ServerTimings
     kept_nodes: _containers.RepeatedScalarFieldContainer[int]
     base_mismatch: bool
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., kept_nodes: _Optional[_Iterable[int]] = ..., base_mismatch: _Optional[bool] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., kept_nodes: _Optional[_Iterable[int]] = ..., base_mismatch: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -143,29 +159,35 @@ class CloseReply(_message.Message):
     def __init__(self, closed: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling")
+    __slots__ = ("prompt_token_ids", "sampling", "prompt_text", "prompt_messages")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    prompt_text: str
+    prompt_messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_text: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "model_ms")
+    __slots__ = ("token_ids", "finish_reason", "model_ms", "prompt_token_ids")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     MODEL_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     model_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., model_ms: _Optional[float] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., model_ms: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("backend", "model", "n_vocab", "n_ctx", "tokenizer_fingerprint", "max_gamma", "max_sessions", "eos_token_ids", "version", "max_tree_nodes", "max_tree_branching", "batching")
+    __slots__ = ("backend", "model", "n_vocab", "n_ctx", "tokenizer_fingerprint", "max_gamma", "max_sessions", "eos_token_ids", "version", "max_tree_nodes", "max_tree_branching", "batching", "text_prompts", "chat_prompts")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     N_VOCAB_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +200,8 @@ class ServerInfo(_message.Message):
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_BRANCHING_FIELD_NUMBER: _ClassVar[int]
     BATCHING_FIELD_NUMBER: _ClassVar[int]
+    TEXT_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     backend: str
     model: str
     n_vocab: int
@@ -190,4 +214,28 @@ class ServerInfo(_message.Message):
     max_tree_nodes: int
     max_tree_branching: int
     batching: bool
-    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_branching: _Optional[int] = ..., batching: _Optional[bool] = ...) -> None: ...
+    text_prompts: bool
+    chat_prompts: bool
+    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_branching: _Optional[int] = ..., batching: _Optional[bool] = ..., text_prompts: _Optional[bool] = ..., chat_prompts: _Optional[bool] = ...) -> None: ...
+
+class VocabularyRequest(_message.Message):
+    __slots__ = ("fingerprint",)
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    def __init__(self, fingerprint: _Optional[str] = ...) -> None: ...
+
+class Vocabulary(_message.Message):
+    __slots__ = ("fingerprint", "n_vocab", "token_bytes_zlib", "special_token_ids", "eog_token_ids", "byte_token_ids")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    N_VOCAB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_ZLIB_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EOG_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BYTE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    n_vocab: int
+    token_bytes_zlib: bytes
+    special_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    eog_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    byte_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, fingerprint: _Optional[str] = ..., n_vocab: _Optional[int] = ..., token_bytes_zlib: _Optional[bytes] = ..., special_token_ids: _Optional[_Iterable[int]] = ..., eog_token_ids: _Optional[_Iterable[int]] = ..., byte_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

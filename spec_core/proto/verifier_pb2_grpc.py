@@ -54,6 +54,11 @@ class VerifierStub:
                 request_serializer=hybridspec_dot_v1_dot_verifier__pb2.ServerInfoRequest.SerializeToString,
                 response_deserializer=hybridspec_dot_v1_dot_verifier__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.GetVocabulary = channel.unary_unary(
+                '/hybridspec.v1.Verifier/GetVocabulary',
+                request_serializer=hybridspec_dot_v1_dot_verifier__pb2.VocabularyRequest.SerializeToString,
+                response_deserializer=hybridspec_dot_v1_dot_verifier__pb2.Vocabulary.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -92,6 +97,18 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetVocabulary(self, request, context):
+        """The target's vocabulary (each token's bytes, special and end-of-generation ids), for an edge
+        whose draft has another tokenizer: it drafts across vocabularies (token-level intersection,
+        spec_core.crossvocab) and decodes the committed ids with it. Large (Gemma 3: 262,144 tokens,
+        about 1.4 MB compressed): ask once, cache it by fingerprint. Errors: FAILED_PRECONDITION (the
+        fingerprint asked for is not this server's), INVALID_ARGUMENT (a malformed fingerprint),
+        UNIMPLEMENTED (this backend cannot export its vocabulary), UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +131,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=hybridspec_dot_v1_dot_verifier__pb2.ServerInfoRequest.FromString,
                     response_serializer=hybridspec_dot_v1_dot_verifier__pb2.ServerInfo.SerializeToString,
+            ),
+            'GetVocabulary': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetVocabulary,
+                    request_deserializer=hybridspec_dot_v1_dot_verifier__pb2.VocabularyRequest.FromString,
+                    response_serializer=hybridspec_dot_v1_dot_verifier__pb2.Vocabulary.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +246,33 @@ class Verifier:
             '/hybridspec.v1.Verifier/GetServerInfo',
             hybridspec_dot_v1_dot_verifier__pb2.ServerInfoRequest.SerializeToString,
             hybridspec_dot_v1_dot_verifier__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetVocabulary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridspec.v1.Verifier/GetVocabulary',
+            hybridspec_dot_v1_dot_verifier__pb2.VocabularyRequest.SerializeToString,
+            hybridspec_dot_v1_dot_verifier__pb2.Vocabulary.FromString,
             options,
             channel_credentials,
             insecure,
