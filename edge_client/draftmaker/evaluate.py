@@ -126,8 +126,10 @@ def load_prompts(path: str | os.PathLike | None = None) -> list[Prompt]:
 
 
 def prompt_ids(model, prompt: Prompt) -> list[int]:
-    """The model's chat template when its GGUF has one (an instruct model), else the plain text."""
-    if model.chat_template():
+    """The model's chat template when it has one (its GGUF's, else llama.cpp's built-in one for its
+    architecture, as for Gemma 3), else the plain text."""
+    from llama_runtime.chat import has_chat_template
+    if has_chat_template(model):
         from edge_client.text import render_chat
         return render_chat(model, prompt.text, prompt.system)
     return model.tokenize(prompt.text, add_special=True)
