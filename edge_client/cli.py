@@ -40,11 +40,14 @@ def settings_from_args(args) -> SamplingSettings:
         raise OptionError(f"argument {flag}", e.problem) from None
 
 
-def prompt_ids(args, tokenizer) -> list[int] | str:
+def prompt_ids(args, tokenizer):
+    """The prompt text, or with --chat a conversation (edge_client.crossvocab.Chat) that the client
+    renders with the model's chat template (the verifier renders the target's when the draft has
+    another tokenizer)."""
     text = args.prompt if args.prompt is not None else sys.stdin.read()
     if args.chat:
-        from edge_client.text import render_chat
-        return render_chat(tokenizer, text, args.system)
+        from edge_client.crossvocab import Chat
+        return Chat.of(text, args.system)
     return text
 
 

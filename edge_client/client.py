@@ -41,6 +41,8 @@ from typing import AsyncIterator, Awaitable, Callable, NamedTuple, Protocol, Seq
 import grpc
 import numpy as np
 
+from edge_client import crossvocab
+from edge_client.crossvocab import Chat, PromptPlan
 from edge_client.drafters import Draft, Drafter, TreeDraft
 from edge_client.gamma import AdaptiveGamma, FixedGamma, RoundPlan, TreePolicy
 from edge_client.options import ADAPTIVE, EdgeOptions, ServerLimits, Speculation, Transport
@@ -61,6 +63,7 @@ RETRY_AFTER_KEY = "retry-after-ms"   # trailing metadata of a refusal for load (
 # The verifier's limits, per channel (one connection to one verifier): asked once, shared by the
 # clients on that channel.
 _SERVER_LIMITS: "weakref.WeakKeyDictionary[grpc.aio.Channel, ServerLimits]" = weakref.WeakKeyDictionary()
+_SERVER_INFOS: "weakref.WeakKeyDictionary[grpc.aio.Channel, pb.ServerInfo]" = weakref.WeakKeyDictionary()
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -183,8 +186,9 @@ class Generation:
     also when the caller stops early (`aclose()`, cancellation): then the verifier's session is
     closed, so it does not hold a KV cache until its idle TTL."""
 
-    def __init__(self, client: "EdgeClient", prompt_ids: list[int], settings: SamplingSettings):
-        self._client, self.prompt_ids, self.settings = client, prompt_ids, settings
+    def __init__(self, client: "EdgeClient", prompt: "str | Chat | Sequence[int]", settings: SamplingSettings):
+        self._client, self._prompt, self.settings = client, prompt, settings
+        self.prompt_ids = None if isinstance(prompt, (str, Chat)) else list(prompt)  # the target's, once known
         self.stats = GenerationStats()
         self._it = self._run()
 
@@ -203,7 +207,8 @@ class Generation:
 
     async def _run(self) -> AsyncIterator[str]:
         spec = await self._client._speculation(self.stats)  # within the verifier's limits
-        loop = _SessionLoop(self._client, spec, self.prompt_ids, self.settings, self.stats)
+        plan = await self._client._plan_prompt(self._prompt, self.stats)
+        loop = _SessionLoop(self._client, spec, plan.ids, self.settings, self.stats, plan)
         try:
             while not loop.finished:
                 piece = await loop.step()
@@ -231,9 +236,10 @@ class _SessionLoop:
     the next round, kept only if its base comes true."""
 
     def __init__(self, client: "EdgeClient", spec: Speculation, prompt_ids: list[int], settings: SamplingSettings,
-                 stats: GenerationStats):
+                 stats: GenerationStats, plan: PromptPlan | None = None):
         self.c, self.spec, self.settings, self.st = client, spec, settings, stats
         self.prompt_ids = prompt_ids
+        self.plan = plan or PromptPlan(prompt_ids, None)   # a text open: the target's ids come with the first reply
         if spec.gamma == ADAPTIVE:
             self.policy = AdaptiveGamma(max_gamma=spec.max_gamma,
                                         start_gamma=min(AdaptiveGamma.start_gamma, spec.max_gamma))
@@ -394,7 +400,9 @@ class _SessionLoop:
             req.open.CopyFrom(pb.OpenSession(
                 prompt_token_ids=self.prompt_ids, resume_token_ids=prep.base[self.prompt_len:],
                 sampling=sampling_proto(self.settings), tokenizer_fingerprint=self.c.drafter.fingerprint or "",
-                open_key=os.urandom(16)))
+                open_key=os.urandom(16), draft_tokenizer_fingerprint=getattr(self.c.drafter, "draft_fingerprint", "")))
+            if not self.prompt_ids and self.plan.text_open is not None:
+                req.open.MergeFrom(self.plan.text_open)   # committed_length counts what follows the prompt
         return req
 
     # --- replies --------------------------------------------------------------------------------
@@ -402,6 +410,8 @@ class _SessionLoop:
     def _apply(self, prep: "_Prepared", reply: pb.VerifyReply, round_s: float) -> list[int]:
         """Commit a reply's tokens (checked against the server's view) and learn from the round."""
         new = self._accepted(prep, reply) + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
+        if not self.prompt_ids and reply.prompt_token_ids:
+            self._prompt_known(list(reply.prompt_token_ids))
         self.committed.extend(new)
         if reply.committed_length != len(self.committed):
             raise EdgeError(grpc.StatusCode.INTERNAL, f"server committed {reply.committed_length} tokens, "
@@ -409,6 +419,13 @@ class _SessionLoop:
         self.session_id, self.last_round = reply.session_id, reply.round
         self._learn(prep, reply, round_s, len(new))
         return new
+
+    def _prompt_known(self, ids: list[int]) -> None:
+        """A text open's reply: the target's prompt ids become the committed prefix (replays send them)."""
+        self.prompt_ids = ids
+        self.committed[:0] = ids
+        self.prompt_len = len(ids)
+        self.c.drafter.anchor_prompt(ids, self.plan.draft_ids)
 
     @staticmethod
     def _accepted(prep: "_Prepared", reply: pb.VerifyReply) -> list[int]:
@@ -578,6 +595,7 @@ class EdgeClient:
         if self.speculation.tree != "off" and not drafter.supports_trees:
             raise ValueError(f"the {drafter.name} drafter does not build trees; use tree='off'")
         self._reached = False
+        self._cross: bool | None = None   # drafting across vocabularies (decided at the first generation)
         # Special tokens (EOS, <|im_end|>) end generation; they are not printed.
         self.hidden_ids = getattr(tokenizer, "eog_ids", frozenset())
 
@@ -596,15 +614,81 @@ class EdgeClient:
             await self._channel.close()
             self._channel = None
 
-    def generate(self, prompt: str | Sequence[int], settings: SamplingSettings) -> Generation:
-        ids = self.tokenizer.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        return Generation(self, ids, settings)
+    def generate(self, prompt: "str | Chat | Sequence[int]", settings: SamplingSettings) -> Generation:
+        """`prompt`: text, a conversation (edge_client.crossvocab.Chat: the model's chat template), or
+        the TARGET's token ids."""
+        return Generation(self, prompt, settings)
 
     async def server_info(self) -> pb.ServerInfo:
         info = await self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.transport.deadline_s,
                                               metadata=self._metadata)
         _SERVER_LIMITS[self._channel] = ServerLimits.from_info(info)
+        _SERVER_INFOS[self._channel] = info
         return info
+
+    # --- drafting across tokenizers (edge_client.crossvocab) -------------------------------------
+
+    async def _plan_prompt(self, prompt: "str | Chat | Sequence[int]", st: GenerationStats) -> PromptPlan:
+        """The prompt as target ids, or as a text open when the draft has another tokenizer."""
+        if not await self._cross_vocabulary(st):
+            if isinstance(prompt, str):
+                return PromptPlan(self.tokenizer.tokenize(prompt), None)
+            if isinstance(prompt, Chat):
+                from edge_client.text import render_messages
+                return PromptPlan(render_messages(self.tokenizer, list(prompt.messages)), None)
+            return PromptPlan(list(prompt), None)
+        if isinstance(prompt, (str, Chat)):
+            draft_ids = await self._in_drafter(crossvocab.draft_prompt_ids, self._draft_tokenizer, prompt)
+            self.drafter.anchor_prompt([], draft_ids)
+            return PromptPlan([], crossvocab.open_fields(prompt), draft_ids)
+        self.drafter.anchor_prompt([], [])   # target ids: the draft sees their text
+        return PromptPlan(list(prompt), None)
+
+    async def _cross_vocabulary(self, st: GenerationStats) -> bool:
+        """Whether this client drafts across vocabularies; the first time, set it up: the target's
+        vocabulary (cache or GetVocabulary), the wrapped drafter, the target's text."""
+        if self._cross is not None:
+            return self._cross
+        info = _SERVER_INFOS.get(self._channel)
+        target_fp = info.tokenizer_fingerprint if info is not None else ""
+        if not target_fp or self.drafter.fingerprint in (None, target_fp) or self.speculation.strict_tokenizer:
+            self._cross = False   # same tokenizer, a drafter without one, or the strict check (the verifier's)
+            return False
+        if not self.drafter.supports_cross_vocab or not hasattr(self.tokenizer, "tokenize_bytes"):
+            raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"the target ({info.model}) has another tokenizer and the {self.drafter.name} drafter "
+                            "cannot draft across vocabularies; use a GGUF draft model or one with the target's tokenizer")
+        target = crossvocab.known_vocabulary(target_fp)
+        if target is None:
+            if not info.text_prompts:
+                raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the draft's tokenizer differs from the target's ({info.model}) and this verifier "
+                                "does not serve its vocabulary or take text prompts; use a draft with the target's "
+                                "tokenizer")
+            target = await self._fetch_vocabulary(target_fp, st)
+        wrapper = await self._in_drafter(crossvocab.wrap, self.drafter, self.tokenizer, target, thread=True)
+        log.info("the target's tokenizer differs from the draft's: drafting across vocabularies (%s)",
+                 wrapper.token_map.describe())
+        self._draft_tokenizer = self.tokenizer
+        self.drafter, self.tokenizer = wrapper, crossvocab.TargetText(target)
+        self.hidden_ids = target.eog_ids
+        self._cross = True
+        return True
+
+    async def _fetch_vocabulary(self, fingerprint: str, st: GenerationStats):
+        async def ask() -> pb.Vocabulary:
+            return await self._stub.GetVocabulary(pb.VocabularyRequest(fingerprint=fingerprint),
+                                                  timeout=max(self.transport.deadline_s, 60.0), metadata=self._metadata)
+        msg = await self._call(ask, st, "vocabulary")
+        try:
+            vocab = await asyncio.to_thread(crossvocab.vocabulary_from_proto, msg)
+        except ValueError as e:
+            raise EdgeError(grpc.StatusCode.INTERNAL, f"the verifier's vocabulary does not decode: {e}") from None
+        if vocab.fingerprint != fingerprint:
+            raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION, "the verifier sent the vocabulary of another tokenizer")
+        await asyncio.to_thread(crossvocab.store_vocabulary, msg)
+        crossvocab.remember_vocabulary(vocab)
+        return vocab
 
     async def _speculation(self, st: GenerationStats) -> Speculation:
         """The speculation options within the verifier's limits (its ServerInfo, asked once per
@@ -612,8 +696,10 @@ class EdgeClient:
         limits = _SERVER_LIMITS.get(self._channel)
         if limits is None:
             async def ask() -> pb.ServerInfo:
-                return await self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.transport.deadline_s,
+                info = await self._stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.transport.deadline_s,
                                                       wait_for_ready=self._reached, metadata=self._metadata)
+                _SERVER_INFOS[self._channel] = info
+                return info
             try:
                 limits = ServerLimits.from_info(await self._call(ask, st, "server info"))
             except EdgeError as e:

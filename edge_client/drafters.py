@@ -10,10 +10,11 @@ import os
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from spec_core.crossvocab import DraftView, TokenMap, Vocabulary, intersection_map, restrict_logits, to_target_q
 from spec_core.drafting import QMode, draft_step
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import ROOT, DraftTree, TreeShape, grow_tree, tree_sampling
@@ -44,6 +45,7 @@ class Drafter(abc.ABC):
     name: str = "drafter"
     fingerprint: str | None = None      # tokenizer fingerprint, checked by the verifier
     supports_trees: bool = False        # whether propose_tree works
+    supports_cross_vocab: bool = False  # whether next_logits works (CrossVocabDrafter can wrap it)
 
     @abc.abstractmethod
     def propose(self, committed: Sequence[int], gamma: int, settings: SamplingSettings, qmode: QMode,
@@ -73,6 +75,13 @@ class Drafter(abc.ABC):
     def _tree_done(self) -> None:
         pass
 
+    def next_logits(self, seq: Sequence[int]) -> np.ndarray:
+        """Raw draft logits after `seq`  # [vocab]; what CrossVocabDrafter drafts from."""
+        raise NotImplementedError(f"the {self.name} drafter cannot draft across vocabularies")
+
+    def anchor_prompt(self, target_prompt: Sequence[int], draft_prompt: Sequence[int]) -> None:
+        """The target's prompt ids stand for these draft ids (CrossVocabDrafter; others ignore it)."""
+
     def observe(self, committed: Sequence[int], num_accepted: int) -> None:
         """Learn from a round's result (committed now holds the round's tokens)."""
 
@@ -92,6 +101,7 @@ class GGUFDrafter(Drafter):
     name = "gguf"
 
     supports_trees = True
+    supports_cross_vocab = True
 
     def __init__(self, path, n_threads: int | None = None, n_ctx: int = 2048, max_tree_nodes: int = 0):
         """`path`: a GGUF file, or a GGUFModel already loaded that several drafters share (each
@@ -104,6 +114,9 @@ class GGUFDrafter(Drafter):
         self.max_tree_nodes = max_tree_nodes
         self.fingerprint = self.model.fingerprint
         self.tokens_decoded = 0
+
+    def next_logits(self, seq) -> np.ndarray:
+        return self.ctx.logits(seq, 1)[0]
 
     def propose(self, committed, gamma, settings, qmode, rng) -> Draft:
         t0 = time.perf_counter()
@@ -167,6 +180,7 @@ class SyntheticDrafter(Drafter):
     """The draft half of spec_core.synthetic's pair, with an optional per-token cost (sleep)."""
 
     name = "synthetic"
+    supports_cross_vocab = True
 
     def __init__(self, vocab: int = 64, seed: int = 0, noise: float = 1.0, order: int = 1,
                  per_token_ms: float = 0.0):
@@ -174,6 +188,9 @@ class SyntheticDrafter(Drafter):
         _, self.lm = synthetic_pair(vocab, seed, noise, order)
         self.per_token_s = per_token_ms / 1000
         self.fingerprint = synthetic_fingerprint(vocab)
+
+    def next_logits(self, seq) -> np.ndarray:
+        return self.lm.logits(seq)
 
     def propose(self, committed, gamma, settings, qmode, rng) -> Draft:
         t0 = time.perf_counter()
@@ -201,3 +218,70 @@ class SyntheticDrafter(Drafter):
                 time.sleep(self.per_token_s * len(nodes))  # a row costs what a chain token does
             return rows
         return expand
+
+
+class CrossVocabDrafter(Drafter):
+    """Drafts for a target with another tokenizer (token-level intersection, spec_core.crossvocab).
+
+    Takes the committed TARGET ids, drafts with `inner` on the draft's own tokenization of the
+    same text (DraftView: re-tokenizing only the tail from the last stable boundary; `inner`'s KV
+    cache keeps the common prefix and rolls the rest back), restricts each step's logits to the
+    draft tokens that are exactly one target token, and returns target ids with the q they were
+    drawn from (translated to target ids). The verifier's round is unchanged, so the output is the
+    target's distribution; chains, trees (propose_tree), point masses and pipelining go through.
+
+    `tokenize_draft(data)`: the draft tokenizer on raw bytes (no BOS, special tokens not parsed).
+    `token_map`: share one between wrappers of the same pair (building it takes a fraction of a second).
+    One generation at a time per wrapper, like the draft's KV cache (a second one is still exact:
+    its committed ids then do not start with the anchored prompt and are converted whole)."""
+
+    name = "cross-vocab"
+
+    def __init__(self, inner: Drafter, draft_vocab: Vocabulary, target_vocab: Vocabulary,
+                 tokenize_draft: Callable[[bytes], list[int]], token_map: TokenMap | None = None, window: int = 4):
+        self.inner = inner
+        self.token_map = token_map or intersection_map(draft_vocab, target_vocab)
+        if self.token_map.n_mapped == 0:
+            raise ValueError("no draft token is exactly one target token: these vocabularies share nothing to draft")
+        self.view = DraftView(target_vocab, draft_vocab, tokenize_draft, window)
+        self.fingerprint = target_vocab.fingerprint   # the ids it sends are the target's
+        self.draft_fingerprint = inner.fingerprint
+        self.supports_trees = inner.supports_trees
+
+    def anchor_prompt(self, target_prompt, draft_prompt) -> None:
+        self.view.anchor(target_prompt, draft_prompt)
+
+    def propose(self, committed, gamma, settings, qmode, rng) -> Draft:
+        t0 = time.perf_counter()
+        seq = self.view.sync(committed).draft_ids
+        tokens, qs = [], []
+        for _ in range(gamma):
+            d, q = draft_step(restrict_logits(self.inner.next_logits(seq), self.token_map), settings, qmode, rng)
+            tokens.append(int(self.token_map.draft_to_target[d]))
+            qs.append(None if q is None else to_target_q(q, self.token_map))
+            seq.append(d)
+        return Draft(tokens, _collect(tokens, qs), time.perf_counter() - t0)
+
+    def propose_tree(self, committed, shape, settings, qmode, rng) -> TreeDraft:
+        """The inner drafter's tree on restricted logits (draft ids), then translated node by node."""
+        tree = super().propose_tree(committed, shape, settings, qmode, rng)
+        m = self.token_map
+        tree.tokens = [int(m.draft_to_target[d]) for d in tree.tokens]
+        tree.qs = None if tree.qs is None else [to_target_q(q, m) for q in tree.qs]
+        return tree
+
+    def _tree_expander(self, committed):
+        expand = self.inner._tree_expander(self.view.sync(committed).draft_ids)
+
+        def restricted(nodes, tokens, parents):   # tokens: draft ids (grow_tree samples in the draft's space)
+            return [restrict_logits(row, self.token_map) for row in expand(nodes, tokens, parents)]
+        return restricted
+
+    def _tree_done(self) -> None:
+        self.inner._tree_done()
+
+    def observe(self, committed, num_accepted) -> None:
+        self.inner.observe(self.view.sync(committed).draft_ids, num_accepted)
+
+    def close(self) -> None:
+        self.inner.close()

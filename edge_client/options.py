@@ -87,6 +87,7 @@ class Speculation:
     max_tree_nodes: int = 64             # largest tree "auto" may send
     proactive: bool = False              # draft the next round during the round trip
     pipeline: bool = False               # also send it before the reply (verified only on its base)
+    strict_tokenizer: bool = False       # refuse a target with another tokenizer instead of drafting across vocabularies
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -222,8 +223,11 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
                    help="q on the wire: none | fixed[:TOPK[:BITS]] | float[:TOPK] (TOPK 0 = whole vocabulary)")
     s.add_argument("--drafter", choices=["gguf", "lookup", "synthetic"], default="gguf",
                    help="gguf: a draft model (--draft); lookup: prompt lookup, no model; synthetic: test pair")
-    s.add_argument("--draft", help="draft GGUF file sharing the target's tokenizer (default: models/smollm2-draft.gguf "
-                                   "when it exists)")
+    s.add_argument("--draft", help="draft GGUF file (default: models/smollm2-draft.gguf when it exists); one with "
+                                   "another tokenizer than the target's drafts across vocabularies (docs/usage.md)")
+    s.add_argument("--strict-tokenizer", action="store_true",
+                   help="refuse a target whose tokenizer differs from the draft's instead of drafting across "
+                        "vocabularies")
     s.add_argument("--tokenizer", help="GGUF file whose vocabulary to use with --drafter lookup (default: bundled)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
     s.add_argument("--tree", default="off",
@@ -273,7 +277,8 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
     if hasattr(args, "gamma"):
         spec = _as_flag(lambda: Speculation(
             gamma=args.gamma, max_gamma=args.max_gamma, qmode=args.qmode, tree=args.tree,
-            max_tree_nodes=args.max_tree_nodes, proactive=args.proactive, pipeline=args.pipeline))
+            max_tree_nodes=args.max_tree_nodes, proactive=args.proactive, pipeline=args.pipeline,
+            strict_tokenizer=getattr(args, "strict_tokenizer", False)))
     transport = _as_flag(lambda: Transport(
         server=getattr(args, "server", ""), deadline_s=args.deadline,
         max_retries=getattr(args, "retries", Transport.max_retries)))
