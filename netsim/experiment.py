@@ -101,6 +101,7 @@ class Row:
     reused_drafts: int = 0                 # proactive drafts reused (their draft time hidden in a round trip)
     pipelined_rounds: int = 0              # rounds sent before the previous reply and kept
     discarded_rounds: int = 0              # pipelined rounds dropped (base not committed)
+    rolled_back_per_round: float | None = None  # two tokenizers: draft tokens re-tokenized per round (DraftView)
 
 
 def load_workloads(categories: list[str], per_category: int) -> list[tuple[str, int, str]]:
@@ -186,7 +187,11 @@ class Runner:
 
     async def measure(self, proxy: LinkProxy | None, port: int, profile: Profile, mode: str, gamma: int | str,
                       workload: str, index: int, prompt_ids: list[int], max_tokens: int,
-                      draft_prompt_ids: list[int] | None = None) -> Row:
+                      draft_prompt_ids: list[int] | None = None, chat: str | None = None) -> Row:
+        """One run. `chat`: the prompt's text; with a draft of another tokenizer the edge sends it
+        as a chat message (the verifier renders the target's template; the draft reads its own),
+        as an edge without the target's tokenizer does. Cloud-only sends `prompt_ids`, the same
+        rendering made here."""
         settings = self.settings(workload, max_tokens)
         label = f"{mode}-g{gamma}" if mode in PER_GAMMA_MODES else mode
         if mode == "edge-only":
@@ -210,8 +215,11 @@ class Runner:
                 options = EdgeOptions(Transport(f"127.0.0.1:{port}", deadline_s=120),
                                       Speculation(gamma=g, qmode=self.cfg.qmode, **extra))
                 async with EdgeClient(options, self.drafter, self.tokenizer, channel=channel) as client:
-                    gen = client.generate(prompt_ids, settings)
+                    from edge_client.crossvocab import Chat
+                    cross = not self.cfg.synthetic and self.cross_vocabulary and chat is not None
+                    gen = client.generate(Chat.of(chat) if cross else prompt_ids, settings)
                     await gen.text()
+                    rolled_back = self._rolled_back(client.drafter)
                 st = gen.stats
                 tokens, wall, ttft = st.tokens, st.wall_s, st.ttft_s
                 rounds = st.rounds + st.retries + st.discarded_rounds
@@ -227,9 +235,19 @@ class Runner:
                   alpha, tpr, theory, passes, passes / n, retries, replays, profile.rtt_ms())
         if mode != "cloud-only":
             row.nodes_per_round = st.nodes_per_round
+            row.rolled_back_per_round = None if rolled_back is None else rolled_back / max(st.rounds, 1)
             row.reused_drafts, row.pipelined_rounds, row.discarded_rounds = (st.reused_drafts, st.pipelined_rounds,
                                                                              st.discarded_rounds)
         return row
+
+    def _rolled_back(self, drafter) -> int | None:
+        """Draft tokens the cross-vocabulary view rolled back since the last call (None: same tokenizer)."""
+        view = getattr(drafter, "view", None)
+        if view is None:
+            return None
+        seen = getattr(self, "_rolled_seen", {})
+        self._rolled_seen = {**seen, id(view): view.stats.rolled_back}
+        return view.stats.rolled_back - seen.get(id(view), 0)
 
     def _edge_only(self, profile, workload, index, prompt_ids, settings) -> Row:
         from spec_core.drafting import QMode
@@ -276,7 +294,8 @@ async def run_experiment(cfg: ExperimentConfig, progress=None) -> dict:
                                                               f"{workload}")
                         row = await runner.measure(thread.proxy, thread.port, profile, mode, gamma, workload, index,
                                                    runner.prompt_ids(prompt), cfg.max_tokens,
-                                                   runner.draft_prompt_ids(prompt) if mode == "edge-only" else None)
+                                                   runner.draft_prompt_ids(prompt) if mode == "edge-only" else None,
+                                                   chat=prompt)
                         rows.append(row)
                         if progress:
                             progress.advance(task)
@@ -357,6 +376,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             "reused_drafts": sum(r.get("reused_drafts", 0) for r in rs),
             "pipelined_rounds": sum(r.get("pipelined_rounds", 0) for r in rs),
             "discarded_rounds": sum(r.get("discarded_rounds", 0) for r in rs),
+            "rolled_back_per_round": _mean([r.get("rolled_back_per_round") for r in rs]),
         })
     return out
 

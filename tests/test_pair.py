@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -255,3 +256,26 @@ def test_netsim_runner_sends_the_targets_prompt_and_runs_edge_only_on_the_drafts
     same = Runner(ExperimentConfig(profiles=["lan"], modes=["hybrid"], out=tmp_path, target=str(tiny_models["target"]),
                                    draft=str(tiny_models["draft"])))
     assert not same.cross_vocabulary and same.draft_prompt_ids("say the list") == same.prompt_ids("say the list")
+
+
+def test_netsim_experiment_runs_every_baseline_with_two_tokenizers(tiny_models, tmp_path):
+    """Tiny target and a draft of another tokenizer through the proxy: cloud-only, per-token, hybrid
+    and adaptive all generate; the edge negotiated cross-vocabulary drafting (no option asked for it)."""
+    out = tmp_path / "results"
+    env = {**os.environ, "HYBRIDSPEC_CACHE": str(tmp_path / "cache")}   # the target's vocabulary comes over gRPC
+    r = subprocess.run([sys.executable, "-m", "netsim", "experiment", "--target", str(tiny_models["target"]),
+                        "--draft", str(tiny_models["other_vocab"]), "--profiles", "lan",
+                        "--modes", "edge-only,cloud-only,per-token,hybrid,adaptive", "--gammas", "3",
+                        "--workloads", "chat", "--max-tokens", "8", "--no-crossover", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text())
+    assert result["models"]["cross_vocabulary"] is True
+    rows = {row["mode"]: row for row in result["rows"]}
+    assert set(rows) == {"edge-only", "cloud-only", "per-token", "hybrid-g3", "adaptive"}
+    for mode in ("cloud-only", "per-token", "hybrid-g3", "adaptive"):
+        assert rows[mode]["tokens"] > 0, mode
+    for mode in ("per-token", "hybrid-g3", "adaptive"):
+        assert rows[mode]["rolled_back_per_round"] is not None and rows[mode]["acceptance_rate"] is not None
+    assert rows["cloud-only"]["rolled_back_per_round"] is None
+    assert "two tokenizers" in (out / "report.md").read_text()
