@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,13 +71,23 @@ def cmd_demo(args) -> int:
         stats = asyncio.run(run_generate(args, options.at(server), settings))
         baseline = None
         if not args.no_baseline:
-            tok = GGUFModel(target, vocab_only=True)
-            ids = prompt_ids(args, tok)
-            ids = tok.tokenize(ids) if isinstance(ids, str) else ids
+            tok = GGUFModel(target, vocab_only=True)   # the target's own rendering of the same prompt
+            prompt = prompt_ids(args, tok)
+            if isinstance(prompt, str):
+                ids = tok.tokenize(prompt)
+            elif hasattr(prompt, "messages"):   # a Chat: the target's chat template
+                from edge_client.text import render_messages
+                ids = render_messages(tok, list(prompt.messages))
+            else:
+                ids = list(prompt)
             baseline = asyncio.run(cloud_only(server, ids, settings))
     finally:
         proc.terminate()
-        proc.wait(10)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
     s = stats
     print(f"\n[demo] hybrid:     {s.tokens} tokens in {s.wall_s:.2f}s = {s.tokens_per_s:.1f} tok/s, "
           f"{s.rounds} rounds, acceptance {s.acceptance_rate:.2f}, {s.tokens_per_round:.2f} tokens/round "
