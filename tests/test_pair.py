@@ -279,3 +279,19 @@ def test_netsim_experiment_runs_every_baseline_with_two_tokenizers(tiny_models, 
         assert rows[mode]["rolled_back_per_round"] is not None and rows[mode]["acceptance_rate"] is not None
     assert rows["cloud-only"]["rolled_back_per_round"] is None
     assert "two tokenizers" in (out / "report.md").read_text()
+
+
+def test_netsim_load_runs_hybrid_and_cloud_only_with_two_tokenizers(tiny_models, tmp_path):
+    """One edge for two seconds per mode with a draft of another tokenizer: requests complete
+    without errors (the prompt is the target's ids; the edge drafts across vocabularies)."""
+    out = tmp_path / "load"
+    env = {**os.environ, "HYBRIDSPEC_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "netsim", "load", "--target", str(tiny_models["target"]),
+                        "--draft", str(tiny_models["other_vocab"]), "--edges", "1", "--duration", "2",
+                        "--warmup", "0.5", "--mode", "hybrid,cloud-only", "--profile", "lan", "--max-tokens", "8",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = {run["mode"]: run for run in json.loads((out / "load.json").read_text())["runs"]}
+    for mode in ("hybrid", "cloud-only"):
+        assert runs[mode]["requests_completed"] > 0 and not runs[mode]["errors"], runs[mode]["errors"]
+    assert runs["hybrid"]["verify_rounds"] > 0
