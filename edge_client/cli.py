@@ -40,7 +40,16 @@ def settings_from_args(args) -> SamplingSettings:
         raise OptionError(f"argument {flag}", e.problem) from None
 
 
-def prompt_ids(args, tokenizer):
+def prompt_ids(args, tokenizer) -> list[int] | str:
+    """The prompt for `tokenizer`: the text, or with --chat its chat template's ids."""
+    prompt = prompt_of(args)
+    if isinstance(prompt, str):
+        return prompt
+    from edge_client.text import render_messages
+    return render_messages(tokenizer, list(prompt.messages))
+
+
+def prompt_of(args):
     """The prompt text, or with --chat a conversation (edge_client.crossvocab.Chat) that the client
     renders with the model's chat template (the verifier renders the target's when the draft has
     another tokenizer)."""
@@ -57,7 +66,7 @@ async def run_generate(args, options, settings: SamplingSettings, out=sys.stdout
     drafter, tokenizer = build_drafter(args, options.speculation)
     try:
         async with EdgeClient(options, drafter, tokenizer) as client:
-            gen = client.generate(prompt_ids(args, tokenizer), settings)
+            gen = client.generate(prompt_of(args), settings)
             async for piece in gen:
                 if not quiet:
                     out.write(piece)

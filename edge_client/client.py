@@ -163,6 +163,8 @@ class GenerationStats:
     reused_drafts: int = 0          # drafted tokens reused from proactive drafting (--proactive)
     discarded_rounds: int = 0       # pipelined rounds dropped because their base was not committed
     pipelined_rounds: int = 0       # pipelined rounds whose base was committed (verified, kept)
+    draft_rolled_back: int = 0      # across tokenizers: draft tokens re-tokenized away (KV rolled back)
+    draft_retokenized: int = 0      # across tokenizers: draft tokens tokenized anew from committed text
     token_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -219,6 +221,7 @@ class Generation:
                 self._client._forget_server_limits()  # a verifier restarted with other limits: ask again
             raise
         finally:
+            self.prompt_ids = loop.prompt_ids or self.prompt_ids   # a text open's: from the verifier
             await loop.close()
 
 
@@ -261,6 +264,7 @@ class _SessionLoop:
         self.ahead: _Prepared | None = None  # drafted during the last round trip, for a guessed base
         self.ahead_job: asyncio.Future | None = None  # drafting `ahead` during the round trip
         self.spec_task: asyncio.Future | None = None  # the pipelined round, sent before the reply
+        self.view0 = self.c.drafter.retokenization()   # across tokenizers: the draft view's counters so far
 
     # --- one round ----------------------------------------------------------------------------
 
@@ -493,6 +497,10 @@ class _SessionLoop:
         st.plans = self.planner.describe()
         st.expected_tokens_per_round = expected_tokens_per_round(st.alpha, round(st.mean_gamma))
         st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
+        view = self.c.drafter.retokenization()
+        if view is not None and self.view0 is not None:
+            st.draft_rolled_back = view.rolled_back - self.view0.rolled_back
+            st.draft_retokenized = view.retokenized - self.view0.retokenized
 
 
 GREEDY = SamplingSettings(temperature=0.0)
@@ -659,6 +667,12 @@ class EdgeClient:
                             f"the target ({info.model}) has another tokenizer and the {self.drafter.name} drafter "
                             "cannot draft across vocabularies; use a GGUF draft model or one with the target's tokenizer")
         target = crossvocab.known_vocabulary(target_fp)
+        if target is None and self.speculation.target_vocab:
+            target = await asyncio.to_thread(crossvocab.load_vocabulary_file, self.speculation.target_vocab)
+            if target.fingerprint != target_fp:
+                raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{self.speculation.target_vocab} is not the verifier's tokenizer ({info.model})")
+            crossvocab.remember_vocabulary(target)
         if target is None:
             if not info.text_prompts:
                 raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -666,7 +680,10 @@ class EdgeClient:
                                 "does not serve its vocabulary or take text prompts; use a draft with the target's "
                                 "tokenizer")
             target = await self._fetch_vocabulary(target_fp, st)
-        wrapper = await self._in_drafter(crossvocab.wrap, self.drafter, self.tokenizer, target, thread=True)
+        try:
+            wrapper = await self._in_drafter(crossvocab.wrap, self.drafter, self.tokenizer, target, thread=True)
+        except ValueError as e:   # vocabularies with nothing in common
+            raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot draft for {info.model}: {e}") from None
         log.info("the target's tokenizer differs from the draft's: drafting across vocabularies (%s)",
                  wrapper.token_map.describe())
         self._draft_tokenizer = self.tokenizer

@@ -6,6 +6,7 @@ from (spec_core.drafting.draft_step does the encode-then-sample), or None for po
 from __future__ import annotations
 
 import abc
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from spec_core.crossvocab import DraftView, TokenMap, Vocabulary, intersection_map, restrict_logits, to_target_q
+from spec_core.crossvocab import DraftView, TargetPieces, TokenMap, ViewStats, Vocabulary, intersection_map, restrict_logits, to_target_q
 from spec_core.drafting import QMode, draft_step
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import ROOT, DraftTree, TreeShape, grow_tree, tree_sampling
@@ -81,6 +82,10 @@ class Drafter(abc.ABC):
 
     def anchor_prompt(self, target_prompt: Sequence[int], draft_prompt: Sequence[int]) -> None:
         """The target's prompt ids stand for these draft ids (CrossVocabDrafter; others ignore it)."""
+
+    def retokenization(self) -> ViewStats | None:
+        """Across tokenizers: a copy of the draft view's counters (CrossVocabDrafter); None otherwise."""
+        return None
 
     def observe(self, committed: Sequence[int], num_accepted: int) -> None:
         """Learn from a round's result (committed now holds the round's tokens)."""
@@ -236,6 +241,7 @@ class CrossVocabDrafter(Drafter):
     its committed ids then do not start with the anchored prompt and are converted whole)."""
 
     name = "cross-vocab"
+    spell_point_masses = True   # point-mass chains: the draft's argmax, spelled in target tokens (beyond TLI)
 
     def __init__(self, inner: Drafter, draft_vocab: Vocabulary, target_vocab: Vocabulary,
                  tokenize_draft: Callable[[bytes], list[int]], token_map: TokenMap | None = None, window: int = 4):
@@ -244,6 +250,7 @@ class CrossVocabDrafter(Drafter):
         if self.token_map.n_mapped == 0:
             raise ValueError("no draft token is exactly one target token: these vocabularies share nothing to draft")
         self.view = DraftView(target_vocab, draft_vocab, tokenize_draft, window)
+        self.pieces = TargetPieces(target_vocab)
         self.fingerprint = target_vocab.fingerprint   # the ids it sends are the target's
         self.draft_fingerprint = inner.fingerprint
         self.supports_trees = inner.supports_trees
@@ -251,7 +258,12 @@ class CrossVocabDrafter(Drafter):
     def anchor_prompt(self, target_prompt, draft_prompt) -> None:
         self.view.anchor(target_prompt, draft_prompt)
 
+    def retokenization(self) -> ViewStats:
+        return dataclasses.replace(self.view.stats)
+
     def propose(self, committed, gamma, settings, qmode, rng) -> Draft:
+        if self.spell_point_masses and (qmode.kind == "none" or settings.greedy):
+            return self._propose_spelled(committed, gamma)
         t0 = time.perf_counter()
         seq = self.view.sync(committed).draft_ids
         tokens, qs = [], []
@@ -261,6 +273,22 @@ class CrossVocabDrafter(Drafter):
             qs.append(None if q is None else to_target_q(q, self.token_map))
             seq.append(d)
         return Draft(tokens, _collect(tokens, qs), time.perf_counter() - t0)
+
+    def _propose_spelled(self, committed, gamma) -> Draft:
+        """Point masses beyond TLI: the draft's own argmax, spelled in target tokens when it is not
+        one (spec_core.crossvocab.TargetPieces); a draft token with no spelling ends the draft."""
+        t0 = time.perf_counter()
+        seq = self.view.sync(committed).draft_ids
+        tokens: list[int] = []
+        while len(tokens) < gamma:
+            d = int(np.argmax(self.inner.next_logits(seq)))
+            t = int(self.token_map.draft_to_target[d])
+            pieces = [t] if t >= 0 else self.pieces.spell(self.view.draft.token_bytes[d])
+            if not pieces:
+                break
+            tokens.extend(pieces)
+            seq.append(d)
+        return Draft(tokens[:gamma], None, time.perf_counter() - t0)
 
     def propose_tree(self, committed, shape, settings, qmode, rng) -> TreeDraft:
         """The inner drafter's tree on restricted logits (draft ids), then translated node by node."""

@@ -88,6 +88,7 @@ class Speculation:
     proactive: bool = False              # draft the next round during the round trip
     pipeline: bool = False               # also send it before the reply (verified only on its base)
     strict_tokenizer: bool = False       # refuse a target with another tokenizer instead of drafting across vocabularies
+    target_vocab: str | None = None      # the target's vocabulary from a file (its GGUF, or a cached .pb) instead of GetVocabulary
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -228,6 +229,8 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     s.add_argument("--strict-tokenizer", action="store_true",
                    help="refuse a target whose tokenizer differs from the draft's instead of drafting across "
                         "vocabularies")
+    s.add_argument("--target-vocab", help="the target's vocabulary from a local file (the target's GGUF, or a saved "
+                                          ".pb) instead of asking the verifier (GetVocabulary) the first time")
     s.add_argument("--tokenizer", help="GGUF file whose vocabulary to use with --drafter lookup (default: bundled)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
     s.add_argument("--tree", default="off",
@@ -278,7 +281,7 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
         spec = _as_flag(lambda: Speculation(
             gamma=args.gamma, max_gamma=args.max_gamma, qmode=args.qmode, tree=args.tree,
             max_tree_nodes=args.max_tree_nodes, proactive=args.proactive, pipeline=args.pipeline,
-            strict_tokenizer=getattr(args, "strict_tokenizer", False)))
+            strict_tokenizer=getattr(args, "strict_tokenizer", False), target_vocab=getattr(args, "target_vocab", None)))
     transport = _as_flag(lambda: Transport(
         server=getattr(args, "server", ""), deadline_s=args.deadline,
         max_retries=getattr(args, "retries", Transport.max_retries)))

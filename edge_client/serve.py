@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from edge_client.client import EdgeClient, EdgeError, GenerationStats, RoundEvent
+from edge_client.crossvocab import Chat, draft_prompt_ids
 from edge_client.drafters import Drafter, GGUFDrafter
 from edge_client.metrics import EdgeMetrics
 from edge_client.openai_protocol import (APIError, ChatRequest, CompletionRequest, ResponseShape, SamplingRequest,
@@ -190,6 +191,32 @@ class EdgeService:
 
     # --- one generation ---------------------------------------------------------------------------
 
+    def cross_vocabulary(self, info: pb.ServerInfo) -> bool:
+        """Whether the draft's tokenizer differs from the target's (the client then drafts across
+        vocabularies and the prompt goes to the verifier as text)."""
+        fp = getattr(self.tokenizer, "fingerprint", None)
+        return bool(info.tokenizer_fingerprint) and fp is not None and fp != info.tokenizer_fingerprint \
+            and not self.options.speculation.strict_tokenizer
+
+    def prompt(self, req: SamplingRequest, info: pb.ServerInfo) -> tuple["list[int] | str | Chat", int]:
+        """(the prompt for EdgeClient.generate, its length in tokens). Across vocabularies a text or
+        chat prompt stays text (the verifier tokenizes it for the target) and the length is the
+        draft's count, an estimate until the verifier answers with the target's ids."""
+        if not self.cross_vocabulary(info):
+            ids = self.prompt_ids(req)
+            return ids, len(ids)
+        if isinstance(req, ChatRequest):
+            if not info.chat_prompts:
+                raise APIError(400, "the verifier's model has no chat template; use /v1/completions", param="messages")
+            chat = Chat(tuple(req.conversation()))
+            return chat, len(draft_prompt_ids(self.tokenizer, chat))
+        prompt = req.prompt_value()  # type: ignore[attr-defined]
+        if isinstance(prompt, str):
+            return prompt, len(self.tokenizer.tokenize(prompt))
+        if any(not 0 <= t < info.n_vocab for t in prompt):
+            raise APIError(400, f"prompt token ids must be in 0..{info.n_vocab - 1}", param="prompt")
+        return list(prompt), len(prompt)
+
     def prompt_ids(self, req: SamplingRequest) -> list[int]:
         if isinstance(req, ChatRequest):
             import jinja2
@@ -232,7 +259,7 @@ class EdgeService:
             param = req.max_tokens_param() if e.field == "max_new_tokens" else e.field
             raise APIError(400, f"{param}: {e.problem}", param=param) from None
 
-    async def generate(self, prompt_ids: list[int], settings: SamplingSettings, stops: list[str],
+    async def generate(self, prompt_ids: "list[int] | str | Chat", settings: SamplingSettings, stops: list[str],
                        n_ctx: int, out: Outcome) -> AsyncIterator[str]:
         """Text as it is committed, stop strings cut; `out` is complete once this ends."""
         def on_round(ev: RoundEvent) -> None:
@@ -264,16 +291,19 @@ class EdgeService:
                     try:
                         await gen.aclose()  # closes the verifier session if it is unfinished
                     finally:  # also when a cancelled HTTP request is cancelled again meanwhile
-                        self._record(out, gen.stats, stop, client.hidden_ids)
+                        if gen.prompt_ids:   # the target's count (a text prompt's ids come from the verifier)
+                            out.prompt_tokens = len(gen.prompt_ids)
+                        self._record(out, gen.stats, stop, client.hidden_ids, client.tokenizer.token_bytes)
         finally:
             self.metrics.in_flight.dec()
 
 
-    def _record(self, out: Outcome, st: GenerationStats, stop: StopStrings, hidden_ids: frozenset[int]) -> None:
+    def _record(self, out: Outcome, st: GenerationStats, stop: StopStrings, hidden_ids: frozenset[int],
+                token_bytes) -> None:
         out.stats = st
         if stop.stopped:
             out.finish_reason = "stop"
-            out.completion_tokens = tokens_covering(st.token_ids, self.tokenizer.token_bytes, hidden_ids, stop.end)
+            out.completion_tokens = tokens_covering(st.token_ids, token_bytes, hidden_ids, stop.end)
         else:
             out.finish_reason = FINISH_REASONS.get(st.finish_reason)
             out.completion_tokens = st.tokens
@@ -373,9 +403,9 @@ def create_app(service: EdgeService) -> FastAPI:
     async def respond(request: Request, req: SamplingRequest, chat: bool):
         metrics.requests.labels("chat" if chat else "completions", str(req.stream).lower()).inc()
         info = await service.server_info()
-        ids = service.prompt_ids(req)
-        settings = service.settings(req, len(ids), info)
-        out = Outcome(prompt_tokens=len(ids))
+        ids, n_prompt = service.prompt(req, info)
+        settings = service.settings(req, n_prompt, info)
+        out = Outcome(prompt_tokens=n_prompt)
         shape = ResponseShape(chat, service.model_name(info))
         pieces = service.generate(ids, settings, req.stops, info.n_ctx, out)
         if not req.stream:

@@ -35,6 +35,10 @@ the target's distribution over ids; the text the DRAFT meant differs, so α drop
 UNRESTRICTED q is what breaks exactness: q then puts mass on ids that were never drawn (or the
 drawn token's q is wrong), and the accept probability min(1, p/q) is computed from the wrong q.
 
+Beyond TLI (`TargetPieces`): point-mass drafts may be any tokens chosen without the verifier's
+draws, so the draft's own argmax outside the intersection can be spelled in target tokens; see
+the class's docstring.
+
 The draft view does not touch exactness at all: it only decides which context the draft model
 sees. It is kept close to the draft's own tokenization of the text so that the draft predicts well.
 """
@@ -181,6 +185,42 @@ def to_target_q(q: EncodedQ, token_map: TokenMap) -> EncodedQ:
     if np.any(target_ids < 0):
         raise ValueError("q puts weight on draft tokens outside the intersection: restrict it before sampling")
     return EncodedQ(target_ids.astype(np.uint32), weights, q.fixed)
+
+
+# --- beyond TLI: point-mass drafts spelled in target tokens --------------------------------------------
+
+class TargetPieces:
+    """Greedy longest-match spelling of bytes in the target's (non-special) tokens.
+
+    Beyond TLI, for point-mass drafts (greedy, or q 'none'): the draft's own argmax is taken even
+    when it is outside the intersection, and its bytes are spelled as target tokens ('▁hello' ->
+    '▁hel' + 'lo' when the target has no '▁hello'). Exact for the reason every point-mass draft is
+    (spec_core.verify): a draft without q is accepted with p(x) and otherwise replaced by a draw from
+    p without x, whatever x is, as long as x does not depend on the verifier's draws. What the
+    spelling gets wrong (the target would split the text otherwise) costs acceptance only. At T = 0
+    this is string-level exact matching (SLEM, Timor et al. 2025) one token at a time: a draft
+    token spanning several target tokens is kept iff each is the target's argmax."""
+
+    def __init__(self, target: Vocabulary):
+        self.table: dict[bytes, int] = {}
+        for t, b in enumerate(target.token_bytes):
+            if b and t not in target.special_ids and (b not in self.table or self.table[b] in target.byte_ids):
+                self.table[b] = t
+        self.longest = max((len(b) for b in self.table), default=0)
+
+    def spell(self, data: bytes) -> list[int]:
+        """Target ids whose bytes concatenate to `data`; [] when some byte has no token."""
+        out, pos = [], 0
+        while pos < len(data):
+            for n in range(min(self.longest, len(data) - pos), 0, -1):
+                t = self.table.get(data[pos: pos + n])
+                if t is not None:
+                    out.append(t)
+                    pos += n
+                    break
+            else:
+                return []
+        return out
 
 
 # --- the draft's view of the committed text -------------------------------------------------------

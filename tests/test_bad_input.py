@@ -180,3 +180,51 @@ def test_sampling_settings_spell_top_p_off_once_and_greedy_once():
     assert SamplingSettings(top_p=0.9).top_p == 0.9
     assert SamplingSettings(temperature=0.0).greedy and is_greedy(0.0)
     assert not SamplingSettings(temperature=0.1).greedy and not is_greedy(0.1)
+
+
+# --- text prompts (drafting across tokenizers) and the vocabulary ---------------------------------
+
+@pytest.fixture
+async def text_stub():
+    from xvocab_pair import TARGET, longest_match_tokenizer
+    backend = SyntheticBackend(vocab=TARGET.n_vocab, n_ctx=64, vocabulary=TARGET, tokenize=longest_match_tokenizer(TARGET))
+    async with running_server(backend, max_gamma=8) as server:
+        async with stub_for(server) as s:
+            yield s
+
+
+def text_open(committed=0, **fields):
+    sp = pb.SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    return pb.VerifyRequest(round=1, committed_length=committed,
+                            open=pb.OpenSession(sampling=sp, open_key=b"t" * 16, **fields))
+
+
+@pytest.mark.parametrize("req, code, message", [
+    (text_open(prompt_text="ab", prompt_token_ids=[2]), INVALID, "both set"),
+    (text_open(prompt_text="ab", prompt_messages=[pb.ChatMessage(role="user", content="a")]), INVALID, "both set"),
+    (text_open(prompt_messages=[pb.ChatMessage(role="User; DROP", content="a")]), INVALID, "is not a role"),
+    (text_open(prompt_messages=[pb.ChatMessage(role="user", content="a")] * 257), INVALID, "at most 256"),
+    (text_open(prompt_text="a" * ((1 << 20) + 1)), EXHAUSTED, "at most 1048576"),
+    (text_open(prompt_text="ab" * 40), EXHAUSTED, "do not fit the context window"),
+    (text_open(prompt_text=""), INVALID, "prompt_token_ids is empty"),
+    (text_open(committed=3, prompt_text="ab"), PRECOND, "counts the tokens after the prompt only"),
+], ids=["ids-and-text", "text-and-messages", "bad-role", "too-many-messages", "too-long", "over-context",
+        "empty", "committed-length"])
+async def test_bad_text_prompts(text_stub, req, code, message):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await text_stub.Verify(req, timeout=5)
+    assert e.value.code() == code and message in e.value.details(), e.value.details()
+    ok = await text_stub.Verify(text_open(prompt_text="ab"), timeout=5)   # and the server still serves
+    assert list(ok.prompt_token_ids) == [0, 2, 3] and ok.committed_length == 4
+
+
+async def test_text_prompts_and_vocabulary_on_a_backend_without_one(stub):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.Verify(text_open(prompt_text="hello"), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "token ids only" in e.value.details()
+    for fp, code in [("", grpc.StatusCode.UNIMPLEMENTED), ("x" * 64, INVALID), ("ab" * 40, INVALID)]:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.GetVocabulary(pb.VocabularyRequest(fingerprint=fp), timeout=5)
+        assert e.value.code() == code, (fp, e.value.details())
+    info = await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=5)
+    assert not info.text_prompts and not info.chat_prompts

@@ -1,5 +1,6 @@
 """The two programs as a user runs them: separate processes, real ports, JSON at the end."""
 import json
+import os
 import subprocess
 import sys
 
@@ -51,9 +52,26 @@ def test_generate_with_trees_and_rounds_in_flight(verifier, tiny_models, extra):
         assert key in stats
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_generate_drafts_across_tokenizers_without_an_option(verifier, tiny_models, tmp_path, chat):
+    """A draft with another tokenizer: no option needed (the edge fetches the target's vocabulary,
+    caches it, and drafts across vocabularies); greedy output is the target's own."""
+    env = {**os.environ, "HYBRIDSPEC_CACHE": str(tmp_path)}
+    runs = []
+    for draft in (tiny_models["other_vocab"], tiny_models["draft"]):
+        r = subprocess.run([sys.executable, "-m", "edge_client", "generate", "--server", verifier, "--draft", str(draft),
+                            "--prompt", "hello world", "--max-tokens", "12", "--temperature", "0", "--json",
+                            *(["--chat"] if chat else [])], capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append(json.loads(r.stdout.rstrip("\n").split("\n")[-1]))
+    assert runs[0]["token_ids"] == runs[1]["token_ids"] and runs[0]["tokens"] > 0
+    assert list((tmp_path / "vocab").glob("*.pb"))   # the target's vocabulary, cached by fingerprint
+
+
 def test_generate_reports_a_refusal_plainly(verifier, tiny_models):
     r = subprocess.run([sys.executable, "-m", "edge_client", "generate", "--server", verifier,
-                        "--draft", str(tiny_models["other_vocab"]), "--prompt", "hi", "--max-tokens", "4"],
+                        "--draft", str(tiny_models["other_vocab"]), "--prompt", "hi", "--max-tokens", "4",
+                        "--strict-tokenizer"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "tokenizer mismatch" in r.stderr and "Traceback" not in r.stderr

@@ -15,7 +15,7 @@ import itertools
 import numpy as np
 import pytest
 
-from spec_core.crossvocab import (DraftView, TokenMap, Vocabulary, VocabularyError, intersection_map,
+from spec_core.crossvocab import (DraftView, TargetPieces, TokenMap, Vocabulary, VocabularyError, intersection_map,
                                   pack_token_bytes, restrict_logits, restrict_probs, to_target_q,
                                   unpack_token_bytes)
 from spec_core.drafting import QMode, draft_step
@@ -23,8 +23,8 @@ from spec_core.qcodec import EncodedQ
 from spec_core.synthetic import SyntheticLM
 from spec_core.verify import commit_round, verify_round
 from spec_core.warping import SamplingSettings, processed_probs
-from tests.test_exactness_stats import chi_square_p
-from tests.xvocab_pair import DRAFT, TARGET, longest_match_tokenizer
+from test_exactness_stats import chi_square_p
+from xvocab_pair import DRAFT, TARGET, longest_match_tokenizer
 
 L, N = 3, 6000
 P_MIN = 1e-4
@@ -117,6 +117,7 @@ def test_draft_view_anchor_and_incomplete_utf8():
 
 # --- exactness ---------------------------------------------------------------------------------------
 
+PIECES = TargetPieces(TARGET)
 TARGET_LM = SyntheticLM(TARGET.n_vocab, seed=11, order=1, scale=1.2)
 DRAFT_LM = SyntheticLM(DRAFT.n_vocab, seed=12, order=2, scale=1.2)
 PROMPT = [0, 2]
@@ -133,8 +134,32 @@ def exact_probs(s: SamplingSettings) -> dict[tuple, float]:
     return out
 
 
-def tli_draft(view: DraftView, m: TokenMap, committed, gamma, s, qmode, rng, unrestricted=False, relabel=None):
+def spelled_draft(view: DraftView, m: TokenMap, committed, gamma, s, qmode, rng, with_q=False):
+    """Beyond TLI: the draft's own argmax spelled in target tokens, as point masses (the edge's
+    CrossVocabDrafter._propose_spelled). with_q: the control, shipping the step's TLI q instead."""
+    seq = view.sync(committed).draft_ids
+    tokens, qs = [], []
+    while len(tokens) < gamma:
+        logits = DRAFT_LM.logits(seq)
+        d = int(np.argmax(logits))
+        t = int(m.draft_to_target[d])
+        pieces = [t] if t >= 0 else PIECES.spell(DRAFT.token_bytes[d])
+        if not pieces:
+            break
+        if with_q:
+            _, q = draft_step(restrict_logits(logits, m), s, QMode("float", 0), rng)
+            qs.extend([to_target_q(q, m)] * len(pieces))
+        tokens.extend(pieces)
+        seq.append(d)
+    tokens, qs = tokens[:gamma], qs[:gamma]
+    return tokens, (qs or None) if with_q else None
+
+
+def tli_draft(view: DraftView, m: TokenMap, committed, gamma, s, qmode, rng, unrestricted=False, relabel=None,
+              spelled=False, with_q=False):
     """The edge's side: TLI drafts as target ids with their shipped q."""
+    if spelled:
+        return spelled_draft(view, m, committed, gamma, s, qmode, rng, with_q)
     seq = view.sync(committed).draft_ids
     tokens, qs = [], []
     for _ in range(gamma):
@@ -210,3 +235,29 @@ def test_negative_control_mislabelled_tokens_are_caught():
     """Shipping, for draft 'a', the target token 'b' (other bytes) while q still names 'a' breaks
     the tie between the drawn token and its q: biased, and the test sees it."""
     assert run(1.0, 0, 1.0, 3, QMODES["float"], relabel={2: 3, 3: 2}) < P_MIN
+
+
+# --- beyond TLI: point masses spelled in target tokens ----------------------------------------------
+
+def test_target_pieces_spell_tokens_outside_the_intersection():
+    assert PIECES.spell(b"ab") == [2, 3] and PIECES.spell(b"ca") == [4, 2] and PIECES.spell(b"abc") == [6]
+    assert PIECES.spell("é".encode()) == [5] and PIECES.spell(b"\xc3") == [8] and PIECES.spell(b"z") == []
+
+
+def test_spelled_point_masses_follow_the_target():
+    """The draft's own argmax, spelled ('ab' -> 'a' 'b'), as point masses: exact at T = 1 (N = 6000)."""
+    assert run(1.0, 0, 1.0, 3, QMODES["none"], spelled=True) > P_MIN
+
+
+def test_spelled_greedy_is_the_target_argmax_path():
+    ctx = list(PROMPT)
+    for _ in range(L):
+        ctx.append(int(np.argmax(TARGET_LM.logits(ctx))))
+    m = intersection_map(DRAFT, TARGET)
+    got = generate(SamplingSettings(temperature=0.0), 3, QMODES["none"], np.random.default_rng(0), m, spelled=True)
+    assert got == tuple(ctx[len(PROMPT):])
+
+
+def test_negative_control_spelled_drafts_with_a_q_are_caught():
+    """The same spelled drafts shipped with the step's TLI q (not what they were drawn from): biased."""
+    assert run(1.0, 0, 1.0, 3, QMODES["none"], spelled=True, with_q=True) < P_MIN

@@ -156,7 +156,9 @@ async def test_mismatched_tokenizer_is_refused(target_backend, tiny_models):
     d = GGUFDrafter(str(tiny_models["other_vocab"]), n_threads=1, n_ctx=512)
     try:
         async with running_server(target_backend) as server:
-            async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2), d, d.model) as c:
+            # --strict-tokenizer: refuse instead of drafting across vocabularies (test_crossvocab_*.py).
+            async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2, strict_tokenizer=True), d,
+                                  d.model) as c:
                 with pytest.raises(EdgeError, match="tokenizer mismatch") as e:
                     await c.generate("hello", SamplingSettings(temperature=0.0, max_new_tokens=5)).text()
     finally:

@@ -29,14 +29,19 @@ from edge_client.text import SyntheticTokenizer
 from helpers import edge_options
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
+from spec_core.crossvocab import Vocabulary
 from spec_core.synthetic import SyntheticLM, synthetic_fingerprint
+from xvocab_pair import longest_match_tokenizer
 from spec_core.warping import SamplingSettings
 
 VOCAB, N_CTX = 32, 256
 FP = synthetic_fingerprint(VOCAB)
 U32, U64 = 2**32 - 1, 2**64 - 1
 BAD = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
-METHODS = ["Verify", "Close", "GetServerInfo", "Generate"]
+METHODS = ["Verify", "Close", "GetServerInfo", "Generate", "GetVocabulary"]
+# The fuzzed server has a vocabulary ('<tok0>', '<tok1>', ...: the synthetic fingerprint), so text
+# prompts and GetVocabulary reach the tokenizer.
+FUZZ_VOCAB = Vocabulary(tuple(f"<tok{i}>".encode() for i in range(VOCAB)), eog_ids=frozenset({1}), fingerprint=FP)
 
 
 def fuzz(n: int) -> settings:
@@ -84,11 +89,38 @@ def q_payload(draw, n_drafts):
 OPEN_KEYS = [b"A" * 16, b"B" * 16, b"C" * 16]   # reused across requests with different prompts
 
 
+prompt_text = st.one_of(st.text(max_size=40), st.sampled_from(["<tok3><tok4>", "<tok1>" * 400, "\x00<tok",
+                                                               "x" * ((1 << 20) + 1)]))
+role = st.one_of(st.sampled_from(["user", "system", "assistant"]), st.text(max_size=40))
+
+
+@st.composite
+def chat_messages(draw):
+    n = draw(st.sampled_from([0, 1, 3, 300]))
+    return [pb.ChatMessage(role=draw(role), content=draw(prompt_text)) for _ in range(min(n, 3))] * (1 + n // 3)
+
+
+@st.composite
+def text_prompt(draw, msg):
+    """Maybe set prompt_text / prompt_messages on a message (alone, together, or with ids)."""
+    kind = draw(st.integers(0, 5))
+    if kind in (1, 3):
+        msg.prompt_text = draw(prompt_text)
+    if kind in (2, 3):
+        msg.prompt_messages.extend(draw(chat_messages()))
+    if kind == 4:
+        msg.ClearField("prompt_token_ids")
+        msg.prompt_text = draw(prompt_text)
+    return msg
+
+
 @st.composite
 def open_session(draw):
     o = pb.OpenSession(prompt_token_ids=draw(ids), resume_token_ids=draw(small_ids),
                        tokenizer_fingerprint=draw(st.sampled_from([FP, FP, "", "ab" * 32, "zz"])),
-                       open_key=draw(st.one_of(st.sampled_from(OPEN_KEYS), st.binary(max_size=20))))
+                       open_key=draw(st.one_of(st.sampled_from(OPEN_KEYS), st.binary(max_size=20))),
+                       draft_tokenizer_fingerprint=draw(st.sampled_from(["", "ab" * 32, "\u00e9" * 500])))
+    draw(text_prompt(o))
     if draw(st.integers(0, 4)):
         o.sampling.CopyFrom(draw(sampling()))
     return o
@@ -112,6 +144,7 @@ def verify_request(draw, session_ids=()):
 @st.composite
 def generate_request(draw):
     req = pb.GenerateRequest(prompt_token_ids=draw(ids))
+    draw(text_prompt(req))
     if draw(st.integers(0, 4)):
         req.sampling.CopyFrom(draw(sampling()))
     return req
@@ -124,7 +157,9 @@ class ServerThread:
 
     def __init__(self, **limits):
         self.loop = asyncio.new_event_loop()
-        self.server = VerifierServer(SyntheticBackend(vocab=VOCAB, n_ctx=N_CTX), "127.0.0.1", 0,
+        backend = SyntheticBackend(vocab=VOCAB, n_ctx=N_CTX, vocabulary=FUZZ_VOCAB,
+                                   tokenize=longest_match_tokenizer(FUZZ_VOCAB))
+        self.server = VerifierServer(backend, "127.0.0.1", 0,
                                      Limits(**limits), grace_s=1.0)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -237,6 +272,14 @@ def test_fuzz_every_request_gets_a_fitting_status_and_the_server_keeps_serving()
     def fuzz_generate(req):
         record("Generate", lambda: stub.Generate(req, timeout=20))
 
+    @fuzz(60)
+    @given(st.one_of(st.text(max_size=80), st.sampled_from([FP, "0" * 64, "../" * 30, "F" * 64, "x" * 100_000])))
+    def fuzz_vocabulary(fingerprint):
+        reply = record("GetVocabulary", lambda: stub.GetVocabulary(pb.VocabularyRequest(fingerprint=fingerprint),
+                                                                    timeout=20))
+        if reply is not None and reply.fingerprint != FP:
+            problems.append(f"GetVocabulary({fingerprint[:20]!r}) answered another fingerprint")
+
     @fuzz(80)
     @given(st.data())
     def fuzz_close(data):
@@ -256,6 +299,7 @@ def test_fuzz_every_request_gets_a_fitting_status_and_the_server_keeps_serving()
         fuzz_verify()
         fuzz_rounds_on_live_sessions()
         fuzz_generate()
+        fuzz_vocabulary()
         fuzz_raw_bytes()
         fuzz_close()
     finally:

@@ -527,3 +527,24 @@ async def test_a_renewed_certificate_is_served_without_a_restart(pki, tmp_path):
         final = CA("final CA")
         final.issue("localhost", server=True).write(tmp_path, "server")    # fixed: taken up again
         assert (await info_with(final.pem)).n_vocab == VOCAB
+
+
+async def test_vocabulary_rpc_needs_a_token_and_counts_against_the_tenant_rate(token_file):
+    from xvocab_pair import TARGET, longest_match_tokenizer
+    backend = SyntheticBackend(vocab=TARGET.n_vocab, vocabulary=TARGET, tokenize=longest_match_tokenizer(TARGET))
+    policy = ServerPolicy(tenant_rounds_per_s=1, tenant_burst=2)
+    async with server(tokens=TokenFile(token_file), policy=policy, backend=backend) as s:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") as ch:
+            stub = pb_grpc.VerifierStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.GetVocabulary(pb.VocabularyRequest(), timeout=3)
+            assert e.value.code() == UNAUTH
+            v = await stub.GetVocabulary(pb.VocabularyRequest(), timeout=3, metadata=bearer(TOKEN_A))
+            assert v.n_vocab == TARGET.n_vocab and v.fingerprint == TARGET.fingerprint
+            # A text open counts like any round; the burst of 2 is spent, so the third call waits.
+            o = pb.OpenSession(prompt_text="ab", open_key=b"t" * 16,
+                               sampling=pb.SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+            await stub.Verify(pb.VerifyRequest(round=1, committed_length=0, open=o), timeout=3, metadata=bearer(TOKEN_A))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.GetVocabulary(pb.VocabularyRequest(), timeout=3, metadata=bearer(TOKEN_A))
+            assert e.value.code() == EXHAUSTED and retry_after_ms(e.value) > 0
