@@ -219,7 +219,7 @@ class Runner:
                     cross = not self.cfg.synthetic and self.cross_vocabulary and chat is not None
                     gen = client.generate(Chat.of(chat) if cross else prompt_ids, settings)
                     await gen.text()
-                    rolled_back = self._rolled_back(client.drafter)
+                    cross_rounds = getattr(client.drafter, "view", None) is not None   # drafted across vocabularies
                 st = gen.stats
                 tokens, wall, ttft = st.tokens, st.wall_s, st.ttft_s
                 rounds = st.rounds + st.retries + st.discarded_rounds
@@ -235,19 +235,10 @@ class Runner:
                   alpha, tpr, theory, passes, passes / n, retries, replays, profile.rtt_ms())
         if mode != "cloud-only":
             row.nodes_per_round = st.nodes_per_round
-            row.rolled_back_per_round = None if rolled_back is None else rolled_back / max(st.rounds, 1)
+            row.rolled_back_per_round = st.draft_rolled_back / max(st.rounds, 1) if cross_rounds else None
             row.reused_drafts, row.pipelined_rounds, row.discarded_rounds = (st.reused_drafts, st.pipelined_rounds,
                                                                              st.discarded_rounds)
         return row
-
-    def _rolled_back(self, drafter) -> int | None:
-        """Draft tokens the cross-vocabulary view rolled back since the last call (None: same tokenizer)."""
-        view = getattr(drafter, "view", None)
-        if view is None:
-            return None
-        seen = getattr(self, "_rolled_seen", {})
-        self._rolled_seen = {**seen, id(view): view.stats.rolled_back}
-        return view.stats.rolled_back - seen.get(id(view), 0)
 
     def _edge_only(self, profile, workload, index, prompt_ids, settings) -> Row:
         from spec_core.drafting import QMode

@@ -30,12 +30,13 @@ def fmt(x, digits=2) -> str:
 
 def netsim_table() -> list[str]:
     lines = ["| pair | profile | α (hybrid γ=4) | tokens/round γ=4 | cloud-only tok/s | per-token tok/s | "
-             "hybrid γ=4 tok/s | adaptive tok/s | re-tokenized/round |", "|---|---|---|---|---|---|---|---|---|"]
+             "hybrid γ=4 tok/s | adaptive tok/s | target passes/token γ=4 | re-tokenized/round |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     machines = set()
     for pair, label in PAIRS:
         path = HERE / pair / "results.json"
         if not path.exists():
-            lines.append(f"| {label} | (not run) | | | | | | | |")
+            lines.append(f"| {label} | (not run) | | | | | | | | |")
             continue
         result = json.loads(path.read_text())
         machines.add(result.get("started", "") + " " + json.dumps(result.get("machine", {}).get("cpu", {}).get("model", "")))
@@ -46,7 +47,7 @@ def netsim_table() -> list[str]:
             lines.append(f"| {label} | {profile} | {fmt(h.get('alpha'))} | {fmt(h.get('tokens_per_round'))} | "
                          f"{fmt(c.get('tokens_per_s'), 1)} | {fmt(p.get('tokens_per_s'), 1)} | "
                          f"{fmt(h.get('tokens_per_s'), 1)} | {fmt(a.get('tokens_per_s'), 1)} | "
-                         f"{fmt(h.get('rolled_back_per_round'))} |")
+                         f"{fmt(h.get('forward_passes_per_token'))} | {fmt(h.get('rolled_back_per_round'))} |")
     return lines
 
 
