@@ -204,6 +204,10 @@ class EmulatedDrafter:
     def observe(self, committed, num_accepted) -> None:
         self.inner.observe(committed, num_accepted)
 
+    def __getattr__(self, name):
+        # The rest of the drafter contract (retokenization, supports_trees, ...) is the inner one's.
+        return getattr(self.inner, name)
+
 
 @dataclass
 class Request:
