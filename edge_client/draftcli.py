@@ -2,6 +2,7 @@
 
   edge-client make-draft --target TARGET.gguf --out DRAFT.gguf [--method requant --type Q4_0]
   edge-client eval-draft --target TARGET.gguf --draft DRAFT.gguf [--prompts PROMPTS.jsonl] [--json]
+  edge-client eval-draft --target gemma --draft models/smollm2-draft.gguf   # across tokenizers (TLI)
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("make-draft", help="build a draft GGUF from the target (requantize, skip layers, search)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="target GGUF (default: bundled SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--target", help="target GGUF, or a bundled model's name: smollm2 (default) or gemma")
     p.add_argument("--out", required=True, help="draft GGUF to write (provenance goes to OUT.json)")
     p.add_argument("--method", choices=METHODS, default=RECOMMENDED_METHOD,
                    help=f"how to make the draft (default {RECOMMENDED_METHOD}); 'copy' is a stand-in for tests")
@@ -50,10 +51,14 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("eval-draft", help="acceptance, speed and hybrid tokens/s of a draft against its target",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="target GGUF (default: bundled SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--target", help="target GGUF, or a bundled model's name: smollm2 (default: SmolLM2-135M-Instruct "
+                                    "Q4_1) or gemma (Gemma 3 270M, scripts/setup.sh --with gemma)")
     p.add_argument("--draft", required=True, action="append",
-                   help="draft GGUF (must share the target's tokenizer); repeat to compare several drafts "
-                        "on the same target continuations")
+                   help="draft GGUF, or a bundled model's name (smollm2, gemma); repeat to compare several drafts on "
+                        "the same target continuations. A draft of another tokenizer is scored across "
+                        "vocabularies (token-level intersection), with the vocabulary overlap")
+    p.add_argument("--strict-vocab", action="store_true",
+                   help="refuse a draft whose tokenizer differs from the target's instead of scoring it across vocabularies")
     p.add_argument("--prompts", help="JSON lines {category, prompt} (default: edge_client/prompts/eval.jsonl)")
     p.add_argument("--per-category", type=int, default=0, help="use at most N prompts per category (0 = all)")
     p.add_argument("--tokens", type=int, default=48, help="target tokens per prompt to score (default 48)")
@@ -79,10 +84,13 @@ def add_parsers(sub) -> None:
 
 
 def _target(args) -> str:
-    if args.target:
-        return args.target
-    from llama_runtime import bundled_model_path
-    return str(bundled_model_path())
+    return _model(args.target or "smollm2")
+
+
+def _model(spec: str) -> str:
+    """A GGUF path, or a bundled model's name (smollm2, gemma)."""
+    from llama_runtime.model import resolve_model
+    return str(resolve_model(spec))
 
 
 def cmd_make_draft(args) -> int:
@@ -189,7 +197,7 @@ def cmd_eval_draft(args) -> int:
             prompts = _first_per_category(prompts, args.per_category)
         with err.status("evaluating") as status:
             reports = evaluate_drafts(
-                _target(args), args.draft, prompts, max_new_tokens=args.tokens, temperatures=temps,
+                _target(args), [_model(d) for d in args.draft], prompts, cross_vocab=not args.strict_vocab, max_new_tokens=args.tokens, temperatures=temps,
                 continuation=args.continuation, seed=args.seed, threads=args.threads,
                 measure_speed=not args.no_speed, speed_tokens=args.speed_tokens, speed_repeats=args.speed_repeats,
                 verify_threads=args.verify_threads, link=link_figures(args.link), fom_temperature=args.fom_temperature,
@@ -214,11 +222,12 @@ def cmd_eval_draft(args) -> int:
 def print_comparison(reps: list[dict], out: Console) -> None:
     from rich.table import Table
     t = Table(title="drafts compared (same target continuations)")
-    for col in ("draft", "greedy agr.", "α T=0.7", "α T=1", "draft tok/s 1t", "2t", "hybrid tok/s", "best γ"):
-        t.add_column(col, justify="left" if col == "draft" else "right")
+    for col in ("draft", "vocab", "greedy agr.", "α T=0.7", "α T=1", "draft tok/s 1t", "2t", "hybrid tok/s", "best γ"):
+        t.add_column(col, justify="left" if col in ("draft", "vocab") else "right")
     for rep in reps:
         a, s, h = rep["overall"]["alpha"], rep.get("speed"), rep.get("hybrid")
-        t.add_row(rep["draft"]["name"], f"{a['0']:.3f}", f"{a.get('0.7', float('nan')):.3f}",
+        v = rep.get("vocabulary")
+        t.add_row(rep["draft"]["name"], f"TLI, {v['share']:.1%} shared" if v else "same", f"{a['0']:.3f}", f"{a.get('0.7', float('nan')):.3f}",
                   f"{a.get('1', float('nan')):.3f}",
                   f"{s['draft']['1']:.1f}" if s else "-", f"{s['draft'].get('2', float('nan')):.1f}" if s else "-",
                   f"{h['tokens_per_s']:.2f}" if h else "-", str(h["best_gamma"]) if h else "-")
@@ -245,13 +254,23 @@ def print_report(rep: dict, out: Console) -> None:
     t.add_column("positions", justify="right")
     for temp in temps:
         t.add_column("greedy agreement" if temp == "0" else f"α T={temp}", justify="right")
+    cover = "coverage" in rep["overall"]  # across tokenizers: share of target tokens the draft has
+    for temp in temps if cover else []:
+        t.add_column(f"covered T={temp}", justify="right")
     rows = list(rep["categories"].items()) + [("overall", rep["overall"])]
     for name, c in rows:
         if name == "overall":
             t.add_section()
         t.add_row(name, str(c["prompts"]), str(c["positions"].get("0", "")),
-                  *(f"{c['alpha'][temp]:.3f}" for temp in temps))
+                  *(f"{c['alpha'][temp]:.3f}" for temp in temps),
+                  *(f"{c['coverage'][temp]:.3f}" for temp in temps if cover))
     out.print(t)
+    v = rep.get("vocabulary")
+    if v:
+        out.print(f"across tokenizers (TLI): {v['shared_strings']:,} of the draft's {v['draft_strings']:,} distinct "
+                  f"token strings ({v['share']:.1%}) are target tokens; {v['mapped_tokens']:,} of its "
+                  f"{v['draft_tokens']:,} ids can be proposed (target vocabulary {v['target_tokens']:,}); "
+                  "'covered' = share of the target's generated tokens the draft has")
 
     e = Table(title="expected tokens per round (1 − α^(γ+1)) / (1 − α)")
     e.add_column("T")

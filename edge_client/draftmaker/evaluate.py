@@ -22,6 +22,20 @@ How continuations are made (`continuation=`):
                        most predictable text).
 A continuation stops early at an end-of-generation token (which is scored too).
 
+Across tokenizers (a draft whose fingerprint differs from the target's, e.g. SmolLM2 drafting for
+Gemma 3): token-level intersection (TLI; Timor et al., ICML 2025) with spec_core.crossvocab, as
+the edge drafts. The draft reads the prompt in its own chat template and the target's continuation
+through its DraftView (target ids -> bytes -> draft ids, re-tokenized from the stable boundary
+after every token); its logits are restricted to the intersection before warping and the q moved
+onto target ids (`CrossVocab.target_probs`); α_T = sum_x min(p_T(x), q_TLI(x)) as above, and at
+T = 0 the restricted argmax against the target's. The report adds `vocabulary`:
+  draft_strings    distinct non-empty token strings (bytes) of the draft, special tokens left out
+  shared_strings   of those, the ones that are also a target token's string; share = their ratio
+  mapped_tokens    draft ids in the one-to-one map (what TLI can propose)
+  rolled_back_per_sync  draft tokens the view drops per sync (KV rolled back, re-tokenized)
+  coverage{T}      share of the target's generated tokens (the scored positions) in the map: the
+                   most TLI could ever accept, also per category
+
 Speed: decode tokens/s is one token per llama_decode call after a prompt, as a drafter runs,
 median of `speed_repeats` runs, for 1 and 2 threads, the target and the drafts taking turns in
 each repeat. Verify cost is *measured*: the target's
@@ -39,8 +53,11 @@ id. Loss and jitter are left out: the figure ranks drafts; netsim measures the r
 JSON report keys (`EvalReport.to_json()`):
   target, draft                {path, name, fingerprint}
   settings                     {max_new_tokens, continuation, temperatures, seed, threads, prompts_file}
-  overall                      {prompts, positions{T}, alpha{T}, greedy_agreement}
-  categories                   {category: {prompts, positions{T}, alpha{T}}}
+  overall                      {prompts, positions{T}, alpha{T}, greedy_agreement[, coverage{T}]}
+  categories                   {category: {prompts, positions{T}, alpha{T}[, coverage{T}]}}
+  vocabulary                   null (same tokenizer), or {cross_vocabulary: true, method: "TLI",
+                                target_tokens, draft_tokens, draft_strings, shared_strings,
+                                share, mapped_tokens, rolled_back_per_sync}
   per_prompt                   [{category, prompt_tokens, positions{T}, alpha{T}}]
   expected_tokens_per_round    {T: {γ: (1 − α^(γ+1)) / (1 − α)} for γ = 1..8}
   speed                        {draft: {threads: tok/s}, target: {threads: tok/s}, tokens, repeats} or null
@@ -109,8 +126,10 @@ def load_prompts(path: str | os.PathLike | None = None) -> list[Prompt]:
 
 
 def prompt_ids(model, prompt: Prompt) -> list[int]:
-    """The model's chat template when its GGUF has one (an instruct model), else the plain text."""
-    if model.chat_template():
+    """The model's chat template when it has one (its GGUF's, else llama.cpp's built-in one for its
+    architecture, as for Gemma 3), else the plain text."""
+    from llama_runtime.chat import has_chat_template
+    if has_chat_template(model):
         from edge_client.text import render_chat
         return render_chat(model, prompt.text, prompt.system)
     return model.tokenize(prompt.text, add_special=True)
@@ -149,25 +168,126 @@ def acceptance(target_logits: np.ndarray, draft_logits: np.ndarray, temperature:
     return np.minimum(target_probs, draft_probs).sum(axis=-1)
 
 
+# --- across tokenizers ---------------------------------------------------------------------------
+
+def token_strings(model) -> list[bytes]:
+    """Every token's bytes as the text would hold them (b"" for control tokens)  # [vocab]"""
+    return [model.token_bytes(i) for i in range(model.n_vocab)]
+
+
+class VocabOverlap(NamedTuple):
+    target_tokens: int
+    draft_tokens: int
+    draft_strings: int    # distinct non-empty draft token strings
+    shared_strings: int   # of them, also a target token's string
+    mapped_tokens: int    # draft ids whose string is exactly one target token (one to one in CrossVocab)
+
+    @property
+    def share(self) -> float:
+        return self.shared_strings / self.draft_strings if self.draft_strings else 0.0
+
+    def to_json(self) -> dict:
+        return {"cross_vocabulary": True, "method": "TLI", **self._asdict(), "share": self.share}
+
+
+def vocab_overlap(target_strings: Sequence[bytes], draft_strings: Sequence[bytes]) -> VocabOverlap:
+    target_set = {b for b in target_strings if b}
+    draft_set = {b for b in draft_strings if b}
+    return VocabOverlap(len(target_strings), len(draft_strings), len(draft_set), len(draft_set & target_set),
+                        sum(1 for b in draft_strings if b and b in target_set))
+
+
+class CrossVocab:
+    """What the edge does with a draft of another tokenizer, for scoring: spec_core.crossvocab's
+    one-to-one TLI map (`token_map`), its restricted q moved onto target ids, and the draft's view
+    of the committed text (`DraftView`: the target's prompt anchored to the draft's own rendering of
+    it, generated target ids -> bytes -> draft ids, re-tokenized from the stable boundary)."""
+
+    def __init__(self, target, draft):
+        from spec_core.crossvocab import intersection_map
+        self.target, self.draft = target, draft
+        self.target_vocab, self.draft_vocab = target.vocabulary, draft.vocabulary
+        self.token_map = intersection_map(self.draft_vocab, self.target_vocab)
+        self.overlap = vocab_overlap(self.target_vocab.token_bytes, self.draft_vocab.token_bytes)._replace(
+            mapped_tokens=self.token_map.n_mapped)
+        self.mapped = np.flatnonzero(self.token_map.draft_mask)                 # [mapped] draft ids
+        self.mapped_targets = self.token_map.draft_to_target[self.mapped]       # [mapped] their target ids
+        self.target_has = self.token_map.target_to_draft >= 0                   # [target vocab] bool
+        self.rolled_back = self.syncs = 0
+
+    def view(self, target_prompt: Sequence[int], draft_prompt: Sequence[int]):
+        from spec_core.crossvocab import DraftView
+        tokenize = getattr(self.draft, "tokenize_bytes", None) or \
+            (lambda data: self.draft.tokenize(data.decode("utf-8", "replace"), add_special=False, parse_special=False))
+        view = DraftView(self.target_vocab, self.draft_vocab, tokenize)
+        view.anchor(target_prompt, draft_prompt)
+        return view
+
+    def target_probs(self, draft_logits: np.ndarray, temperature: float) -> np.ndarray:
+        """The draft's processed q on the intersection (its warping run on the restricted logits,
+        as the edge does), on target ids  # [Vd] -> [Vt]"""
+        from spec_core.crossvocab import restrict_logits
+        out = np.zeros(self.target_vocab.n_vocab)
+        if len(self.mapped):
+            out[self.mapped_targets] = processed_probs(restrict_logits(draft_logits, self.token_map),
+                                                       temperature)[self.mapped]
+        return out
+
+    def greedy(self, draft_logits: np.ndarray) -> int:
+        """The draft's argmax among the mapped tokens, as a target id."""
+        return int(self.mapped_targets[np.argmax(draft_logits[self.mapped])])
+
+
+def cross_draft_logits(ctx, cross: CrossVocab, target_prompt: Sequence[int], draft_prompt: Sequence[int],
+                       continuation: Sequence[int]) -> np.ndarray:
+    """The draft's next-token logits before each continuation token, reading the committed text in
+    its own tokens (the edge's DraftView, synced after every token as after a commit; the KV cache
+    keeps the common prefix)  # [len(cont), draft vocab]"""
+    view = cross.view(target_prompt, draft_prompt)
+    rows = [ctx.logits(view.sync(list(target_prompt) + list(continuation[:i])).draft_ids, 1)[0]
+            for i in range(len(continuation))]
+    cross.rolled_back += view.stats.rolled_back
+    cross.syncs += view.stats.syncs
+    return np.stack(rows) if rows else np.zeros((0, cross.draft_vocab.n_vocab), dtype=np.float32)
+
+
+def cross_acceptance(target_logits: np.ndarray, draft_logits: np.ndarray, temperature: float,
+                     cross: CrossVocab, keep_q: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per row: sum_x min(p_T, q_TLI); and q_TLI of the first `keep_q` rows (the payload's size)
+    # [rows, Vt], [rows, Vd] -> [rows], [≤keep_q, Vt]"""
+    if is_greedy(temperature):
+        values = [float(cross.greedy(d) == int(np.argmax(t))) for t, d in zip(target_logits, draft_logits)]
+        return np.array(values, dtype=np.float64), None
+    values, kept = [], []
+    for t_row, d_row in zip(target_logits, draft_logits):  # a row at a time: Gemma's rows are 262,144 wide
+        q = cross.target_probs(d_row, temperature)
+        values.append(float(np.minimum(processed_probs(t_row, temperature), q).sum()))
+        if len(kept) < keep_q:
+            kept.append(q)
+    return np.array(values, dtype=np.float64), (np.stack(kept) if kept else None)
+
+
 # --- speed ---------------------------------------------------------------------------------------
 
-def decode_speeds(paths: Sequence[str | os.PathLike], n_threads: int, ids: Sequence[int], n_tokens: int = 32,
-                  repeats: int = 3) -> list[float]:
-    """Median tokens/s of each model decoding greedily one token per call after `ids`.
+def decode_speeds(paths: Sequence[str | os.PathLike], n_threads: int, ids: Sequence[int] | Sequence[Sequence[int]],
+                  n_tokens: int = 32, repeats: int = 3) -> list[float]:
+    """Median tokens/s of each model decoding greedily one token per call after `ids` (one
+    prompt for all, or one per model when their tokenizers differ).
 
     The models take turns within each repeat, so a burst of load from other jobs on a shared
     machine hits them all rather than whichever happened to run at that moment.
     """
     from llama_runtime import GGUFModel
+    prompts = [list(p) for p in ids] if ids and not isinstance(ids[0], (int, np.integer)) else [list(ids)] * len(paths)
     models = [GGUFModel(p, n_threads=n_threads) for p in paths]
-    ctxs = [m.new_context(n_ctx=len(ids) + n_tokens + 8) for m in models]
+    ctxs = [m.new_context(n_ctx=len(prompt) + n_tokens + 8) for m, prompt in zip(models, prompts)]
     try:
         rates: list[list[float]] = [[] for _ in models]
-        for ctx in ctxs:
-            ctx.logits(ids, 1)  # prefill and warm-up, not timed
+        for ctx, prompt in zip(ctxs, prompts):
+            ctx.logits(prompt, 1)  # prefill and warm-up, not timed
         for _ in range(repeats):
-            for ctx, r in zip(ctxs, rates):
-                seq = list(ids)
+            for ctx, r, prompt in zip(ctxs, rates, prompts):
+                seq = list(prompt)
                 logits = ctx.logits(seq, 1)[0]
                 t0 = time.perf_counter()
                 for _ in range(n_tokens):
@@ -229,11 +349,11 @@ class LinkFigures(NamedTuple):
 LINK_3G = LinkFigures("3g", rtt_s=0.3, uplink_bytes_per_s=700e3 / 8)
 
 
-def q_payload_bytes(draft_logits: np.ndarray, temperature: float, top_k: int = 16) -> float:
-    """Mean bytes on the wire per draft token: its id plus its fixed-point top-k q (CLI default)."""
+def q_payload_bytes(draft_probs: np.ndarray, top_k: int = 16) -> float:
+    """Mean bytes on the wire per draft token: its id plus its fixed-point top-k q (CLI default),
+    from the q rows shipped (the draft's processed probabilities, or TLI's on target ids)."""
     from spec_core.qcodec import encode_fixed, to_proto
-    rows = draft_logits[: min(len(draft_logits), 32)]
-    probs = processed_probs(rows, temperature)
+    probs = draft_probs[: min(len(draft_probs), 32)]
     sizes = [to_proto([encode_fixed(p, top_k)]).ByteSize() for p in probs]
     return float(np.mean(sizes)) + TOKEN_ID_BYTES
 
@@ -252,6 +372,7 @@ class EvalReport:
     speed: dict | None = None
     verify: dict | None = None
     hybrid: dict | None = None
+    vocabulary: dict | None = None
     elapsed_s: float = 0.0
 
     def to_json(self) -> dict:
@@ -264,14 +385,20 @@ class _Tally:
     prompts: int = 0
     sums: dict = field(default_factory=dict)    # T key -> sum of per-position acceptance
     counts: dict = field(default_factory=dict)  # T key -> positions
+    covered: dict = field(default_factory=dict)  # T key -> positions whose target token the draft has (across tokenizers)
 
-    def add(self, t: str, values: np.ndarray) -> None:
+    def add(self, t: str, values: np.ndarray, covered: int | None = None) -> None:
         self.sums[t] = self.sums.get(t, 0.0) + float(values.sum())
         self.counts[t] = self.counts.get(t, 0) + len(values)
+        if covered is not None:
+            self.covered[t] = self.covered.get(t, 0) + covered
 
     def summary(self) -> dict:
-        return {"prompts": self.prompts, "positions": dict(self.counts),
-                "alpha": {t: self.sums[t] / self.counts[t] for t in self.sums if self.counts[t]}}
+        out = {"prompts": self.prompts, "positions": dict(self.counts),
+               "alpha": {t: self.sums[t] / self.counts[t] for t in self.sums if self.counts[t]}}
+        if self.covered:
+            out["coverage"] = {t: self.covered[t] / self.counts[t] for t in self.covered if self.counts[t]}
+        return out
 
 
 def evaluate_draft(target_path: str | os.PathLike, draft_path: str | os.PathLike,
@@ -287,9 +414,10 @@ def evaluate_drafts(target_path: str | os.PathLike, draft_paths: Sequence[str | 
                     speed_repeats: int = 3, speed_threads: Sequence[int] = (1, 2), verify_threads: int = 1,
                     verify_repeats: int = 5, link: LinkFigures = LINK_3G, fom_temperature: float = 0.7,
                     draft_threads: int = 1, max_gamma: int = 12, prompts_file: str | None = None,
-                    progress: Progress | None = None) -> list[EvalReport]:
+                    cross_vocab: bool = True, progress: Progress | None = None) -> list[EvalReport]:
     """One report per draft. The target's continuations, its logits and its speed are computed
-    once and shared, so comparing several drafts costs little more than scoring one."""
+    once and shared, so comparing several drafts costs little more than scoring one. A draft of
+    another tokenizer is scored across vocabularies (TLI) unless `cross_vocab` is False."""
     from llama_runtime import GGUFModel
 
     if continuation not in ("sampled", "greedy"):
@@ -306,23 +434,31 @@ def evaluate_drafts(target_path: str | os.PathLike, draft_paths: Sequence[str | 
 
     target = GGUFModel(target_path, n_threads=threads)
     drafts = []
+    crosses: list[CrossVocab | None] = []   # per draft: None (same tokenizer) or its TLI mapping
     try:
         for path in draft_paths:
             drafts.append(GGUFModel(path, n_threads=threads))
-            if drafts[-1].fingerprint != target.fingerprint:
+            if drafts[-1].fingerprint == target.fingerprint:
+                crosses.append(None)
+            elif not cross_vocab:
                 raise ValueError(f"{drafts[-1].name} and {target.name} do not share a tokenizer "
-                                 "(fingerprints differ); a draft must use the target's vocabulary")
+                                 "(fingerprints differ) and cross-vocabulary scoring is off")
+            else:
+                note(f"{drafts[-1].name}: another tokenizer; mapping vocabularies (TLI)")
+                crosses.append(CrossVocab(target, drafts[-1]))
         target_ctx = target.new_context(n_ctx=2048)
         draft_ctxs = [d.new_context(n_ctx=2048) for d in drafts]
         stop_ids = target.eog_ids
         overall = [_Tally() for _ in drafts]
         by_cat: list[dict[str, _Tally]] = [{} for _ in drafts]
         per_prompt: list[list[dict]] = [[] for _ in drafts]
-        bytes_rows: list[np.ndarray | None] = [None for _ in drafts]  # draft logits at fom T, for payload size
-        first_ids, first_cont = None, None
+        bytes_rows: list[np.ndarray | None] = [None for _ in drafts]  # q shipped at fom T, for payload size
+        first_ids, first_cont, speed_prompts = None, None, []
         for i, prompt in enumerate(prompts):
             note(f"prompt {i + 1}/{len(prompts)} ({prompt.category})")
             ids = prompt_ids(target, prompt)
+            draft_prompts = [prompt_ids(m, prompt) if c is not None else None for m, c in zip(drafts, crosses)]
+            cross_rows: dict[tuple[int, float], np.ndarray] = {}   # (draft, continuation T) -> logits
             rows = [{"category": prompt.category, "prompt_tokens": len(ids), "positions": {}, "alpha": {}}
                     for _ in drafts]
             for d in range(len(drafts)):
@@ -338,23 +474,37 @@ def evaluate_drafts(target_path: str | os.PathLike, draft_paths: Sequence[str | 
                 cont = conts[sample_temp]
                 if first_ids is None and sample_temp == 0.0:
                     first_ids, first_cont = ids, cont
+                    speed_prompts = [list(ids) if c is None else list(p) for c, p in zip(crosses, draft_prompts)]
                 target_logits = teacher_forced_logits(target_ctx, ids, cont)
                 t = tkey(temp)
                 for d, ctx in enumerate(draft_ctxs):
-                    draft_logits = teacher_forced_logits(ctx, ids, cont)
-                    values = acceptance(target_logits, draft_logits, temp)
-                    overall[d].add(t, values)
-                    by_cat[d][prompt.category].add(t, values)
+                    cross, covered = crosses[d], None
+                    want_bytes = bytes_rows[d] is None and temp == fom_temperature
+                    if cross is None:
+                        draft_logits = teacher_forced_logits(ctx, ids, cont)
+                        values = acceptance(target_logits, draft_logits, temp)
+                        payload = processed_probs(draft_logits[:32], temp) if want_bytes else None
+                    else:
+                        key = (d, sample_temp)
+                        if key not in cross_rows:
+                            cross_rows[key] = cross_draft_logits(ctx, cross, ids, draft_prompts[d], cont)
+                        values, payload = cross_acceptance(target_logits, cross_rows[key], temp, cross,
+                                                           keep_q=32 if want_bytes else 0)
+                        covered = int(cross.target_has[np.asarray(cont, dtype=np.int64)].sum())
+                        rows[d].setdefault("coverage", {})[t] = covered / max(len(cont), 1)
+                    overall[d].add(t, values, covered)
+                    by_cat[d][prompt.category].add(t, values, covered)
                     rows[d]["positions"][t] = len(values)
                     rows[d]["alpha"][t] = float(values.mean())
-                    if bytes_rows[d] is None and temp == fom_temperature:
-                        bytes_rows[d] = draft_logits
+                    if want_bytes and payload is not None and len(payload):
+                        bytes_rows[d] = payload
             for d in range(len(drafts)):
                 per_prompt[d].append(rows[d])
         target_ctx.close()
         for ctx in draft_ctxs:
             ctx.close()
         target_fp = target.fingerprint
+        draft_fps = [m.fingerprint for m in drafts]
     finally:
         target.close()
         for m in drafts:
@@ -369,16 +519,17 @@ def evaluate_drafts(target_path: str | os.PathLike, draft_paths: Sequence[str | 
         summary["greedy_agreement"] = summary["alpha"][tkey(0.0)]
         reports.append(EvalReport(
             target={"path": str(target_path), "name": Path(target_path).name, "fingerprint": target_fp},
-            draft={"path": str(path), "name": Path(path).name, "fingerprint": target_fp},
+            draft={"path": str(path), "name": Path(path).name, "fingerprint": draft_fps[d]},
             settings=settings,
             overall=summary,
             categories={c: t.summary() for c, t in by_cat[d].items()},
             per_prompt=per_prompt[d],
             expected_tokens_per_round={t: {str(g): expected_tokens_per_round(a, g) for g in GAMMAS}
                                        for t, a in summary["alpha"].items()},
+            vocabulary=_vocabulary_json(crosses[d]),
         ))
     if measure_speed:
-        _speed_and_merit(reports, target_path, draft_paths, first_ids, first_cont, bytes_rows, fom_temperature,
+        _speed_and_merit(reports, target_path, draft_paths, first_ids, first_cont, speed_prompts, bytes_rows, fom_temperature,
                          speed_tokens, speed_repeats, sorted(set(speed_threads) | {draft_threads}), verify_threads,
                          verify_repeats, link, draft_threads, max_gamma, note)
     for r in reports:
@@ -386,13 +537,21 @@ def evaluate_drafts(target_path: str | os.PathLike, draft_paths: Sequence[str | 
     return reports
 
 
-def _speed_and_merit(reports, target_path, draft_paths, ids, cont, bytes_rows, fom_temperature, speed_tokens,
+def _vocabulary_json(cross: CrossVocab | None) -> dict | None:
+    if cross is None:
+        return None
+    return {**cross.overlap.to_json(),
+            "rolled_back_per_sync": cross.rolled_back / cross.syncs if cross.syncs else 0.0}
+
+
+def _speed_and_merit(reports, target_path, draft_paths, ids, cont, draft_ids, bytes_rows, fom_temperature, speed_tokens,
                      speed_repeats, speed_threads, verify_threads, verify_repeats, link, draft_threads,
                      max_gamma, note) -> None:
     speeds: dict[str, list[float]] = {}
     for threads in speed_threads:
         note(f"decode speed, {threads} thread(s): target and {len(draft_paths)} draft(s), interleaved")
-        speeds[str(threads)] = decode_speeds([target_path, *draft_paths], threads, ids, speed_tokens, speed_repeats)
+        speeds[str(threads)] = decode_speeds([target_path, *draft_paths], threads, [list(ids), *draft_ids],
+                                             speed_tokens, speed_repeats)
     note(f"verify cost: target, {verify_threads} thread(s)")
     by_rows = verify_cost(target_path, verify_threads, list(ids) + list(cont), cont[::-1] or [0],
                           max_rows=max_gamma + 1, repeats=verify_repeats)
@@ -409,7 +568,7 @@ def _speed_and_merit(reports, target_path, draft_paths, ids, cont, bytes_rows, f
         report.verify = verify
         alpha = report.overall["alpha"][tkey(fom_temperature)]
         t_draft_s = 1.0 / report.speed["draft"][str(draft_threads)]
-        bytes_per_token = q_payload_bytes(bytes_rows[d], fom_temperature) if bytes_rows[d] is not None else 0.0
+        bytes_per_token = q_payload_bytes(bytes_rows[d]) if bytes_rows[d] is not None else 0.0
         costs = RoundCosts(t_draft_s=t_draft_s, rtt_s=rtt_s, t_verify_base_s=base_s,
                            t_verify_per_token_s=per_token_s, bytes_per_draft_token=bytes_per_token,
                            bytes_per_s=up_bytes_per_s)
