@@ -87,12 +87,20 @@ class Speculation:
     max_tree_nodes: int = 64             # largest tree "auto" may send
     proactive: bool = False              # draft the next round during the round trip
     pipeline: bool = False               # also send it before the reply (verified only on its base)
+    steer: bool = True                   # adaptive γ / tree "auto": draft at most the verifier's budget
+                                         # (VerifyReply.budget); a fixed γ or tree shape stays as asked
+    slo_tpot_ms: float = 0.0             # the latency target stated to the verifier (0: none; its default)
+    slo_ttft_ms: float = 0.0
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         set_("gamma", parse_gamma(self.gamma))
         _at_least("max_gamma", self.max_gamma, 1)
         _at_least("max_tree_nodes", self.max_tree_nodes, 1)
+        for name in ("slo_tpot_ms", "slo_ttft_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value <= 3_600_000):
+                raise OptionError(name, f"must be a number of milliseconds in [0, 3600000], got {value!r}")
         if isinstance(self.qmode, str):
             try:
                 set_("qmode", QMode.parse(self.qmode))

@@ -97,6 +97,15 @@ class Backend(abc.ABC):
         probs = processed_probs(logits[0], settings.temperature, settings.top_k, settings.top_p)
         return sample(probs, rng), queue_s, model_s
 
+    def set_deadline(self, state: object, deadline: float | None) -> None:
+        """When this state's next request is due (time.perf_counter() seconds), for a batching
+        backend that orders its passes by slack; others ignore it."""
+
+    def pass_cost(self) -> tuple[float, float] | None:
+        """(base_s, per_token_s) of a shared target pass as measured lately, for the draft budget
+        (spec_core.steering); None when this backend does not batch rounds."""
+        return None
+
     def forward_tokens(self) -> int:
         """Tokens pushed through the target so far (for cost-per-token figures)."""
         return 0

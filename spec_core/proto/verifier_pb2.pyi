@@ -37,18 +37,38 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("prompt_token_ids", "resume_token_ids", "sampling", "tokenizer_fingerprint", "open_key")
+    __slots__ = ("prompt_token_ids", "resume_token_ids", "sampling", "tokenizer_fingerprint", "open_key", "slo")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     OPEN_KEY_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     tokenizer_fingerprint: str
     open_key: bytes
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., open_key: _Optional[bytes] = ...) -> None: ...
+    slo: SessionSlo
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., open_key: _Optional[bytes] = ..., slo: _Optional[_Union[SessionSlo, _Mapping]] = ...) -> None: ...
+
+class SessionSlo(_message.Message):
+    __slots__ = ("tpot_ms", "ttft_ms")
+    TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    tpot_ms: float
+    ttft_ms: float
+    def __init__(self, tpot_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ...) -> None: ...
+
+class DraftBudget(_message.Message):
+    __slots__ = ("max_gamma", "max_tree_nodes", "price")
+    MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    PRICE_FIELD_NUMBER: _ClassVar[int]
+    max_gamma: int
+    max_tree_nodes: int
+    price: float
+    def __init__(self, max_gamma: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., price: _Optional[float] = ...) -> None: ...
 
 class DraftDist(_message.Message):
     __slots__ = ("token_ids", "weights", "probs")
@@ -109,7 +129,7 @@ class ServerTimings(_message.Message):
     def __init__(self, model_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("session_id", "round", "num_accepted", "next_token_id", "committed_length", "finish_reason", "timings", "kept_nodes", "base_mismatch")
+    __slots__ = ("session_id", "round", "num_accepted", "next_token_id", "committed_length", "finish_reason", "timings", "kept_nodes", "base_mismatch", "budget")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +139,7 @@ class VerifyReply(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     KEPT_NODES_FIELD_NUMBER: _ClassVar[int]
     BASE_MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     num_accepted: int
@@ -128,7 +149,8 @@ class VerifyReply(_message.Message):
     timings: ServerTimings
     kept_nodes: _containers.RepeatedScalarFieldContainer[int]
     base_mismatch: bool
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., kept_nodes: _Optional[_Iterable[int]] = ..., base_mismatch: _Optional[bool] = ...) -> None: ...
+    budget: DraftBudget
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., kept_nodes: _Optional[_Iterable[int]] = ..., base_mismatch: _Optional[bool] = ..., budget: _Optional[_Union[DraftBudget, _Mapping]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -165,7 +187,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("backend", "model", "n_vocab", "n_ctx", "tokenizer_fingerprint", "max_gamma", "max_sessions", "eos_token_ids", "version", "max_tree_nodes", "max_tree_branching", "batching")
+    __slots__ = ("backend", "model", "n_vocab", "n_ctx", "tokenizer_fingerprint", "max_gamma", "max_sessions", "eos_token_ids", "version", "max_tree_nodes", "max_tree_branching", "batching", "draft_budgets", "slo")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     N_VOCAB_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +200,8 @@ class ServerInfo(_message.Message):
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_BRANCHING_FIELD_NUMBER: _ClassVar[int]
     BATCHING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BUDGETS_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
     backend: str
     model: str
     n_vocab: int
@@ -190,4 +214,6 @@ class ServerInfo(_message.Message):
     max_tree_nodes: int
     max_tree_branching: int
     batching: bool
-    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_branching: _Optional[int] = ..., batching: _Optional[bool] = ...) -> None: ...
+    draft_budgets: bool
+    slo: SessionSlo
+    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_branching: _Optional[int] = ..., batching: _Optional[bool] = ..., draft_budgets: _Optional[bool] = ..., slo: _Optional[_Union[SessionSlo, _Mapping]] = ...) -> None: ...
