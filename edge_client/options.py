@@ -244,6 +244,11 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     s.add_argument("--pipeline", action="store_true",
                    help="also send that next round before the reply (verified only if its base was committed, "
                         "discarded and counted otherwise)")
+    s.add_argument("--no-steer", action="store_false", dest="steer",
+                   help="with --gamma adaptive / --tree auto, ignore the verifier's draft budget")
+    s.add_argument("--slo-tpot-ms", type=float, default=0.0,
+                   help="latency target stated to the verifier: time per output token, ms (0: none)")
+    s.add_argument("--slo-ttft-ms", type=float, default=0.0, help="... and time to first token, ms (0: none)")
     s.add_argument("--synthetic-vocab", type=int, default=64)
     s.add_argument("--synthetic-seed", type=int, default=0)
     s.add_argument("--synthetic-noise", type=float, default=1.0)
@@ -265,7 +270,7 @@ def _add_security(p: argparse.ArgumentParser) -> None:
 # The flag that sets each field, to name it when a record refuses a value.
 FLAGS = {"gamma": "--gamma", "max_gamma": "--max-gamma", "qmode": "--q", "tree": "--tree",
          "max_tree_nodes": "--max-tree-nodes", "deadline_s": "--deadline", "max_retries": "--retries",
-         "tls_cert": "--tls-cert/--tls-key"}
+         "tls_cert": "--tls-cert/--tls-key", "slo_tpot_ms": "--slo-tpot-ms", "slo_ttft_ms": "--slo-ttft-ms"}
 
 
 def _as_flag(build):
@@ -281,7 +286,9 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
     if hasattr(args, "gamma"):
         spec = _as_flag(lambda: Speculation(
             gamma=args.gamma, max_gamma=args.max_gamma, qmode=args.qmode, tree=args.tree,
-            max_tree_nodes=args.max_tree_nodes, proactive=args.proactive, pipeline=args.pipeline))
+            max_tree_nodes=args.max_tree_nodes, proactive=args.proactive, pipeline=args.pipeline,
+            steer=getattr(args, "steer", True), slo_tpot_ms=getattr(args, "slo_tpot_ms", 0.0),
+            slo_ttft_ms=getattr(args, "slo_ttft_ms", 0.0)))
     transport = _as_flag(lambda: Transport(
         server=getattr(args, "server", ""), deadline_s=args.deadline,
         max_retries=getattr(args, "retries", Transport.max_retries)))

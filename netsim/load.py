@@ -662,6 +662,13 @@ def capacity_at_slo(runs: list[dict], slo_tpot_s: float, slo_ttft_s: float) -> d
     return out
 
 
+def _capacity_ratio(capacity: dict) -> str:
+    """Each drafting mode's capacity over cloud-only's, when both ran (the issue's side by side)."""
+    base = capacity.get("cloud-only", {}).get("edges")
+    parts = [f"{mode} {c['edges'] / base:.2f}×" for mode, c in capacity.items() if mode != "cloud-only" and base]
+    return f". Capacity over cloud-only's: {', '.join(parts)}" if parts else ""
+
+
 def _pair(cfg: dict) -> str:
     if cfg["synthetic"]:
         return f"synthetic pair (draft {cfg['draft_ms']} ms/token, target {cfg['synthetic_step_ms']} ms/pass)"
@@ -704,7 +711,8 @@ def markdown(result: dict) -> str:
     if result.get("capacity"):
         lines += [f"**Capacity at the SLO** ({slo}; the most edges among {', '.join(map(str, next(iter(result['capacity'].values()))['edges_run']))} "
                   "that met it): " + "; ".join(f"{mode} **{c['edges']}** edges ({c['goodput_tokens_per_s']:.1f} tok/s of "
-                                              f"goodput there)" for mode, c in result["capacity"].items()), ""]
+                                              f"goodput there)" for mode, c in result["capacity"].items())
+                  + _capacity_ratio(result["capacity"]), ""]
     lines += ["| edges | mode | tok/s | goodput tok/s | met SLO | TPOT p50 ms | p95 | p99 | TTFT p50 ms | p99 | passes/tok "
              "| target tok/tok | errors | replays | verifier CPU | RSS MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
