@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from hybridspec.machine import describe, summary
-from netsim.load import LoadConfig, run_load, write_all
+from netsim.load import LoadConfig, goodput_at, run_load, write_all
 
 
 def arms(slo_tpot_ms: float, slo_ttft_ms: float) -> dict[str, tuple[list[str], str]]:
@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--synthetic-step-ms", type=float, default=20.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=400.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=4000.0)
+    ap.add_argument("--slo-sweep", default="250,400,600,1000",
+                    help="TPOT SLOs (ms) at which goodput is judged again from the same runs (TTFT as given)")
     ap.add_argument("--verifier-arg", action="append", default=[], help="passed to every verifier")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -84,6 +86,8 @@ def main() -> None:
                              "slo_met_share": run["slo_met_share"],
                              "target_tokens_per_token": run["target_tokens_per_committed_token"],
                              "threads": result["verifier_threads"],
+                             "goodput_by_slo": {ms: goodput_at(run, float(ms) / 1e3, args.slo_ttft_ms / 1e3)
+                                                for ms in args.slo_sweep.split(",")},
                              "not_representative": run["not_representative"]})
                 r = rows[-1]
                 print(f"  rep {rep} {name:8s} {r['edges']:3d} edges: goodput {r['goodput']:6.1f} tok/s, "
@@ -134,6 +138,19 @@ def main() -> None:
             lines.append(f"| {t['edges']} | {name} | {_join(e['goodput'])} | {_join(e['tok_s'])} "
                          f"| {_join(e['tpot_p95_s'], 1e3, 0)} | {_join(e['slo_met_share'], 100, 0)}% "
                          f"| {_join(e['target_tokens_per_token'], 1, 2)} | {ratio} | {tratio} | {e['flagged']} |")
+    sweep = args.slo_sweep.split(",")
+    lines += ["", "Goodput judged again at other TPOT SLOs (same runs; median over reps, tok/s; ratio to today):", "",
+              "| edges | arm | " + " | ".join(f"TPOT ≤ {ms} ms" for ms in sweep) + " |",
+              "|---|---|" + "---|" * len(sweep)]
+    for n in edges:
+        for name in chosen:
+            cells = []
+            for ms in sweep:
+                mine = statistics.median(pick(rep, name, n)["goodput_by_slo"][ms] for rep in range(args.reps))
+                base = statistics.median(pick(rep, "today", n)["goodput_by_slo"][ms] for rep in range(args.reps)) \
+                    if "today" in chosen else 0.0
+                cells.append(f"{mine:.1f}" + (f" ({mine / base:.2f}×)" if name != "today" and base else ""))
+            lines.append(f"| {n} | {name} | " + " | ".join(cells) + " |")
     lines += ["", "Runs flagged: the harness (edges and proxies) saturated the cores the verifier left it; "
                   "their figures are the harness's (see each run's load.md)."]
     out.mkdir(parents=True, exist_ok=True)

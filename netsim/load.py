@@ -489,6 +489,10 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95), "ttft_p99_s": percentile(ttfts, 99),
         "goodput_tokens_per_s": good / cfg.duration_s,
         "slo_met_share": sum(judged) / len(judged) if judged else None,
+        # Per request the window saw: [TPOT inside it, TTFT if it arrived inside it, tokens inside it],
+        # so goodput can be judged again at other SLOs (goodput_at).
+        "per_request": [[tpot_of[id(r)], r.ttft_s() if t_measure <= r.arrival_s <= t_end else None,
+                         r.tokens_by(t_end) - r.tokens_by(t_measure)] for r in requests],
         "target_forward_passes": passes, "target_tokens": target_tokens, "target_cost_source": source,
         "target_forward_passes_per_committed_token": passes / committed if passes is not None and committed else None,
         "target_tokens_per_committed_token": target_tokens / committed if target_tokens is not None and committed else None,
@@ -641,6 +645,17 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
 
 
 # --- report ---------------------------------------------------------------------------------
+
+def goodput_at(run: dict, slo_tpot_s: float, slo_ttft_s: float) -> float:
+    """A run's goodput (tokens/s of requests that met it) at another SLO than the one it ran with,
+    judged as Request.meets does: TPOT inside the window, TTFT if the request arrived inside it."""
+    good = 0
+    for tpot, ttft, tokens in run.get("per_request", []):
+        if (tpot is not None or ttft is not None) and (tpot is None or tpot <= slo_tpot_s) \
+                and (ttft is None or ttft <= slo_ttft_s):
+            good += tokens
+    return good / run["duration_s"]
+
 
 def meets_slo_p95(run: dict, slo_tpot_s: float, slo_ttft_s: float) -> bool:
     """A run meets the SLO when its p95 TPOT and p95 TTFT are within it (an unmeasured TTFT, e.g.
