@@ -80,6 +80,23 @@ def test_the_saturated_fixed_point_is_the_throughput_optimum():
             assert gamma_budget(alpha, price, 16) < max(gamma, 1)
 
 
+@pytest.mark.parametrize("alpha", [0.5, 0.7, 0.9])
+@pytest.mark.parametrize("sessions, rtt_s", [(1, 0.001), (16, 0.001), (16, 0.6), (64, 0.1), (4, 2.0)])
+def test_the_budget_is_a_fixed_point_exactly_at_the_verifiers_best_gamma(alpha, sessions, rtt_s):
+    """The symmetric model: S sessions with the same γ ride every pass; a round takes
+    L(γ) = rtt + base + per_token·S·(γ + 1), the verifier commits R(γ) = S·E(γ)/L(γ). A γ the budget
+    gives back to itself (budget at price per_token·R(γ) == γ) is where R is largest, and no other."""
+    from spec_core.costmodel import expected_tokens_per_round
+    base, per_token, top = 0.02, 0.017, 16
+
+    def rate(g):
+        return sessions * expected_tokens_per_round(alpha, g) / (rtt_s + base + per_token * sessions * (g + 1))
+    best = max(rate(g) for g in range(top + 1))
+    fixed = [g for g in range(top + 1) if gamma_budget(alpha, per_token * rate(g), top) == g]
+    assert fixed, "no fixed point"
+    assert all(rate(g) == pytest.approx(best, rel=1e-9) for g in fixed), (fixed, [rate(g) for g in range(top + 1)])
+
+
 def test_the_pass_cost_line_and_the_commit_rate():
     line = PassCostLine()
     assert line.line() == (0.0, 0.0)
