@@ -293,3 +293,24 @@ def test_a_long_round_is_not_taken_for_a_prefill():
     assert least_slack_first([17, 300], [0.1, 0.05], 32, 8, prefill=[False, True]) == [17, 15]
     with pytest.raises(ValueError):
         least_slack_first([1, 2], [0.1], 32, 8)
+
+
+@pytest.mark.parametrize("argv, flag", [(["--slo-tpot-ms", "-1"], "--slo-tpot-ms"),
+                                        (["--slo-ttft-ms", "4e6"], "--slo-ttft-ms"),
+                                        (["--prefill-chunk", "0"], "--prefill-chunk")])
+def test_bad_server_flags_exit_with_the_flag_named_before_a_model_loads(argv, flag):
+    from cloud_verifier.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--backend", "synthetic"] + argv)
+    assert flag in str(e.value)
+
+
+def test_the_edge_command_line_carries_the_steering_options():
+    import argparse
+    from edge_client.options import add_edge_options, options_from_args
+    p = argparse.ArgumentParser()
+    add_edge_options(p)
+    spec = options_from_args(p.parse_args(["--gamma", "adaptive", "--no-steer", "--slo-tpot-ms", "120"])).speculation
+    assert (spec.steer, spec.slo_tpot_ms, spec.slo_ttft_ms) == (False, 120.0, 0.0)
+    with pytest.raises(OptionError, match="--slo-ttft-ms"):
+        options_from_args(p.parse_args(["--slo-ttft-ms", "-3"]))
