@@ -5,7 +5,9 @@ Arms (each a verifier setting and an edge mode, run with the same edges, links a
   steer    least slack first against the SLO with capped prefills, draft budgets in every reply
            (`--schedule slack --steer on --slo-tpot-ms/--slo-ttft-ms`), adaptive γ capped by them;
   adaptive (optional) today's batcher with adaptive γ, no budget: what the edge's own cost model does
-           without the verifier's word.
+           without the verifier's word;
+  budget   (optional) today's fair-share batcher with draft budgets and adaptive γ (steer without
+           the least-slack schedule).
 The arms alternate (today, steer, today, ...; the order flips every rep) so that drifting load on
 a shared machine hits them alike; the script prints goodput and throughput of each pair, their
 ratios and the median, and the machine.
@@ -35,14 +37,15 @@ def arms(slo_tpot_ms: float, slo_ttft_ms: float) -> dict[str, tuple[list[str], s
     slo = ["--slo-tpot-ms", str(slo_tpot_ms), "--slo-ttft-ms", str(slo_ttft_ms)]
     return {"today": (["--schedule", "fair", "--steer", "off"], "hybrid"),
             "steer": (["--schedule", "slack", "--steer", "on"] + slo, "adaptive"),
-            "adaptive": (["--schedule", "fair", "--steer", "off"], "adaptive")}
+            "adaptive": (["--schedule", "fair", "--steer", "off"], "adaptive"),
+            "budget": (["--schedule", "fair", "--steer", "on"], "adaptive")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--edges", default="16", help="comma-separated edge counts")
     ap.add_argument("--profile", default="lan")
-    ap.add_argument("--arms", default="today,steer", help="which of today, steer, adaptive")
+    ap.add_argument("--arms", default="today,steer", help="which of today, steer, adaptive, budget")
     ap.add_argument("--reps", type=int, default=2, help="rounds of every arm per edge count")
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=2.0)
