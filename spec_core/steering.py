@@ -86,26 +86,28 @@ def draft_budget(alpha: float, price: float, max_gamma: int, max_tree_nodes: int
 
 class PassCostLine:
     """Seconds per pass = base + per_token · tokens, by least squares over the last `window`
-    passes. Until the passes differ in size, the line goes through the origin (per_token = mean
-    seconds / mean tokens): an overestimate of the marginal cost, which errs on short drafts."""
+    passes. Before `min_passes` passes it says (0, 0): nothing known, as if idle. While the passes
+    do not differ in size, the line goes through the origin (per_token = mean seconds / mean
+    tokens): an overestimate of the marginal cost, which errs on short drafts."""
 
-    def __init__(self, window: int = 64):
+    def __init__(self, window: int = 64, min_passes: int = 4):
         self.passes: deque[tuple[int, float]] = deque(maxlen=window)
+        self.min_passes = min_passes
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds >= 0 and math.isfinite(seconds):
             self.passes.append((tokens, seconds))
 
     def line(self) -> tuple[float, float]:
-        """(base_s, per_token_s); (0, 0) before any pass."""
+        """(base_s, per_token_s); (0, 0) before min_passes passes."""
         pts = list(self.passes)
-        if not pts:
+        if len(pts) < self.min_passes:
             return 0.0, 0.0
         n = len(pts)
         mx = sum(x for x, _ in pts) / n
         my = sum(y for _, y in pts) / n
         var = sum((x - mx) ** 2 for x, _ in pts)
-        if var < 1e-9 * max(1.0, mx * mx) or n < 4:
+        if var < 1e-9 * max(1.0, mx * mx):
             return 0.0, my / mx
         slope = sum((x - mx) * (y - my) for x, y in pts) / var
         slope = min(max(slope, 0.0), my / mx)   # never above the through-origin cost, never negative
@@ -113,17 +115,16 @@ class PassCostLine:
 
 
 class CommitRate:
-    """Tokens committed per second over the last `window_s` seconds (all sessions)."""
+    """Tokens committed per second over the last `window_s` seconds (all sessions). Always divided
+    by the whole window: a verifier that just started reads as less loaded than it is, never more
+    (a burst of first commits over a few milliseconds must not price drafts out)."""
 
     def __init__(self, window_s: float = 2.0):
         self.window_s = window_s
         self.events: deque[tuple[float, int]] = deque()
         self.total = 0
-        self.t0: float | None = None
 
     def observe(self, now: float, tokens: int) -> None:
-        if self.t0 is None:
-            self.t0 = now
         self.events.append((now, tokens))
         self.total += tokens
         self._drop(now)
@@ -134,10 +135,7 @@ class CommitRate:
 
     def rate(self, now: float) -> float:
         self._drop(now)
-        if self.t0 is None:
-            return 0.0
-        # A verifier up for less than the window divides by the time it has been up.
-        return self.total / max(min(self.window_s, now - self.t0), 1e-3)
+        return self.total / self.window_s
 
 
 class Acceptance:

@@ -100,6 +100,9 @@ def test_the_budget_is_a_fixed_point_exactly_at_the_verifiers_best_gamma(alpha, 
 def test_the_pass_cost_line_and_the_commit_rate():
     line = PassCostLine()
     assert line.line() == (0.0, 0.0)
+    line.observe(1, 0.02)
+    assert line.line() == (0.0, 0.0)          # one pass says nothing yet: priced as idle
+    line = PassCostLine()
     for n in (1, 5, 10, 20, 32, 7):
         line.observe(n, 0.010 + 0.002 * n)
     base, per_token = line.line()
