@@ -33,6 +33,18 @@ def _add_serve(sub) -> None:
     p.add_argument("--batch-window-ms", type=float, default=0.0,
                    help="(batching on) when idle, wait this long after a round arrives for others "
                         "to join its pass (default 0: take what is queued)")
+    p.add_argument("--schedule", choices=["fair", "slack"], default="fair",
+                   help="(batching on) how a pass is filled: fair (default) a fair share per request in arrival "
+                        "order; slack: least slack before each session's SLO deadline first, prefills capped per pass")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="(--schedule slack) most prompt tokens of one request per pass while it is not late "
+                        "(default: a quarter of a pass)")
+    p.add_argument("--slo-tpot-ms", type=float, default=0.0,
+                   help="latency target of sessions that state none: time per output token (0: none)")
+    p.add_argument("--slo-ttft-ms", type=float, default=0.0, help="... and time to first token (0: none)")
+    p.add_argument("--steer", choices=["on", "off"], default="on",
+                   help="on (default, batching backends): every reply tells the edge the draft budget that pays "
+                        "at the verifier's load (edges with adaptive gamma draft at most that)")
     p.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session is dropped")
     p.add_argument("--max-new-tokens", type=int, default=256, help="default when a request sets none")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
@@ -69,7 +81,8 @@ def backend_from_args(args):
     if args.backend == "synthetic":
         return load_backend("synthetic", None, vocab=args.synthetic_vocab, seed=args.synthetic_seed,
                             n_ctx=args.n_ctx, step_ms=args.synthetic_step_ms, per_token_ms=args.synthetic_per_token_ms,
-                            batching=args.batching == "on", batch_window_ms=args.batch_window_ms)
+                            batching=args.batching == "on", batch_window_ms=args.batch_window_ms,
+                            schedule=args.schedule, prefill_chunk=args.prefill_chunk)
     model = args.model
     if model is None and args.backend == "llama.cpp":
         from llama_runtime import bundled_model_path
@@ -81,7 +94,8 @@ def backend_from_args(args):
         return load_backend("vllm", model, n_ctx=args.n_ctx, engine_args=engine_args)
     return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads,
                         batching=args.batching == "on", kv_tokens=args.kv_tokens,
-                        batch_window_ms=args.batch_window_ms)
+                        batch_window_ms=args.batch_window_ms, schedule=args.schedule,
+                        prefill_chunk=args.prefill_chunk)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,10 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     from cloud_verifier.process import READY
     from cloud_verifier.server import serve_forever
     tls, tokens, policy = security_from_args(args)
+    for flag in ("slo_tpot_ms", "slo_ttft_ms"):
+        value = getattr(args, flag)
+        if not 0 <= value <= 3_600_000:
+            raise SystemExit(f"cloud-verifier: --{flag.replace('_', '-')} must be in [0, 3600000] ms, got {value}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise SystemExit(f"cloud-verifier: --prefill-chunk must be >= 1, got {args.prefill_chunk}")
     backend = backend_from_args(args)
     max_sessions = args.max_sessions or backend.max_states or Limits.max_sessions
     limits = Limits(max_gamma=args.max_gamma, max_sessions=max_sessions, session_ttl_s=args.session_ttl,
-                    default_max_new_tokens=args.max_new_tokens)
+                    default_max_new_tokens=args.max_new_tokens, steer=args.steer == "on",
+                    slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms)
     asyncio.run(serve_forever(backend, args.host, args.port, limits, args.metrics_port,
                               on_ready=lambda port: print(f"{READY} {args.host}:{port}", flush=True),
                               tls=tls, tokens=tokens, policy=policy, insecure=args.insecure, grace_s=args.grace))

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,10 +22,11 @@ import numpy as np
 
 from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, NoChatTemplate, NoFreeState
-from cloud_verifier.sessions import Session, SessionStore
+from cloud_verifier.sessions import Session, SessionStore, Slo
 from spec_core import qcodec
 from spec_core.crossvocab import pack_token_bytes
 from spec_core.proto import verifier_pb2 as pb
+from spec_core.steering import CommitRate, draft_budget
 from spec_core.tree import DraftTree, TreeError, prune_to_fit, validate_tree
 from spec_core.verify import RoundResult, commit_round
 from spec_core.warping import GENERATE_STREAM, VERIFIER_STREAM, SamplingError, SamplingSettings, seeded_rng
@@ -51,7 +53,12 @@ class Limits:
     max_tree_nodes: int = 64       # nodes in one tree round (its depth is bounded by max_gamma)
     max_tree_branching: int = 8    # children of one tree node
     pipeline_wait_s: float = 30.0  # longest a pipelined round waits for its predecessor
+    steer: bool = True             # tell edges the draft budget at this load (VerifyReply.budget)
+    slo_tpot_ms: float = 0.0       # the latency target of sessions that state none (0: none);
+    slo_ttft_ms: float = 0.0       # a batching backend with schedule "slack" orders work by it
 
+
+MAX_SLO_MS = 3_600_000.0
 
 MAX_STOP_IDS = 64
 # Text prompts (edges whose draft has another tokenizer): bounded before they are tokenized.
@@ -75,6 +82,9 @@ class VerifierEngine:
         self._streams = asyncio.Semaphore(self.max_sessions)  # concurrent Generate streams
         self._vocabulary: pb.Vocabulary | None = None     # made on the first GetVocabulary
         self._vocabulary_lock = asyncio.Lock()
+        self.commits = CommitRate()   # tokens/s committed, all sessions and streams: the draft budget's load
+        self.default_slo = (Slo(limits.slo_tpot_ms / 1e3, limits.slo_ttft_ms / 1e3)
+                            if limits.slo_tpot_ms or limits.slo_ttft_ms else None)
 
     # --- validation --------------------------------------------------------------------------
 
@@ -106,6 +116,16 @@ class VerifierEngine:
             raise _bad(f"sampling.stop_token_ids has {len(sp.stop_token_ids)} ids; at most {MAX_STOP_IDS} are allowed")
         self._check_ids(sp.stop_token_ids, "sampling.stop_token_ids")
         return settings
+
+    def _slo(self, o: pb.OpenSession) -> Slo | None:
+        if not o.HasField("slo"):
+            return self.default_slo
+        for name in ("tpot_ms", "ttft_ms"):
+            value = getattr(o.slo, name)
+            if not (math.isfinite(value) and 0 <= value <= MAX_SLO_MS):
+                raise _bad(f"open.slo.{name} = {value} must be finite and in [0, {MAX_SLO_MS:.0f}] milliseconds "
+                           "(0: no target)")
+        return Slo(o.slo.tpot_ms / 1e3, o.slo.ttft_ms / 1e3)
 
     def _stop_ids(self, s: SamplingSettings) -> frozenset[int]:
         return frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else self.info.eos_token_ids)
@@ -257,6 +277,7 @@ class VerifierEngine:
             if room < 0:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the context window is full")
             kept_nodes: list[int] = []
+            self.backend.set_deadline(session.state, session.due(t_start))
             if tree is not None:
                 # A tree is cut like a chain: whole levels past the room, then nodes in index order.
                 fit = prune_to_fit(tree, room)
@@ -282,6 +303,12 @@ class VerifierEngine:
             session.tokens.extend(done.tokens)
             session.finish_reason = done.finish_reason
             session.round = req.round
+            now = time.perf_counter()
+            self.commits.observe(now, len(done.tokens))
+            if session.first_token_at is None and done.tokens:
+                session.first_token_at = (now, len(session.tokens))
+            if tree is None:
+                session.acceptance.observe(n_verified, result.num_accepted, result.num_accepted < n_verified)
             reply = pb.VerifyReply(
                 session_id=session.id, round=req.round, num_accepted=done.num_accepted,
                 committed_length=len(session.tokens), finish_reason=done.finish_reason,
@@ -292,6 +319,9 @@ class VerifierEngine:
             if req.HasField("open") and _text_open(req.open):
                 reply.prompt_token_ids.extend(session.tokens[: session.prompt_len])
             reply.kept_nodes.extend(kept_nodes[: done.num_accepted])
+            budget = self._budget(session, now)
+            if budget is not None:
+                reply.budget.CopyFrom(budget)
             session.last_reply, session.last_request_digest = reply, digest
             # Used until now, not since the round arrived: a round that queued for seconds behind
             # many others must not leave its session looking idle (and evictable) as it ends.
@@ -304,6 +334,16 @@ class VerifierEngine:
                 session.state = None
             metrics.observe_round(n_verified, done.num_accepted, model_s, time.perf_counter() - t_start)
             return reply
+
+    def _budget(self, session: Session, now: float) -> pb.DraftBudget | None:
+        """The draft that pays at this load (spec_core.steering); None when the server does not steer."""
+        cost = self.backend.pass_cost() if self.limits.steer else None
+        if cost is None:
+            return None
+        price = cost[1] * self.commits.rate(now)
+        nodes = self.limits.max_tree_nodes if self.backend.supports_trees else 0
+        b = draft_budget(session.acceptance.alpha, price, self.limits.max_gamma, nodes, self.limits.max_tree_branching)
+        return pb.DraftBudget(max_gamma=b.max_gamma, max_tree_nodes=b.max_tree_nodes, price=b.price)
 
     async def _wait_for_round(self, session: Session, round_: int) -> None:
         """Let a pipelined round's predecessor finish first (it may arrive later on the wire)."""
@@ -361,6 +401,7 @@ class VerifierEngine:
                                f"from the target's {self.info.fingerprint[:16]}… ({self.info.model}); draft and "
                                "target must share a tokenizer")
         settings = self._settings(o.sampling, o.HasField("sampling"))
+        slo = self._slo(o)
         tokens = prompt + resume
         if req.round != 1:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -388,7 +429,7 @@ class VerifierEngine:
             session = self.sessions.add(lambda sid: Session(
                 id=sid, open_key=bytes(o.open_key), open_digest=_open_digest(o), tokens=tokens,
                 prompt_len=len(prompt), settings=settings, stop_ids=self._stop_ids(settings),
-                rng=rng, state=state))
+                rng=rng, state=state, slo=slo))
         except OverflowError:
             self.backend.release(state)
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -456,8 +497,14 @@ class VerifierEngine:
                 self.backend.release(state)
 
     async def _generate_tokens(self, state, tokens, settings, stop, rng) -> AsyncIterator[pb.GenerateChunk]:
+        first_token_at = None
         for generated in range(settings.max_new_tokens):
+            if self.default_slo is not None:
+                self.backend.set_deadline(state, self.default_slo.due(time.perf_counter(), first_token_at, generated))
             tok, _, model_s = await run_in_thread(self.backend.sample_next, state, tokens, settings, rng)
+            now = time.perf_counter()
+            self.commits.observe(now, 1)
+            first_token_at = first_token_at or (now, generated + 1)
             # A round without drafts: the hybrid path's stop, length and context cuts, one token at a time.
             done = commit_round((), RoundResult(0, tok), stop, remaining=settings.max_new_tokens - generated,
                                 context_left=self.info.n_ctx - len(tokens))
@@ -476,7 +523,10 @@ class VerifierEngine:
                              max_tree_branching=self.limits.max_tree_branching,
                              batching=bool(getattr(self.backend, "batching", False)),
                              text_prompts=self.backend.has_vocabulary,
-                             chat_prompts=self.backend.has_vocabulary and self.backend.chat_prompts())
+                             chat_prompts=self.backend.has_vocabulary and self.backend.chat_prompts(),
+                             draft_budgets=self.limits.steer and self.backend.pass_cost() is not None,
+                             slo=(pb.SessionSlo(tpot_ms=self.limits.slo_tpot_ms, ttft_ms=self.limits.slo_ttft_ms)
+                                  if self.default_slo is not None else None))
 
 
 # Backend calls block their worker thread while a batching backend gathers a pass: every session

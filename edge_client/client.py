@@ -405,6 +405,8 @@ class _SessionLoop:
                 prompt_token_ids=self.prompt_ids, resume_token_ids=prep.base[self.prompt_len:],
                 sampling=sampling_proto(self.settings), tokenizer_fingerprint=self.c.drafter.fingerprint or "",
                 open_key=os.urandom(16), draft_tokenizer_fingerprint=getattr(self.c.drafter, "draft_fingerprint", "")))
+            if self.spec.slo_tpot_ms or self.spec.slo_ttft_ms:
+                req.open.slo.CopyFrom(pb.SessionSlo(tpot_ms=self.spec.slo_tpot_ms, ttft_ms=self.spec.slo_ttft_ms))
             if not self.prompt_ids and self.plan.text_open is not None:
                 req.open.MergeFrom(self.plan.text_open)   # committed_length counts what follows the prompt
         return req
@@ -466,6 +468,8 @@ class _SessionLoop:
         self.planner.observe(prep.plan, nodes=len(draft.tokens), rows=prep.rows, tokens=n_new,
                              draft_s=draft.seconds, round_s=round_s, server_s=server_s, model_s=model_s)
         self.c.drafter.observe(self.committed, reply.num_accepted)
+        if reply.HasField("budget") and self.spec.steer and self.spec.gamma == ADAPTIVE:
+            self.planner.steer(reply.budget.max_gamma, reply.budget.max_tree_nodes)
         if self.c.on_round is not None:
             self.c.on_round(RoundEvent(gamma=depth, accepted=reply.num_accepted, tokens=n_new,
                                        draft_s=draft.seconds, rpc_s=round_s, server_s=server_s))

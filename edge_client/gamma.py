@@ -124,13 +124,21 @@ class TreePolicy:
         self._verify_points: list[tuple[int, float]] = []
         self.rounds = 0
         self.chosen: dict[str, int] = {}
+        self.budget_gamma: int | None = None   # the verifier's draft budget (steer); None: none given
+        self.budget_nodes: int | None = None
+
+    def steer(self, max_gamma: int, max_tree_nodes: int) -> None:
+        """The verifier's draft budget at its load: chains (and tree depth) of at most max_gamma,
+        trees of at most max_tree_nodes, until the next budget. A fixed tree shape is not capped."""
+        self.budget_gamma, self.budget_nodes = max(0, max_gamma), max(0, max_tree_nodes)
 
     def _shapes(self, gamma: int) -> dict[str, TreeShape]:
         if self.mode != "auto" or gamma < 1:
             return {}
         out = {}
+        max_nodes = self.max_nodes if self.budget_nodes is None else min(self.max_nodes, self.budget_nodes)
         for mult, width in ((2, 1), (4, 2)):
-            budget = min(mult * gamma, self.max_nodes)
+            budget = min(mult * gamma, max_nodes)
             if budget > gamma:
                 out[f"tree{mult}x"] = TreeShape(budget=budget, depth=gamma, branching=2, width=width)
         return out
@@ -143,6 +151,8 @@ class TreePolicy:
                 return self._take(RoundPlan(f"tree{shape.budget}", depth, shape))
             return self._take(RoundPlan("chain", 0))
         gamma = max(0, min(self.gamma_policy.next_gamma(), remaining - 1))
+        if self.budget_gamma is not None:
+            gamma = min(gamma, self.budget_gamma)   # min(own adaptive choice, the verifier's budget)
         shapes = self._shapes(gamma)
         arms = {"chain": RoundPlan("chain", gamma)} | {k: RoundPlan(k, s.depth, s) for k, s in shapes.items()}
         if len(arms) == 1:

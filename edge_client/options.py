@@ -89,12 +89,20 @@ class Speculation:
     pipeline: bool = False               # also send it before the reply (verified only on its base)
     strict_tokenizer: bool = False       # refuse a target with another tokenizer instead of drafting across vocabularies
     target_vocab: str | None = None      # the target's vocabulary from a file (its GGUF, or a cached .pb) instead of GetVocabulary
+    steer: bool = True                   # adaptive γ / tree "auto": draft at most the verifier's budget
+                                         # (VerifyReply.budget); a fixed γ or tree shape stays as asked
+    slo_tpot_ms: float = 0.0             # the latency target stated to the verifier (0: none; its default)
+    slo_ttft_ms: float = 0.0
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         set_("gamma", parse_gamma(self.gamma))
         _at_least("max_gamma", self.max_gamma, 1)
         _at_least("max_tree_nodes", self.max_tree_nodes, 1)
+        for name in ("slo_tpot_ms", "slo_ttft_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value <= 3_600_000):
+                raise OptionError(name, f"must be a number of milliseconds in [0, 3600000], got {value!r}")
         if isinstance(self.qmode, str):
             try:
                 set_("qmode", QMode.parse(self.qmode))
@@ -243,6 +251,11 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     s.add_argument("--pipeline", action="store_true",
                    help="also send that next round before the reply (verified only if its base was committed, "
                         "discarded and counted otherwise)")
+    s.add_argument("--no-steer", action="store_false", dest="steer",
+                   help="with --gamma adaptive / --tree auto, ignore the verifier's draft budget")
+    s.add_argument("--slo-tpot-ms", type=float, default=0.0,
+                   help="latency target stated to the verifier: time per output token, ms (0: none)")
+    s.add_argument("--slo-ttft-ms", type=float, default=0.0, help="... and time to first token, ms (0: none)")
     s.add_argument("--synthetic-vocab", type=int, default=64)
     s.add_argument("--synthetic-seed", type=int, default=0)
     s.add_argument("--synthetic-noise", type=float, default=1.0)
@@ -264,7 +277,7 @@ def _add_security(p: argparse.ArgumentParser) -> None:
 # The flag that sets each field, to name it when a record refuses a value.
 FLAGS = {"gamma": "--gamma", "max_gamma": "--max-gamma", "qmode": "--q", "tree": "--tree",
          "max_tree_nodes": "--max-tree-nodes", "deadline_s": "--deadline", "max_retries": "--retries",
-         "tls_cert": "--tls-cert/--tls-key"}
+         "tls_cert": "--tls-cert/--tls-key", "slo_tpot_ms": "--slo-tpot-ms", "slo_ttft_ms": "--slo-ttft-ms"}
 
 
 def _as_flag(build):
@@ -281,7 +294,9 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
         spec = _as_flag(lambda: Speculation(
             gamma=args.gamma, max_gamma=args.max_gamma, qmode=args.qmode, tree=args.tree,
             max_tree_nodes=args.max_tree_nodes, proactive=args.proactive, pipeline=args.pipeline,
-            strict_tokenizer=getattr(args, "strict_tokenizer", False), target_vocab=getattr(args, "target_vocab", None)))
+            strict_tokenizer=getattr(args, "strict_tokenizer", False), target_vocab=getattr(args, "target_vocab", None),
+            steer=getattr(args, "steer", True), slo_tpot_ms=getattr(args, "slo_tpot_ms", 0.0),
+            slo_ttft_ms=getattr(args, "slo_ttft_ms", 0.0)))
     transport = _as_flag(lambda: Transport(
         server=getattr(args, "server", ""), deadline_s=args.deadline,
         max_retries=getattr(args, "retries", Transport.max_retries)))

@@ -52,3 +52,39 @@ def fair_share(pending: Sequence[int], budget: int) -> list[int]:
         takes[i] += extra
         budget -= extra
     return takes
+
+
+def least_slack_first(pending: Sequence[int], slack_s: Sequence[float], budget: int,
+                      prefill_chunk: int, prefill: Sequence[bool] | None = None) -> list[int]:
+    """Takes for the next pass, one per request (in the order given), SLO-aware.
+
+    Requests go in order of slack (seconds left before their deadline; least first, ties in the
+    order given) and take all their pending tokens while the budget lasts. A prefill (`prefill[i]`:
+    a prompt or a replay, tokens evaluated for the cache rather than for rows; default: more than
+    `prefill_chunk` tokens pending) takes at most `prefill_chunk` a pass while its slack is positive, so that a long prompt never holds decoding rounds back for a
+    whole pass; once late it is served like any other. The budget is always used when there is
+    work for it (a capped prefill takes the leftovers after everyone else).
+
+        least_slack_first([5, 5, 5], [0.3, -0.1, 0.2], 12, 16)  == [2, 5, 5]   # the late one first
+        least_slack_first([5, 300], [0.1, 1.5], 32, 8)           == [5, 27]     # 8, then the leftovers
+    """
+    if prefill is None:
+        prefill = [n > prefill_chunk for n in pending]
+    if not len(pending) == len(slack_s) == len(prefill):
+        raise ValueError("one slack and one prefill flag per request")
+    order = sorted(range(len(pending)), key=lambda i: (slack_s[i], i))
+    takes = [0] * len(pending)
+    capped = [i for i in order if prefill[i] and pending[i] > prefill_chunk and slack_s[i] > 0]
+    for i in order:
+        if budget <= 0:
+            break
+        limit = prefill_chunk if i in capped else pending[i]
+        takes[i] = min(limit, budget)
+        budget -= takes[i]
+    for i in capped:   # work-conserving: the prefills' remainder fills what is left
+        if budget <= 0:
+            break
+        extra = min(pending[i] - takes[i], budget)
+        takes[i] += extra
+        budget -= extra
+    return takes

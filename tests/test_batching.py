@@ -537,12 +537,12 @@ class FollowFirstChild(SyntheticBackend):
         return result, queue_s, model_s
 
 
-async def _sequence_counts(backend, n, concurrency=48, tree="off"):
+async def _sequence_counts(backend, n, concurrency=48, tree="off", **limits):
     counts: dict[tuple, int] = {}
     tok = SyntheticTokenizer(V)
     sem = asyncio.Semaphore(concurrency)
     settings = SamplingSettings(temperature=1.0, max_new_tokens=L, ignore_eos=True)
-    async with running_server(backend, max_sessions=concurrency + 8) as server:
+    async with running_server(backend, max_sessions=concurrency + 8, **limits) as server:
         async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2, qmode="float:0", tree=tree),
                               SyntheticDrafter(V, seed=0, noise=1.0), tok) as c:
             async def one():
@@ -556,21 +556,22 @@ async def _sequence_counts(backend, n, concurrency=48, tree="off"):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tree", ["off", "budget=4,depth=2,branching=2,width=2"])
-async def test_sequences_follow_the_target_with_sessions_in_shared_batches(tree):
+@pytest.mark.parametrize("tree, schedule", [("off", "fair"), ("budget=4,depth=2,branching=2,width=2", "fair"),
+                                            ("off", "slack")])
+async def test_sequences_follow_the_target_with_sessions_in_shared_batches(tree, schedule):
     """N = 3000 generations of L = 3 tokens (V = 5, gamma = 2, T = 1, float q), 48 at a time on
     a batching synthetic target (a pass costs 2 ms, so rounds queue and share passes), with
-    chains or with trees of 4 nodes: the counts of the 125 sequences match the target's exact
+    chains or with trees of 4 nodes, passes filled fair-share or least slack first: the counts of the 125 sequences match the target's exact
     probabilities (chi-square, p > 1e-4; cells with expected count < 5 pooled). Negative
     control: accepting every draft (chains) or always following the first child (trees) fails
     the same test."""
     n = 3000
     target, _ = synthetic_pair(V, 0, 1.0, 1)
     probs = exact_sequence_probs(target, [0], SamplingSettings(temperature=1.0))
-    backend = SyntheticBackend(vocab=V, seed=0, step_ms=2.0, batching=True)
+    backend = SyntheticBackend(vocab=V, seed=0, step_ms=2.0, batching=True, schedule=schedule, prefill_chunk=1)
     # Each pass waits (at most 20 ms) for 8 rounds to be there: sharing by construction, not by luck.
     held = HeldPasses(backend.batcher, lambda _: 8, max_wait_s=0.02)
-    counts = await _sequence_counts(backend, n, tree=tree)
+    counts = await _sequence_counts(backend, n, tree=tree, slo_tpot_ms=3.0 if schedule == "slack" else 0.0)
     shared = backend.batcher.passes
     backend.close()
     assert sum(counts.values()) == n

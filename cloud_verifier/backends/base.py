@@ -120,6 +120,15 @@ class Backend(abc.ABC):
         messages the template refuses."""
         raise NotImplementedError(f"the {self.info.name} backend takes token ids only")
 
+    def set_deadline(self, state: object, deadline: float | None) -> None:
+        """When this state's next request is due (time.perf_counter() seconds), for a batching
+        backend that orders its passes by slack; others ignore it."""
+
+    def pass_cost(self) -> tuple[float, float] | None:
+        """(base_s, per_token_s) of a shared target pass as measured lately, for the draft budget
+        (spec_core.steering); None when this backend does not batch rounds."""
+        return None
+
     def forward_tokens(self) -> int:
         """Tokens pushed through the target so far (for cost-per-token figures)."""
         return 0

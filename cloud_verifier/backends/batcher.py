@@ -6,7 +6,14 @@ batch to fill; `window_s` optionally waits that long after the first arrival whe
 idle), and packs the pending tokens of all active requests into the next pass. Each active
 request gets a fair share of a pass (long prefills are spread over several passes and do not
 hold up short rounds), and the rest of the pass is filled in arrival order: that is
-`spec_core.batchplan.fair_share`, which the fleet simulator plans with too.
+`spec_core.batchplan.fair_share`, which the fleet simulator plans with too. With
+`schedule="slack"` the pass is planned by `spec_core.batchplan.least_slack_first` instead: least
+slack before the request's deadline first (the engine sets each session's deadline from its SLO,
+`set_deadline`), and a prefill takes at most `prefill_chunk` tokens a pass until it is late, so
+decoding rounds are never held back by a long prompt. Either way a pass is a set of tokens whose
+rows do not depend on each other: the order changes when a round is done, never what it computes.
+The batcher also keeps the line of its pass costs (`cost`, seconds over tokens) that the engine's
+draft budget is priced with (spec_core.steering).
 
 The model is a `Packer`: `prepare` rolls a request's sequence back and lists the tokens to
 evaluate as `PassItem`s (seq, pos, token, want_logits); `decode` runs one pass over such items. A
@@ -29,7 +36,8 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from spec_core.batchplan import PassItem, fair_share
+from spec_core.batchplan import PassItem, fair_share, least_slack_first
+from spec_core.steering import PassCostLine
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +72,7 @@ class _Request:
     finish: Callable[[], None] | None = None   # once, when the request ends (done or failed)
     redo_after_maintain: bool = False          # prepare again from scratch if the packer moved the cache
     t_submit: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None              # perf_counter time it is due (schedule "slack"); None: on arrival
     items: list[PassItem] = field(default_factory=list)
     cursor: int = 0
     out: list[np.ndarray] = field(default_factory=list)
@@ -73,10 +82,20 @@ class _Request:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+SCHEDULES = ("fair", "slack")
+
+
 class Batcher:
     def __init__(self, packer: Packer, window_s: float = 0.0,
-                 on_step: Callable[[BatchStep], None] | None = None, name: str = "batcher"):
+                 on_step: Callable[[BatchStep], None] | None = None, name: str = "batcher",
+                 schedule: str = "fair", prefill_chunk: int | None = None):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.packer, self.window_s, self.on_step = packer, window_s, on_step
+        self.schedule = schedule
+        self.prefill_chunk = max(1, prefill_chunk or packer.n_ubatch // 4)
+        self.cost = PassCostLine()
+        self._deadlines: dict[int, float] = {}
         self._cond = threading.Condition()
         self._queue: list[_Request] = []
         self._waiting: list[_Request] = []    # prepared later: the packer was busy (tree ids)
@@ -100,10 +119,19 @@ class Batcher:
         job = self.packer.tree_job(seq, committed, tokens, parents)   # ValueError: a tree it cannot hold
         return self._submit(_Request(seq, job.prepare, job.finish, redo_after_maintain=True))
 
+    def set_deadline(self, seq: int, deadline: float | None) -> None:
+        """When the next request of `seq` is due (time.perf_counter() seconds); None: on arrival."""
+        with self._cond:
+            if deadline is None:
+                self._deadlines.pop(seq, None)
+            else:
+                self._deadlines[seq] = deadline
+
     def _submit(self, req: _Request) -> tuple[np.ndarray, float, float]:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
+            req.deadline = self._deadlines.get(req.seq)
             self._queue.append(req)
             self._cond.notify()
         req.done.wait()
@@ -116,6 +144,7 @@ class Batcher:
         """Free `seq` before the next pass; returns at once."""
         with self._cond:
             self._releases.append(seq)
+            self._deadlines.pop(seq, None)
             self._cond.notify()
 
     def acquire(self, take: Callable[[], object]):
@@ -194,7 +223,16 @@ class Batcher:
 
     def _plan(self) -> list[tuple[_Request, int]]:
         """How many pending tokens of each active request go into the next pass (none: left out)."""
-        takes = fair_share([len(req.items) - req.cursor for req in self._active], self.packer.n_ubatch)
+        pending = [len(req.items) - req.cursor for req in self._active]
+        if self.schedule == "slack":
+            now = time.perf_counter()
+            slack = [(req.deadline if req.deadline is not None else req.t_submit) - now for req in self._active]
+            # A prefill evaluates tokens for the cache, not for rows (a prompt, a replay).
+            prefill = [sum(not it.want_logits for it in req.items[req.cursor:]) > self.prefill_chunk
+                       for req in self._active]
+            takes = least_slack_first(pending, slack, self.packer.n_ubatch, self.prefill_chunk, prefill)
+        else:
+            takes = fair_share(pending, self.packer.n_ubatch)
         return [(req, n) for req, n in zip(self._active, takes) if n]
 
     def _step(self) -> None:
@@ -213,6 +251,7 @@ class Batcher:
             return
         seconds = time.perf_counter() - t0
         self.passes += 1
+        self.cost.observe(len(items), seconds)
         at = 0
         for req, n in plan:
             wanted = sum(1 for it in req.items[req.cursor:req.cursor + n] if it.want_logits)

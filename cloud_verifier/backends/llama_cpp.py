@@ -44,7 +44,8 @@ class SeqState:
 class LlamaCppBackend(Backend):
     def __init__(self, model: str, n_ctx: int = 2048, n_threads: int | None = None, n_batch: int = 512,
                  batching: bool = False, kv_tokens: int | None = None, batch_window_ms: float = 0.0,
-                 invariant: bool = True, max_tree_leaves: int = 64):
+                 invariant: bool = True, max_tree_leaves: int = 64, schedule: str = "fair",
+                 prefill_chunk: int | None = None):
         self.model = GGUFModel(model, n_threads=n_threads)
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -66,7 +67,8 @@ class LlamaCppBackend(Backend):
                                tree_ids=max_tree_leaves, on_compact=metrics.observe_compaction)
             metrics.track_kv(self.kv)
             # Compactions happen between passes (Batcher -> SharedKV.maintain), outside the pass times.
-            self.batcher = Batcher(self.kv, batch_window_ms / 1000, on_step=_observe_step, name="llama-batcher")
+            self.batcher = Batcher(self.kv, batch_window_ms / 1000, on_step=_observe_step, name="llama-batcher",
+                                   schedule=schedule, prefill_chunk=prefill_chunk)
 
     @property
     def max_states(self) -> int | None:
@@ -91,6 +93,13 @@ class LlamaCppBackend(Backend):
             return
         with self.model.lock:  # never free a context while a decode runs on this model
             state.close()
+
+    def set_deadline(self, state, deadline: float | None) -> None:
+        if isinstance(state, SeqState) and state.seq is not None:
+            self.batcher.set_deadline(state.seq, deadline)
+
+    def pass_cost(self) -> tuple[float, float] | None:
+        return self.batcher.cost.line() if self.batcher is not None else None
 
     def target_logits(self, state, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
         if isinstance(state, SeqState):

@@ -31,7 +31,8 @@ class SyntheticBackend(Backend):
     def __init__(self, vocab: int = 64, seed: int = 0, order: int = 1, n_ctx: int = 4096,
                  step_ms: float = 0.0, per_token_ms: float = 0.0, eos_token_ids: Sequence[int] = (1,),
                  batching: bool = False, batch_tokens: int = 512, batch_window_ms: float = 0.0,
-                 vocabulary: Vocabulary | None = None, tokenize: Callable[[bytes], list[int]] | None = None):
+                 vocabulary: Vocabulary | None = None, tokenize: Callable[[bytes], list[int]] | None = None,
+                 schedule: str = "fair", prefill_chunk: int | None = None):
         """`vocabulary` (with `tokenize`, bytes -> ids): give the synthetic ids bytes, so that the
         backend serves GetVocabulary and text prompts (tests of drafting across tokenizers)."""
         self.lm = SyntheticLM(vocab, seed, order=order)
@@ -48,7 +49,7 @@ class SyntheticBackend(Backend):
         if batching:
             self._packer = _SyntheticPacker(self, batch_tokens)
             self.batcher = Batcher(self._packer, batch_window_ms / 1000, on_step=_observe_step,
-                                   name="synthetic-batcher")
+                                   name="synthetic-batcher", schedule=schedule, prefill_chunk=prefill_chunk)
 
     def vocabulary(self):
         return self._vocabulary
@@ -73,6 +74,13 @@ class SyntheticBackend(Backend):
         if self.batcher is not None and state.get("seq") is not None:
             seq, state["seq"] = state["seq"], None
             self.batcher.release(seq)
+
+    def set_deadline(self, state: dict, deadline: float | None) -> None:
+        if self.batcher is not None and state.get("seq") is not None:
+            self.batcher.set_deadline(state["seq"], deadline)
+
+    def pass_cost(self) -> tuple[float, float] | None:
+        return self.batcher.cost.line() if self.batcher is not None else None
 
     def _cost(self, new_tokens: int) -> None:
         cost = self.step_s + self.per_token_s * new_tokens

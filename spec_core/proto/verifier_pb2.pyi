@@ -37,7 +37,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("prompt_token_ids", "resume_token_ids", "sampling", "tokenizer_fingerprint", "open_key", "prompt_text", "prompt_messages", "draft_tokenizer_fingerprint")
+    __slots__ = ("prompt_token_ids", "resume_token_ids", "sampling", "tokenizer_fingerprint", "open_key", "prompt_text", "prompt_messages", "draft_tokenizer_fingerprint", "slo")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class OpenSession(_message.Message):
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -54,7 +55,8 @@ class OpenSession(_message.Message):
     prompt_text: str
     prompt_messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     draft_tokenizer_fingerprint: str
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., open_key: _Optional[bytes] = ..., prompt_text: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., draft_tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    slo: SessionSlo
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., open_key: _Optional[bytes] = ..., prompt_text: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., draft_tokenizer_fingerprint: _Optional[str] = ..., slo: _Optional[_Union[SessionSlo, _Mapping]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -63,6 +65,24 @@ class ChatMessage(_message.Message):
     role: str
     content: str
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class SessionSlo(_message.Message):
+    __slots__ = ("tpot_ms", "ttft_ms")
+    TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    tpot_ms: float
+    ttft_ms: float
+    def __init__(self, tpot_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ...) -> None: ...
+
+class DraftBudget(_message.Message):
+    __slots__ = ("max_gamma", "max_tree_nodes", "price")
+    MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    PRICE_FIELD_NUMBER: _ClassVar[int]
+    max_gamma: int
+    max_tree_nodes: int
+    price: float
+    def __init__(self, max_gamma: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., price: _Optional[float] = ...) -> None: ...
 
 class DraftDist(_message.Message):
     __slots__ = ("token_ids", "weights", "probs")
@@ -123,7 +143,7 @@ class ServerTimings(_message.Message):
     def __init__(self, model_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("session_id", "round", "num_accepted", "next_token_id", "committed_length", "finish_reason", "timings", "kept_nodes", "base_mismatch", "prompt_token_ids")
+    __slots__ = ("session_id", "round", "num_accepted", "next_token_id", "committed_length", "finish_reason", "timings", "kept_nodes", "base_mismatch", "prompt_token_ids", "budget")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +154,7 @@ class VerifyReply(_message.Message):
     KEPT_NODES_FIELD_NUMBER: _ClassVar[int]
     BASE_MISMATCH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     num_accepted: int
@@ -144,7 +165,8 @@ class VerifyReply(_message.Message):
     kept_nodes: _containers.RepeatedScalarFieldContainer[int]
     base_mismatch: bool
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., kept_nodes: _Optional[_Iterable[int]] = ..., base_mismatch: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    budget: DraftBudget
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., kept_nodes: _Optional[_Iterable[int]] = ..., base_mismatch: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[DraftBudget, _Mapping]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -187,7 +209,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("backend", "model", "n_vocab", "n_ctx", "tokenizer_fingerprint", "max_gamma", "max_sessions", "eos_token_ids", "version", "max_tree_nodes", "max_tree_branching", "batching", "text_prompts", "chat_prompts")
+    __slots__ = ("backend", "model", "n_vocab", "n_ctx", "tokenizer_fingerprint", "max_gamma", "max_sessions", "eos_token_ids", "version", "max_tree_nodes", "max_tree_branching", "batching", "text_prompts", "chat_prompts", "draft_budgets", "slo")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     N_VOCAB_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +224,8 @@ class ServerInfo(_message.Message):
     BATCHING_FIELD_NUMBER: _ClassVar[int]
     TEXT_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CHAT_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BUDGETS_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
     backend: str
     model: str
     n_vocab: int
@@ -216,7 +240,9 @@ class ServerInfo(_message.Message):
     batching: bool
     text_prompts: bool
     chat_prompts: bool
-    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_branching: _Optional[int] = ..., batching: _Optional[bool] = ..., text_prompts: _Optional[bool] = ..., chat_prompts: _Optional[bool] = ...) -> None: ...
+    draft_budgets: bool
+    slo: SessionSlo
+    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_branching: _Optional[int] = ..., batching: _Optional[bool] = ..., text_prompts: _Optional[bool] = ..., chat_prompts: _Optional[bool] = ..., draft_budgets: _Optional[bool] = ..., slo: _Optional[_Union[SessionSlo, _Mapping]] = ...) -> None: ...
 
 class VocabularyRequest(_message.Message):
     __slots__ = ("fingerprint",)

@@ -202,3 +202,11 @@ def test_capacity_is_the_most_edges_whose_p95_met_the_slo():
     assert cap["hybrid"]["edges"] == 4 and cap["hybrid"]["goodput_tokens_per_s"] == 70.0
     assert cap["cloud-only"]["edges"] == 1   # 4 edges kept TPOT but not TTFT
     assert capacity_at_slo(runs, slo_tpot_s=0.01, slo_ttft_s=2.0)["hybrid"]["edges"] == 0
+
+
+def test_goodput_can_be_judged_again_at_another_slo():
+    from netsim.load import goodput_at
+    run = {"duration_s": 10.0, "per_request": [[0.10, 0.5, 40], [0.30, None, 30], [None, 3.0, 0], [None, None, 5]]}
+    assert goodput_at(run, slo_tpot_s=0.15, slo_ttft_s=2.0) == 4.0    # the first only
+    assert goodput_at(run, slo_tpot_s=0.35, slo_ttft_s=2.0) == 7.0    # both with a TPOT
+    assert goodput_at(run, slo_tpot_s=0.05, slo_ttft_s=2.0) == 0.0    # nobody; the unjudged never count
