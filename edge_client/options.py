@@ -87,12 +87,14 @@ class Speculation:
     max_tree_nodes: int = 64             # largest tree "auto" may send
     proactive: bool = False              # draft the next round during the round trip
     pipeline: bool = False               # also send it before the reply (verified only on its base)
+    max_continuations: int = 8           # outcomes drafted for per round in flight (1: the one most likely guess)
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         set_("gamma", parse_gamma(self.gamma))
         _at_least("max_gamma", self.max_gamma, 1)
         _at_least("max_tree_nodes", self.max_tree_nodes, 1)
+        _at_least("max_continuations", self.max_continuations, 1)
         if isinstance(self.qmode, str):
             try:
                 set_("qmode", QMode.parse(self.qmode))
@@ -236,6 +238,9 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     s.add_argument("--pipeline", action="store_true",
                    help="also send that next round before the reply (verified only if its base was committed, "
                         "discarded and counted otherwise)")
+    s.add_argument("--continuations", type=int, default=8, metavar="N",
+                   help="with --proactive / --pipeline: draft the next round for up to N likely outcomes of the "
+                        "round in flight (the cost model picks how many pay; 1 = only 'every draft accepted')")
     s.add_argument("--synthetic-vocab", type=int, default=64)
     s.add_argument("--synthetic-seed", type=int, default=0)
     s.add_argument("--synthetic-noise", type=float, default=1.0)
@@ -257,7 +262,7 @@ def _add_security(p: argparse.ArgumentParser) -> None:
 # The flag that sets each field, to name it when a record refuses a value.
 FLAGS = {"gamma": "--gamma", "max_gamma": "--max-gamma", "qmode": "--q", "tree": "--tree",
          "max_tree_nodes": "--max-tree-nodes", "deadline_s": "--deadline", "max_retries": "--retries",
-         "tls_cert": "--tls-cert/--tls-key"}
+         "tls_cert": "--tls-cert/--tls-key", "max_continuations": "--continuations"}
 
 
 def _as_flag(build):
@@ -273,7 +278,8 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
     if hasattr(args, "gamma"):
         spec = _as_flag(lambda: Speculation(
             gamma=args.gamma, max_gamma=args.max_gamma, qmode=args.qmode, tree=args.tree,
-            max_tree_nodes=args.max_tree_nodes, proactive=args.proactive, pipeline=args.pipeline))
+            max_tree_nodes=args.max_tree_nodes, proactive=args.proactive, pipeline=args.pipeline,
+            max_continuations=args.continuations))
     transport = _as_flag(lambda: Transport(
         server=getattr(args, "server", ""), deadline_s=args.deadline,
         max_retries=getattr(args, "retries", Transport.max_retries)))
