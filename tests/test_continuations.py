@@ -173,3 +173,91 @@ def test_one_more_continuation_pays_only_when_likely_enough():
     # 0.3 of hits so far; a hit saves 300 ms; one more costs 30 ms for everything covered.
     assert worth_drafting(0.2, 0.3, 0.3, 0.03)          # 0.2 x 300 > 0.5 x 30
     assert not worth_drafting(0.02, 0.3, 0.3, 0.03)     # 0.02 x 300 < 0.32 x 30
+
+
+# --- end to end: the edge and the verifier over gRPC, one session and many ----------------------
+# The transition test: the synthetic target is order 1, so each generated token given the one
+# before follows p(. | that token). Counts of (previous, next) pairs over all generated tokens
+# (T = 1, V = 5) against n_prev x p(. | prev): one chi-square over the 25 cells (cells with an
+# expected count < 5 pooled within their row; V - 1 degrees of freedom less, as row totals are
+# observed); passes if p > 1e-4. Negative control: a verifier that accepts every draft fails it at
+# the same sample size (the test has power); the wrong-prefix control is the simulation's above.
+
+import asyncio  # noqa: E402
+
+from scipy.stats import chisquare  # noqa: E402
+
+from cloud_verifier.backends.synthetic import SyntheticBackend  # noqa: E402
+from edge_client import EdgeClient  # noqa: E402
+from edge_client.drafters import SyntheticDrafter  # noqa: E402
+from edge_client.text import SyntheticTokenizer  # noqa: E402
+from helpers import HeldPasses, edge_options, running_server  # noqa: E402
+from test_batching import AcceptEverything  # noqa: E402
+
+E2E_T = SamplingSettings(temperature=1.0)
+
+
+def transition_p(sequences: list[list[int]]) -> float:
+    target, _ = synthetic_pair(V, 0, 1.0, 1)
+    counts = np.zeros((V, V))
+    for seq in sequences:
+        for a, b in zip(seq, seq[1:]):
+            counts[a, b] += 1
+    obs, exp = [], []
+    for a in range(V):
+        row = counts[a].sum()
+        p = processed_probs(target.logits([a]), 1.0, 0, 1.0)
+        small_o = small_e = 0.0
+        for b in range(V):
+            if row * p[b] < 5:
+                small_o += counts[a, b]; small_e += row * p[b]
+            else:
+                obs.append(counts[a, b]); exp.append(row * p[b])
+        if small_e > 0:
+            obs.append(small_o); exp.append(small_e)
+    return float(chisquare(obs, exp, ddof=V - 1).pvalue)
+
+
+async def _generate(backend, sessions: int, tokens: int, concurrency: int, **kw):
+    """`sessions` generations of `tokens` tokens from [0] with continuations; their sequences and stats."""
+    settings = SamplingSettings(temperature=1.0, max_new_tokens=tokens, ignore_eos=True)
+    out, stats = [], []
+    sem = asyncio.Semaphore(concurrency)
+    async with running_server(backend, max_sessions=concurrency + 8) as server:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2, qmode="float:0", pipeline=True,
+                                           max_continuations=8, **kw),
+                              SyntheticDrafter(V, seed=0, noise=1.0), SyntheticTokenizer(V)) as c:
+            async def one():
+                async with sem:
+                    gen = c.generate([0], settings)
+                    await gen.text()
+                    out.append([0] + gen.stats.token_ids)
+                    stats.append(gen.stats)
+            await asyncio.gather(*[one() for _ in range(sessions)])
+    return out, stats
+
+
+@pytest.mark.parametrize("tree", ["off", "budget=4,depth=2,branching=2,width=2"])
+async def test_one_session_with_continuations_follows_the_target(tree):
+    """One session of 3000 tokens (a 5 ms verifier pass, so continuations leave before the reply)."""
+    seqs, stats = await _generate(SyntheticBackend(vocab=V, seed=0, step_ms=5.0), 1, 3000, 1, tree=tree)
+    st = stats[0]
+    assert st.tokens == 3000 and st.continuation_hits > 0 and st.continuations_sent > st.continuation_rounds, st
+    p = transition_p(seqs)
+    bad, _ = await _generate(AcceptEverything(vocab=V, seed=0, step_ms=5.0), 1, 3000, 1, tree="off")
+    p_control = transition_p(bad)
+    print(f"hits {st.continuation_hits} of {st.continuation_rounds}; chi-square p = {p:.3g}, control p = {p_control:.3g}")
+    assert p > P_MIN
+    assert p_control < P_MIN
+
+
+async def test_many_sessions_in_shared_batches_with_continuations_follow_the_target():
+    """48 sessions of 64 tokens, 16 at a time on a batching target whose passes wait for 8 rounds."""
+    backend = SyntheticBackend(vocab=V, seed=0, step_ms=2.0, batching=True)
+    held = HeldPasses(backend.batcher, lambda _: 8, max_wait_s=0.02)
+    seqs, stats = await _generate(backend, 48, 64, 16)
+    backend.close()
+    assert sum(s.tokens for s in stats) == 48 * 64
+    assert sum(s.continuation_hits for s in stats) > 0
+    assert any(k > 1 for k in held.sessions_per_pass), "no pass held rounds of two sessions"
+    assert transition_p(seqs) > P_MIN
