@@ -42,7 +42,7 @@ from typing import AsyncIterator, Awaitable, Callable, NamedTuple, Protocol, Seq
 import grpc
 import numpy as np
 
-from edge_client.continuations import ContinuationBudget, UplinkFit, ranked_outcomes
+from edge_client.continuations import ContinuationBudget, UplinkFit, choose_length, ranked_outcomes
 from edge_client.drafters import Draft, Drafter, TreeDraft
 from edge_client.gamma import AdaptiveGamma, FixedGamma, RoundPlan, TreePolicy
 from edge_client.options import ADAPTIVE, EdgeOptions, ServerLimits, Speculation, Transport
@@ -411,7 +411,15 @@ class _SessionLoop:
         plan = self.planner.plan(remaining - len(path) - 1)
         out: list[_Guess] = []
         covered, spent, nodes, nbytes = 0.0, [prep.draft.seconds], 0, self._request(prep, 0).q.ByteSize()
-        for outcome in self._outcomes(prep, path):
+        outcomes = self._outcomes(prep, path)
+        if self.spec.pipeline and plan.shape is None and len(outcomes) > 1 and plan.gamma > 1:
+            # How long: as many outcomes covered as pay, times what a hit commits (edge_client.continuations).
+            t_row = self.planner.t_row_s or prep.draft.seconds / max(prep.rows, 1)
+            gamma = choose_length(outcomes, self._alpha(), plan.gamma, t_row, nbytes / max(len(prep.draft.tokens), 1),
+                                  budget, time.perf_counter())
+            plan = RoundPlan(plan.arm, gamma)
+            spent = [(gamma + 1) * t_row]
+        for outcome in outcomes:
             if stop.is_set() or len(out) > MAX_CONTINUATIONS:
                 break
             tokens = list(outcome.tokens)
@@ -454,11 +462,13 @@ class _SessionLoop:
         else:
             children = [[] for _ in nodes]
         position_q = (lambda j: shipped[nodes[j]]) if shipped is not None else (lambda j: probe(prep.base + path[:j]))
-        alpha = getattr(self.policy, "alpha", None)
-        if alpha is None:
-            alpha = (self.st.accepted + 1) / (self.st.accepted + self.st.rejections + 2)
-        return ranked_outcomes(path, alpha, position_q, probe(after), self.spec.max_continuations,
+        return ranked_outcomes(path, self._alpha(), position_q, probe(after), self.spec.max_continuations,
                                excluded=lambda j: children[j])
+
+    def _alpha(self) -> float:
+        """The per-token acceptance estimate: the γ policy's, or the session's so far (Beta(1, 1) prior)."""
+        alpha = getattr(self.policy, "alpha", None)
+        return alpha if alpha is not None else (self.st.accepted + 1) / (self.st.accepted + self.st.rejections + 2)
 
     def _continuation(self, guess: _Guess) -> pb.Continuation:
         p = guess.prep

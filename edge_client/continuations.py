@@ -92,3 +92,23 @@ class ContinuationBudget:
             return self.saving_s(now + cost) > 0.0
         after, before = self.saving_s(now + cost), self.saving_s(now)
         return worth_drafting(prob, covered, before, before - after) if before > 0 else False
+
+
+def choose_length(outcomes: Sequence[Outcome], alpha: float, max_gamma: int, t_row_s: float, bytes_per_token: float,
+                  budget: ContinuationBudget, now: float) -> int:
+    """The continuations' length: the γ that maximises P(hit) × E[tokens of a hit round], where
+    P(hit) sums the outcomes that `budget.worth` would let be drafted at that length (a longer
+    continuation commits more when it hits, a shorter one lets more outcomes be covered)."""
+    from spec_core.costmodel import expected_tokens_per_round
+
+    def covered(g: int) -> float:
+        cost = (g + 1) * t_row_s   # the outcome's own token, then g drafts
+        total, t = 0.0, now
+        for i, o in enumerate(outcomes):
+            if i and not budget.worth(o.prob, total, t, cost, int(g * bytes_per_token)):
+                break
+            total += o.prob
+            t += cost
+        return total
+    return max(range(1, max_gamma + 1),
+               key=lambda g: (covered(g) * expected_tokens_per_round(min(alpha, 0.999), g), g))
