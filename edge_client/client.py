@@ -420,7 +420,7 @@ class _SessionLoop:
             plan = RoundPlan(plan.arm, gamma)
             spent = [(gamma + 1) * t_row]
         for outcome in outcomes:
-            if stop.is_set() or len(out) > MAX_CONTINUATIONS:
+            if out and stop.is_set() or len(out) > MAX_CONTINUATIONS:  # the first is drafted in any case
                 break
             tokens = list(outcome.tokens)
             if self.stop_ids & set(tokens) or len(tokens) + 1 >= remaining:
