@@ -18,3 +18,5 @@ date -u +%FT%TZ >> "$OUT/machine.txt"
 "$PY" bench/tree_netsim_synthetic.py --profiles 3g,geo-sat --workloads chat --curves cpu \
     --modes cloud-only,per-token,hybrid,pipeline,continuations --out "$RAW/synthetic"
 "$PY" bench/continuations_summary.py "$RAW" "$OUT"
+cp "$RAW/bundled/report.md" "$OUT/bundled_report.md"
+cp "$RAW/synthetic/cpu/report.md" "$OUT/synthetic_cpu_report.md"
