@@ -33,10 +33,13 @@ def main() -> int:
     ap.add_argument("--draft-ms", type=float, default=2.0, help="synthetic draft cost per row")
     ap.add_argument("--gpu", default="20,0.05", help="GPU-like curve: ms per pass, ms per node")
     ap.add_argument("--cpu", default="19,31", help="CPU curve: ms per pass, ms per node")
+    ap.add_argument("--curves", default="gpu-like,cpu", help="which of the two curves to run")
     ap.add_argument("--out", default="results/tree_synthetic")
     args = ap.parse_args()
     announce()
     for name, curve in (("gpu-like", args.gpu), ("cpu", args.cpu)):
+        if name not in args.curves.split(","):
+            continue
         step, per_node = (float(x) for x in curve.split(","))
         cfg = ExperimentConfig(profiles=args.profiles.split(","), modes=args.modes.split(","),
                                out=Path(args.out) / name, workloads=args.workloads.split(","),

@@ -25,6 +25,7 @@ from cloud_verifier.backends.base import Backend, NoChatTemplate, NoFreeState
 from cloud_verifier.sessions import Session, SessionStore, Slo
 from spec_core import qcodec
 from spec_core.crossvocab import pack_token_bytes
+from spec_core.continuations import MAX_CONTINUATION_NODES, MAX_CONTINUATIONS, pick_continuation
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.steering import CommitRate, draft_budget
 from spec_core.tree import DraftTree, TreeError, prune_to_fit, validate_tree
@@ -56,6 +57,8 @@ class Limits:
     steer: bool = True             # tell edges the draft budget at this load (VerifyReply.budget)
     slo_tpot_ms: float = 0.0       # the latency target of sessions that state none (0: none);
     slo_ttft_ms: float = 0.0       # a batching backend with schedule "slack" orders work by it
+    max_continuations: int = MAX_CONTINUATIONS            # alternatives beyond a pipelined round's own draft
+    max_continuation_nodes: int = MAX_CONTINUATION_NODES  # draft tokens (nodes) over all of them
 
 
 MAX_SLO_MS = 3_600_000.0
@@ -236,6 +239,7 @@ class VerifierEngine:
         if len(assumed) > self.limits.max_gamma + 1:
             raise _bad(f"assumed_tokens has {len(assumed)} ids; at most max_gamma + 1 = {self.limits.max_gamma + 1}")
         self._check_ids(assumed, "assumed_tokens")
+        alternatives = self._continuations(req, _Alternative(assumed, drafts, tree, qs))
         if assumed:
             await self._wait_for_round(session, req.round - 1)
 
@@ -252,21 +256,31 @@ class VerifierEngine:
                                        f"round {req.round} was already verified with different drafts")
                 metrics.RETRIES.inc()
                 return session.last_reply
-            if assumed and req.round == session.round + 1 and (
-                    committed_length != len(session.tokens) or session.tokens[-len(assumed):] != assumed
-                    or session.finish_reason != pb.NOT_FINISHED):
-                # A pipelined round on a base that was not committed: answered, never verified, not
-                # cached, and the round number stays free.
-                metrics.PIPELINE_DISCARDS.inc()
-                return pb.VerifyReply(session_id=session.id, round=req.round, committed_length=len(session.tokens),
-                                      finish_reason=session.finish_reason, base_mismatch=True)
+            chosen = 0
+            if assumed and req.round == session.round + 1:
+                # A pipelined round: run the alternative drafted after what the last round committed.
+                base_length = req.committed_length - len(assumed)
+                hit = pick_continuation(session.tokens, base_length, [a.assumed for a in alternatives]) \
+                    if session.finish_reason == pb.NOT_FINISHED and 0 <= base_length <= len(session.tokens) else None
+                if hit is None:
+                    # No alternative's base was committed: answered, never verified, not cached, and
+                    # the round number stays free.
+                    metrics.PIPELINE_DISCARDS.inc()
+                    return pb.VerifyReply(session_id=session.id, round=req.round,
+                                          committed_length=len(session.tokens),
+                                          finish_reason=session.finish_reason, base_mismatch=True)
+                chosen, alt = hit, alternatives[hit]
+                drafts, tree, qs = alt.drafts, alt.tree, alt.qs
+                req_committed_length = base_length + len(alt.assumed)
+            else:
+                req_committed_length = committed_length
             if req.round != session.round + 1:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"round {req.round} is out of step: this session expects round {session.round + 1} "
                                    f"(committed length {len(session.tokens)})")
-            if committed_length != len(session.tokens):
+            if req_committed_length != len(session.tokens):
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"committed_length {committed_length} does not match the server's "
+                                   f"committed_length {req_committed_length} does not match the server's "
                                    f"{len(session.tokens)} (after round {session.round}); resync by replaying")
             if session.finish_reason != pb.NOT_FINISHED:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -322,6 +336,7 @@ class VerifierEngine:
             budget = self._budget(session, now)
             if budget is not None:
                 reply.budget.CopyFrom(budget)
+            reply.continuation = chosen
             session.last_reply, session.last_request_digest = reply, digest
             # Used until now, not since the round arrived: a round that queued for seconds behind
             # many others must not leave its session looking idle (and evictable) as it ends.
@@ -358,7 +373,7 @@ class VerifierEngine:
             except asyncio.TimeoutError:
                 return
 
-    def _tree(self, req: pb.VerifyRequest, drafts: list[int]) -> DraftTree | None:
+    def _tree(self, req: pb.VerifyRequest | pb.Continuation, drafts: list[int], what: str = "") -> DraftTree | None:
         """The round's tree, validated; None for a chain (no draft_parents)."""
         if not req.draft_parents:
             return None
@@ -368,7 +383,43 @@ class VerifierEngine:
             return validate_tree(drafts, list(req.draft_parents), self.info.n_vocab, self.limits.max_tree_nodes,
                                  self.limits.max_gamma, self.limits.max_tree_branching)
         except TreeError as e:
-            raise _bad(str(e)) from None
+            raise _bad(f"{what}{e}") from None
+
+    def _continuations(self, req: pb.VerifyRequest, own: "_Alternative") -> list["_Alternative"]:
+        """A pipelined round's alternatives, validated: its own draft (0), then `continuations`."""
+        conts = req.continuations
+        if not conts:
+            return [own]
+        if not own.assumed:
+            raise _bad("continuations ride on a pipelined round: set assumed_tokens (alternative 0's key) too")
+        if len(conts) > self.limits.max_continuations:
+            raise _bad(f"{len(conts)} continuations; this server takes at most {self.limits.max_continuations}")
+        nodes = sum(len(c.draft_token_ids) for c in conts)
+        if nodes > self.limits.max_continuation_nodes:
+            raise _bad(f"the continuations carry {nodes} draft tokens in all; this server takes at most "
+                       f"{self.limits.max_continuation_nodes}")
+        out, keys = [own], {tuple(own.assumed)}
+        for i, c in enumerate(conts):
+            what = f"continuations[{i}]."
+            assumed, drafts = list(c.assumed_tokens), list(c.draft_token_ids)
+            if not assumed or len(assumed) > self.limits.max_gamma + 1:
+                raise _bad(f"{what}assumed_tokens has {len(assumed)} ids; it needs 1 to max_gamma + 1 = "
+                           f"{self.limits.max_gamma + 1}")
+            self._check_ids(assumed, f"{what}assumed_tokens")
+            if tuple(assumed) in keys:
+                raise _bad(f"{what}assumed_tokens {assumed} repeats another alternative's: each outcome once")
+            keys.add(tuple(assumed))
+            tree = self._tree(c, drafts, what)
+            if tree is None and len(drafts) > self.limits.max_gamma:
+                raise _bad(f"{what}draft_token_ids has {len(drafts)} tokens; at most max_gamma = "
+                           f"{self.limits.max_gamma}")
+            self._check_ids(drafts, f"{what}draft_token_ids")
+            try:
+                qs = qcodec.from_proto(c.q, drafts, self.info.n_vocab)
+            except qcodec.QError as e:
+                raise _bad(f"{what}{e}") from None
+            out.append(_Alternative(assumed, drafts, tree, qs))
+        return out
 
     def _reopen(self, req: pb.VerifyRequest) -> Session | None:
         """A retried first round: the same open_key and the same `open` map to the same session."""
@@ -562,6 +613,16 @@ def _text_open(o: pb.OpenSession) -> bool:
     return bool(o.prompt_text) or len(o.prompt_messages) > 0
 
 
+@dataclass
+class _Alternative:
+    """One draft of a pipelined round, keyed by the tokens it assumes the round before commits."""
+
+    assumed: list[int]
+    drafts: list[int]
+    tree: DraftTree | None
+    qs: list | None
+
+
 def _open_digest(o: pb.OpenSession) -> bytes:
     return hashlib.sha256(o.SerializeToString(deterministic=True)).digest()
 
@@ -574,4 +635,6 @@ def _round_digest(req: pb.VerifyRequest) -> bytes:
     h.update(b"parents:" + np.asarray(req.draft_parents, dtype=np.int32).tobytes())
     h.update(b"assumed:" + np.asarray(req.assumed_tokens, dtype=np.uint32).tobytes())
     h.update(req.q.SerializeToString(deterministic=True))
+    for c in req.continuations:
+        h.update(b"continuation:" + c.SerializeToString(deterministic=True))
     return h.digest()

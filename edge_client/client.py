@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import random
+import threading
 import time
 import weakref
 from concurrent.futures import Executor
@@ -43,10 +44,12 @@ import numpy as np
 
 from edge_client import crossvocab
 from edge_client.crossvocab import Chat, PromptPlan
+from edge_client.continuations import ContinuationBudget, UplinkFit, choose_length, ranked_outcomes
 from edge_client.drafters import Draft, Drafter, TreeDraft
 from edge_client.gamma import AdaptiveGamma, FixedGamma, RoundPlan, TreePolicy
 from edge_client.options import ADAPTIVE, EdgeOptions, ServerLimits, Speculation, Transport
 from spec_core import qcodec
+from spec_core.continuations import MAX_CONTINUATION_NODES, MAX_CONTINUATIONS, Outcome
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.drafting import QMode
 from spec_core.proto import verifier_pb2 as pb
@@ -165,6 +168,9 @@ class GenerationStats:
     pipelined_rounds: int = 0       # pipelined rounds whose base was committed (verified, kept)
     draft_rolled_back: int = 0      # across tokenizers: draft tokens re-tokenized away (KV rolled back)
     draft_retokenized: int = 0      # across tokenizers: draft tokens tokenized anew from committed text
+    continuation_rounds: int = 0    # rounds during whose flight continuations were drafted
+    continuations_sent: int = 0     # alternatives shipped in pipelined rounds (each drafted for one outcome)
+    continuation_hits: int = 0      # rounds whose outcome a continuation had been drafted for (sent or reused)
     token_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -226,9 +232,9 @@ class Generation:
 
 
 class _Guess(NamedTuple):
-    """The most likely outcome of a round in flight, and the draft made after it."""
+    """A continuation: one likely outcome of a round in flight, and the draft made after it."""
 
-    tokens: list[int]       # every draft (or the most probable branch) accepted, then the draft's argmax
+    tokens: list[int]       # what it assumes the round commits (kept drafts + corrected or bonus token)
     prep: "_Prepared"       # the next round's draft, for base = this round's base + tokens
 
 
@@ -265,6 +271,7 @@ class _SessionLoop:
         self.ahead_job: asyncio.Future | None = None  # drafting `ahead` during the round trip
         self.spec_task: asyncio.Future | None = None  # the pipelined round, sent before the reply
         self.view0 = self.c.drafter.retokenization()   # across tokenizers: the draft view's counters so far
+        self.uplink = UplinkFit()  # the uplink's time per request byte, for the continuations' cost
 
     # --- one round ----------------------------------------------------------------------------
 
@@ -286,12 +293,14 @@ class _SessionLoop:
                 raise
             return ""
         round_s = time.perf_counter() - t_round
-        guess = await self.ahead_job if self.ahead_job is not None else None  # the drafter is free again
+        guesses = await self.ahead_job if self.ahead_job is not None else []  # the drafter is free again
+        self.st.continuation_rounds += bool(guesses)
+        self.uplink.observe(req.ByteSize(), round_s - reply.timings.total_ms / 1e3)
         new = self._apply(prep, reply, round_s)
         self.final = reply
         self.finished = reply.finish_reason != pb.NOT_FINISHED
-        if guess is not None and not self.finished:
-            new += await self._use_guess(guess, t_round)
+        if guesses and not self.finished:
+            new += await self._use_guess(guesses, t_round)
         elif self.spec_task is not None:
             await _settle(None, self.spec_task)
             self.st.discarded_rounds += 1
@@ -306,19 +315,24 @@ class _SessionLoop:
 
     async def _work_during_round_trip(self, prep: "_Prepared", remaining: int, reply_task: asyncio.Future,
                                       round_: int) -> None:
-        """Draft the next round from this one's most likely outcome (proactive), and send it before
-        the reply when that draft is ready first (pipeline)."""
+        """Draft continuations, next rounds for this one's likely outcomes (proactive), and send them
+        as one round before the reply when they are ready first (pipeline): alternative 0 in the
+        request's own fields, the others in `continuations`."""
         self.ahead_job = self.spec_task = None
         if not ((self.spec.proactive or self.spec.pipeline) and self.session_id and prep.draft.tokens):
             return
-        self.ahead_job = asyncio.ensure_future(
-            self.c._in_drafter(self._guess_and_prepare, prep, remaining, thread=True))
+        stop = threading.Event()  # the reply is here: stop drafting for outcomes, one is known
+        reply_task.add_done_callback(lambda _: stop.set())
+        self.ahead_job = asyncio.ensure_future(self.c._in_drafter(
+            self._draft_continuations, prep, remaining, self._budget(prep, time.perf_counter()), stop, thread=True))
         if not self.spec.pipeline:
             return
         done, _ = await asyncio.wait({reply_task, self.ahead_job}, return_when=asyncio.FIRST_COMPLETED)
-        if self.ahead_job in done and not reply_task.done() and self.ahead_job.result() is not None:
-            guess = self.ahead_job.result()
-            spec_req = self._request(guess.prep, round_ + 1, assumed=guess.tokens)
+        if self.ahead_job in done and not reply_task.done() and self.ahead_job.result():
+            guesses = self.ahead_job.result()
+            spec_req = self._request(guesses[0].prep, round_ + 1, assumed=guesses[0].tokens)
+            spec_req.continuations.extend(self._continuation(g) for g in guesses[1:])
+            self.st.continuations_sent += len(guesses)
             # Retried like any round: a lost reply is answered from the server's cache.
             self.spec_task = asyncio.ensure_future(self.c._verify(spec_req, self.st))
 
@@ -333,17 +347,23 @@ class _SessionLoop:
             return True
         return False
 
-    async def _use_guess(self, guess: _Guess, t_round: float) -> list[int]:
-        """After a reply: commit the pipelined round if its base came true (its tokens), or keep the
-        proactive draft for the next round if its base did."""
+    async def _use_guess(self, guesses: list[_Guess], t_round: float) -> list[int]:
+        """After a reply: commit the pipelined round if one alternative's base came true (its tokens),
+        or keep the continuation drafted for what was committed for the next round."""
         if self.spec_task is None:
-            if self.committed == guess.prep.base:
-                self.ahead = guess.prep
+            for guess in guesses:
+                if self.committed == guess.prep.base:
+                    self.ahead = guess.prep
+                    self.st.continuation_hits += 1
+                    break
             return []
         spec_reply = await _settle(None, self.spec_task)
-        if self.committed == guess.prep.base and spec_reply is not None and not spec_reply.base_mismatch:
+        guess = guesses[spec_reply.continuation] if spec_reply is not None and not spec_reply.base_mismatch \
+            and spec_reply.continuation < len(guesses) else None
+        if guess is not None and self.committed == guess.prep.base:
             new = self._apply(guess.prep, spec_reply, time.perf_counter() - t_round)
             self.st.pipelined_rounds += 1
+            self.st.continuation_hits += 1
             self.final = spec_reply
             self.finished = spec_reply.finish_reason != pb.NOT_FINISHED
             return new
@@ -382,18 +402,88 @@ class _SessionLoop:
         d = drafter.propose_tree(base, plan.shape, self.settings, self.spec.qmode, self._base_rng(base))
         return _Prepared(base, plan, d, d.parents, d.rows)
 
-    def _guess_and_prepare(self, prep: "_Prepared", remaining: int) -> _Guess | None:
-        """The most likely outcome (every draft, or the most probable branch, accepted; the next token
-        the draft's argmax), and a draft after it. None when the round may end generation."""
+    def _budget(self, prep: "_Prepared", now: float) -> ContinuationBudget:
+        """When the reply is expected and what a hit saves, from the planner's measured costs."""
+        pl = self.planner
+        draft_s = prep.rows * (pl.t_row_s or 0.0)
+        return ContinuationBudget(t_reply=now + max(0.0, pl.predicted_round_s(prep.plan) - draft_s),
+                                  rtt_s=pl.rtt_s or 0.0, fresh_draft_s=draft_s,
+                                  s_per_byte=self.uplink.seconds_per_byte())
+
+    def _draft_continuations(self, prep: "_Prepared", remaining: int, budget: ContinuationBudget,
+                             stop: threading.Event) -> list[_Guess]:
+        """Continuations for the round's likely outcomes, most probable first, while one more pays
+        (edge_client.continuations) and the reply is not in. Empty when the round may end generation.
+        With max_continuations 1: the one guess that every draft is accepted, then the draft's argmax."""
         path = prep.guess_path()
         if not path or len(path) + 1 >= remaining or self.stop_ids & set(path):
-            return None
-        after = prep.base + path
-        bonus = self.c.drafter.propose(after, 1, GREEDY, QMode("none"), self._base_rng(after)).tokens
-        if not bonus or bonus[0] in self.stop_ids:
-            return None
-        guess = path + bonus
-        return _Guess(guess, self._prepare(prep.base + guess, self.planner.plan(remaining - len(guess))))
+            return []
+        plan = self.planner.plan(remaining - len(path) - 1)
+        out: list[_Guess] = []
+        covered, spent, nodes, nbytes = 0.0, [prep.draft.seconds], 0, self._request(prep, 0).q.ByteSize()
+        outcomes = self._outcomes(prep, path)
+        if self.spec.pipeline and plan.shape is None and len(outcomes) > 1 and plan.gamma > 1:
+            # How long: as many outcomes covered as pay, times what a hit commits (edge_client.continuations).
+            t_row = self.planner.t_row_s or prep.draft.seconds / max(prep.rows, 1)
+            gamma = choose_length(outcomes, self._alpha(), plan.gamma, t_row, nbytes / max(len(prep.draft.tokens), 1),
+                                  budget, time.perf_counter())
+            plan = RoundPlan(plan.arm, gamma)
+            spent = [(gamma + 1) * t_row]
+        for outcome in outcomes:
+            if out and stop.is_set() or len(out) > MAX_CONTINUATIONS:  # the first is drafted in any case
+                break
+            tokens = list(outcome.tokens)
+            if self.stop_ids & set(tokens) or len(tokens) + 1 >= remaining:
+                continue
+            if out and self.spec.pipeline and not budget.worth(outcome.prob, covered, time.perf_counter(),
+                                                               sum(spent) / len(spent), nbytes):
+                break
+            t0 = time.perf_counter()
+            nxt = self._prepare(prep.base + tokens, plan)
+            spent.append(time.perf_counter() - t0)
+            if out:
+                nodes += len(nxt.draft.tokens)
+                if nodes > MAX_CONTINUATION_NODES:
+                    break
+            if nxt.draft.tokens:
+                out.append(_Guess(tokens, nxt))
+                covered += outcome.prob
+                nbytes = self._continuation(out[-1]).ByteSize()
+        return out
+
+    def _outcomes(self, prep: "_Prepared", path: list[int]) -> list[Outcome]:
+        """The round's outcomes ranked by the draft's estimate (spec_core.continuations), at most
+        max_continuations of them."""
+        drafter, after = self.c.drafter, prep.base + path
+        if self.spec.max_continuations <= 1:
+            bonus = drafter.propose(after, 1, GREEDY, QMode("none"), self._base_rng(after)).tokens
+            return [Outcome(tuple(path + bonus), 1.0)] if bonus else []
+        # The draft's distribution where the verifier draws a token (greedy sessions rank by T = 1).
+        est = self.settings if not self.settings.greedy else SamplingSettings(temperature=1.0)
+
+        def probe(seq: list[int]):
+            qs = drafter.propose(seq, 1, est, QMode("float", 16), np.random.default_rng(0)).qs
+            return qs[0] if qs else None
+        nodes = prep.guess_nodes()
+        shipped = prep.draft.qs
+        if prep.parents:
+            children = [[prep.draft.tokens[c] for c in range(len(prep.parents)) if prep.parents[c] == prep.parents[n]]
+                        for n in nodes]
+        else:
+            children = [[] for _ in nodes]
+        position_q = (lambda j: shipped[nodes[j]]) if shipped is not None else (lambda j: probe(prep.base + path[:j]))
+        return ranked_outcomes(path, self._alpha(), position_q, probe(after), self.spec.max_continuations,
+                               excluded=lambda j: children[j])
+
+    def _alpha(self) -> float:
+        """The per-token acceptance estimate: the γ policy's, or the session's so far (Beta(1, 1) prior)."""
+        alpha = getattr(self.policy, "alpha", None)
+        return alpha if alpha is not None else (self.st.accepted + 1) / (self.st.accepted + self.st.rejections + 2)
+
+    def _continuation(self, guess: _Guess) -> pb.Continuation:
+        p = guess.prep
+        return pb.Continuation(assumed_tokens=guess.tokens, draft_token_ids=p.draft.tokens, draft_parents=p.parents,
+                               q=qcodec.to_proto(p.draft.qs, self.spec.qmode.scale_bits))
 
     def _request(self, prep: "_Prepared", round_: int, assumed: Sequence[int] = ()) -> pb.VerifyRequest:
         req = pb.VerifyRequest(session_id=self.session_id, round=round_, committed_length=len(prep.base),
@@ -522,8 +612,12 @@ class _Prepared:
 
     def guess_path(self) -> list[int]:
         """The tokens of the most likely full acceptance: every draft, or the most probable branch."""
+        return [self.draft.tokens[i] for i in self.guess_nodes()]
+
+    def guess_nodes(self) -> list[int]:
+        """The nodes of that path, root first."""
         if not self.parents:
-            return list(self.draft.tokens)
+            return list(range(len(self.draft.tokens)))
         has_child = set(self.parents)
         leaves = [i for i in range(len(self.parents)) if i not in has_child]
         if not leaves:
@@ -531,7 +625,7 @@ class _Prepared:
         node = max(leaves, key=lambda i: (self.draft.path_probs[i], -i))
         path = []
         while node != -1:
-            path.append(self.draft.tokens[node])
+            path.append(node)
             node = self.parents[node]
         return path[::-1]
 

@@ -93,6 +93,7 @@ class Speculation:
                                          # (VerifyReply.budget); a fixed γ or tree shape stays as asked
     slo_tpot_ms: float = 0.0             # the latency target stated to the verifier (0: none; its default)
     slo_ttft_ms: float = 0.0
+    max_continuations: int = 8           # outcomes drafted for per round in flight (1: the one most likely guess)
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -103,6 +104,7 @@ class Speculation:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 3_600_000):
                 raise OptionError(name, f"must be a number of milliseconds in [0, 3600000], got {value!r}")
+        _at_least("max_continuations", self.max_continuations, 1)
         if isinstance(self.qmode, str):
             try:
                 set_("qmode", QMode.parse(self.qmode))
@@ -256,6 +258,9 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     s.add_argument("--slo-tpot-ms", type=float, default=0.0,
                    help="latency target stated to the verifier: time per output token, ms (0: none)")
     s.add_argument("--slo-ttft-ms", type=float, default=0.0, help="... and time to first token, ms (0: none)")
+    s.add_argument("--continuations", type=int, default=8, metavar="N",
+                   help="with --proactive / --pipeline: draft the next round for up to N likely outcomes of the "
+                        "round in flight (the cost model picks how many pay; 1 = only 'every draft accepted')")
     s.add_argument("--synthetic-vocab", type=int, default=64)
     s.add_argument("--synthetic-seed", type=int, default=0)
     s.add_argument("--synthetic-noise", type=float, default=1.0)
@@ -277,7 +282,8 @@ def _add_security(p: argparse.ArgumentParser) -> None:
 # The flag that sets each field, to name it when a record refuses a value.
 FLAGS = {"gamma": "--gamma", "max_gamma": "--max-gamma", "qmode": "--q", "tree": "--tree",
          "max_tree_nodes": "--max-tree-nodes", "deadline_s": "--deadline", "max_retries": "--retries",
-         "tls_cert": "--tls-cert/--tls-key", "slo_tpot_ms": "--slo-tpot-ms", "slo_ttft_ms": "--slo-ttft-ms"}
+         "tls_cert": "--tls-cert/--tls-key", "slo_tpot_ms": "--slo-tpot-ms", "slo_ttft_ms": "--slo-ttft-ms",
+         "max_continuations": "--continuations"}
 
 
 def _as_flag(build):
@@ -296,7 +302,7 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
             max_tree_nodes=args.max_tree_nodes, proactive=args.proactive, pipeline=args.pipeline,
             strict_tokenizer=getattr(args, "strict_tokenizer", False), target_vocab=getattr(args, "target_vocab", None),
             steer=getattr(args, "steer", True), slo_tpot_ms=getattr(args, "slo_tpot_ms", 0.0),
-            slo_ttft_ms=getattr(args, "slo_ttft_ms", 0.0)))
+            slo_ttft_ms=getattr(args, "slo_ttft_ms", 0.0), max_continuations=args.continuations))
     transport = _as_flag(lambda: Transport(
         server=getattr(args, "server", ""), deadline_s=args.deadline,
         max_retries=getattr(args, "retries", Transport.max_retries)))

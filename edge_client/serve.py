@@ -139,6 +139,7 @@ class Outcome:
             "retries": st.retries, "replays": st.replays, "nodes_per_round": st.nodes_per_round,
             "tree_rounds": st.tree_rounds, "plans": st.plans, "reused_drafts": st.reused_drafts,
             "pipelined_rounds": st.pipelined_rounds, "discarded_rounds": st.discarded_rounds,
+            "continuations_sent": st.continuations_sent, "continuation_hits": st.continuation_hits,
         }}
 
 

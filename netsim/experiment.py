@@ -11,8 +11,10 @@ output: one request), cloud-stepwise (γ = 0: one Verify round trip per token, a
 per-token cloud API), per-token (γ = 1), hybrid-gN (fixed γ), adaptive (γ from the cost model),
 tree-gN (a token tree of depth N and 4N nodes every round, 2 children per node, the 2 most
 probable frontier nodes expanded per level), proactive-gN (fixed γ; the next round is drafted
-during the round trip from the most likely outcome) and pipeline-gN (that round is also sent
-before the reply; verified only on a committed base).
+during the round trip from the most likely outcome), pipeline-gN (that round is also sent
+before the reply; verified only on a committed base) and continuations-gN (the pipelined round
+carries next rounds for several likely outcomes, as many as the cost model says pay; the
+verifier runs the one whose base was committed: spec_core.continuations).
 """
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ log = logging.getLogger(__name__)
 # Sampling per workload category: creative writing runs hot, structured output cold.
 TEMPERATURE = {"code": 0.2, "json": 0.2, "summarisation": 0.7, "translation": 0.7, "chat": 0.7, "creative": 1.0}
 ALL_MODES = ("edge-only", "cloud-only", "cloud-stepwise", "per-token", "hybrid", "adaptive", "tree", "proactive",
-             "pipeline")
-PER_GAMMA_MODES = ("hybrid", "tree", "proactive", "pipeline")  # one run per γ in --gammas, labelled mode-gN
+             "pipeline", "continuations")
+PER_GAMMA_MODES = ("hybrid", "tree", "proactive", "pipeline", "continuations")  # one run per γ in --gammas (mode-gN)
 
 
 @dataclass
@@ -102,6 +104,9 @@ class Row:
     pipelined_rounds: int = 0              # rounds sent before the previous reply and kept
     discarded_rounds: int = 0              # pipelined rounds dropped (base not committed)
     rolled_back_per_round: float | None = None  # two tokenizers: draft tokens re-tokenized per round (DraftView)
+    continuation_rounds: int = 0           # rounds during whose flight continuations were drafted
+    continuations_sent: int = 0            # alternatives shipped in pipelined rounds
+    continuation_hits: int = 0             # rounds whose outcome had a continuation (sent and kept, or reused)
 
 
 def load_workloads(categories: list[str], per_category: int) -> list[tuple[str, int, str]]:
@@ -209,7 +214,8 @@ class Runner:
                 rounds, acc, alpha, tpr, theory, passes, retries, replays = 1, None, None, None, None, tokens, 0, 0
             else:
                 g = {"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)
-                extra = {"proactive": {"proactive": True}, "pipeline": {"pipeline": True}}.get(mode, {})
+                extra = {"proactive": {"proactive": True}, "pipeline": {"pipeline": True, "max_continuations": 1},
+                         "continuations": {"pipeline": True}}.get(mode, {})
                 if mode == "tree":
                     extra = {"tree": f"budget={4 * int(gamma)},depth={gamma},branching=2,width=2"}
                 options = EdgeOptions(Transport(f"127.0.0.1:{port}", deadline_s=120),
@@ -238,6 +244,8 @@ class Runner:
             row.rolled_back_per_round = st.draft_rolled_back / max(st.rounds, 1) if cross_rounds else None
             row.reused_drafts, row.pipelined_rounds, row.discarded_rounds = (st.reused_drafts, st.pipelined_rounds,
                                                                              st.discarded_rounds)
+            row.continuation_rounds, row.continuations_sent, row.continuation_hits = (
+                st.continuation_rounds, st.continuations_sent, st.continuation_hits)
         return row
 
     def _edge_only(self, profile, workload, index, prompt_ids, settings) -> Row:
@@ -368,6 +376,11 @@ def summarise(rows: list[dict]) -> list[dict]:
             "pipelined_rounds": sum(r.get("pipelined_rounds", 0) for r in rs),
             "discarded_rounds": sum(r.get("discarded_rounds", 0) for r in rs),
             "rolled_back_per_round": _mean([r.get("rolled_back_per_round") for r in rs]),
+            "continuation_rounds": sum(r.get("continuation_rounds", 0) for r in rs),
+            "continuations_sent": sum(r.get("continuations_sent", 0) for r in rs),
+            "continuation_hits": sum(r.get("continuation_hits", 0) for r in rs),
+            "continuation_hit_rate": (sum(r.get("continuation_hits", 0) for r in rs)
+                                      / max(sum(r.get("continuation_rounds", 0) for r in rs), 1)),
         })
     return out
 

@@ -131,9 +131,9 @@ def round_trip_section(summary: list[dict]) -> list[str]:
     """
     lines = ["", "## Round trips against cloud-stepwise, and tokens/s ratios", "",
              "| profile | mode | RT/token | waited RT/token | RT reduction vs cloud-stepwise | theory (1−α^(γ+1))/(1−α) "
-             "| nodes/round | bytes/round | reused drafts | pipelined / discarded rounds | tok/s ÷ per-token "
-             "| tok/s ÷ cloud-only |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| nodes/round | bytes/round | reused drafts | pipelined / discarded rounds | continuation hits / sent "
+             "| tok/s ÷ per-token | tok/s ÷ cloud-only |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     any_row = False
     for profile in dict.fromkeys(s["profile"] for s in summary):
         by = {s["mode"]: s for s in summary if s["profile"] == profile}
@@ -151,7 +151,8 @@ def round_trip_section(summary: list[dict]) -> list[str]:
             lines.append(f"| {profile} | {mode} | {_fmt(rt)} | {_fmt(waited)} | {_fmt(reduction)} | "
                          f"{_fmt(s['theory_tokens_per_round'])} | {_fmt(s.get('nodes_per_round'), 1)} | "
                          f"{_fmt(s.get('bytes_per_round'), 0)} | {s.get('reused_drafts', 0)} | "
-                         f"{s.get('pipelined_rounds', 0)} / {s.get('discarded_rounds', 0)} | {_fmt(vs['per-token'])} | "
+                         f"{s.get('pipelined_rounds', 0)} / {s.get('discarded_rounds', 0)} | "
+                         f"{s.get('continuation_hits', 0)} / {s.get('continuations_sent', 0)} | {_fmt(vs['per-token'])} | "
                          f"{_fmt(vs['cloud-only'])} |")
     return lines if any_row else []
 

@@ -228,3 +228,79 @@ async def test_text_prompts_and_vocabulary_on_a_backend_without_one(stub):
         assert e.value.code() == code, (fp, e.value.details())
     info = await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=5)
     assert not info.text_prompts and not info.chat_prompts
+
+
+# --- continuations (pipelined rounds with alternatives) -----------------------------------------
+
+async def _after_one_round(stub):
+    """A session whose round 2 committed one token: (session id, committed length, that token)."""
+    first = await stub.Verify(open_req(), timeout=5)
+    second = await stub.Verify(pb.VerifyRequest(session_id=first.session_id, round=2,
+                                                committed_length=first.committed_length), timeout=5)
+    return first.session_id, first.committed_length, second.next_token_id
+
+
+def pipelined(sid, base_len, assumed, conts, drafts=(5,)):
+    """Round 3 sent as if round 2 (base_len tokens before it) were still in flight."""
+    return pb.VerifyRequest(session_id=sid, round=3, committed_length=base_len + len(assumed),
+                            assumed_tokens=list(assumed), draft_token_ids=list(drafts), continuations=conts)
+
+
+async def test_the_continuation_whose_tokens_were_committed_is_verified_and_retries_repeat_it(stub):
+    sid, base_len, t = await _after_one_round(stub)
+    other = (t + 1) % VOCAB
+    conts = [pb.Continuation(assumed_tokens=[other, 2], draft_token_ids=[7]),  # another outcome
+             pb.Continuation(assumed_tokens=[t], draft_token_ids=[8, 9])]      # the one committed
+    req = pipelined(sid, base_len, [other], conts)
+    reply = await stub.Verify(req, timeout=5)
+    assert not reply.base_mismatch and reply.continuation == 2
+    assert reply.committed_length == base_len + 1 + reply.num_accepted + 1
+    assert await stub.Verify(req, timeout=5) == reply      # a retry: the cached reply, nothing committed twice
+    nxt = await stub.Verify(pb.VerifyRequest(session_id=sid, round=4, committed_length=reply.committed_length),
+                            timeout=5)
+    assert nxt.committed_length == reply.committed_length + 1
+
+
+async def test_no_matching_continuation_costs_nothing_and_frees_the_round(stub):
+    sid, base_len, t = await _after_one_round(stub)
+    other = (t + 1) % VOCAB
+    reply = await stub.Verify(pipelined(sid, base_len, [other], [pb.Continuation(assumed_tokens=[other, 3],
+                                                                                  draft_token_ids=[4])]), timeout=5)
+    assert reply.base_mismatch and reply.num_accepted == 0 and reply.committed_length == base_len + 1
+    fresh = await stub.Verify(pb.VerifyRequest(session_id=sid, round=3, committed_length=base_len + 1), timeout=5)
+    assert fresh.committed_length == base_len + 2 and not fresh.base_mismatch
+
+
+def _cont(assumed=(6,), drafts=(7,), **kw):
+    return pb.Continuation(assumed_tokens=list(assumed), draft_token_ids=list(drafts), **kw)
+
+
+@pytest.mark.parametrize("assumed, conts, message", [
+    ((), [_cont()], "continuations ride on a pipelined round"),
+    ((3,), [_cont(assumed=(i, i)) for i in range(17)], "17 continuations; this server takes at most 16"),
+    ((3,), [_cont(assumed=(3,))], "continuations[0].assumed_tokens [3] repeats another alternative's"),
+    ((3,), [_cont(), _cont()], "continuations[1].assumed_tokens [6] repeats"),
+    ((3,), [_cont(assumed=())], "continuations[0].assumed_tokens has 0 ids; it needs 1 to max_gamma + 1 = 9"),
+    ((3,), [_cont(assumed=(2,) * 10)], "continuations[0].assumed_tokens has 10 ids"),
+    ((3,), [_cont(assumed=(99,))], "continuations[0].assumed_tokens[0] = 99 is outside the vocabulary"),
+    ((3,), [_cont(drafts=(40,))], "continuations[0].draft_token_ids[0] = 40 is outside the vocabulary"),
+    ((3,), [_cont(drafts=tuple(range(9)))], "continuations[0].draft_token_ids has 9 tokens; at most max_gamma = 8"),
+    ((3,), [_cont(q=float_q([([7, 4], [float("nan"), 0.5])]))], "continuations[0]."),
+    ((3,), [_cont(q=fixed_q([([7], [100]), ([4], [100])]))], "2 positions but there are 1 draft tokens"),
+    ((3,), [_cont(drafts=(7, 8), draft_parents=[-1, 1])], "continuations[0].draft_parents[1] = 1 is not before"),
+    ((3,), [_cont(drafts=(7, 7), draft_parents=[-1, -1])], "continuations[0].nodes 0 and 1 are siblings"),
+], ids=lambda v: v if isinstance(v, str) else None)
+async def test_bad_continuations_are_refused_clearly(stub, assumed, conts, message):
+    first = await stub.Verify(open_req(), timeout=5)
+    req = pipelined(first.session_id, first.committed_length, assumed, conts)
+    await expect(stub, req, INVALID, message)
+
+
+async def test_continuations_are_bounded_in_total_size():
+    async with running_server(SyntheticBackend(vocab=VOCAB, n_ctx=64), max_gamma=8,
+                              max_continuation_nodes=4) as server:
+        async with stub_for(server) as stub:
+            first = await stub.Verify(open_req(), timeout=5)
+            conts = [_cont(assumed=(6,), drafts=(7, 8, 9)), _cont(assumed=(5,), drafts=(7, 8))]
+            await expect(stub, pipelined(first.session_id, first.committed_length, (3,), conts), INVALID,
+                         "the continuations carry 5 draft tokens in all; this server takes at most 4")

@@ -48,7 +48,8 @@ def test_generate_with_trees_and_rounds_in_flight(verifier, tiny_models, extra):
     assert r.returncode == 0, r.stderr
     stats = json.loads(r.stdout.rstrip("\n").split("\n")[-1])
     assert stats["tokens"] == 24 and stats["tree_rounds"] > 0 and stats["nodes_per_round"] > 1
-    for key in ("reused_drafts", "discarded_rounds", "pipelined_rounds", "plans"):
+    for key in ("reused_drafts", "discarded_rounds", "pipelined_rounds", "plans", "continuations_sent",
+                "continuation_hits"):
         assert key in stats
 
 

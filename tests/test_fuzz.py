@@ -127,6 +127,17 @@ def open_session(draw):
 
 
 @st.composite
+def continuation(draw):
+    drafts = draw(ids)
+    c = pb.Continuation(assumed_tokens=draw(small_ids), draft_token_ids=drafts)
+    if draw(st.booleans()):
+        c.draft_parents.extend(draw(st.lists(st.integers(-3, 14), max_size=14)))
+    if draw(st.booleans()):
+        c.q.CopyFrom(draw(q_payload(len(drafts))))
+    return c
+
+
+@st.composite
 def verify_request(draw, session_ids=()):
     drafts = draw(ids)
     req = pb.VerifyRequest(round=draw(st.one_of(st.integers(0, 4), st.integers(0, U64))),
@@ -136,6 +147,10 @@ def verify_request(draw, session_ids=()):
     if draw(st.booleans()):
         req.open.CopyFrom(draw(open_session()))
         req.committed_length = draw(st.sampled_from([len(req.open.prompt_token_ids), req.committed_length]))
+    if draw(st.integers(0, 3)) == 0:  # a pipelined round, with alternatives (continuations)
+        req.assumed_tokens.extend(draw(small_ids))
+        req.continuations.extend(draw(st.one_of(st.lists(continuation(), max_size=4),
+                                                st.lists(continuation(), min_size=15, max_size=20))))
     if draw(st.integers(0, 2)) == 0:
         req.session_id = draw(st.one_of(st.text(max_size=40), st.sampled_from(list(session_ids) or [""])))
     return req

@@ -339,7 +339,8 @@ def test_serve_with_trees_and_pipelining_reports_them(verifier, tiny_models):
         proc.wait(30)
     hs = r.model_extra["hybridspec"]
     assert hs["tree_rounds"] > 0 and hs["nodes_per_round"] > 1
-    assert {"pipelined_rounds", "discarded_rounds", "reused_drafts", "plans"} <= set(hs)
+    assert {"pipelined_rounds", "discarded_rounds", "reused_drafts", "plans", "continuations_sent",
+            "continuation_hits"} <= set(hs)
     reference = edge_generate(verifier, tiny_models, "hello world, the list", 24)  # greedy: the same text
     assert r.choices[0].text == reference["text"]
 

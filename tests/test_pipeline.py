@@ -69,7 +69,10 @@ async def test_greedy_gguf_hybrid_with_rounds_in_flight_equals_target(tiny_model
         backend.close()
     st = gen.stats
     assert st.tokens == n
-    assert st.reused_drafts + st.pipelined_rounds + st.discarded_rounds > 0, "nothing was drafted ahead"
+    # Continuations are drafted for the outcomes the draft ranks first; with these tiny random models
+    # (α ≈ 0.4) those are rejections whose corrected token the draft often misjudges, so a hit is not
+    # certain in 40 tokens: drafting ahead is.
+    assert st.continuation_rounds + st.pipelined_rounds + st.discarded_rounds > 0, "nothing was drafted ahead"
     check_same_or_near_tie(str(tiny_models["target"]), ids, st.token_ids, reference)
 
 

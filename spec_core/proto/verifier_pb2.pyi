@@ -113,7 +113,7 @@ class QPayload(_message.Message):
     def __init__(self, format: _Optional[_Union[QPayload.Format, str]] = ..., scale_bits: _Optional[int] = ..., positions: _Optional[_Iterable[_Union[DraftDist, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "round", "committed_length", "open", "draft_token_ids", "q", "draft_parents", "assumed_tokens")
+    __slots__ = ("session_id", "round", "committed_length", "open", "draft_token_ids", "q", "draft_parents", "assumed_tokens", "continuations")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class VerifyRequest(_message.Message):
     Q_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     committed_length: int
@@ -130,7 +131,20 @@ class VerifyRequest(_message.Message):
     q: QPayload
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     assumed_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_length: _Optional[int] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[QPayload, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    continuations: _containers.RepeatedCompositeFieldContainer[Continuation]
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_length: _Optional[int] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[QPayload, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., continuations: _Optional[_Iterable[_Union[Continuation, _Mapping]]] = ...) -> None: ...
+
+class Continuation(_message.Message):
+    __slots__ = ("assumed_tokens", "draft_token_ids", "draft_parents", "q")
+    ASSUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    assumed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    q: QPayload
+    def __init__(self, assumed_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[QPayload, _Mapping]] = ...) -> None: ...
 
 class ServerTimings(_message.Message):
     __slots__ = ("model_ms", "queue_ms", "total_ms")
@@ -143,7 +157,7 @@ class ServerTimings(_message.Message):
     def __init__(self, model_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("session_id", "round", "num_accepted", "next_token_id", "committed_length", "finish_reason", "timings", "kept_nodes", "base_mismatch", "prompt_token_ids", "budget")
+    __slots__ = ("session_id", "round", "num_accepted", "next_token_id", "committed_length", "finish_reason", "timings", "kept_nodes", "base_mismatch", "prompt_token_ids", "budget", "continuation")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +169,7 @@ class VerifyReply(_message.Message):
     BASE_MISMATCH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     num_accepted: int
@@ -166,7 +181,8 @@ class VerifyReply(_message.Message):
     base_mismatch: bool
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     budget: DraftBudget
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., kept_nodes: _Optional[_Iterable[int]] = ..., base_mismatch: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[DraftBudget, _Mapping]] = ...) -> None: ...
+    continuation: int
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., kept_nodes: _Optional[_Iterable[int]] = ..., base_mismatch: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[DraftBudget, _Mapping]] = ..., continuation: _Optional[int] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)

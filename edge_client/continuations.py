@@ -1,0 +1,114 @@
+"""What to draft while a round is in flight: the outcomes worth a continuation, and how many fit.
+
+The session loop (edge_client.client) asks `ranked_outcomes` for the round's likely outcomes
+(spec_core.continuations.chain_outcomes: the draft's own estimate), then drafts continuations in that
+order while `ContinuationBudget.worth` says that one more pays: its chance of being the outcome
+times the time a hit saves (the round trip hidden and the fresh draft avoided) against the delay
+that drafting and uploading it adds to every hit. Measured inputs: the round trip and the verifier's
+time (the tree planner's estimates), the draft time per continuation (measured as they are drafted)
+and the uplink's time per byte (`UplinkFit`: least squares of round trip over request bytes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from spec_core.continuations import Outcome, chain_outcomes, worth_drafting
+from spec_core.qcodec import EncodedQ
+
+CANDIDATES = 8  # corrected / bonus candidates considered per position
+
+
+def top_candidates(q: EncodedQ | None, k: int, exclude: Sequence[int] = ()) -> list[tuple[int, float]]:
+    """The k most probable tokens of q without `exclude`, renormalised: (token, prob)."""
+    if q is None:
+        return []
+    ids = np.arange(len(q.weights)) if q.token_ids is None else q.token_ids.astype(np.int64)
+    w = q.weights.astype(np.float64).copy()
+    if len(exclude):
+        w[np.isin(ids, np.asarray(list(exclude), dtype=np.int64))] = 0.0
+    total = w.sum()
+    if total <= 0:
+        return []
+    order = np.argsort(-w, kind="stable")[:k]
+    return [(int(ids[i]), float(w[i] / total)) for i in order if w[i] > 0]
+
+
+def ranked_outcomes(drafts: Sequence[int], alpha: float, position_q: Callable[[int], EncodedQ | None],
+                    bonus_q: EncodedQ | None, limit: int, excluded: Callable[[int], Sequence[int]] = lambda j: ()
+                    ) -> list[Outcome]:
+    """The round's outcomes, most probable first. position_q(j): the draft's q at position j (the one
+    shipped, or an estimate for point-mass drafts); excluded(j): tokens the verifier cannot emit
+    there besides the draft (a tree's other children)."""
+    corrected = [top_candidates(position_q(j), CANDIDATES, [drafts[j], *excluded(j)]) for j in range(len(drafts))]
+    return chain_outcomes(drafts, alpha, corrected, top_candidates(bonus_q, CANDIDATES), limit)
+
+
+@dataclass
+class UplinkFit:
+    """Uplink seconds per request byte: least squares of (round trip − server time) over request
+    bytes for recent rounds; 0 until the points spread (then bytes cost nothing in the model)."""
+
+    points: list[tuple[int, float]] = field(default_factory=list)
+    keep: int = 32
+
+    def observe(self, request_bytes: int, network_s: float) -> None:
+        self.points = (self.points + [(request_bytes, max(0.0, network_s))])[-self.keep:]
+
+    def seconds_per_byte(self) -> float:
+        if len(self.points) < 4:
+            return 0.0
+        x = np.array([p[0] for p in self.points], dtype=np.float64)
+        y = np.array([p[1] for p in self.points], dtype=np.float64)
+        if np.ptp(x) < 16:
+            return 0.0
+        slope = float(np.polyfit(x, y, 1)[0])
+        return max(0.0, slope)
+
+
+@dataclass
+class ContinuationBudget:
+    """When to stop drafting continuations, as times on time.perf_counter()'s clock.
+
+    t_reply: when the reply to the round in flight is expected; rtt_s: the network round trip;
+    fresh_draft_s: what drafting the next round after the reply would cost (saved by a hit)."""
+
+    t_reply: float
+    rtt_s: float
+    fresh_draft_s: float
+    s_per_byte: float
+
+    def saving_s(self, t_send: float) -> float:
+        """What a hit saves against drafting afresh after the reply, if the round leaves at t_send."""
+        return max(0.0, min(self.t_reply - t_send, self.rtt_s)) + self.fresh_draft_s
+
+    def worth(self, prob: float, covered: float, now: float, draft_s: float, nbytes: int) -> bool:
+        """Whether drafting one more continuation (probability `prob`, ~draft_s to draft, ~nbytes up)
+        pays, given the probability `covered` of those drafted so far."""
+        cost = draft_s + nbytes * self.s_per_byte
+        if covered <= 0.0:
+            return self.saving_s(now + cost) > 0.0
+        after, before = self.saving_s(now + cost), self.saving_s(now)
+        return worth_drafting(prob, covered, before, before - after) if before > 0 else False
+
+
+def choose_length(outcomes: Sequence[Outcome], alpha: float, max_gamma: int, t_row_s: float, bytes_per_token: float,
+                  budget: ContinuationBudget, now: float) -> int:
+    """The continuations' length: the γ that maximises P(hit) × E[tokens of a hit round], where
+    P(hit) sums the outcomes that `budget.worth` would let be drafted at that length (a longer
+    continuation commits more when it hits, a shorter one lets more outcomes be covered)."""
+    from spec_core.costmodel import expected_tokens_per_round
+
+    def covered(g: int) -> float:
+        cost = (g + 1) * t_row_s   # the outcome's own token, then g drafts
+        total, t = 0.0, now
+        for i, o in enumerate(outcomes):
+            if i and not budget.worth(o.prob, total, t, cost, int(g * bytes_per_token)):
+                break
+            total += o.prob
+            t += cost
+        return total
+    return max(range(1, max_gamma + 1),
+               key=lambda g: (covered(g) * expected_tokens_per_round(min(alpha, 0.999), g), g))
