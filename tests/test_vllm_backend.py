@@ -331,3 +331,52 @@ def test_first_token_through_verify_follows_the_processed_target(backend, tiny, 
     p = chi_square_p(counts, target)
     assert p > P_MIN, f"chi-square p = {p:.2e} for q={qkind}"
     assert backend.full_row_requests > before, "the full-row fallback was never exercised"
+
+
+# --- what a round costs the engine, from vLLM's own counters -------------------------------------
+
+@needs_vllm
+@pytest.mark.parametrize("one_request", [True, False])
+def test_engine_counters_count_what_a_greedy_round_computes(backend, one_request):
+    """vLLM's counters over one greedy round of gamma = 3 drafts (after a first round that prefills a
+    context of its own): one request over r + gamma tokens, or gamma + 1 requests over
+    (gamma + 1)·r + gamma·(gamma + 1)/2, r the committed tokens after the last full KV block
+    (netsim.fleet.costs.RoundWork, what the fleet's GPU model charges)."""
+    from netsim.fleet.costs import RoundWork
+    from spec_core.verify import commit_round
+    block = int(backend._llm.vllm_config.cache_config.block_size)
+    rng = np.random.default_rng(50 + one_request)
+    committed = [1] + [int(x) for x in rng.integers(3, 299, 40)]
+    greedy = SamplingSettings(temperature=0.0)
+    backend.one_request = one_request
+    try:
+        for counted in (False, True):
+            drafts = [int(x) for x in rng.integers(3, 299, 3)]
+            before = backend.engine_counters()
+            result, _, _ = backend.verify(None, committed, drafts, None, greedy, rng)
+            d = backend.engine_counters() - before
+            r = len(committed) - ((len(committed) - 1) // block) * block
+            committed += commit_round(drafts, result, frozenset(), remaining=99, context_left=99).tokens
+        path = "one-request" if one_request else "per-position"
+        assert d.requests == RoundWork(path, block).requests(3)
+        assert d.prompt_tokens - d.cached_prompt_tokens == RoundWork(path, block).tokens(3, r)
+        assert d.engine_steps >= 1
+    finally:
+        backend.one_request = True
+
+
+@needs_vllm
+def test_greedy_round_whose_rows_another_session_cached_falls_back_to_the_same_answer(backend):
+    """Two sessions with the very same tokens: the second one's prompt logprobs start after the cached
+    block that holds the last committed token, so it takes the per-position requests; same answer."""
+    block = int(backend._llm.vllm_config.cache_config.block_size)
+    rng = np.random.default_rng(77)
+    committed = [1] + [int(x) for x in rng.integers(3, 299, 2 * block - 1)]   # the last token ends a block
+    drafts = [int(x) for x in rng.integers(3, 299, 4)]
+    greedy = SamplingSettings(temperature=0.0)
+    before = backend.one_request_fallbacks
+    first, _, _ = backend.verify(None, committed, drafts, None, greedy, np.random.default_rng(0))
+    assert backend.one_request_fallbacks == before              # its own rows: no fallback
+    second, _, _ = backend.verify(None, committed, drafts, None, greedy, np.random.default_rng(0))
+    assert backend.one_request_fallbacks == before + 1
+    assert (first.num_accepted, first.next_token) == (second.num_accepted, second.next_token)
