@@ -358,3 +358,29 @@ def test_capacity_grows_with_a_looser_slo():
     tight, _ = edges_per_verifier(make, 0.010, max_edges=256, duration_s=3.0)
     loose, _ = edges_per_verifier(make, 0.030, max_edges=256, duration_s=3.0)
     assert 0 < tight < loose
+
+
+def test_the_gpu_table_puts_each_case_beside_cloud_only():
+    from netsim.fleet.calibration import Calibration
+    from netsim.fleet.costs import RooflineCost, kv_sessions
+    from netsim.fleet.gpu import SPECEDGE_WAN, GpuCase, gpu_capacity, gpu_markdown
+    assert SPECEDGE_WAN.rtt_ms() == pytest.approx(14.07)
+    # A small GPU: 8 sessions' KV fit (2.8 GB x 0.9 - 2 GB of weights = 0.52 GB; 64 MB each), 40 in host memory.
+    cost = RooflineCost(params=1e9, model_bytes=2e9, kv_bytes_per_token=64_000, context_tokens=1000,
+                        hbm_bytes_per_s=1e12, flops_per_s=1e14)
+    assert kv_sessions(2.8e9, cost) == 8
+    params = Calibration(cost=cost, batching=True, alpha=0.7, gamma=4, draft_s=0.005, server_cpu_s=0.0,
+                         server_overhead_s=0.0, edge_cpu_s=0.0, edge_overhead_s=0.0, cloud_server_cpu_s=0.0,
+                         cloud_server_overhead_s=0.0, cloud_edge_cpu_s=0.0, proxy_cpu_s=0.0, cloud_proxy_cpu_s=0.0,
+                         max_tokens=32, max_batch_tokens=4096, profiles=["lte"], tokens_per_round=0.0)
+    offload = KvOffload(host_bytes_per_s=10e9, efficiency=1.0, host_memory_bytes=64e6 * 40 / 0.9 + 1)
+    cases = [GpuCase("cloud", "cloud-only"), GpuCase("hybrid", "hybrid", RoundWork("ideal")),
+             GpuCase("hybrid parked", "hybrid", RoundWork("ideal"), offload=True)]
+    result = gpu_capacity(params, cost, 2.8e9, cases, offload, [1000], slo_tpot_s=0.5, slo_ttft_s=5.0, duration_s=3.0)
+    cloud, hybrid, parked = result["rows"]
+    assert result["kv_sessions"] == 8 and result["host_sessions"] == 40
+    assert cloud["edges_per_gpu"] == hybrid["edges_per_gpu"] == 8 and cloud["bound"]   # loose SLO: KV binds
+    assert 8 < parked["edges_per_gpu"] <= 40 and parked["kv_copies_per_s"] > 0            # parking lifts it
+    assert cloud["committed_tokens_per_s_vs_cloud"] == 1.0
+    assert parked["gpus_for_1000"] < hybrid["gpus_for_1000"] == 125
+    assert "hybrid parked" in "\n".join(gpu_markdown(result, "t"))
