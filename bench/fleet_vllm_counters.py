@@ -10,6 +10,7 @@ time per round of each path, measured side by side in one run.
 
   paths: per-position  gamma + 1 requests per round (sampled rounds; greedy ones before this change)
          one-request   one request with prompt logprobs (greedy rounds now)
+         top-k         the same for a sampled round with top-k (T = 1, top-k 20)
          tree          one request per node and the root (sampled trees; greedy ones before this change)
          tree-leaves   one request per leaf with prompt logprobs (greedy trees now)
 
@@ -50,7 +51,8 @@ def run_cell(backend, prompt: list[int], path: str, gamma: int, rounds: int, voc
     from spec_core.warping import SamplingSettings
     rng = np.random.default_rng(seed)
     greedy = SamplingSettings(temperature=0.0)
-    backend.one_request = path in ("one-request", "tree-leaves")
+    backend.one_request = path in ("one-request", "top-k", "tree-leaves")
+    settings = SamplingSettings(temperature=1.0, top_k=20) if path == "top-k" else greedy
     committed = list(prompt)
     # A tree: two branches of `gamma` nodes each from the root (2·gamma nodes, 2 leaves).
     parents = tuple([-1] + list(range(gamma - 1)) + [-1] + list(range(gamma, 2 * gamma - 1))) if gamma else ()
@@ -72,9 +74,10 @@ def run_cell(backend, prompt: list[int], path: str, gamma: int, rounds: int, voc
             else:                # a request per leaf
                 work = sum(r + depths[leaf] for leaf in tree.leaves())
         else:
-            result, _, _ = backend.verify(None, committed, drafts, None, greedy, rng)
+            result, _, _ = backend.verify(None, committed, drafts, None, settings, rng)
             tokens = commit_round(drafts, result, frozenset(), remaining=10**9, context_left=10**9).tokens
-            work = RoundWork(path, block).tokens(gamma, tail_after_block(len(committed), block))
+            work = RoundWork("one-request" if path == "top-k" else path, block).tokens(
+                gamma, tail_after_block(len(committed), block))
         dt = time.perf_counter() - t0
         committed.extend(tokens)
         if k >= 1:
@@ -96,7 +99,7 @@ def run_cell(backend, prompt: list[int], path: str, gamma: int, rounds: int, voc
 def markdown(result: dict) -> str:
     lines = ["# What the vLLM backend computes per round (vLLM's own counters)", "",
              f"Machine: {result['machine']}. Model: {result['model']}; context {result['context']} tokens; "
-             f"{result['rounds']} steady-state greedy rounds per cell (random drafts, rejected at once); KV block "
+             f"{result['rounds']} steady-state rounds per cell (greedy, but T = 1 and top-k 20 on the top-k path); random drafts, rejected at once; KV block "
              f"{result['block_size']} tokens. Command: `{result['command']}`.", "",
              "| path | γ | requests / round | prompt tokens computed / round (vLLM) | charged by RoundWork | "
              "tokens computed / round (incl. sampled) | engine steps / round | prefix-cache hit share | "
@@ -119,7 +122,7 @@ def main() -> int:
     ap.add_argument("--gammas", default="1,4,8")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=None, help="steady-state rounds per cell (default: the block size)")
-    ap.add_argument("--paths", default="per-position,one-request,tree,tree-leaves")
+    ap.add_argument("--paths", default="per-position,one-request,top-k,tree,tree-leaves")
     ap.add_argument("--vllm-model", default=None, help="HF folder (default: the bundled SmolLM2 dequantized)")
     ap.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", default=str(ROOT / "bench" / "fleet" / "vllm_counters.json"))

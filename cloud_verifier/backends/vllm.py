@@ -42,8 +42,11 @@ the round falls back to the per-position requests (`one_request_fallbacks`). The
 per-position, gamma + 1 requests each recomputing the committed tokens after the last full KV block
 (r, 1..block_size) and its own drafts, (gamma + 1)·r + gamma·(gamma + 1)/2 tokens; one request, r + gamma
 (bench/fleet_vllm_counters.py counts both with vLLM's own counters, `engine_counters`). Sampled
-rounds keep the per-position requests: prompt rows are raw, and p(x) after temperature, top-k and
-top-p needs the whole processed row.
+rounds with top-k (k <= TOP_K_ONE_REQUEST) take one request too, with `prompt_logprobs=k`: prompt
+rows are raw, but the processed p (temperature, top-k, top-p) at a position depends on its top-k
+raw logits alone, so spec_core.warping on those k entries gives the processed row, y_i is drawn from
+it, and the bonus is vLLM's own sample. Sampled rounds without top-k keep the per-position
+requests: p(x) after temperature needs the whole row, which would cross into Python as vocab-sized lists.
 
 The target's distribution is vLLM's own: `sample_next` (the cloud-only Generate stream) samples
 with the same request parameters, so hybrid and cloud-only output have the same distribution.
@@ -74,7 +77,7 @@ from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import ROOT, DraftTree, NodeScore, TreeResult, tree_tokens_needed, verify_tree_from_scores
 from spec_core.verify import PositionScore, RoundResult, verify_from_scores
-from spec_core.warping import SamplingSettings
+from spec_core.warping import SamplingSettings, processed_probs, sample
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +170,13 @@ def read_engine_counters() -> EngineCounters:
                           sums.get("vllm:prefix_cache_queries", 0.0), sums.get("vllm:prefix_cache_hits", 0.0))
 
 
+# Sampled rounds with top-k up to this take one request (prompt logprobs of top-k entries a position).
+TOP_K_ONE_REQUEST = 1024
+
+
 class VllmBackend(Backend):
     batching = True  # vLLM's scheduler mixes the rounds of all sessions in flight
-    one_request = True  # greedy rounds: one request with prompt logprobs (False: gamma + 1 requests)
+    one_request = True  # greedy and top-k rounds: one request with prompt logprobs (False: gamma + 1 requests)
 
     def __init__(self, model: str, n_ctx: int = 2048, engine_args: dict | None = None):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -206,7 +213,8 @@ class VllmBackend(Backend):
         self._stats_lock = threading.Lock()
         self._forwarded = 0
         self.full_row_requests = 0  # rounds that needed the fallback row (for tests and figures)
-        self.one_request_rounds = 0  # greedy rounds verified with one request
+        self.local_full_rows = 0  # ... and top-k rounds that built it from their own top-k row (no request)
+        self.one_request_rounds = 0  # rounds (greedy, top-k, greedy trees) verified with one request (a leaf)
         self.one_request_fallbacks = 0  # ... that found their rows cached and took the per-position requests
 
     # --- the event loop bridge ------------------------------------------------------------------
@@ -259,6 +267,18 @@ class VllmBackend(Backend):
         t0 = time.perf_counter()
         gamma = len(draft_tokens)
         committed, drafts = list(committed), [int(x) for x in draft_tokens]
+        if (self.one_request and committed and not settings.greedy and 0 < settings.top_k <= TOP_K_ONE_REQUEST
+                and gamma > 0):
+            got = self._top_k_scores(committed, drafts, settings, rng)
+            if got is not None:
+                scores, rows = got
+
+                def local_row(i: int) -> np.ndarray:
+                    with self._stats_lock:
+                        self.local_full_rows += 1
+                    return rows[i]
+                result, _ = verify_from_scores(drafts, draft_probs, scores, local_row, rng)
+                return result, 0.0, time.perf_counter() - t0
         if settings.greedy and self.one_request and committed:
             scores = self._greedy_scores(committed, drafts)
             if scores is not None:
@@ -321,20 +341,28 @@ class VllmBackend(Backend):
         paths = [tree.path_to(leaf) for leaf in leaves]
         outs = self._run(self._batch([(committed + [tree.tokens[i] for i in path], params) for path in paths]))
         n = len(committed)
+        argmax: dict[int, int] = {}   # node (ROOT for the root) -> the target's argmax after it
+        # Row idx (the logprobs of prompt token idx) is filled only when idx > num_cached_tokens; a leaf's
+        # request may read the blocks an earlier leaf's request of this round filled, so the rows it
+        # lacks are read from the leaves that computed them (fewest cached tokens first).
+        order = sorted(range(len(paths)), key=lambda k: outs[k].num_cached_tokens or 0)
+        for k in order:
+            path, out = paths[k], outs[k]
+            cached = out.num_cached_tokens or 0
+            for j, node in enumerate([ROOT] + path[:-1]):
+                if node in argmax:
+                    continue
+                if n + j <= cached:
+                    with self._stats_lock:
+                        self.one_request_rounds += 1
+                        self.one_request_fallbacks += 1
+                    return None
+                x = tree.tokens[path[j]]
+                row = out.prompt_logprobs[n + j]   # the prompt token first, then the top-1
+                argmax[node] = next((t for t, lp in row.items() if t != x and lp.rank == 1), x) if len(row) > 1 else x
+            argmax.setdefault(path[-1], int(out.outputs[0].token_ids[0]))
         with self._stats_lock:
             self.one_request_rounds += 1
-            if any((out.num_cached_tokens or 0) > n - 1 for out in outs):
-                self.one_request_fallbacks += 1
-                return None
-        argmax: dict[int, int] = {}   # node (ROOT for the root) -> the target's argmax after it
-        for path, out in zip(paths, outs):
-            before = [ROOT] + path[:-1]
-            for j, node in enumerate(before):
-                if node not in argmax:
-                    x = tree.tokens[path[j]]
-                    row = out.prompt_logprobs[n + j]   # the prompt token first, then the top-1
-                    argmax[node] = next((t for t, lp in row.items() if t != x and lp.rank == 1), x) if len(row) > 1 else x
-            argmax.setdefault(path[-1], int(out.outputs[0].token_ids[0]))
         children = tree.children()
         scores = []
         for node in [ROOT] + list(range(len(tree))):
@@ -342,6 +370,35 @@ class VllmBackend(Backend):
             need = set(tree.tokens[c] for c in children.get(node, [])) | set(tree_tokens_needed(tree, draft_probs, node) or [])
             scores.append(NodeScore(y, 1.0, {int(t): float(t == y) for t in need}))
         return scores
+
+    def _top_k_scores(self, committed: list[int], drafts: list[int], settings: SamplingSettings,
+                      rng: np.random.Generator) -> tuple[list[PositionScore], np.ndarray] | None:
+        """Sampled rounds with top-k: one request over committed + drafts with `prompt_logprobs=top_k`.
+        The processed p at a draft position depends on the top-k raw logits alone (temperature, top-k,
+        top-p: softmax over those k of logits / T, then the top-p cut), so spec_core.warping on that
+        row is the processed row; y_i is drawn from it here, the bonus is vLLM's own sample after the
+        last draft (the session's settings and seed). Returns (scores, processed rows  # [gamma, vocab])."""
+        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=settings.top_k,
+                              skip_reading_prefix_cache=False)
+        out, = self._run(self._batch([(committed + drafts, params)]))
+        n = len(committed)
+        with self._stats_lock:
+            self.one_request_rounds += 1
+            if (out.num_cached_tokens or 0) > n - 1:
+                self.one_request_fallbacks += 1
+                return None
+        raw = np.full((len(drafts), self.info.n_vocab), -np.inf, dtype=np.float32)
+        for i in range(len(drafts)):
+            for t, lp in out.prompt_logprobs[n + i].items():
+                if lp.rank <= settings.top_k and t < self.info.n_vocab:   # the top-k (the prompt token may rank lower)
+                    raw[i, t] = lp.logprob
+        rows = processed_probs(raw, settings.temperature, settings.top_k, settings.top_p)  # [gamma, vocab]
+        scores = []
+        for i, x in enumerate(drafts):
+            y = sample(rows[i], rng)
+            scores.append(PositionScore(y, float(rows[i][y]), float(rows[i][x])))
+        scores.append(PositionScore(int(out.outputs[0].token_ids[0]), float("nan"), None))
+        return scores, rows
 
     def verify_tree(self, state, committed: Sequence[int], tree: DraftTree,
                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,

