@@ -7,7 +7,10 @@
 #    (WHEELS=/path, pip --no-index --find-links), else an existing VENV_GPU that imports vllm;
 # 2. the exactness tests of the backend (tests/test_vllm_backend.py: tiny model converted from a
 #    tiny GGUF, greedy hybrid == greedy Generate through gRPC, first-token chi-square tests);
-# 3. the cost-per-round benchmark (bench/verify_cost.py) on SmolLM2-135M dequantized from the
+# 3. what the backend computes per round and per tree, from vLLM's own counters (requests, prompt
+#    tokens computed, prefix-cache hits, engine steps), old path (gamma + 1 requests) and new (one
+#    request, greedy) side by side with their time per round (bench/fleet_vllm_counters.py);
+# 4. the cost-per-round benchmark (bench/verify_cost.py) on SmolLM2-135M dequantized from the
 #    bundled GGUF, for vLLM (GPU) and llama.cpp (CPU) side by side.
 # Every step is time-boxed; a step that fails is reported and the script goes on.
 set -uo pipefail
@@ -48,8 +51,19 @@ say "## exactness tests (elapsed $(elapsed) s)"
 HYBRIDSPEC_VLLM_ARGS='{"enforce_eager": true}' timeout 240 "$VENV/bin/python" -m pytest tests/test_vllm_backend.py \
   -q -ra -p no:cacheprovider --durations=5 2>&1 | tail -25 | tee -a "$RESULTS"
 
-# --- 3. cost per round ------------------------------------------------------------------------
-LEFT=$(( 420 - $(elapsed) ))
+# --- 3. what a round computes (vLLM's counters), old and new path --------------------------------
+LEFT=$(( 360 - $(elapsed) ))
+say "## vLLM counters per round (elapsed $(elapsed) s, ${LEFT} s left)"
+if [ "$LEFT" -gt 60 ]; then
+  timeout "$LEFT" "$VENV/bin/python" bench/fleet_vllm_counters.py --vllm-arg gpu_memory_utilization=0.3 \
+    --vllm-arg enforce_eager=true --out "$(dirname "$RESULTS")/vllm_counters_gpu.json" 2>&1 \
+    | grep -v "INFO\|WARNING" | tail -16 | tee -a "$RESULTS"
+else
+  say "skipped: not enough time left"
+fi
+
+# --- 4. cost per round ------------------------------------------------------------------------
+LEFT=$(( 470 - $(elapsed) ))
 say "## cost per round (elapsed $(elapsed) s, ${LEFT} s left)"
 if [ "$LEFT" -gt 60 ]; then
   timeout "$LEFT" "$VENV/bin/python" bench/verify_cost.py --backends vllm,llama.cpp --contexts 512,2048,8000 \
@@ -59,7 +73,7 @@ if [ "$LEFT" -gt 60 ]; then
 else
   say "skipped: not enough time left"
 fi
-# --- 4. many edges, one verifier -------------------------------------------------------------
+# --- 5. many edges, one verifier -------------------------------------------------------------
 # N concurrent edges (prompt-lookup drafts) against vLLM on the GPU: vLLM's scheduler batches the
 # rounds of all sessions (each round's gamma + 1 requests are submitted together).
 LEFT=$(( 590 - $(elapsed) ))

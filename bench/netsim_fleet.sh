@@ -8,12 +8,16 @@ OUT=${OUT:-bench/fleet}
 LOAD=${LOAD:-bench/load}
 PY=${PYTHON:-python}
 fleet() { nice -n 10 "$PY" -m netsim fleet "$@"; }
+# The headline: capacity and goodput at the SLO per H200 for each path of the vLLM backend, with and
+# without KV offload and the draft budget, hybrid beside cloud-only; and SpecEdge's set-up.
+fleet --calibrate "$LOAD/synth-lan/load.json" --calibrate "$LOAD/synth-lan-batched/load.json" \
+    --profile lte --slo-tpot-ms 150 --slo-ttft-ms 2000 --specedge --out "$OUT/gpu"
 # The synthetic pair on lan, serial and batching verifier; capacity with edges on lte at p95 <= 150 ms.
 fleet --calibrate "$LOAD/synth-lan/load.json" --calibrate "$LOAD/synth-lan-batched/load.json" \
-    --profile lte --slo-ms 150 --out "$OUT/synthetic"
+    --profile lte --slo-ms 150 --gpu-table off --out "$OUT/synthetic"
 # The same, with llama.cpp's measured pass cost (bench/verify_cost.md) and its 32-token batched passes.
 fleet --calibrate "$LOAD/synth-lan/load.json" --calibrate "$LOAD/synth-lan-batched/load.json" \
-    --cpu-cost-ms 15.9,7.15 --cpu-ubatch 32 --out "$OUT/llamacpp"
+    --cpu-cost-ms 15.9,7.15 --cpu-ubatch 32 --gpu-table off --out "$OUT/llamacpp"
 # The synthetic pair on 3g, serial and batching verifier; capacity with edges on 3g at p95 <= 300 ms.
 fleet --calibrate "$LOAD/synth-3g/load.json" --calibrate "$LOAD/synth-3g-batched/load.json" \
-    --profile 3g --slo-ms 300 --out "$OUT/synthetic-3g"
+    --profile 3g --slo-ms 300 --gpu-table off --out "$OUT/synthetic-3g"

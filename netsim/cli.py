@@ -275,6 +275,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .fleet import fleet_markdown, fleet_plot, run_fleet
+    from .fleet.gpu import gpu_cases
 
     profiles = _csv(args.profile)
     for name in profiles:
@@ -289,6 +290,9 @@ def _run_fleet(args: argparse.Namespace) -> int:
                        profiles=profiles, cpu_per_token_s=args.cpu_per_token_ms / 1000.0, gpu=args.gpu,
                        gpu_alpha=args.gpu_alpha, gpu_draft_s=args.gpu_draft_ms / 1000.0, gpu_context=args.gpu_context,
                        gpu_overhead_s=args.gpu_overhead_ms / 1000.0, cpu_cost=cpu_cost, cpu_ubatch=args.cpu_ubatch,
+                       slo_ttft_s=args.slo_ttft_ms / 1000.0, gpu_duration_s=args.gpu_duration,
+                       gpu_cases=gpu_cases(args.gpu_block_size) if args.gpu_table == "on" else None,
+                       specedge=dict(tokens_per_round=[3.0, 3.5, 4.0], batches=[2, 4, 8, 16]) if args.specedge else None,
                        progress=lambda name: log.info("%s", name))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -310,7 +314,10 @@ def _add_fleet_command(subparsers) -> None:
     parser.add_argument("--calibrate", required=True, action="append", metavar="LOAD_JSON",
                         help="load.json from `netsim load` (repeatable: each is checked; the capacity table's serial "
                              "rows use the first serial run's calibration, its batched rows the first batched one's)")
-    parser.add_argument("--slo-ms", type=float, default=150.0, help="p95 time per output token (ms)")
+    parser.add_argument("--slo-tpot-ms", "--slo-ms", dest="slo_ms", type=float, default=150.0,
+                        help="SLO: p95 time per output token (ms), as netsim load's --slo-tpot-ms")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0,
+                        help="SLO: p95 time to first token (ms), as netsim load's --slo-ttft-ms")
     parser.add_argument("--totals", default="1e3,1e4,1e5,1e6", help="fleet sizes (edges)")
     parser.add_argument("--profile", default="lte", help="link profile(s) of the fleet's edges, comma-separated mix")
     parser.add_argument("--cpu-per-token-ms", type=float, default=0.0,
@@ -327,6 +334,13 @@ def _add_fleet_command(subparsers) -> None:
     parser.add_argument("--gpu-context", type=int, default=1024, help="mean context per session (tokens)")
     parser.add_argument("--gpu-overhead-ms", type=float, default=0.05,
                         help="server CPU per round on the GPU verifier (ms; one at a time; streams stay in the batch)")
+    parser.add_argument("--gpu-table", choices=["on", "off"], default="on",
+                        help="capacity and goodput at the SLO per GPU for each verification path of the vLLM "
+                             "backend, with and without KV offload and the draft budget (the headline)")
+    parser.add_argument("--gpu-block-size", type=int, default=16, help="vLLM's KV block size on the GPU (tokens)")
+    parser.add_argument("--gpu-duration", type=float, default=6.0, help="simulated seconds per GPU-table point")
+    parser.add_argument("--specedge", action="store_true",
+                        help="also SpecEdge's published set-up (Qwen3-14B on an A100, RTX 4090 edges, 14 ms RTT)")
     parser.add_argument("--out", default="results/fleet", help="output folder")
     parser.set_defaults(run=_run_fleet)
 

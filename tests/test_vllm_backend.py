@@ -300,11 +300,13 @@ STAT_THREADS = 8    # concurrent rounds, so vLLM batches them
 
 
 @needs_vllm
+@pytest.mark.parametrize("top_k", [20, 0])
 @pytest.mark.parametrize("qkind", ["full", "sparse", "none"])
-def test_first_token_through_verify_follows_the_processed_target(backend, tiny, qkind):
-    """N = 1200 rounds (gamma = 2) per q mode at T = 1.3, top-k 20, top-p 0.9. Exact p from the
-    backend's own raw rows through spec_core.warping; chi-square p > 1e-4."""
-    s = SamplingSettings(temperature=1.3, top_k=20, top_p=0.9)
+def test_first_token_through_verify_follows_the_processed_target(backend, tiny, qkind, top_k):
+    """N = 1200 rounds (gamma = 2) per q mode at T = 1.3, top-p 0.9, with top-k 20 (one request with
+    prompt logprobs) and without (gamma + 1 requests). Exact p from the backend's own raw rows through
+    spec_core.warping; chi-square p > 1e-4."""
+    s = SamplingSettings(temperature=1.3, top_k=top_k, top_p=0.9)
     ctx = [1] + [int(x) for x in np.random.default_rng(0).integers(3, 299, 20)]
     rows, _, _ = backend.target_logits(None, ctx, 1)
     target = processed_probs(rows[0], s.temperature, s.top_k, s.top_p)  # [V]
@@ -325,9 +327,76 @@ def test_first_token_through_verify_follows_the_processed_target(backend, tiny, 
             counts[x if result.num_accepted >= 1 else result.next_token] += 1
         return counts, 0
 
-    before = backend.full_row_requests
+    before = backend.full_row_requests, backend.local_full_rows, backend.one_request_rounds
     with ThreadPoolExecutor(STAT_THREADS) as pool:
         counts = sum(c for c, _ in pool.map(run, range(STAT_THREADS)))
     p = chi_square_p(counts, target)
     assert p > P_MIN, f"chi-square p = {p:.2e} for q={qkind}"
-    assert backend.full_row_requests > before, "the full-row fallback was never exercised"
+    if top_k:   # one request a round; the residual's row built from the top-k row
+        assert backend.local_full_rows > before[1] and backend.full_row_requests == before[0]
+        assert backend.one_request_rounds - before[2] >= STAT_N
+    else:
+        assert backend.full_row_requests > before[0], "the full-row fallback was never exercised"
+
+
+# --- what a round costs the engine, from vLLM's own counters -------------------------------------
+
+@needs_vllm
+@pytest.mark.parametrize("one_request", [True, False])
+def test_engine_counters_count_what_a_greedy_round_computes(backend, one_request):
+    """vLLM's counters over one greedy round of gamma = 3 drafts (after a first round that prefills a
+    context of its own): one request over r + gamma tokens, or gamma + 1 requests over
+    (gamma + 1)·r + gamma·(gamma + 1)/2, r the committed tokens after the last full KV block
+    (netsim.fleet.costs.RoundWork, what the fleet's GPU model charges)."""
+    from netsim.fleet.costs import RoundWork
+    from spec_core.verify import commit_round
+    block = int(backend._llm.vllm_config.cache_config.block_size)
+    rng = np.random.default_rng(50 + one_request)
+    committed = [1] + [int(x) for x in rng.integers(3, 299, 40)]
+    greedy = SamplingSettings(temperature=0.0)
+    backend.one_request = one_request
+    try:
+        for counted in (False, True):
+            drafts = [int(x) for x in rng.integers(3, 299, 3)]
+            before = backend.engine_counters()
+            result, _, _ = backend.verify(None, committed, drafts, None, greedy, rng)
+            d = backend.engine_counters() - before
+            r = len(committed) - ((len(committed) - 1) // block) * block
+            committed += commit_round(drafts, result, frozenset(), remaining=99, context_left=99).tokens
+        path = "one-request" if one_request else "per-position"
+        assert d.requests == RoundWork(path, block).requests(3)
+        assert d.prompt_tokens - d.cached_prompt_tokens == RoundWork(path, block).tokens(3, r)
+        assert d.engine_steps >= 1
+    finally:
+        backend.one_request = True
+
+
+@needs_vllm
+def test_greedy_round_whose_rows_another_session_cached_falls_back_to_the_same_answer(backend):
+    """Two sessions with the very same tokens: the second one's prompt logprobs start after the cached
+    block that holds the last committed token, so it takes the per-position requests; same answer."""
+    block = int(backend._llm.vllm_config.cache_config.block_size)
+    rng = np.random.default_rng(77)
+    committed = [1] + [int(x) for x in rng.integers(3, 299, 2 * block - 1)]   # the last token ends a block
+    drafts = [int(x) for x in rng.integers(3, 299, 4)]
+    greedy = SamplingSettings(temperature=0.0)
+    before = backend.one_request_fallbacks
+    first, _, _ = backend.verify(None, committed, drafts, None, greedy, np.random.default_rng(0))
+    assert backend.one_request_fallbacks == before              # its own rows: no fallback
+    second, _, _ = backend.verify(None, committed, drafts, None, greedy, np.random.default_rng(0))
+    assert backend.one_request_fallbacks == before + 1
+    assert (first.num_accepted, first.next_token) == (second.num_accepted, second.next_token)
+
+
+@needs_vllm
+def test_sampled_rounds_take_one_request_with_top_k_and_one_per_position_without(backend):
+    rng = np.random.default_rng(91)
+    committed = [1] + [int(x) for x in rng.integers(3, 299, 30)]
+    drafts = [int(x) for x in rng.integers(3, 299, 3)]
+    counts = []
+    for s in (SamplingSettings(temperature=1.3, top_k=20, top_p=0.9), SamplingSettings(temperature=1.3, top_p=0.9)):
+        before = backend.engine_counters()
+        backend.verify(None, committed, drafts, None, s, rng)
+        counts.append((backend.engine_counters() - before).requests)
+    # a full-row fallback may add one request to the per-position round
+    assert counts[0] == 1 and counts[1] in (4, 5)

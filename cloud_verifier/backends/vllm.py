@@ -30,6 +30,24 @@ and it costs one row, not a context. Greedy (temperature 0) needs no probabiliti
 argmax, x_i is accepted iff x_i == y_i, and the corrected / bonus token is y_j. Trees use the same
 scores per node (spec_core.tree.verify_tree_from_scores).
 
+Greedy rounds take one request instead (`one_request`, on by default): prompt = committed + drafts,
+`prompt_logprobs=1` read after the prefix cache (`skip_reading_prefix_cache=False`), max_tokens = 1.
+Row j of the prompt logprobs holds the draft token and the top-1 token at prompt position j, raw
+(prompt rows skip the sampler, so for greedy the top-1 is the argmax the sampler would take); the
+sampled token after the last draft is the bonus. vLLM fills only the rows after the cached prefix
+(the rest of the tensor is left unset), so the rows are read only when `num_cached_tokens` <= len(
+committed) - 1, which holds within a session (its last committed token was sampled, never computed,
+so the block that holds it is not cached); when another session had computed the very same tokens,
+the round falls back to the per-position requests (`one_request_fallbacks`). The work a round costs:
+per-position, gamma + 1 requests each recomputing the committed tokens after the last full KV block
+(r, 1..block_size) and its own drafts, (gamma + 1)·r + gamma·(gamma + 1)/2 tokens; one request, r + gamma
+(bench/fleet_vllm_counters.py counts both with vLLM's own counters, `engine_counters`). Sampled
+rounds with top-k (k <= TOP_K_ONE_REQUEST) take one request too, with `prompt_logprobs=k`: prompt
+rows are raw, but the processed p (temperature, top-k, top-p) at a position depends on its top-k
+raw logits alone, so spec_core.warping on those k entries gives the processed row, y_i is drawn from
+it, and the bonus is vLLM's own sample. Sampled rounds without top-k keep the per-position
+requests: p(x) after temperature needs the whole row, which would cross into Python as vocab-sized lists.
+
 The target's distribution is vLLM's own: `sample_next` (the cloud-only Generate stream) samples
 with the same request parameters, so hybrid and cloud-only output have the same distribution.
 Numerics differ slightly between batch shapes (a draft row is computed in a prefill, a Generate
@@ -50,7 +68,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -59,7 +77,7 @@ from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import ROOT, DraftTree, NodeScore, TreeResult, tree_tokens_needed, verify_tree_from_scores
 from spec_core.verify import PositionScore, RoundResult, verify_from_scores
-from spec_core.warping import SamplingSettings
+from spec_core.warping import SamplingSettings, processed_probs, sample
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +140,43 @@ def hf_tokenizer_facts(folder: str) -> tuple[str, int, frozenset[int]]:
     return tokenizer_fingerprint(texts, bos, eos), n, frozenset(eog)
 
 
+class EngineCounters(NamedTuple):
+    """vLLM's own counters (its Prometheus metrics in this process, vllm.v1.metrics.reader), summed over
+    label values. Differences of two readings give what a stretch of work cost the engine."""
+    requests: float                 # vllm:request_success (finished requests)
+    prompt_tokens: float            # vllm:prompt_tokens
+    cached_prompt_tokens: float     # vllm:prompt_tokens_cached (served from the prefix cache)
+    computed_tokens: float          # vllm:iteration_tokens_total sum (prompt tokens computed + generated)
+    engine_steps: float             # vllm:iteration_tokens_total count (engine steps that produced output)
+    prefix_cache_queries: float     # vllm:prefix_cache_queries (tokens looked up)
+    prefix_cache_hits: float        # vllm:prefix_cache_hits (tokens found)
+
+    def __sub__(self, other: "EngineCounters") -> "EngineCounters":
+        return EngineCounters(*(a - b for a, b in zip(self, other)))
+
+
+def read_engine_counters() -> EngineCounters:
+    from vllm.v1.metrics.reader import Counter, Histogram, get_metrics_snapshot
+    sums: dict[str, float] = {}
+    for m in get_metrics_snapshot():
+        if isinstance(m, Counter):
+            sums[m.name] = sums.get(m.name, 0.0) + m.value
+        elif isinstance(m, Histogram):
+            sums[m.name + ":sum"] = sums.get(m.name + ":sum", 0.0) + m.sum
+            sums[m.name + ":count"] = sums.get(m.name + ":count", 0.0) + m.count
+    return EngineCounters(sums.get("vllm:request_success", 0.0), sums.get("vllm:prompt_tokens", 0.0),
+                          sums.get("vllm:prompt_tokens_cached", 0.0), sums.get("vllm:iteration_tokens_total:sum", 0.0),
+                          sums.get("vllm:iteration_tokens_total:count", 0.0),
+                          sums.get("vllm:prefix_cache_queries", 0.0), sums.get("vllm:prefix_cache_hits", 0.0))
+
+
+# Sampled rounds with top-k up to this take one request (prompt logprobs of top-k entries a position).
+TOP_K_ONE_REQUEST = 1024
+
+
 class VllmBackend(Backend):
     batching = True  # vLLM's scheduler mixes the rounds of all sessions in flight
+    one_request = True  # greedy and top-k rounds: one request with prompt logprobs (False: gamma + 1 requests)
 
     def __init__(self, model: str, n_ctx: int = 2048, engine_args: dict | None = None):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -160,6 +213,9 @@ class VllmBackend(Backend):
         self._stats_lock = threading.Lock()
         self._forwarded = 0
         self.full_row_requests = 0  # rounds that needed the fallback row (for tests and figures)
+        self.local_full_rows = 0  # ... and top-k rounds that built it from their own top-k row (no request)
+        self.one_request_rounds = 0  # rounds (greedy, top-k, greedy trees) verified with one request (a leaf)
+        self.one_request_fallbacks = 0  # ... that found their rows cached and took the per-position requests
 
     # --- the event loop bridge ------------------------------------------------------------------
 
@@ -211,6 +267,27 @@ class VllmBackend(Backend):
         t0 = time.perf_counter()
         gamma = len(draft_tokens)
         committed, drafts = list(committed), [int(x) for x in draft_tokens]
+        if (self.one_request and committed and not settings.greedy and 0 < settings.top_k <= TOP_K_ONE_REQUEST
+                and gamma > 0):
+            got = self._top_k_scores(committed, drafts, settings, rng)
+            if got is not None:
+                scores, rows = got
+
+                def local_row(i: int) -> np.ndarray:
+                    with self._stats_lock:
+                        self.local_full_rows += 1
+                    return rows[i]
+                result, _ = verify_from_scores(drafts, draft_probs, scores, local_row, rng)
+                return result, 0.0, time.perf_counter() - t0
+        if settings.greedy and self.one_request and committed:
+            scores = self._greedy_scores(committed, drafts)
+            if scores is not None:
+                def point_mass(i: int) -> np.ndarray:  # greedy p: all its mass on the argmax
+                    row = np.zeros(self.info.n_vocab)
+                    row[scores[i].sample] = 1.0
+                    return row
+                result, _ = verify_from_scores(drafts, draft_probs, scores, point_mass, rng)
+                return result, 0.0, time.perf_counter() - t0
         seeds = rng.integers(0, 2**62, size=gamma + 1)
         requests = []
         for i in range(gamma + 1):
@@ -229,6 +306,100 @@ class VllmBackend(Backend):
         result, _ = verify_from_scores(drafts, draft_probs, scores, full_row, rng)
         return result, 0.0, time.perf_counter() - t0
 
+    def _greedy_scores(self, committed: list[int], drafts: list[int]) -> list[PositionScore] | None:
+        """One request over committed + drafts: the argmax at every draft position from its prompt
+        logprobs (top-1, read after the prefix cache), the bonus from the sampled token. None when the
+        rows of the first draft positions were served from the cache (another session's identical tokens)."""
+        from vllm import SamplingParams
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, skip_reading_prefix_cache=False,
+                                ignore_eos=True, detokenize=False, skip_clone=True)
+        out, = self._run(self._batch([(committed + drafts, params)]))
+        n = len(committed)
+        with self._stats_lock:
+            self.one_request_rounds += 1
+            if (out.num_cached_tokens or 0) > n - 1:
+                self.one_request_fallbacks += 1
+                return None
+        scores = []
+        for i, x in enumerate(drafts):
+            row = out.prompt_logprobs[n + i]   # {token id: Logprob}: the prompt token first, then the top-1
+            top = next((t for t, lp in row.items() if t != x and lp.rank == 1), x) if len(row) > 1 else x
+            scores.append(PositionScore(int(top), 1.0, float(top == x)))
+        scores.append(PositionScore(int(out.outputs[0].token_ids[0]), 1.0, None))
+        return scores
+
+    def _greedy_tree_scores(self, committed: list[int], tree: DraftTree,
+                            draft_probs: Sequence[EncodedQ | None] | None) -> list[NodeScore] | None:
+        """Greedy trees: one request per leaf (prompt = committed + the leaf's path, prompt logprobs read
+        after the prefix cache) gives the argmax after the root and after every node on the path; the
+        sampled token is the argmax after the leaf. Scores indexed as verify_tree's (0: the root, node + 1).
+        None when a leaf's rows were served from the cache (another session's identical tokens)."""
+        from vllm import SamplingParams
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, skip_reading_prefix_cache=False,
+                                ignore_eos=True, detokenize=False, skip_clone=True)
+        leaves = tree.leaves()
+        paths = [tree.path_to(leaf) for leaf in leaves]
+        outs = self._run(self._batch([(committed + [tree.tokens[i] for i in path], params) for path in paths]))
+        n = len(committed)
+        argmax: dict[int, int] = {}   # node (ROOT for the root) -> the target's argmax after it
+        # Row idx (the logprobs of prompt token idx) is filled only when idx > num_cached_tokens; a leaf's
+        # request may read the blocks an earlier leaf's request of this round filled, so the rows it
+        # lacks are read from the leaves that computed them (fewest cached tokens first).
+        order = sorted(range(len(paths)), key=lambda k: outs[k].num_cached_tokens or 0)
+        for k in order:
+            path, out = paths[k], outs[k]
+            cached = out.num_cached_tokens or 0
+            for j, node in enumerate([ROOT] + path[:-1]):
+                if node in argmax:
+                    continue
+                if n + j <= cached:
+                    with self._stats_lock:
+                        self.one_request_rounds += 1
+                        self.one_request_fallbacks += 1
+                    return None
+                x = tree.tokens[path[j]]
+                row = out.prompt_logprobs[n + j]   # the prompt token first, then the top-1
+                argmax[node] = next((t for t, lp in row.items() if t != x and lp.rank == 1), x) if len(row) > 1 else x
+            argmax.setdefault(path[-1], int(out.outputs[0].token_ids[0]))
+        with self._stats_lock:
+            self.one_request_rounds += 1
+        children = tree.children()
+        scores = []
+        for node in [ROOT] + list(range(len(tree))):
+            y = int(argmax[node])
+            need = set(tree.tokens[c] for c in children.get(node, [])) | set(tree_tokens_needed(tree, draft_probs, node) or [])
+            scores.append(NodeScore(y, 1.0, {int(t): float(t == y) for t in need}))
+        return scores
+
+    def _top_k_scores(self, committed: list[int], drafts: list[int], settings: SamplingSettings,
+                      rng: np.random.Generator) -> tuple[list[PositionScore], np.ndarray] | None:
+        """Sampled rounds with top-k: one request over committed + drafts with `prompt_logprobs=top_k`.
+        The processed p at a draft position depends on the top-k raw logits alone (temperature, top-k,
+        top-p: softmax over those k of logits / T, then the top-p cut), so spec_core.warping on that
+        row is the processed row; y_i is drawn from it here, the bonus is vLLM's own sample after the
+        last draft (the session's settings and seed). Returns (scores, processed rows  # [gamma, vocab])."""
+        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=settings.top_k,
+                              skip_reading_prefix_cache=False)
+        out, = self._run(self._batch([(committed + drafts, params)]))
+        n = len(committed)
+        with self._stats_lock:
+            self.one_request_rounds += 1
+            if (out.num_cached_tokens or 0) > n - 1:
+                self.one_request_fallbacks += 1
+                return None
+        raw = np.full((len(drafts), self.info.n_vocab), -np.inf, dtype=np.float32)
+        for i in range(len(drafts)):
+            for t, lp in out.prompt_logprobs[n + i].items():
+                if lp.rank <= settings.top_k and t < self.info.n_vocab:   # the top-k (the prompt token may rank lower)
+                    raw[i, t] = lp.logprob
+        rows = processed_probs(raw, settings.temperature, settings.top_k, settings.top_p)  # [gamma, vocab]
+        scores = []
+        for i, x in enumerate(drafts):
+            y = sample(rows[i], rng)
+            scores.append(PositionScore(y, float(rows[i][y]), float(rows[i][x])))
+        scores.append(PositionScore(int(out.outputs[0].token_ids[0]), float("nan"), None))
+        return scores, rows
+
     def verify_tree(self, state, committed: Sequence[int], tree: DraftTree,
                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                     rng: np.random.Generator) -> tuple[TreeResult, float, float]:
@@ -239,6 +410,15 @@ class VllmBackend(Backend):
         its whole processed row instead. verify_tree_from_scores runs the rule (proof there)."""
         t0 = time.perf_counter()
         committed = list(committed)
+        if settings.greedy and self.one_request and committed and len(tree):
+            scores = self._greedy_tree_scores(committed, tree, draft_probs)
+            if scores is not None:
+                def point_mass(node: int) -> np.ndarray:  # greedy p: all its mass on the argmax
+                    row = np.zeros(self.info.n_vocab)
+                    row[scores[0 if node == ROOT else node + 1].sample] = 1.0
+                    return row
+                result, _ = verify_tree_from_scores(tree, draft_probs, scores, point_mass, rng)
+                return result, 0.0, time.perf_counter() - t0
         nodes = [ROOT] + list(range(len(tree)))
         seeds = rng.integers(0, 2**62, size=len(nodes))
         score_reqs, full_reqs = [], []  # (index in nodes, prompt, params, tokens needed)
@@ -306,6 +486,12 @@ class VllmBackend(Backend):
 
     def forward_tokens(self) -> int:
         return self._forwarded
+
+    def engine_counters(self) -> EngineCounters:
+        """vLLM's own counters now (read on the engine's loop, after every output it has handed over)."""
+        async def read():
+            return read_engine_counters()
+        return self._run(read())
 
     def close(self) -> None:
         if self._llm is None:

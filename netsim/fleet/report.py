@@ -18,12 +18,20 @@ from netsim.fleet.costs import H100, H200, LinearCost, gpu_cost, kv_sessions
 from netsim.fleet.simulation import FleetConfig, simulate
 
 
+def meets_slo(result: dict, slo_tpot_s: float, slo_ttft_s: float | None = None) -> bool:
+    """p95 TPOT within the SLO, p95 TTFT too when given (an unmeasured TTFT does not count against it:
+    netsim.load.meets_slo_p95's rule), and every session's KV on the verifier (or parked: offload)."""
+    if result.get("kv_exceeded") or result["tpot_p95_s"] is None or result["tpot_p95_s"] > slo_tpot_s:
+        return False
+    return slo_ttft_s is None or result.get("ttft_p95_s") is None or result["ttft_p95_s"] <= slo_ttft_s
+
+
 def edges_per_verifier(make: Callable[[int], FleetConfig], slo_s: float, max_edges: int = 1 << 16,
-                       duration_s: float = 20.0) -> tuple[int, dict | None]:
-    """The largest n with simulated p95 TPOT <= slo_s (0 when even one edge misses); make(n) -> FleetConfig."""
+                       duration_s: float = 20.0, slo_ttft_s: float | None = None) -> tuple[int, dict | None]:
+    """The largest n whose simulation meets the SLO (`meets_slo`; 0 when even one edge misses); make(n) -> FleetConfig."""
     def ok(n: int) -> tuple[bool, dict]:
         result = simulate(replace(make(n), duration_s=duration_s))
-        return result["tpot_p95_s"] is not None and result["tpot_p95_s"] <= slo_s, result
+        return meets_slo(result, slo_s, slo_ttft_s), result
     good, result = ok(1)
     if not good:
         return 0, result
@@ -95,15 +103,17 @@ class Scenario:
 
 
 def capacity_table(scenarios: list[Scenario], modes: list[str], slo_s: float,
-                   totals: list[int], duration_s: float = 20.0, max_edges: int = 1 << 14) -> list[dict]:
+                   totals: list[int], duration_s: float = 20.0, max_edges: int = 1 << 14,
+                   slo_ttft_s: float | None = None) -> list[dict]:
     rows = []
     for s in scenarios:
         for mode in modes:
             per_verifier, sim = edges_per_verifier(
                 lambda n: fleet_config(s.params, n, mode, s.batching, packing=s.packing), slo_s,
-                max_edges=max_edges, duration_s=duration_s)
+                max_edges=max_edges, duration_s=duration_s, slo_ttft_s=slo_ttft_s)
             row = {"backend": s.name, "mode": mode, "batching": s.batching, "edges_per_verifier": per_verifier,
                    "tokens_per_s_per_verifier": sim["committed_tokens_per_s"] if sim else None,
+                   "goodput_tokens_per_s_per_verifier": sim.get("goodput_tokens_per_s") if sim and per_verifier else None,
                    "tpot_p95_s": sim["tpot_p95_s"] if sim else None,
                    "capped": per_verifier >= max_edges}
             for total in totals:
@@ -118,7 +128,8 @@ GPU_BATCH_TOKENS = 4096   # the GPU scheduler's tokens per step, whole requests 
 def run_fleet(load_results: list[dict], *, slo_s: float, totals: list[int], profiles: list[str],
               cpu_per_token_s: float, gpu: str, cpu_cost: LinearCost | None = None, cpu_ubatch: int | None = None,
               gpu_alpha: float, gpu_draft_s: float, gpu_context: int, gpu_overhead_s: float,
-              capacity_duration_s: float = 12.0, progress=None) -> dict:
+              capacity_duration_s: float = 12.0, progress=None, slo_ttft_s: float | None = None,
+              gpu_cases: list | None = None, gpu_duration_s: float = 6.0, specedge: dict | None = None) -> dict:
     """Calibrate on each load result and check against it; then the capacity table, whose serial rows take
     the first serial calibration's parameters and whose batched rows (and the GPU case's edges) the first
     batched one's (either falls back to the first calibration)."""
@@ -159,13 +170,42 @@ def run_fleet(load_results: list[dict], *, slo_s: float, totals: list[int], prof
             progress(f"capacity: {scenario.name}")
         max_edges = kv_sessions(memory, gpu_model) if scenario is gpu_scenario else 1 << 12
         rows += capacity_table([scenario], ["hybrid", "cloud-only"], slo_s, totals,
-                               duration_s=capacity_duration_s, max_edges=max_edges)
-    return {"slo_s": slo_s, "totals": totals, "profiles": profiles, "checks": checks,
+                               duration_s=capacity_duration_s, max_edges=max_edges, slo_ttft_s=slo_ttft_s)
+    out = {}
+    if gpu_cases:
+        from netsim.fleet.costs import KvOffload
+        from netsim.fleet.gpu import gpu_capacity
+        out["gpu_capacity"] = gpu_capacity(gpu_scenario.params, gpu_model, memory, gpu_cases, KvOffload(), totals,
+                                           slo_s, slo_ttft_s if slo_ttft_s is not None else 2.0,
+                                           duration_s=gpu_duration_s, progress=progress)
+    if specedge:
+        from netsim.fleet.gpu import specedge_table
+        out["specedge"] = specedge_table(**specedge, slo_tpot_s=slo_s,
+                                         slo_ttft_s=slo_ttft_s if slo_ttft_s is not None else 2.0,
+                                         duration_s=gpu_duration_s, progress=progress)
+    return {**out, "slo_s": slo_s, "slo_ttft_s": slo_ttft_s, "totals": totals, "profiles": profiles, "checks": checks,
             "capacity_calibration": {"serial": serial, "batched": batched},
             "cpu_cost": {"serial": cpu_serial.cost.describe(), "batched": cpu_batched.cost.describe()},
             "cpu_ubatch": cpu_batched.max_batch_tokens,
             "gpu": {**gpu_scenario.params.describe(), "packing": gpu_scenario.packing},
             "gpu_kv_sessions": kv_sessions(memory, gpu_model), "capacity": rows}
+
+
+def _headline(gpu: dict) -> list[str]:
+    """The figure of merit first: committed tokens/s per GPU at the SLO, best hybrid case against cloud-only."""
+    rows = gpu["rows"]
+    cloud = next((r for r in rows if r["mode"] == "cloud-only"), None)
+    hybrids = [r for r in rows if r["mode"] == "hybrid" and r["committed_tokens_per_s"] is not None
+               and "bound" not in r["case"] and "before" not in r["case"]]
+    best = max(hybrids, key=lambda r: r["committed_tokens_per_s"], default=None)
+    if not cloud or not best or not cloud["committed_tokens_per_s"]:
+        return []
+    return [f"**Headline** (p95 TPOT <= {gpu['slo_tpot_s'] * 1e3:g} ms, p95 TTFT <= {gpu['slo_ttft_s'] * 1e3:g} ms, "
+            f"per GPU, {gpu['cost'].split(':')[0]}): cloud-only {cloud['edges_per_gpu']} edges, "
+            f"{cloud['committed_tokens_per_s']:,.0f} tok/s (goodput {cloud['goodput_tokens_per_s']:,.0f}); best shipped "
+            f"hybrid ({best['case']}) {best['edges_per_gpu']} edges, {best['committed_tokens_per_s']:,.0f} tok/s "
+            f"(goodput {best['goodput_tokens_per_s']:,.0f}): **{best['committed_tokens_per_s_vs_cloud']:.2f}×** "
+            "cloud-only's committed tokens/s per GPU.", ""]
 
 
 def _pct(x) -> str:
@@ -210,6 +250,14 @@ def _check_markdown(check: dict) -> list[str]:
 
 def fleet_markdown(result: dict) -> str:
     lines = ["# netsim fleet", ""]
+    if result.get("gpu_capacity"):
+        from netsim.fleet.gpu import gpu_markdown
+        gpu = result["gpu_capacity"]
+        lines += _headline(gpu)
+        lines += gpu_markdown(gpu, "Capacity and goodput at the SLO per GPU (the vLLM path's true cost)")
+    if result.get("specedge"):
+        from netsim.fleet.gpu import specedge_markdown
+        lines += specedge_markdown(result["specedge"])
     for check in result["checks"]:
         lines += _check_markdown(check)
     totals = result["totals"]

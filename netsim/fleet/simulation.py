@@ -40,8 +40,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from netsim.fleet.costs import KvOffload, RoundWork, draft_budget
 from netsim.fleet.links import ROUND_BYTES, STREAM_BYTES, EdgeLink
-from netsim.profiles import get_profile
+from netsim.profiles import Profile, get_profile
 from spec_core.batchplan import fair_share
 
 
@@ -51,7 +52,7 @@ class FleetConfig:
     mode: str                           # "hybrid" or "cloud-only"
     cost: object                        # LinearCost or RooflineCost
     batching: bool = False
-    profiles: list[str] = field(default_factory=lambda: ["lan"])
+    profiles: list = field(default_factory=lambda: ["lan"])   # profile names (or Profile objects)
     gamma: int = 4
     alpha: float = 0.7                  # per-token acceptance
     draft_s: float = 0.002              # device drafting time per token
@@ -70,6 +71,22 @@ class FleetConfig:
     packing: str = "fair-share"         # batching: "fair-share" (cloud_verifier's Batcher) or "fcfs" (whole requests)
     round_bytes: tuple[int, int] = ROUND_BYTES     # hybrid: a Verify request and its reply on the wire (B)
     stream_bytes: tuple[int, int] = STREAM_BYTES   # cloud-only: a Generate request and one streamed token (B)
+    # The GPU verifier as shipped: target tokens per hybrid round (RoundWork: vLLM's partial-block
+    # re-prefill, requests per round); None: gamma + 1 tokens.
+    round_work: RoundWork | None = None
+    # KV memory: sessions whose KV fits on the verifier (None: no bound inside the simulation). With
+    # `offload`, a hybrid session's KV is resident only while a round of it is at the verifier: a round
+    # that finds its KV parked waits for a free slot (an idle session is parked: the one answered last,
+    # whose next round is furthest away) and for the copy over the host link.
+    kv_capacity: int | None = None
+    kv_bytes_per_session: float = 0.0
+    offload: KvOffload | None = None
+    # The verifier steers: each reply carries a draft budget (costs.draft_budget at the load of the
+    # pass that verified the round) and the edge drafts min(gamma, budget).
+    steer: bool = False
+    # A request meets the SLO with TPOT (over the window) and TTFT (if it started in the window) within these.
+    slo_tpot_s: float = 0.150
+    slo_ttft_s: float = 2.0
     duration_s: float = 30.0
     warmup_s: float = 3.0
     seed: int = 1
@@ -83,6 +100,7 @@ class _Job:
     edge: int
     tokens: int                         # tokens still to evaluate
     arrived_s: float = 0.0              # when it reached the verifier
+    gamma: int = 0                      # hybrid: drafts in the round
 
 
 class Take(NamedTuple):
@@ -152,6 +170,12 @@ class Send:
 
 
 @dataclass(slots=True)
+class Ready:
+    """A round whose session's KV is back on the verifier (offload) joins the verifier's queue."""
+    job: _Job
+
+
+@dataclass(slots=True)
 class PassDone:
     """The verifier finished a pass."""
     plan: list[Take]
@@ -163,6 +187,10 @@ class _Edge:
     committed: int = 0                  # tokens of the current request
     request_start: float = 0.0
     token_times: list = field(default_factory=list)   # (time, tokens) of the current request
+    budget: int | None = None           # the draft budget of the verifier's last reply
+    resident: bool = True               # offload: its KV is on the verifier
+    at_verifier: bool = False           # offload: a round of it is queued, copied in or in a pass
+    answered_s: float = 0.0             # offload: when its last round left the verifier
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -175,8 +203,8 @@ class _Simulation:
             raise ValueError(f"mode must be hybrid or cloud-only, got {cfg.mode!r}")
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self.edges = [_Edge(EdgeLink(get_profile(cfg.profiles[i % len(cfg.profiles)]), cfg.seed * 100_003 + i))
-                      for i in range(cfg.edges)]
+        profiles = [p if isinstance(p, Profile) else get_profile(p) for p in cfg.profiles]
+        self.edges = [_Edge(EdgeLink(profiles[i % len(profiles)], cfg.seed * 100_003 + i)) for i in range(cfg.edges)]
         self.events: list[tuple[float, int, object]] = []   # (time, push order, event)
         self.pushed = 0
         self.t_measure, self.t_end = cfg.warmup_s, cfg.warmup_s + cfg.duration_s
@@ -196,6 +224,29 @@ class _Simulation:
         shared_edge_cpu = _Cpu()
         self.edge_cpus = [shared_edge_cpu if cfg.edges_share_cpu else _Cpu() for _ in range(cfg.edges)]
         self.plan = _fair_share_plan if cfg.packing == "fair-share" else _fcfs_plan
+        self.work = cfg.round_work or RoundWork()
+        self._budget_cache: dict[tuple[int, int], int] = {}
+        self.work_rng = random.Random(cfg.seed * 7_919 + 1)   # its own, so the acceptance draws stay as they were
+        self.good_tokens = 0                 # committed in the window by requests that met the SLO
+        self.verdicts: list[bool] = []
+        self.requests_sent = 0               # engine requests (RoundWork.requests) in the window
+        self.budgets: list[int] = []         # steer: budgets sent in the window
+        # KV offload (hybrid sessions beyond kv_capacity park their KV on the host while they wait)
+        self.offloading = bool(self.hybrid and cfg.offload is not None and cfg.kv_capacity
+                               and cfg.edges > cfg.kv_capacity)
+        self.kv_exceeded = bool(cfg.kv_capacity is not None and cfg.edges > cfg.kv_capacity and not self.offloading)
+        self.kv_queue: list[_Job] = []       # rounds whose KV is parked, waiting for a slot
+        self.idle_resident: list[tuple[float, int, float]] = []   # heap of (-answered_s, edge, answered_s)
+        self.host_link = _Cpu()              # host -> GPU copies, one at a time
+        self.copies = 0
+        self.resident = self.resident_max = 0
+        self.copy_wait_s: list[float] = []   # from a round's arrival to its KV being back
+        if self.offloading:
+            for i, e in enumerate(self.edges):
+                e.resident = i < cfg.kv_capacity
+                if e.resident:
+                    heapq.heappush(self.idle_resident, (-0.0, i, 0.0))
+            self.resident = self.resident_max = cfg.kv_capacity
 
     def push(self, t: float, event) -> None:
         heapq.heappush(self.events, (t, self.pushed, event))
@@ -210,6 +261,24 @@ class _Simulation:
             return None
         return (inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1])
 
+    def close_request(self, e: _Edge) -> None:
+        """Its TPOT over the window, and whether it met the SLO (netsim.load's rule: TPOT inside the
+        window, TTFT if it started inside it; a request the window saw too little of is not judged)."""
+        tpot = self.windowed_tpot(e)
+        if tpot is not None:
+            self.finished_tpots.append(tpot)
+        ttft = (e.token_times[0][0] - e.request_start) if e.token_times and self.in_window(e.request_start) else None
+        if tpot is None and ttft is None:
+            return
+        met = (tpot is None or tpot <= self.cfg.slo_tpot_s) and (ttft is None or ttft <= self.cfg.slo_ttft_s)
+        self.verdicts.append(met)
+        if met:
+            before = 0
+            for t, n in e.token_times:
+                if self.in_window(t):
+                    self.good_tokens += n - before
+                before = n
+
     def commit(self, i: int, t: float, n: int) -> None:
         e = self.edges[i]
         if not e.token_times and self.in_window(e.request_start):
@@ -219,19 +288,22 @@ class _Simulation:
         if self.in_window(t):
             self.committed_in_window += n
 
-    def send_round(self, i: int, t: float, gamma: int, tokens: int) -> None:
+    def send_round(self, i: int, t: float, gamma: int, extra_tokens: int = 0) -> None:
         cfg = self.cfg
-        self.push(t + gamma * cfg.draft_s + cfg.edge_overhead_s, Send(i, "up", self.up_bytes, Arrive(_Job(i, tokens))))
+        r = self.work_rng.randint(1, self.work.block_size) if self.work.path != "ideal" else 1
+        tokens = self.work.tokens(gamma, r) + extra_tokens
+        if self.in_window(t):
+            self.requests_sent += self.work.requests(gamma)
+        self.push(t + gamma * cfg.draft_s + cfg.edge_overhead_s,
+                  Send(i, "up", self.up_bytes, Arrive(_Job(i, tokens, gamma=gamma))))
 
     def start_request(self, i: int, t: float) -> None:
         cfg, e = self.cfg, self.edges[i]
         if e.token_times:
-            tpot = self.windowed_tpot(e)
-            if tpot is not None:
-                self.finished_tpots.append(tpot)
+            self.close_request(e)
         e.committed, e.request_start, e.token_times = 0, t, []
         if self.hybrid:
-            self.send_round(i, t, cfg.gamma, cfg.gamma + 1 + cfg.prompt_tokens)
+            self.send_round(i, t, self.gamma_for(e, cfg.max_tokens), cfg.prompt_tokens)
         else:
             self.streams[i] = cfg.max_tokens
             self.push(t + cfg.edge_overhead_s, Send(i, "up", self.up_bytes, Arrive(_Job(i, cfg.prompt_tokens))))
@@ -266,20 +338,71 @@ class _Simulation:
         taken_s = self.proxy_cpu.run(t, self.cfg.proxy_cpu_s)   # the proxy reads it, then its link delays it
         self.push(self.edges[send.edge].link.arrival_s(send.direction, send.size_bytes, taken_s), send.deliver)
 
+    def gamma_for(self, e: _Edge, remaining: int) -> int:
+        """The edge's drafts: its gamma, within the verifier's last budget and the request's end."""
+        gamma = min(self.cfg.gamma, remaining - 1)
+        if self.cfg.steer and e.budget is not None:
+            gamma = min(gamma, e.budget)
+        return max(gamma, 0)
+
     def on_arrive(self, t: float, arrive: Arrive) -> None:
-        arrive.job.arrived_s = t
-        self.waiting.append(arrive.job)
+        job = arrive.job
+        job.arrived_s = t
+        if self.offloading:
+            e = self.edges[job.edge]
+            e.at_verifier = True
+            if not e.resident:
+                self.kv_queue.append(job)
+                self.bring_back(t)
+                return
+        self.waiting.append(job)
         if self.verifier_free:
             self.next_pass(t)
 
+    def on_ready(self, t: float, ready: Ready) -> None:
+        if self.in_window(t):
+            self.copy_wait_s.append(t - ready.job.arrived_s)
+        self.waiting.append(ready.job)
+        if self.verifier_free:
+            self.next_pass(t)
+
+    def bring_back(self, t: float) -> None:
+        """Rounds whose KV is parked, first come: a slot (parking the idle session answered last, whose
+        next round is furthest away), then the copy over the host link."""
+        cfg = self.cfg
+        while self.kv_queue:
+            if self.resident >= cfg.kv_capacity:
+                victim = None
+                while self.idle_resident:
+                    _, i, answered = heapq.heappop(self.idle_resident)
+                    e = self.edges[i]
+                    if e.resident and not e.at_verifier and e.answered_s == answered:
+                        victim = e
+                        break
+                if victim is None:
+                    return                      # every resident session has a round at the verifier
+                victim.resident = False         # write-through: its host copy is current
+                self.resident -= 1
+            job = self.kv_queue.pop(0)
+            self.edges[job.edge].resident = True
+            self.resident += 1
+            self.resident_max = max(self.resident_max, self.resident)
+            done = self.host_link.run(t, cfg.offload.copy_s(cfg.kv_bytes_per_session))
+            if self.in_window(t):
+                self.copies += 1
+            self.push(done, Ready(job))
+
     def on_pass_done(self, t: float, done: PassDone) -> None:
         cfg = self.cfg
+        if cfg.batching:   # the finished leave the active ones (in one sweep: a pass may hold thousands)
+            for job, n in done.plan:
+                job.tokens -= n
+            self.active = [job for job in self.active if job.tokens > 0]
         for job, n in done.plan:
-            job.tokens -= n
+            if not cfg.batching:
+                job.tokens -= n
             if job.tokens > 0:
                 continue        # more of it in the next pass
-            if cfg.batching:
-                self.active.remove(job)
             i, e = job.edge, self.edges[job.edge]
             out = self.server_cpu.run(t, cfg.server_cpu_s) + cfg.server_overhead_s
             if self.in_window(t):
@@ -287,8 +410,16 @@ class _Simulation:
             if self.hybrid:
                 remaining = cfg.max_tokens - e.committed
                 accepted = 0
-                while accepted < cfg.gamma and self.rng.random() < cfg.alpha:
+                while accepted < job.gamma and self.rng.random() < cfg.alpha:
                     accepted += 1
+                if cfg.steer:
+                    pass_tokens = sum(take.tokens for take in done.plan)
+                    e.budget = self._budget(pass_tokens - n, len(done.plan) - 1)
+                    if self.in_window(t):
+                        self.budgets.append(e.budget)
+                if self.offloading:
+                    e.at_verifier, e.answered_s = False, t
+                    heapq.heappush(self.idle_resident, (-t, i, t))
                 self.push(out, Send(i, "down", self.down_bytes, Reply(i, min(accepted + 1, remaining))))
             else:
                 self.streams[i] -= 1
@@ -299,7 +430,16 @@ class _Simulation:
                         self.waiting.append(nxt)
                     else:
                         self.push(out, Arrive(nxt))
+        if self.offloading and self.kv_queue:
+            self.bring_back(t)
         self.next_pass(t)
+
+    def _budget(self, other_tokens: int, other_sessions: int) -> int:
+        key = (other_tokens, other_sessions)
+        if key not in self._budget_cache:
+            self._budget_cache[key] = draft_budget(self.cfg.cost, self.work, self.cfg.alpha, self.cfg.gamma,
+                                                   other_tokens, other_sessions)
+        return self._budget_cache[key]
 
     def on_reply(self, t: float, reply: Reply) -> None:
         cfg, i = self.cfg, reply.edge
@@ -309,8 +449,7 @@ class _Simulation:
         if e.committed >= cfg.max_tokens:
             self.start_request(i, ready)
         else:
-            gamma = min(cfg.gamma, cfg.max_tokens - e.committed - 1)
-            self.send_round(i, ready, gamma, gamma + 1)
+            self.send_round(i, ready, self.gamma_for(e, cfg.max_tokens - e.committed))
 
     def on_token(self, t: float, token: Token) -> None:
         ready = self.edge_cpus[token.edge].run(t, self.cfg.edge_cpu_s)
@@ -321,7 +460,7 @@ class _Simulation:
     def run(self) -> dict:
         cfg = self.cfg
         handlers = {Send: self.on_send, Arrive: self.on_arrive, PassDone: self.on_pass_done, Reply: self.on_reply,
-                    Token: self.on_token}
+                    Token: self.on_token, Ready: self.on_ready}
         for i in range(cfg.edges):
             self.start_request(i, self.rng.uniform(0.0, 0.05))
         while self.events:
@@ -330,9 +469,7 @@ class _Simulation:
                 break
             handlers[type(event)](t, event)
         for e in self.edges:
-            tpot = self.windowed_tpot(e)
-            if tpot is not None:
-                self.finished_tpots.append(tpot)
+            self.close_request(e)
         return self.result()
 
     def result(self) -> dict:
@@ -344,6 +481,17 @@ class _Simulation:
                 "committed_tokens_per_s": self.committed_in_window / cfg.duration_s,
                 "tpot_p50_s": pct(50), "tpot_p95_s": pct(95), "tpot_p99_s": pct(99),
                 "ttft_p50_s": float(np.percentile(self.ttfts, 50)) if self.ttfts else None,
+                "ttft_p95_s": float(np.percentile(self.ttfts, 95)) if self.ttfts else None,
+                "goodput_tokens_per_s": self.good_tokens / cfg.duration_s,
+                "slo_met_share": sum(self.verdicts) / len(self.verdicts) if self.verdicts else None,
+                "engine_requests_per_committed_token": self.requests_sent / committed if self.hybrid else None,
+                "budget_mean": float(np.mean(self.budgets)) if self.budgets else None,
+                "kv_exceeded": self.kv_exceeded,
+                "kv_copies_per_s": self.copies / cfg.duration_s,
+                "kv_resident_max": self.resident_max if self.offloading else None,
+                "kv_copy_wait_p95_s": float(np.percentile(self.copy_wait_s, 95)) if self.copy_wait_s else None,
+                "host_link_utilisation": (min(1.0, self.copies * cfg.offload.copy_s(cfg.kv_bytes_per_session)
+                                              / cfg.duration_s) if self.offloading else None),
                 "target_forward_passes_per_committed_token": self.passes / committed,
                 "target_tokens_per_committed_token": self.target_tokens / committed,
                 "verifier_utilisation": min(1.0, self.busy_s / cfg.duration_s),

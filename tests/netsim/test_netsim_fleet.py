@@ -246,3 +246,141 @@ def test_the_capacity_table_takes_each_verifiers_own_calibration(monkeypatch):
     assert seen["CPU as measured, serial"] == (pytest.approx(0.030), False)
     assert seen["CPU as measured, batched"] == (pytest.approx(0.020), True)
     assert [check["calibration"]["batching"] for check in result["checks"]] == [False, True]
+
+
+# --- the GPU verifier as shipped, KV offload, the draft budget, goodput at the SLO ------------------
+
+from dataclasses import replace  # noqa: E402
+
+from netsim.fleet.costs import KvOffload, RoundWork, draft_budget  # noqa: E402
+from netsim.fleet.report import edges_per_verifier, meets_slo  # noqa: E402
+
+
+def test_round_work_counts_the_backends_requests_and_tokens():
+    # r = 3 committed tokens after the last full block, gamma = 4:
+    # per-position: 5 requests of 3, 4, 5, 6, 7 tokens = 25; one request: 3 + 4 = 7; ideal: 5.
+    assert RoundWork("per-position", 16).tokens(4, 3) == 25
+    assert RoundWork("one-request", 16).tokens(4, 3) == 7
+    assert RoundWork("ideal").tokens(4, 3) == 5
+    assert (RoundWork("per-position").requests(4), RoundWork("one-request").requests(4)) == (5, 1)
+    # Over a session's life r is uniform on 1..16 (mean 8.5): 5 · 8.5 + 10 = 52.5 and 8.5 + 4.
+    assert RoundWork("per-position", 16).mean_tokens(4) == pytest.approx(52.5)
+    assert RoundWork("one-request", 16).mean_tokens(4) == pytest.approx(12.5)
+    with pytest.raises(ValueError):
+        RoundWork("two-requests")
+
+
+@pytest.mark.parametrize("path", ["per-position", "one-request"])
+def test_round_work_grows_with_gamma_and_block_size(path):
+    for block in (1, 16, 32):
+        means = [RoundWork(path, block).mean_tokens(g) for g in range(9)]
+        assert means == sorted(means) and len(set(means)) == len(means)
+    for gamma in (1, 4, 8):
+        assert RoundWork(path, 16).mean_tokens(gamma) < RoundWork(path, 32).mean_tokens(gamma)
+    # one request never computes more than the per-position requests; with block 1 both reach gamma + 1 at r = 1
+    for gamma in range(9):
+        assert RoundWork("one-request", 16).mean_tokens(gamma) <= RoundWork("per-position", 16).mean_tokens(gamma)
+    assert RoundWork("one-request", 1).mean_tokens(4) == RoundWork("ideal").mean_tokens(4) == 5
+
+
+def test_the_simulator_charges_the_round_work():
+    # One edge: every pass holds one round, so target tokens per committed token = mean work / tokens per round.
+    base = FleetConfig(edges=1, mode="hybrid", cost=LinearCost(0.001, 0.0), alpha=0.63, gamma=4, draft_s=0.001,
+                       duration_s=40.0, max_tokens=100_000)
+    per_round = expected_tokens_per_round(0.63, 4)
+    for work in (RoundWork("ideal"), RoundWork("one-request", 16), RoundWork("per-position", 16)):
+        result = simulate(replace(base, round_work=work))
+        assert result["target_tokens_per_committed_token"] == pytest.approx(work.mean_tokens(4) / per_round, rel=0.05)
+        assert result["engine_requests_per_committed_token"] == pytest.approx(work.requests(4) / per_round, rel=0.05)
+
+
+def _gpu_like(edges: int, **kw) -> FleetConfig:
+    # A pass costs 10 ms + 0.1 ms a token; sessions hold 1 MB of KV each, copied back at 1 GB/s x 1 (1 ms).
+    base = FleetConfig(edges=edges, mode="hybrid", cost=LinearCost(0.010, 0.0001), batching=True, packing="fcfs",
+                       profiles=["lte"], gamma=4, alpha=0.7, draft_s=0.005, max_tokens=64, max_batch_tokens=4096,
+                       kv_bytes_per_session=1e6, duration_s=8.0)
+    return replace(base, **kw)
+
+
+def test_kv_offload_keeps_resident_sessions_within_the_gpus_memory():
+    offload = KvOffload(host_bytes_per_s=1e9, efficiency=1.0)
+    parked = simulate(_gpu_like(40, kv_capacity=10, offload=offload))
+    assert not parked["kv_exceeded"] and parked["kv_resident_max"] == 10
+    # every copy is 1 ms of the host link: its busy share is copies/s x 1 ms
+    assert parked["kv_copies_per_s"] > 0
+    assert parked["host_link_utilisation"] == pytest.approx(min(1.0, parked["kv_copies_per_s"] * 0.001))
+    # Sessions that all fit never copy; without offload, more sessions than fit is no answer at all.
+    assert simulate(_gpu_like(10, kv_capacity=10, offload=offload))["kv_copies_per_s"] == 0
+    over = simulate(_gpu_like(40, kv_capacity=10))
+    assert over["kv_exceeded"] and not meets_slo(over, 10.0)
+
+
+def test_a_faster_host_link_never_slows_the_parked_fleet():
+    slow, fast = (simulate(_gpu_like(40, kv_capacity=10, offload=KvOffload(host_bytes_per_s=bw, efficiency=1.0)))
+                  for bw in (0.05e9, 5e9))   # 20 ms and 0.2 ms per copy
+    assert fast["committed_tokens_per_s"] > slow["committed_tokens_per_s"]
+    assert fast["kv_copy_wait_p95_s"] < slow["kv_copy_wait_p95_s"]
+    assert slow["host_link_utilisation"] > 0.9
+
+
+def test_the_draft_budget_shortens_with_load():
+    cost = gpu_cost(H200, context_tokens=1024)
+    work = RoundWork("one-request", 16)
+    # Idle: the pass is memory-bound, more drafts cost nothing: the whole gamma.
+    assert draft_budget(cost, work, 0.7, 8, 0, 0) == 8
+    budgets = [draft_budget(cost, work, 0.7, 8, tokens, 300) for tokens in (0, 2000, 4000, 8000, 16000)]
+    assert budgets == sorted(budgets, reverse=True) and budgets[-1] < 8
+    # Saturated, a round that recomputes a whole block per position does better without drafts than with.
+    assert draft_budget(cost, RoundWork("per-position", 16), 0.7, 8, 16000, 300) < budgets[-1]
+
+
+def test_the_simulated_budget_follows_the_load():
+    light = simulate(_gpu_like(2, steer=True, cost=gpu_cost(H200, context_tokens=1024), gamma=8))
+    heavy = simulate(_gpu_like(600, steer=True, cost=gpu_cost(H200, context_tokens=1024), gamma=8,
+                               round_work=RoundWork("per-position", 16)))
+    assert light["budget_mean"] == pytest.approx(8.0)
+    assert heavy["budget_mean"] < 8.0
+
+
+def test_goodput_counts_only_requests_that_met_the_slo():
+    loose = simulate(_gpu_like(4, slo_tpot_s=10.0, slo_ttft_s=100.0))
+    assert loose["goodput_tokens_per_s"] > 0.9 * loose["committed_tokens_per_s"]
+    assert loose["slo_met_share"] == 1.0
+    impossible = simulate(_gpu_like(4, slo_tpot_s=1e-6, slo_ttft_s=100.0))
+    assert impossible["goodput_tokens_per_s"] == 0.0 and impossible["slo_met_share"] == 0.0
+    assert meets_slo(loose, 10.0, 100.0) and not meets_slo(loose, 10.0, 1e-6)   # the TTFT part counts
+
+
+def test_capacity_grows_with_a_looser_slo():
+    def make(n):
+        return FleetConfig(edges=n, mode="cloud-only", cost=LinearCost(0.004, 0.0002), batching=True, packing="fcfs",
+                           profiles=["lan"], max_tokens=32, duration_s=3.0)
+    tight, _ = edges_per_verifier(make, 0.010, max_edges=256, duration_s=3.0)
+    loose, _ = edges_per_verifier(make, 0.030, max_edges=256, duration_s=3.0)
+    assert 0 < tight < loose
+
+
+def test_the_gpu_table_puts_each_case_beside_cloud_only():
+    from netsim.fleet.calibration import Calibration
+    from netsim.fleet.costs import RooflineCost, kv_sessions
+    from netsim.fleet.gpu import SPECEDGE_WAN, GpuCase, gpu_capacity, gpu_markdown
+    assert SPECEDGE_WAN.rtt_ms() == pytest.approx(14.07)
+    # A small GPU: 8 sessions' KV fit (2.8 GB x 0.9 - 2 GB of weights = 0.52 GB; 64 MB each), 40 in host memory.
+    cost = RooflineCost(params=1e9, model_bytes=2e9, kv_bytes_per_token=64_000, context_tokens=1000,
+                        hbm_bytes_per_s=1e12, flops_per_s=1e14)
+    assert kv_sessions(2.8e9, cost) == 8
+    params = Calibration(cost=cost, batching=True, alpha=0.7, gamma=4, draft_s=0.005, server_cpu_s=0.0,
+                         server_overhead_s=0.0, edge_cpu_s=0.0, edge_overhead_s=0.0, cloud_server_cpu_s=0.0,
+                         cloud_server_overhead_s=0.0, cloud_edge_cpu_s=0.0, proxy_cpu_s=0.0, cloud_proxy_cpu_s=0.0,
+                         max_tokens=32, max_batch_tokens=4096, profiles=["lte"], tokens_per_round=0.0)
+    offload = KvOffload(host_bytes_per_s=10e9, efficiency=1.0, host_memory_bytes=64e6 * 40 / 0.9 + 1)
+    cases = [GpuCase("cloud", "cloud-only"), GpuCase("hybrid", "hybrid", RoundWork("ideal")),
+             GpuCase("hybrid parked", "hybrid", RoundWork("ideal"), offload=True)]
+    result = gpu_capacity(params, cost, 2.8e9, cases, offload, [1000], slo_tpot_s=0.5, slo_ttft_s=5.0, duration_s=3.0)
+    cloud, hybrid, parked = result["rows"]
+    assert result["kv_sessions"] == 8 and result["host_sessions"] == 40
+    assert cloud["edges_per_gpu"] == hybrid["edges_per_gpu"] == 8 and cloud["bound"]   # loose SLO: KV binds
+    assert 8 < parked["edges_per_gpu"] <= 40 and parked["kv_copies_per_s"] > 0            # parking lifts it
+    assert cloud["committed_tokens_per_s_vs_cloud"] == 1.0
+    assert parked["gpus_for_1000"] < hybrid["gpus_for_1000"] == 125
+    assert "hybrid parked" in "\n".join(gpu_markdown(result, "t"))

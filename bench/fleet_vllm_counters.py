@@ -1,0 +1,174 @@
+"""What the vLLM backend computes per round and per tree, from vLLM's own counters (a benchmark).
+
+For each verification path of cloud_verifier/backends/vllm.py and each gamma, a session on a context
+of --context tokens runs --rounds steady-state rounds (random drafts, rejected at once, so the committed
+sequence grows by one a round and the tail after the last full KV block, r, walks through 1..block_size),
+and vLLM's own counters (vllm.v1.metrics.reader: requests, prompt tokens, prompt tokens served from the
+prefix cache, tokens computed, engine steps) are read before and after. Beside them: what
+netsim.fleet.costs.RoundWork charges for the same rounds (the exact r of each round), and the median
+time per round of each path, measured side by side in one run.
+
+  paths: per-position  gamma + 1 requests per round (sampled rounds; greedy ones before this change)
+         one-request   one request with prompt logprobs (greedy rounds now)
+         top-k         the same for a sampled round with top-k (T = 1, top-k 20)
+         tree          one request per node and the root (sampled trees; greedy ones before this change)
+         tree-leaves   one request per leaf with prompt logprobs (greedy trees now)
+
+  .venv-vllm/bin/python bench/fleet_vllm_counters.py                 # SmolLM2-135M dequantized, CPU
+  .venv-vllm/bin/python bench/fleet_vllm_counters.py --vllm-arg gpu_memory_utilization=0.3   # on a GPU
+
+Writes --out (JSON) and the same with .md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hybridspec.machine import announce, summary as machine_summary
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = ("Speculative decoding lets a small draft model propose several tokens that a large target "
+        "model checks in one forward pass. The output has exactly the target's distribution. ")
+
+
+def tail_after_block(length: int, block: int) -> int:
+    """r: committed tokens after the last full block that can be cached (the last token never is)."""
+    return length - ((length - 1) // block) * block
+
+
+def run_cell(backend, prompt: list[int], path: str, gamma: int, rounds: int, vocab: int, block: int,
+             seed: int) -> dict:
+    from netsim.fleet.costs import RoundWork
+    from spec_core.tree import DraftTree
+    from spec_core.verify import commit_round
+    from spec_core.warping import SamplingSettings
+    rng = np.random.default_rng(seed)
+    greedy = SamplingSettings(temperature=0.0)
+    backend.one_request = path in ("one-request", "top-k", "tree-leaves")
+    settings = SamplingSettings(temperature=1.0, top_k=20) if path == "top-k" else greedy
+    committed = list(prompt)
+    # A tree: two branches of `gamma` nodes each from the root (2·gamma nodes, 2 leaves).
+    parents = tuple([-1] + list(range(gamma - 1)) + [-1] + list(range(gamma, 2 * gamma - 1))) if gamma else ()
+    times, predicted = [], 0.0
+    before = None
+    for k in range(rounds + 1):
+        if k == 1:   # the first round prefilled the context: counted from the second on
+            before = backend.engine_counters()
+        drafts = [int(t) for t in rng.integers(3, vocab, gamma)]
+        t0 = time.perf_counter()
+        if path.startswith("tree"):
+            tree = DraftTree(tuple(drafts + [int(t) for t in rng.integers(3, vocab, gamma)]), parents)
+            result, _, _ = backend.verify_tree(None, committed, tree, None, greedy, rng)
+            tokens = [tree.tokens[i] for i in result.path] + [result.next_token]
+            r = tail_after_block(len(committed), block)
+            depths = tree.depths()
+            if path == "tree":   # the root's request and a request per node
+                work = r + sum(r + d for d in depths)
+            else:                # a request per leaf
+                work = sum(r + depths[leaf] for leaf in tree.leaves())
+        else:
+            result, _, _ = backend.verify(None, committed, drafts, None, settings, rng)
+            tokens = commit_round(drafts, result, frozenset(), remaining=10**9, context_left=10**9).tokens
+            work = RoundWork("one-request" if path == "top-k" else path, block).tokens(
+                gamma, tail_after_block(len(committed), block))
+        dt = time.perf_counter() - t0
+        committed.extend(tokens)
+        if k >= 1:
+            times.append(dt)
+            predicted += work
+    after = backend.engine_counters()
+    d = after - before
+    per = lambda x: x / rounds  # noqa: E731
+    return {"path": path, "gamma": gamma, "rounds": rounds, "block_size": block,
+            "requests_per_round": per(d.requests), "prompt_tokens_per_round": per(d.prompt_tokens),
+            "cached_tokens_per_round": per(d.cached_prompt_tokens),
+            "computed_prompt_tokens_per_round": per(d.prompt_tokens - d.cached_prompt_tokens),
+            "computed_tokens_per_round": per(d.computed_tokens), "engine_steps_per_round": per(d.engine_steps),
+            "prefix_cache_hit_share": d.prefix_cache_hits / d.prefix_cache_queries if d.prefix_cache_queries else None,
+            "predicted_prompt_tokens_per_round": predicted / rounds,
+            "round_median_s": statistics.median(times), "round_min_s": min(times)}
+
+
+def markdown(result: dict) -> str:
+    lines = ["# What the vLLM backend computes per round (vLLM's own counters)", "",
+             f"Machine: {result['machine']}. Model: {result['model']}; context {result['context']} tokens; "
+             f"{result['rounds']} steady-state rounds per cell (greedy, but T = 1 and top-k 20 on the top-k path); random drafts, rejected at once; KV block "
+             f"{result['block_size']} tokens. Command: `{result['command']}`.", "",
+             "| path | γ | requests / round | prompt tokens computed / round (vLLM) | charged by RoundWork | "
+             "tokens computed / round (incl. sampled) | engine steps / round | prefix-cache hit share | "
+             "round median ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in result["cells"]:
+        hit = "–" if c["prefix_cache_hit_share"] is None else f"{100 * c['prefix_cache_hit_share']:.0f}%"
+        lines.append(f"| {c['path']} | {c['gamma']} | {c['requests_per_round']:.2f} | "
+                     f"{c['computed_prompt_tokens_per_round']:.1f} | {c['predicted_prompt_tokens_per_round']:.1f} | "
+                     f"{c['computed_tokens_per_round']:.1f} | {c['engine_steps_per_round']:.2f} | {hit} | "
+                     f"{c['round_median_s'] * 1e3:.1f} |")
+    lines += ["", "tree, tree-leaves: two branches of γ nodes from the root (2γ nodes); one request per node and one "
+              "for the root, or one request per leaf.",
+              "Charged by RoundWork: netsim.fleet.costs.RoundWork(path, block).tokens(γ, r) with each round's own r "
+              "(the committed tokens after the last full block), which the fleet's GPU model charges.", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gammas", default="1,4,8")
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=None, help="steady-state rounds per cell (default: the block size)")
+    ap.add_argument("--paths", default="per-position,one-request,top-k,tree,tree-leaves")
+    ap.add_argument("--vllm-model", default=None, help="HF folder (default: the bundled SmolLM2 dequantized)")
+    ap.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "fleet" / "vllm_counters.json"))
+    args = ap.parse_args()
+    machine = announce()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    from cloud_verifier.backends.vllm import VllmBackend
+    from hybridspec.testing.vllm_model import smollm2_folder
+    from llama_runtime import GGUFModel, bundled_model_path
+    folder = args.vllm_model or str(smollm2_folder())
+    gammas = [int(g) for g in args.gammas.split(",")]
+    tok = GGUFModel(str(bundled_model_path()), vocab_only=True)
+    base = tok.tokenize(TEXT)
+    prompt = (base * (args.context // len(base) + 1))[: args.context]
+    engine_args = dict(kv.split("=", 1) for kv in args.vllm_arg)
+    backend = VllmBackend(folder, n_ctx=2048, engine_args=engine_args)
+    block = int(backend._llm.vllm_config.cache_config.block_size)
+    rounds = args.rounds or block
+    cells = []
+    try:
+        for seed, (path, gamma) in enumerate((p, g) for g in gammas for p in args.paths.split(",")):
+            # A context of its own per cell (a different first token), so no cell reads another's cache.
+            cell_prompt = [int(3 + seed)] + prompt[1:]
+            c = run_cell(backend, cell_prompt, path, gamma, rounds, backend.info.n_vocab, block, seed)
+            cells.append(c)
+            print(f"{path:12s} gamma={gamma}: {c['requests_per_round']:.2f} requests, "
+                  f"{c['computed_prompt_tokens_per_round']:.1f} prompt tokens computed / round "
+                  f"(RoundWork {c['predicted_prompt_tokens_per_round']:.1f}), {c['engine_steps_per_round']:.2f} steps, "
+                  f"median {c['round_median_s'] * 1e3:.1f} ms", flush=True)
+        fallbacks = backend.one_request_fallbacks
+    finally:
+        backend.close()
+    import vllm
+    result = {"machine": machine_summary(machine), "vllm": vllm.__version__, "model": Path(folder).name,
+              "engine_args": {k: v for k, v in backend.engine_args.items() if k != "model"},
+              "context": args.context, "rounds": rounds, "block_size": block, "one_request_fallbacks": fallbacks,
+              "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "cells": cells}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    print(f"wrote {out}, {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
