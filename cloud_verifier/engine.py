@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 
 from cloud_verifier import metrics
-from cloud_verifier.backends.base import Backend, NoFreeState
+from cloud_verifier.backends.base import Backend, NoFreeState, StateLost
 from cloud_verifier.sessions import Session, SessionStore
 from spec_core import qcodec
 from spec_core.proto import verifier_pb2 as pb
@@ -188,8 +188,8 @@ class VerifierEngine:
                 fit = prune_to_fit(tree, room)
                 if len(fit) < len(tree):
                     tree, qs = tree.subtree(fit), ([qs[i] for i in fit] if qs is not None else None)
-                tree_result, queue_s, model_s = await run_in_thread(
-                    self.backend.verify_tree, session.state, session.tokens, tree, qs, session.settings,
+                tree_result, queue_s, model_s = await self._backend_round(
+                    session, self.backend.verify_tree, session.state, session.tokens, tree, qs, session.settings,
                     _round_rng(session))
                 kept_nodes = [fit[i] for i in tree_result.path]
                 n_verified = len(tree)
@@ -199,8 +199,8 @@ class VerifierEngine:
                 if len(drafts) > room:
                     drafts, qs = drafts[:room], (qs[:room] if qs is not None else None)
                 n_verified = len(drafts)
-                result, queue_s, model_s = await run_in_thread(
-                    self.backend.verify, session.state, session.tokens, drafts, qs, session.settings,
+                result, queue_s, model_s = await self._backend_round(
+                    session, self.backend.verify, session.state, session.tokens, drafts, qs, session.settings,
                     _round_rng(session))
             done = commit_round(drafts, result, session.stop_ids,
                                 remaining=session.settings.max_new_tokens - session.generated,
@@ -228,6 +228,18 @@ class VerifierEngine:
                 session.state = None
             metrics.observe_round(n_verified, done.num_accepted, model_s, time.perf_counter() - t_start)
             return reply
+
+    async def _backend_round(self, session: Session, fn, *args):
+        """A round's backend call; a session whose state the backend lost (StateLost) is dropped
+        and its edge told to replay (NOT_FOUND), as after an eviction."""
+        try:
+            return await run_in_thread(fn, *args)
+        except StateLost as e:
+            self.sessions.remove(session.id)
+            metrics.SESSIONS.set(len(self.sessions))
+            raise RequestError(grpc.StatusCode.NOT_FOUND,
+                               f"session {session.id!r} lost its KV cache ({e}): resend the round with `open` to "
+                               "replay the committed tokens") from None
 
     async def _wait_for_round(self, session: Session, round_: int) -> None:
         """Let a pipelined round's predecessor finish first (it may arrive later on the wire)."""
@@ -365,7 +377,11 @@ class VerifierEngine:
 
     async def _generate_tokens(self, state, tokens, settings, stop, rng) -> AsyncIterator[pb.GenerateChunk]:
         for generated in range(settings.max_new_tokens):
-            tok, _, model_s = await run_in_thread(self.backend.sample_next, state, tokens, settings, rng)
+            try:
+                tok, _, model_s = await run_in_thread(self.backend.sample_next, state, tokens, settings, rng)
+            except StateLost as e:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the stream lost its KV cache ({e}); "
+                                   "retry shortly", retry_after_s=1.0) from None
             # A round without drafts: the hybrid path's stop, length and context cuts, one token at a time.
             done = commit_round((), RoundResult(0, tok), stop, remaining=settings.max_new_tokens - generated,
                                 context_left=self.info.n_ctx - len(tokens))

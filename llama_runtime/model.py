@@ -484,6 +484,29 @@ class KVContext:
             pass
 
 
+class ParkedSeq(NamedTuple):
+    """A sequence's KV cells in host memory (SharedKV.park / restore)."""
+    tokens: list[int]     # what the cells hold, in order
+    data: np.ndarray      # llama_state_seq_get_data's bytes  # [nbytes] uint8
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.size)
+
+
+def kv_bytes_per_token(model: GGUFModel) -> int:
+    """Bytes one token's K and V take in a cache (f16, every layer), plus llama.cpp's per-cell
+    header in a saved sequence: an upper estimate of a parked session's bytes per token."""
+    m = model._model
+    n_layer, n_head, n_head_kv = (int(f(m)) for f in (llama_cpp.llama_model_n_layer, llama_cpp.llama_model_n_head,
+                                                      llama_cpp.llama_model_n_head_kv))
+    arch = model.metadata("general.architecture") or "llama"
+    head = int(llama_cpp.llama_model_n_embd(m)) // max(1, n_head)
+    k_len = int(model.metadata(f"{arch}.attention.key_length") or head)
+    v_len = int(model.metadata(f"{arch}.attention.value_length") or head)
+    return n_layer * n_head_kv * (k_len + v_len) * 2 + 16
+
+
 class SharedKV:
     """One llama.cpp context whose unified KV cache holds many sequences (like llama.cpp server's
     slots): a session is a sequence id, and one `decode` evaluates tokens of many sequences.
@@ -618,12 +641,8 @@ class SharedKV:
         for seq, held in self.held.items():
             if not held:
                 continue
-            size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
-            data = np.empty(size, dtype=np.uint8)  # not zero-filled: llama.cpp writes all of it
-            buf = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-            if llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq) != size:
-                raise RuntimeError(f"llama.cpp could not copy out the KV cells of sequence {seq}")
-            saved.append((seq, buf, size, data))
+            data = self._seq_bytes(seq)
+            saved.append((seq, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), data.size, data))
         llama_cpp.llama_memory_clear(self._mem, False)
         self._top, self._holes = 0, False
         lost = []
@@ -643,6 +662,54 @@ class SharedKV:
             for seq in lost:
                 self.held[seq].clear()   # their next request evaluates them from the start
             raise RuntimeError(f"llama.cpp could not copy back the KV cells of sequences {lost}")
+
+    def _seq_bytes(self, seq: int) -> np.ndarray:
+        """A copy of `seq`'s cells (llama_state_seq_get_data)  # [bytes] uint8."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
+        data = np.empty(size, dtype=np.uint8)  # not zero-filled: llama.cpp writes all of it
+        buf = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq) != size:
+            raise RuntimeError(f"llama.cpp could not copy out the KV cells of sequence {seq}")
+        return data
+
+    def park(self, seq: int) -> "ParkedSeq":
+        """Copy `seq`'s cells to host memory and release it (its cells are retired, its id is
+        free). `restore` brings them back bit for bit, in any free sequence. Between passes only,
+        with no tree job on `seq`."""
+        if any(job.seq == seq for job in self._trees):
+            raise RuntimeError(f"sequence {seq} has a tree in flight")
+        tokens = list(self.held[seq])
+        try:
+            data = self._seq_bytes(seq) if tokens else np.empty(0, dtype=np.uint8)
+        finally:
+            self.release(seq)   # parked or not, the sequence is free (on failure its cells are lost)
+        return ParkedSeq(tokens, data)
+
+    def restore(self, parked: "ParkedSeq") -> int | None:
+        """A free sequence holding exactly the parked cells, or None when no sequence is free.
+        The cells land above every used cell, in the order they were saved (position order), as
+        a compaction puts them back: every row is what it would have been without the move.
+        RuntimeError when llama.cpp refuses the bytes; the sequence is then free again."""
+        if not self._free:
+            return None
+        n = len(parked.tokens)
+        if self._holes or self._top + n + self.n_ubatch + 1 > self.n_cells:
+            if self._trees:
+                raise RuntimeError("the KV cache needs compacting while trees are in flight")
+            self.compact()
+        seq = self.acquire()
+        if not n:
+            return seq
+        buf = parked.data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if llama_cpp.llama_state_seq_set_data(self._ctx, buf, parked.data.size, seq) != parked.data.size:
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, 0, -1)
+            self._holes = True   # whatever it wrote is gone: compact before the next pass
+            self.held.pop(seq)
+            self._free.append(seq)
+            raise RuntimeError(f"llama.cpp could not restore {n} parked KV cells")
+        self.held[seq] = list(parked.tokens)
+        self._top += n
+        return seq
 
     def decode(self, items: Sequence[PassItem]) -> list[np.ndarray]:
         """Evaluate up to `n_ubatch` tokens of any sequences in one llama_decode; each sequence's

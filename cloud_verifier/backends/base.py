@@ -34,6 +34,11 @@ class NoFreeState(Exception):
     """`new_state` found no room (every KV slot is held); the engine may evict an idle session."""
 
 
+class StateLost(Exception):
+    """A session's state is gone and the backend cannot rebuild it now (e.g. its parked KV found no
+    place in the cache in time): the engine drops the session and the edge replays (NOT_FOUND)."""
+
+
 class Backend(abc.ABC):
     info: BackendInfo
     # Sessions + Generate streams the backend can hold at once; None: only the engine's limits.
