@@ -10,14 +10,17 @@ Glossary:
 
 The rule (pure, so the verifier and the fleet model share it):
 - park only when the cache is short, i.e. something needs a place and none is free;
-- a session is a candidate once it has been idle longer than parking and restoring it would
-  cost (the ski-rental rule: idle time already spent pays for the move, which bounds the loss
-  against an oracle by 2x whatever the gaps are);
-- among candidates, park the one whose next round is expected last (Belady's rule with each
-  session's mean idle gap as its forecast). A session with no full gap yet, or overdue by more
-  than `OVERDUE` of its mean gap (its edge may be gone), is expected never and goes first,
-  least recently used first. Plain least-recently-used is `order="lru"`; on rounds that recur
-  every round trip it parks exactly the session about to come back.
+- a session is a candidate when it is expected to stay away longer than parking and restoring
+  it takes: with a forecast (its mean idle gap so far), when its next round is due later than
+  that; without one (no full gap yet), once it has been idle that long (the ski-rental rule:
+  idle time already spent pays for the move, which bounds the loss against an oracle by 2x
+  whatever the gaps are); a session overdue by more than `OVERDUE` mean gaps (its edge may be
+  gone) always;
+- among candidates, park the one whose next round is expected last (Belady's rule with the
+  forecast). Sessions with no forecast or overdue are expected never and go first, least
+  recently used first. Plain least-recently-used is `order="lru"` (with the ski-rental rule
+  for every session); on rounds that recur every round trip it parks exactly the session about
+  to come back.
 """
 from __future__ import annotations
 
@@ -71,13 +74,22 @@ def next_use(c: ParkCandidate, now: float) -> float:
     return c.idle_since + c.mean_gap_s
 
 
+def worth_moving(c: ParkCandidate, now: float, cost: ParkCost, forecast: bool = True) -> bool:
+    """Whether the candidate is expected to stay away longer than its move takes."""
+    move_s = cost.seconds(c.nbytes)
+    if not forecast or c.mean_gap_s is None:
+        return now - c.idle_since >= move_s
+    due = next_use(c, now)
+    return due == math.inf or due - now >= move_s
+
+
 def choose_victim(candidates: Sequence[ParkCandidate], now: float, cost: ParkCost, bytes_free: int,
                   order: str = "next-use") -> int | None:
-    """The key of the session to park now, or None: no candidate has been idle as long as its
-    move would cost, or none fits the host bytes left."""
+    """The key of the session to park now, or None: no candidate is worth moving (see the module
+    docstring), or none fits the host bytes left."""
     if order not in ("next-use", "lru"):
         raise ValueError(f"order must be 'next-use' or 'lru', got {order!r}")
-    ok = [c for c in candidates if c.nbytes <= bytes_free and now - c.idle_since >= cost.seconds(c.nbytes)]
+    ok = [c for c in candidates if c.nbytes <= bytes_free and worth_moving(c, now, cost, order == "next-use")]
     if not ok:
         return None
     if order == "lru":

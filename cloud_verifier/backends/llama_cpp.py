@@ -31,7 +31,7 @@ import numpy as np
 from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, BackendInfo
 from cloud_verifier.backends.batcher import Batcher, BatchStep
-from cloud_verifier.backends.kvpark import SeqBook, SeqState
+from cloud_verifier.backends.kvpark import PlacePacker, SeqBook, SeqState
 from llama_runtime import GGUFModel, KVContext, SharedKV, kv_bytes_per_token
 from spec_core.kvpark import parked_capacity
 from spec_core.tree import DraftTree
@@ -70,22 +70,26 @@ class LlamaCppBackend(Backend):
             n_seqs = kv_tokens // n_ctx
             if n_seqs < 1:
                 raise ValueError(f"--kv-tokens {kv_tokens} cannot hold one session of --n-ctx {n_ctx} tokens")
-            self.kv = SharedKV(self.model, min(n_seqs, 254 - max_tree_leaves), n_ctx, invariant=invariant,
-                               tree_ids=max_tree_leaves, on_compact=metrics.observe_compaction)
+            places = min(n_seqs, 254 - max_tree_leaves)
+            bytes_per_token = kv_bytes_per_token(self.model)
+            # Parked sessions keep their sequence ids: as many ids as the parked bytes hold sessions.
+            n_ids = min(254 - max_tree_leaves, places + parked_capacity(kv_park_bytes, bytes_per_token, n_ctx)) \
+                if kv_park else places
+            self.kv = SharedKV(self.model, places, n_ctx, invariant=invariant, tree_ids=max_tree_leaves,
+                               on_compact=metrics.observe_compaction, n_ids=n_ids)
             metrics.track_kv(self.kv)
+            self.book = SeqBook(self.kv, None, park=kv_park, max_bytes=kv_park_bytes, order=kv_park_order,
+                                bytes_per_token=bytes_per_token)
             # Compactions happen between passes (Batcher -> SharedKV.maintain), outside the pass times.
-            self.batcher = Batcher(self.kv, batch_window_ms / 1000, on_step=_observe_step, name="llama-batcher")
-            self.book = SeqBook(self.kv, self.batcher, park=kv_park, max_bytes=kv_park_bytes, order=kv_park_order,
-                                bytes_per_token=kv_bytes_per_token(self.model))
+            self.batcher = Batcher(PlacePacker(self.kv, self.book) if kv_park else self.kv, batch_window_ms / 1000,
+                                   on_step=_observe_step, name="llama-batcher")
+            self.book.batcher = self.batcher
 
     @property
     def max_states(self) -> int | None:
         """Sessions + Generate streams the KV cache can hold at once (None: unbounded here); with
         parking, also as many as the parked bytes hold at their full context."""
-        if self.kv is None:
-            return None
-        extra = parked_capacity(self.book.max_bytes, self.book.bytes_per_token, self.n_ctx) if self.book.park_on else 0
-        return self.kv.n_seqs + extra
+        return self.kv.n_ids if self.kv is not None else None
 
     def new_state(self):
         if self.kv is None:
@@ -103,7 +107,7 @@ class LlamaCppBackend(Backend):
     def target_logits(self, state, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
         if isinstance(state, SeqState):
             with self.book.round(state) as seq:
-                return self.batcher.submit(seq, tokens, rows)
+                return self.book.run(state, lambda: self.batcher.submit(seq, tokens, rows))
         t0 = time.perf_counter()
         with self.model.lock:
             t1 = time.perf_counter()
@@ -120,7 +124,8 @@ class LlamaCppBackend(Backend):
         nodes share passes with other sessions' tokens (SharedKV.tree_job)."""
         if isinstance(state, SeqState):
             with self.book.round(state) as seq:
-                return self.batcher.submit_tree(seq, committed, tree.tokens, tree.parents)
+                return self.book.run(state, lambda: self.batcher.submit_tree(seq, committed, tree.tokens,
+                                                                             tree.parents))
         t0 = time.perf_counter()
         with self.model.lock:
             t1 = time.perf_counter()
