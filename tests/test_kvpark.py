@@ -362,3 +362,21 @@ async def test_a_parked_session_is_closed_cleanly(tiny_models):
     with pytest.raises(RuntimeError, match="released"):
         backend.target_logits(a, *next(_rounds(backend.model, 0)))
     backend.close()
+
+
+def test_netsim_load_reads_the_kv_metrics():
+    """netsim load's summary of the verifier's hybridspec_kv_* samples (as its scrape parses them)."""
+    from netsim.load import _kv_lines, kv_between_rounds
+    key = 'hybridspec_kv_session_seconds_total{{state="{}"}}'
+    before = {key.format("busy"): 1.0, key.format("idle"): 1.0, key.format("parked"): 0.0}
+    after = {key.format("busy"): 3.0, key.format("idle"): 5.0, key.format("parked"): 4.0,
+             "hybridspec_kv_parks_total": 10.0, "hybridspec_kv_restores_total": 8.0,
+             "hybridspec_kv_park_seconds_total": 0.02, "hybridspec_kv_restore_seconds_total": 0.008,
+             "hybridspec_kv_park_bytes_total": 2e7, 'hybridspec_kv_park_failures_total{stage="restore"}': 1.0}
+    kv = kv_between_rounds(before, after, rounds=20)
+    assert kv["idle_share"] == pytest.approx(8 / 10) and kv["parked_share"] == pytest.approx(4 / 10)
+    assert kv["park_ms"] == pytest.approx(2.0) and kv["restore_ms"] == pytest.approx(1.0)
+    assert kv["park_bytes"] == pytest.approx(2e6) and kv["move_ms_per_round"] == pytest.approx(1.4)
+    assert kv["failures"] == 1.0
+    assert "80% idle" in _kv_lines([{"edges": 4, "mode": "hybrid", "kv": kv}])[0]
+    assert kv_between_rounds({}, {"hybridspec_verify_rounds_total": 3.0}, 3) is None   # a verifier without them
