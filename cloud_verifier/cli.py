@@ -30,6 +30,16 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="(llama.cpp, batching on) KV cache cells for all sessions; each session reserves --n-ctx "
                         "of them, and the cache has an eighth more for compaction (default: 8 x --n-ctx)")
+    p.add_argument("--kv-park", choices=["on", "off"], default="off",
+                   help="(llama.cpp, batching on) when the KV cache is short, park idle sessions' cells in host "
+                        "memory and restore them when their next round arrives, so that more sessions fit "
+                        "--kv-tokens (docs/many-edges.md)")
+    p.add_argument("--kv-park-bytes", type=int, default=1 << 30,
+                   help="(with --kv-park on) host bytes for parked cells; the server holds as many more sessions "
+                        "as fit them at their full --n-ctx (default 1 GiB)")
+    p.add_argument("--kv-park-order", choices=["next-use", "lru"], default="next-use",
+                   help="(with --kv-park on) which idle session to park: the one whose next round is expected "
+                        "last (default), or the least recently used")
     p.add_argument("--batch-window-ms", type=float, default=0.0,
                    help="(batching on) when idle, wait this long after a round arrives for others "
                         "to join its pass (default 0: take what is queued)")
@@ -78,6 +88,8 @@ def _add_serve(sub) -> None:
 
 def backend_from_args(args):
     from cloud_verifier.backends import load_backend
+    if args.kv_park == "on" and (args.backend != "llama.cpp" or args.batching != "on"):
+        raise SystemExit("cloud-verifier: --kv-park on needs the llama.cpp backend with --batching on")
     if args.backend == "synthetic":
         return load_backend("synthetic", None, vocab=args.synthetic_vocab, seed=args.synthetic_seed,
                             n_ctx=args.n_ctx, step_ms=args.synthetic_step_ms, per_token_ms=args.synthetic_per_token_ms,
@@ -95,7 +107,8 @@ def backend_from_args(args):
     return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads,
                         batching=args.batching == "on", kv_tokens=args.kv_tokens,
                         batch_window_ms=args.batch_window_ms, schedule=args.schedule,
-                        prefill_chunk=args.prefill_chunk)
+                        prefill_chunk=args.prefill_chunk, kv_park=args.kv_park == "on",
+                        kv_park_bytes=args.kv_park_bytes, kv_park_order=args.kv_park_order)
 
 
 def build_parser() -> argparse.ArgumentParser:

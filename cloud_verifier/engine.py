@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from cloud_verifier import metrics
-from cloud_verifier.backends.base import Backend, NoChatTemplate, NoFreeState
+from cloud_verifier.backends.base import Backend, NoChatTemplate, NoFreeState, StateLost
 from cloud_verifier.sessions import Session, SessionStore, Slo
 from spec_core import qcodec
 from spec_core.crossvocab import pack_token_bytes
@@ -297,8 +297,8 @@ class VerifierEngine:
                 fit = prune_to_fit(tree, room)
                 if len(fit) < len(tree):
                     tree, qs = tree.subtree(fit), ([qs[i] for i in fit] if qs is not None else None)
-                tree_result, queue_s, model_s = await run_in_thread(
-                    self.backend.verify_tree, session.state, session.tokens, tree, qs, session.settings,
+                tree_result, queue_s, model_s = await self._backend_round(
+                    session, self.backend.verify_tree, session.state, session.tokens, tree, qs, session.settings,
                     _round_rng(session))
                 kept_nodes = [fit[i] for i in tree_result.path]
                 n_verified = len(tree)
@@ -308,8 +308,8 @@ class VerifierEngine:
                 if len(drafts) > room:
                     drafts, qs = drafts[:room], (qs[:room] if qs is not None else None)
                 n_verified = len(drafts)
-                result, queue_s, model_s = await run_in_thread(
-                    self.backend.verify, session.state, session.tokens, drafts, qs, session.settings,
+                result, queue_s, model_s = await self._backend_round(
+                    session, self.backend.verify, session.state, session.tokens, drafts, qs, session.settings,
                     _round_rng(session))
             done = commit_round(drafts, result, session.stop_ids,
                                 remaining=session.settings.max_new_tokens - session.generated,
@@ -359,6 +359,18 @@ class VerifierEngine:
         nodes = self.limits.max_tree_nodes if self.backend.supports_trees else 0
         b = draft_budget(session.acceptance.alpha, price, self.limits.max_gamma, nodes, self.limits.max_tree_branching)
         return pb.DraftBudget(max_gamma=b.max_gamma, max_tree_nodes=b.max_tree_nodes, price=b.price)
+
+    async def _backend_round(self, session: Session, fn, *args):
+        """A round's backend call; a session whose state the backend lost (StateLost) is dropped
+        and its edge told to replay (NOT_FOUND), as after an eviction."""
+        try:
+            return await run_in_thread(fn, *args)
+        except StateLost as e:
+            self.sessions.remove(session.id)
+            metrics.SESSIONS.set(len(self.sessions))
+            raise RequestError(grpc.StatusCode.NOT_FOUND,
+                               f"session {session.id!r} lost its KV cache ({e}): resend the round with `open` to "
+                               "replay the committed tokens") from None
 
     async def _wait_for_round(self, session: Session, round_: int) -> None:
         """Let a pipelined round's predecessor finish first (it may arrive later on the wire)."""
@@ -552,7 +564,11 @@ class VerifierEngine:
         for generated in range(settings.max_new_tokens):
             if self.default_slo is not None:
                 self.backend.set_deadline(state, self.default_slo.due(time.perf_counter(), first_token_at, generated))
-            tok, _, model_s = await run_in_thread(self.backend.sample_next, state, tokens, settings, rng)
+            try:
+                tok, _, model_s = await run_in_thread(self.backend.sample_next, state, tokens, settings, rng)
+            except StateLost as e:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the stream lost its KV cache ({e}); "
+                                   "retry shortly", retry_after_s=1.0) from None
             now = time.perf_counter()
             self.commits.observe(now, 1)
             first_token_at = first_token_at or (now, generated + 1)

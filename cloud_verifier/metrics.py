@@ -74,3 +74,47 @@ def track_kv(kv) -> None:
 def observe_compaction(seconds: float) -> None:
     KV_COMPACTIONS.inc()
     KV_COMPACTION_SECONDS.inc(seconds)
+
+
+# Sessions' KV between rounds in the batched llama.cpp verifier (cloud_verifier.backends.kvpark).
+# Session-seconds by state, counted per round over the gap that ends with the round's arrival and
+# the round itself: busy (arrival to the end of its pass), idle (its KV in the cache, unused),
+# parked (its KV in host memory). Idle share = (idle + parked) / all three.
+KV_SESSION_SECONDS = Counter("hybridspec_kv_session_seconds",
+                             "Session-seconds between rounds' arrivals, by state: busy, idle (KV in the cache), parked",
+                             ["state"])
+KV_IDLE_GAP = Histogram("hybridspec_kv_idle_gap_seconds", "Seconds from a round's pass to the session's next round",
+                        buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30))
+KV_PARKS = Counter("hybridspec_kv_parks", "Sessions' KV cells parked in host memory")
+KV_RESTORES = Counter("hybridspec_kv_restores", "Parked KV cells restored into the cache")
+KV_PARK_SECONDS = Counter("hybridspec_kv_park_seconds", "Seconds spent parking (copying cells out)")
+KV_RESTORE_SECONDS = Counter("hybridspec_kv_restore_seconds", "Seconds spent restoring (copying cells back)")
+KV_PARK_BYTES = Counter("hybridspec_kv_park_bytes", "Bytes parked")
+KV_RESTORE_WAIT_SECONDS = Counter("hybridspec_kv_restore_wait_seconds",
+                                  "Seconds parked sessions' rounds waited to be restored (including the copy)")
+KV_PARK_FAILURES = Counter("hybridspec_kv_park_failures",
+                           "Park or restore failures (the session is evaluated again, or replays: no_place)", ["stage"])
+KV_PARKED = Gauge("hybridspec_kv_parked", "Parked sessions and their bytes in host memory now", ["what"])
+
+
+def observe_idle_gap(idle_s: float, parked_s: float) -> None:
+    KV_SESSION_SECONDS.labels("idle").inc(max(0.0, idle_s))
+    KV_SESSION_SECONDS.labels("parked").inc(max(0.0, parked_s))
+    KV_IDLE_GAP.observe(idle_s + parked_s)
+
+
+def observe_park(nbytes: int, seconds: float) -> None:
+    KV_PARKS.inc()
+    KV_PARK_BYTES.inc(nbytes)
+    KV_PARK_SECONDS.inc(seconds)
+
+
+def observe_restore(seconds: float) -> None:
+    KV_RESTORES.inc()
+    KV_RESTORE_SECONDS.inc(seconds)
+
+
+def track_parking(book) -> None:
+    """Read the parked sessions and bytes at each scrape (book: cloud_verifier.backends.kvpark.SeqBook)."""
+    KV_PARKED.labels("sessions").set_function(lambda: book.parked_sessions)
+    KV_PARKED.labels("bytes").set_function(lambda: book.parked_bytes)

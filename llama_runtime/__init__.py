@@ -5,6 +5,8 @@ llama.cpp is compiled for the CPU it runs on by scripts/llama_build.py (flags fr
 features, never AMX, smoke-tested); as a second guard every load sets `use_extra_bufts = False`,
 which keeps ggml's AMX/repack buffer types out of the way.
 """
-from llama_runtime.model import GGUFModel, KVContext, SharedKV, TreeIdsBusy, TreeJob, bundled_model_path, default_threads
+from llama_runtime.model import (GGUFModel, KVContext, ParkedSeq, SharedKV, TreeIdsBusy, TreeJob, bundled_model_path,
+                                 default_threads, kv_bytes_per_token)
 
-__all__ = ["GGUFModel", "KVContext", "SharedKV", "TreeIdsBusy", "TreeJob", "bundled_model_path", "default_threads"]
+__all__ = ["GGUFModel", "KVContext", "ParkedSeq", "SharedKV", "TreeIdsBusy", "TreeJob", "bundled_model_path",
+           "default_threads", "kv_bytes_per_token"]

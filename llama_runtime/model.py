@@ -536,6 +536,29 @@ class KVContext:
             pass
 
 
+class ParkedSeq(NamedTuple):
+    """A sequence's KV cells in host memory (SharedKV.park / restore)."""
+    tokens: list[int]     # what the cells hold, in order
+    data: np.ndarray      # llama_state_seq_get_data's bytes  # [nbytes] uint8
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.size)
+
+
+def kv_bytes_per_token(model: GGUFModel) -> int:
+    """Bytes one token's K and V take in a cache (f16, every layer), plus llama.cpp's per-cell
+    header in a saved sequence: an upper estimate of a parked session's bytes per token."""
+    m = model._model
+    n_layer, n_head, n_head_kv = (int(f(m)) for f in (llama_cpp.llama_model_n_layer, llama_cpp.llama_model_n_head,
+                                                      llama_cpp.llama_model_n_head_kv))
+    arch = model.metadata("general.architecture") or "llama"
+    head = int(llama_cpp.llama_model_n_embd(m)) // max(1, n_head)
+    k_len = int(model.metadata(f"{arch}.attention.key_length") or head)
+    v_len = int(model.metadata(f"{arch}.attention.value_length") or head)
+    return n_layer * n_head_kv * (k_len + v_len) * 2 + 16
+
+
 class SharedKV:
     """One llama.cpp context whose unified KV cache holds many sequences (like llama.cpp server's
     slots): a session is a sequence id, and one `decode` evaluates tokens of many sequences.
@@ -554,33 +577,41 @@ class SharedKV:
     Capacity is reserved, not guessed: each of `n_seqs` sequences may hold up to `seq_ctx` tokens,
     and the cache has room for all of them at once plus `slack` cells (by default an eighth more,
     at least a few passes), so a decode never fails for want of cells and a compaction frees at
-    least `slack` cells. Not thread-safe: one thread (the verifier's batcher) drives it.
+    least `slack` cells. With `n_ids` > `n_seqs` there are more sequence ids than such places: a
+    sequence whose cells are parked in host memory (`park`) keeps its id but no place, and takes
+    a free one again when it is restored. Not thread-safe: one thread (the verifier's batcher)
+    drives it.
     """
 
     def __init__(self, model: GGUFModel, n_seqs: int, seq_ctx: int, n_ubatch: int = INVARIANT_UBATCH,
                  invariant: bool = True, slack: int | None = None, tree_ids: int = 0,
-                 on_compact: Callable[[float], None] | None = None):
-        # llama.cpp's LLAMA_MAX_SEQ is 256: sessions + the scratch and retired sequences + tree ids
-        if not 1 <= n_seqs <= 254 - tree_ids:
-            raise ValueError(f"n_seqs must be in 1..{254 - tree_ids} with {tree_ids} tree ids, got {n_seqs}")
+                 on_compact: Callable[[float], None] | None = None, n_ids: int | None = None):
+        # llama.cpp's LLAMA_MAX_SEQ is 256: sessions + the scratch and retired sequences + tree ids.
+        # n_ids > n_seqs: more sequence ids than places in the cache, for parked sequences (`park`).
+        n_ids = n_seqs if n_ids is None else n_ids
+        if not 1 <= n_seqs <= n_ids <= 254 - tree_ids:
+            raise ValueError(f"need 1 <= n_seqs ({n_seqs}) <= n_ids ({n_ids}) <= {254 - tree_ids} with {tree_ids} "
+                             "tree ids")
         self.model, self.n_seqs, self.seq_ctx, self.invariant = model, n_seqs, seq_ctx, invariant
+        self.n_ids = n_ids
         self.n_ubatch = min(n_ubatch, INVARIANT_UBATCH) if invariant else n_ubatch
-        self.scratch = n_seqs       # the padding sequence (see INVARIANT_UBATCH)
-        self.retired = n_seqs + 1   # cells nobody attends to, kept occupied until the next compaction
-        self.tree_ids = tree_ids    # ids n_seqs + 2 .. : one per leaf of the trees being evaluated
-        self._tree_free = list(range(n_seqs + 2 + tree_ids - 1, n_seqs + 1, -1))
+        self.scratch = n_ids        # the padding sequence (see INVARIANT_UBATCH)
+        self.retired = n_ids + 1    # cells nobody attends to, kept occupied until the next compaction
+        self.tree_ids = tree_ids    # ids n_ids + 2 .. : one per leaf of the trees being evaluated
+        self._tree_free = list(range(n_ids + 2 + tree_ids - 1, n_ids + 1, -1))
         self._trees: set["TreeJob"] = set()
         reserve = n_seqs * seq_ctx
         self.slack = max(4 * (self.n_ubatch + 1), reserve // 8) if slack is None else max(slack, self.n_ubatch + 1)
         self.n_cells = reserve + self.slack
-        params = _context_params(model, self.n_cells, self.n_ubatch + 1, n_seqs + 2 + tree_ids, invariant)
+        params = _context_params(model, self.n_cells, self.n_ubatch + 1, n_ids + 2 + tree_ids, invariant)
         self._ctx = llama_cpp.llama_init_from_model(model._model, params)
         if not self._ctx:
             raise MemoryError(f"llama.cpp could not create a KV cache of {n_seqs} x {seq_ctx} tokens")
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_ubatch + 1, 0, 1 + tree_ids)
-        self._free = list(range(n_seqs - 1, -1, -1))
+        self._free = list(range(n_ids - 1, -1, -1))
         self.held: dict[int, list[int]] = {}  # sequence id -> the tokens its cells hold, in order
+        self.parked: set[int] = set()         # held ids whose cells are parked (in no place; held [])
         self.tokens_decoded = 0
         self._top = 0            # cells [0, _top) are taken (live or retired); the rest are free
         self._holes = False      # a failed decode may have freed cells below _top: compact first
@@ -590,7 +621,13 @@ class SharedKV:
 
     @property
     def free_seqs(self) -> int:
-        return len(self._free)
+        """Sequences `acquire` can hand out now: free ids with a free place."""
+        return min(len(self._free), self.free_places)
+
+    @property
+    def free_places(self) -> int:
+        """Places (room for seq_ctx cells) not taken by an unparked sequence."""
+        return self.n_seqs - (len(self.held) - len(self.parked))
 
     @property
     def live_cells(self) -> int:
@@ -602,8 +639,8 @@ class SharedKV:
         return self._top
 
     def acquire(self) -> int | None:
-        """A free sequence id, or None when all are taken."""
-        if not self._free:
+        """A free sequence id with a place, or None when all are taken."""
+        if not self._free or self.free_places <= 0:
             return None
         seq = self._free.pop()
         self.held[seq] = []
@@ -612,7 +649,10 @@ class SharedKV:
     def release(self, seq: int) -> None:
         if self.held.pop(seq, None) is None:
             return
-        self._retire(seq, 0)
+        if seq in self.parked:
+            self.parked.discard(seq)
+        else:
+            self._retire(seq, 0)
         self._free.append(seq)
 
     def _retire(self, seq: int, p0: int) -> None:
@@ -624,6 +664,8 @@ class SharedKV:
         """Roll `seq` back to the longest prefix of `tokens` it holds that leaves the last `rows`
         positions to compute, and return what must be decoded."""
         tokens = list(tokens)
+        if seq in self.parked:
+            raise RuntimeError(f"sequence {seq} is parked: restore it first")
         held = self.held[seq]
         keep = reusable_prefix(held, tokens, rows)
         if len(tokens) > self.seq_ctx:
@@ -670,12 +712,8 @@ class SharedKV:
         for seq, held in self.held.items():
             if not held:
                 continue
-            size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
-            data = np.empty(size, dtype=np.uint8)  # not zero-filled: llama.cpp writes all of it
-            buf = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-            if llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq) != size:
-                raise RuntimeError(f"llama.cpp could not copy out the KV cells of sequence {seq}")
-            saved.append((seq, buf, size, data))
+            data = self._seq_bytes(seq)
+            saved.append((seq, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), data.size, data))
         llama_cpp.llama_memory_clear(self._mem, False)
         self._top, self._holes = 0, False
         lost = []
@@ -695,6 +733,57 @@ class SharedKV:
             for seq in lost:
                 self.held[seq].clear()   # their next request evaluates them from the start
             raise RuntimeError(f"llama.cpp could not copy back the KV cells of sequences {lost}")
+
+    def _seq_bytes(self, seq: int) -> np.ndarray:
+        """A copy of `seq`'s cells (llama_state_seq_get_data)  # [bytes] uint8."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
+        data = np.empty(size, dtype=np.uint8)  # not zero-filled: llama.cpp writes all of it
+        buf = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq) != size:
+            raise RuntimeError(f"llama.cpp could not copy out the KV cells of sequence {seq}")
+        return data
+
+    def park(self, seq: int) -> "ParkedSeq":
+        """Copy `seq`'s cells to host memory and give up its place: its cells are retired, it keeps
+        its id and holds nothing until `restore` brings the cells back bit for bit. Between passes
+        only, with no tree job on `seq`. On failure (RuntimeError) the cells are lost just the
+        same, and `seq` holds nothing."""
+        if any(job.seq == seq for job in self._trees):
+            raise RuntimeError(f"sequence {seq} has a tree in flight")
+        tokens = self.held[seq]
+        try:
+            data = self._seq_bytes(seq) if tokens else np.empty(0, dtype=np.uint8)
+        finally:
+            self._retire(seq, 0)
+            self.held[seq] = []
+            self.parked.add(seq)
+        return ParkedSeq(list(tokens), data)
+
+    def restore(self, seq: int, parked: "ParkedSeq") -> bool:
+        """Put parked cells back into `seq` (parked); False when no place is free. The cells land
+        above every used cell, in the order they were saved (position order), as a compaction
+        puts them back: every row is what it would have been without the move. RuntimeError when
+        llama.cpp refuses the bytes: `seq` then has its place and holds nothing."""
+        if seq not in self.parked:
+            raise ValueError(f"sequence {seq} is not parked")
+        if self.free_places <= 0:
+            return False
+        n = len(parked.tokens)
+        if self._holes or self._top + n + self.n_ubatch + 1 > self.n_cells:
+            if self._trees:
+                raise RuntimeError("the KV cache needs compacting while trees are in flight")
+            self.compact()
+        self.parked.discard(seq)
+        if not n:
+            return True
+        buf = parked.data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if llama_cpp.llama_state_seq_set_data(self._ctx, buf, parked.data.size, seq) != parked.data.size:
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, 0, -1)
+            self._holes = True   # whatever it wrote is gone: compact before the next pass
+            raise RuntimeError(f"llama.cpp could not restore {n} parked KV cells")
+        self.held[seq] = list(parked.tokens)
+        self._top += n
+        return True
 
     def decode(self, items: Sequence[PassItem]) -> list[np.ndarray]:
         """Evaluate up to `n_ubatch` tokens of any sequences in one llama_decode; each sequence's
@@ -773,6 +862,8 @@ class TreeJob:
         """Take tree ids (TreeIdsBusy when the pool has too few now), roll the session back, and
         list the items to evaluate."""
         kv, c = self.kv, len(self.committed)
+        if self.seq in kv.parked:
+            raise RuntimeError(f"sequence {self.seq} is parked: restore it first")
         if self.ids is None:
             if len(self.leaves) > len(kv._tree_free):
                 raise TreeIdsBusy(f"{len(self.leaves)} tree ids wanted, {len(kv._tree_free)} free")

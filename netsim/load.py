@@ -509,12 +509,36 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
         "sessions_opened": metric_delta(before, after, "hybridspec_sessions_opened_total"),
         "model_seconds": metric_delta(before, after, "hybridspec_model_seconds_sum"),
         "round_seconds": metric_delta(before, after, "hybridspec_round_seconds_sum"),
+        "kv": kv_between_rounds(before, after, rounds),
         "gamma": cfg.gamma if mode == "hybrid" else None, "draft_ms": cfg.draft_ms if cfg.synthetic else None,
         "batch_histograms": {k: v for k, v in batch.items() if v is not None},
         **measured["cpu"],
         "proxy_mean_lateness_ms": 1000 * statistics.fmean(lateness) if lateness else None,
         "proxy_max_lateness_ms": 1000 * max((s["late_max_s"] for s in proxy_stats), default=0.0),
     }
+
+
+def kv_between_rounds(before: dict, after: dict, rounds: float) -> dict | None:
+    """Where sessions' KV spent the time between rounds (the batched llama.cpp verifier's
+    hybridspec_kv_* metrics), and what parking cost; None when the verifier exports none."""
+    from spec_core.kvpark import idle_share
+    key = 'hybridspec_kv_session_seconds_total{{state="{}"}}'
+    if key.format("busy") not in after:
+        return None
+    busy, idle, parked = (metric_delta(before, after, key.format(k)) for k in ("busy", "idle", "parked"))
+    d = {k: metric_delta(before, after, f"hybridspec_kv_{k}_total")
+         for k in ("parks", "restores", "park_seconds", "restore_seconds", "park_bytes", "restore_wait_seconds",
+                   "compaction_seconds")}
+    per = lambda x, n: x / n if n else None   # noqa: E731
+    return {"idle_share": idle_share(busy, idle + parked), "parked_share": per(parked, busy + idle + parked),
+            "parks": d["parks"], "restores": d["restores"], "park_ms": per(1e3 * d["park_seconds"], d["parks"]),
+            "restore_ms": per(1e3 * d["restore_seconds"], d["restores"]),
+            "park_bytes": per(d["park_bytes"], d["parks"]),
+            "restore_wait_ms": per(1e3 * d["restore_wait_seconds"], d["restores"]),
+            "move_ms_per_round": per(1e3 * (d["park_seconds"] + d["restore_seconds"]), rounds),
+            "compaction_ms_per_round": per(1e3 * d["compaction_seconds"], rounds),
+            "failures": sum(metric_delta(before, after, k) for k in after
+                            if k.startswith("hybridspec_kv_park_failures_total{"))}
 
 
 def verifier_args(cfg: LoadConfig, metrics_port: int, max_edges: int) -> list[str]:
@@ -755,10 +779,22 @@ def markdown(result: dict) -> str:
               "CPU of the harness (cores busy; edges: this process, every edge's client and drafting; proxies: every "
               "link): " + ", ".join(f"{r['edges']}/{r['mode']}: {_f(r.get('edges_cpu_cores'), 1, 2)}/"
                                     f"{_f(r.get('proxy_cpu_cores'), 1, 2)}" for r in result["runs"]),
+              *_kv_lines(result["runs"]),
               "Proxy lateness (mean per chunk, max): " + ", ".join(
                   f"{r['edges']}/{r['mode']}: {_f(r['proxy_mean_lateness_ms'], 1, 2)}/{_f(r['proxy_max_lateness_ms'], 1, 1)} ms"
                   for r in result["runs"]), ""]
     return "\n".join(lines)
+
+
+def _kv_lines(runs: list[dict]) -> list[str]:
+    kv = [(r, r["kv"]) for r in runs if r.get("kv")]
+    if not kv:
+        return []
+    return ["Sessions' KV between rounds (idle share of the time from a round's arrival to the next's; parks, "
+            "restores, ms each, MB per park; park + restore ms per round): " + ", ".join(
+                f"{r['edges']}/{r['mode']}: {_f(k['idle_share'], 100, 0)}% idle, {k['parks']:.0f}/{k['restores']:.0f}, "
+                f"{_f(k['park_ms'], 1, 2)}/{_f(k['restore_ms'], 1, 2)} ms, {_f(k['park_bytes'], 1e-6, 2)} MB, "
+                f"{_f(k['move_ms_per_round'], 1, 2)} ms" for r, k in kv)]
 
 
 def plot(result: dict, out: Path) -> dict[str, Path]:

@@ -39,6 +39,11 @@ class NoChatTemplate(ValueError):
     """The target has no chat template (its own or a built-in one): chat messages cannot be rendered."""
 
 
+class StateLost(Exception):
+    """A session's state is gone and the backend cannot rebuild it now (e.g. its parked KV found no
+    place in the cache in time): the engine drops the session and the edge replays (NOT_FOUND)."""
+
+
 class Backend(abc.ABC):
     info: BackendInfo
     # Sessions + Generate streams the backend can hold at once; None: only the engine's limits.

@@ -15,12 +15,16 @@ Token trees (tree_logits / keep_tree_path): in the serial verifier one pass per 
 sequences of the session's own context; with batching a llama_runtime.TreeJob, whose nodes go
 through the batcher like any other tokens, on tree sequence ids lent for the round (one per leaf;
 `max_tree_leaves` of them in all, shared by the sessions' trees in flight).
+
+With batching, `cloud_verifier.backends.kvpark.SeqBook` keeps each session's place in the cache,
+counts the time its KV sits idle between rounds, and with `kv_park` parks idle sessions' cells
+in host memory (at most `kv_park_bytes`) when the cache is short: the cache then holds more
+sessions than it has places for (`max_states`).
 """
 from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -28,24 +32,28 @@ import numpy as np
 from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, BackendInfo, NoChatTemplate, NoFreeState
 from cloud_verifier.backends.batcher import Batcher, BatchStep
-from llama_runtime import GGUFModel, KVContext, SharedKV
+from cloud_verifier.backends.kvpark import PlacePacker, SeqBook, SeqState
+from llama_runtime import GGUFModel, KVContext, SharedKV, kv_bytes_per_token
+from spec_core.kvpark import parked_capacity
 from spec_core.tree import DraftTree
 
 # Default KV pool: as many cells as today's default of 8 sessions of 2048 tokens.
 DEFAULT_KV_SESSIONS = 8
-
-
-@dataclass
-class SeqState:
-    """A session's place in the shared KV cache; seq is None once released."""
-    seq: int | None
+DEFAULT_KV_PARK_BYTES = 1 << 30
 
 
 class LlamaCppBackend(Backend):
     def __init__(self, model: str, n_ctx: int = 2048, n_threads: int | None = None, n_batch: int = 512,
                  batching: bool = False, kv_tokens: int | None = None, batch_window_ms: float = 0.0,
                  invariant: bool = True, max_tree_leaves: int = 64, schedule: str = "fair",
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, kv_park: bool = False,
+                 kv_park_bytes: int = DEFAULT_KV_PARK_BYTES, kv_park_order: str = "next-use"):
+        if kv_park and not batching:
+            raise ValueError("--kv-park on needs --batching on: the serial verifier has no shared KV cache")
+        if kv_park and kv_park_bytes <= 0:
+            raise ValueError(f"--kv-park-bytes must be positive with --kv-park on, got {kv_park_bytes}")
+        if kv_park_order not in ("next-use", "lru"):
+            raise ValueError(f"--kv-park-order must be next-use or lru, got {kv_park_order!r}")
         self.model = GGUFModel(model, n_threads=n_threads)
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -58,38 +66,43 @@ class LlamaCppBackend(Backend):
         self.n_seq_max = max_tree_leaves + 1
         self.kv: SharedKV | None = None
         self.batcher: Batcher | None = None
+        self.book: SeqBook | None = None
         if batching:
             kv_tokens = kv_tokens or DEFAULT_KV_SESSIONS * n_ctx
             n_seqs = kv_tokens // n_ctx
             if n_seqs < 1:
                 raise ValueError(f"--kv-tokens {kv_tokens} cannot hold one session of --n-ctx {n_ctx} tokens")
-            self.kv = SharedKV(self.model, min(n_seqs, 254 - max_tree_leaves), n_ctx, invariant=invariant,
-                               tree_ids=max_tree_leaves, on_compact=metrics.observe_compaction)
+            places = min(n_seqs, 254 - max_tree_leaves)
+            bytes_per_token = kv_bytes_per_token(self.model)
+            # Parked sessions keep their sequence ids: as many ids as the parked bytes hold sessions.
+            n_ids = min(254 - max_tree_leaves, places + parked_capacity(kv_park_bytes, bytes_per_token, n_ctx)) \
+                if kv_park else places
+            self.kv = SharedKV(self.model, places, n_ctx, invariant=invariant, tree_ids=max_tree_leaves,
+                               on_compact=metrics.observe_compaction, n_ids=n_ids)
             metrics.track_kv(self.kv)
+            self.book = SeqBook(self.kv, None, park=kv_park, max_bytes=kv_park_bytes, order=kv_park_order,
+                                bytes_per_token=bytes_per_token)
             # Compactions happen between passes (Batcher -> SharedKV.maintain), outside the pass times.
-            self.batcher = Batcher(self.kv, batch_window_ms / 1000, on_step=_observe_step, name="llama-batcher",
-                                   schedule=schedule, prefill_chunk=prefill_chunk)
+            self.batcher = Batcher(PlacePacker(self.kv, self.book) if kv_park else self.kv, batch_window_ms / 1000,
+                                   on_step=_observe_step, name="llama-batcher", schedule=schedule,
+                                   prefill_chunk=prefill_chunk)
+            self.book.batcher = self.batcher
 
     @property
     def max_states(self) -> int | None:
-        """Sessions + Generate streams the KV cache can hold at once (None: unbounded here)."""
-        return self.kv.n_seqs if self.kv is not None else None
+        """Sessions + Generate streams the KV cache can hold at once (None: unbounded here); with
+        parking, also as many as the parked bytes hold at their full context."""
+        return self.kv.n_ids if self.kv is not None else None
 
     def new_state(self):
         if self.kv is None:
             return self.model.new_context(self.n_ctx, self.n_batch, invariant=self.invariant,
                                           n_seq_max=self.n_seq_max)
-        seq = self.batcher.acquire(self.kv.acquire)
-        if seq is None:
-            raise NoFreeState(f"the KV cache holds {self.kv.n_seqs} sessions of {self.n_ctx} tokens and all are "
-                              "in use")
-        return SeqState(seq)
+        return self.book.new_state()
 
     def release(self, state) -> None:
         if isinstance(state, SeqState):
-            if state.seq is not None:
-                seq, state.seq = state.seq, None
-                self.batcher.release(seq)
+            self.book.release(state)
             return
         with self.model.lock:  # never free a context while a decode runs on this model
             state.close()
@@ -103,9 +116,8 @@ class LlamaCppBackend(Backend):
 
     def target_logits(self, state, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
         if isinstance(state, SeqState):
-            if state.seq is None:
-                raise RuntimeError("this session's KV cache was released")
-            return self.batcher.submit(state.seq, tokens, rows)
+            with self.book.round(state) as seq:
+                return self.book.run(state, lambda: self.batcher.submit(seq, tokens, rows))
         t0 = time.perf_counter()
         with self.model.lock:
             t1 = time.perf_counter()
@@ -121,9 +133,9 @@ class LlamaCppBackend(Backend):
         """Serial: the whole tree in one target pass (KVContext.tree_logits). Batching: the tree's
         nodes share passes with other sessions' tokens (SharedKV.tree_job)."""
         if isinstance(state, SeqState):
-            if state.seq is None:
-                raise RuntimeError("this session's KV cache was released")
-            return self.batcher.submit_tree(state.seq, committed, tree.tokens, tree.parents)
+            with self.book.round(state) as seq:
+                return self.book.run(state, lambda: self.batcher.submit_tree(seq, committed, tree.tokens,
+                                                                             tree.parents))
         t0 = time.perf_counter()
         with self.model.lock:
             t1 = time.perf_counter()
