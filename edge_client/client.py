@@ -604,6 +604,7 @@ class EdgeClient:
             raise ValueError(f"the {drafter.name} drafter does not build trees; use tree='off'")
         self._reached = False
         self._cross: bool | None = None   # drafting across vocabularies (decided at the first generation)
+        self._cross_lock = asyncio.Lock()
         # Special tokens (EOS, <|im_end|>) end generation; they are not printed.
         self.hidden_ids = getattr(tokenizer, "eog_ids", frozenset())
 
@@ -657,11 +658,17 @@ class EdgeClient:
         vocabulary (cache or GetVocabulary), the wrapped drafter, the target's text."""
         if self._cross is not None:
             return self._cross
+        async with self._cross_lock:   # generations started together set it up once
+            if self._cross is None:
+                await self._set_up_cross_vocabulary(st)
+        return self._cross
+
+    async def _set_up_cross_vocabulary(self, st: GenerationStats) -> None:
         info = _SERVER_INFOS.get(self._channel)
         target_fp = info.tokenizer_fingerprint if info is not None else ""
         if not target_fp or self.drafter.fingerprint in (None, target_fp) or self.speculation.strict_tokenizer:
             self._cross = False   # same tokenizer, a drafter without one, or the strict check (the verifier's)
-            return False
+            return
         if not self.drafter.supports_cross_vocab or not hasattr(self.tokenizer, "tokenize_bytes"):
             raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION,
                             f"the target ({info.model}) has another tokenizer and the {self.drafter.name} drafter "
@@ -690,7 +697,6 @@ class EdgeClient:
         self.drafter, self.tokenizer = wrapper, crossvocab.TargetText(target)
         self.hidden_ids = target.eog_ids
         self._cross = True
-        return True
 
     async def _fetch_vocabulary(self, fingerprint: str, st: GenerationStats):
         async def ask() -> pb.Vocabulary:

@@ -186,3 +186,15 @@ async def test_target_vocabulary_from_a_local_file(tmp_path, vocab_cache):
             gen = c.generate("abc", SamplingSettings(temperature=0.0, max_new_tokens=4, ignore_eos=True))
             await gen.text()
     assert gen.stats.tokens == 4 and not vocab_cache.exists()
+
+
+async def test_generations_started_together_set_up_once():
+    import asyncio
+    drafter, tok = drafter_pair()
+    async with running_server(target_backend()) as server:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=3), drafter, tok) as c:
+            gens = [c.generate("ab", SamplingSettings(temperature=0.0, max_new_tokens=5, ignore_eos=True))
+                    for _ in range(3)]
+            await asyncio.gather(*(g.text() for g in gens))
+            assert isinstance(c.drafter, CrossVocabDrafter) and c.drafter.inner is drafter
+    assert [g.stats.token_ids for g in gens[1:]] == [gens[0].stats.token_ids] * 2
