@@ -338,9 +338,12 @@ class _SessionLoop:
 
     def _replay_after(self, e: EdgeError) -> bool:
         """Whether to replay the committed tokens in a new session: the verifier lost ours (NOT_FOUND)
-        or is out of step with it (FAILED_PRECONDITION)."""
-        if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) and self.session_id \
-                and self.st.replays < self.c.transport.max_replays:
+        or is out of step with it (FAILED_PRECONDITION). A first round (it carries `open`) answered
+        NOT_FOUND opened a session that was evicted before its round ran: it is sent again, as a
+        replay; FAILED_PRECONDITION there is a refusal (e.g. the tokenizer) that replaying cannot fix."""
+        lost = e.code == grpc.StatusCode.NOT_FOUND or (
+            e.code == grpc.StatusCode.FAILED_PRECONDITION and bool(self.session_id))
+        if lost and self.st.replays < self.c.transport.max_replays:
             log.warning("replaying %d committed tokens: %s", len(self.committed) - self.prompt_len, e)
             self.st.replays += 1
             self.session_id, self.last_round = "", 0

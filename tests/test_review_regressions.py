@@ -194,3 +194,37 @@ async def test_limits_are_asked_again_after_a_refusal_for_them():
             gen = c.generate([0, 5, 6], settings)
             await gen.text()
     assert gen.stats.tokens == 20
+
+
+async def test_a_first_round_answered_not_found_is_replayed():
+    """The session a first round opened can be evicted before that round runs (a full server under
+    load): the verifier answers NOT_FOUND to a request that carries `open`. The edge must open again
+    (a replay), not fail; the text is the same as without the eviction. The control: a first round
+    refused with FAILED_PRECONDITION (e.g. another tokenizer) is not retried."""
+    from cloud_verifier.engine import RequestError
+
+    async def run(fail_first_with):
+        async with running_server(SyntheticBackend(), max_sessions=4) as server:
+            engine, calls = server.engine, []
+            real = engine.verify
+
+            async def flaky(req):
+                calls.append(req.HasField("open"))
+                if fail_first_with is not None and len(calls) == 1:
+                    raise RequestError(fail_first_with, "session was evicted: resend the round with `open`")
+                return await real(req)
+            engine.verify = flaky
+            async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2), SyntheticDrafter(64),
+                                  SyntheticTokenizer(64)) as client:
+                gen = client.generate([0, 5, 7], SamplingSettings(temperature=0, max_new_tokens=12, ignore_eos=True))
+                text = await gen.text()
+            return gen.stats, calls
+
+    clean, _ = await run(None)
+    stats, calls = await run(grpc.StatusCode.NOT_FOUND)
+    assert calls[:2] == [True, True] and stats.replays == 1
+    assert stats.token_ids == clean.token_ids and len(stats.token_ids) == 12
+    from edge_client.client import EdgeError
+    with pytest.raises(EdgeError) as e:
+        await run(grpc.StatusCode.FAILED_PRECONDITION)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
