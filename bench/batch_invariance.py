@@ -31,7 +31,7 @@ SCRATCH = 15  # sequence id used for padding tokens
 class Ctx:
     def __init__(self, model: GGUFModel, flash: bool, n_ubatch: int, pad: bool, threads: int):
         p = llama_cpp.llama_context_default_params()
-        p.n_ctx, p.n_batch, p.n_ubatch = 4096, n_ubatch + 1, n_ubatch + 1
+        p.n_ctx, p.n_batch, p.n_ubatch = 4096, max(n_ubatch + 1, 16), n_ubatch + 1  # an output per sequence
         p.n_seq_max, p.kv_unified = 16, True
         p.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash
                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
