@@ -9,7 +9,7 @@ and compares the continuation's logits bit for bit with a reference:
 Each under a configuration: flash attention on/off, and with or without the two remedies the
 batched backend uses (no decode of a single token or a single wanted row: pad with a scratch
 sequence; ubatches of at most 32 tokens, below ggml's tiled flash-attention threshold of 64 query
-rows).
+rows); and the model's probed cut (GGUFModel.invariant_ubatch) where it is below 32 (Gemma 3: 6).
 
     python bench/batch_invariance.py [--model GGUF] [--threads N]
 """
@@ -31,7 +31,7 @@ SCRATCH = 15  # sequence id used for padding tokens
 class Ctx:
     def __init__(self, model: GGUFModel, flash: bool, n_ubatch: int, pad: bool, threads: int):
         p = llama_cpp.llama_context_default_params()
-        p.n_ctx, p.n_batch, p.n_ubatch = 4096, n_ubatch + 1, n_ubatch + 1
+        p.n_ctx, p.n_batch, p.n_ubatch = 4096, max(n_ubatch + 1, 16), n_ubatch + 1  # an output per sequence
         p.n_seq_max, p.kv_unified = 16, True
         p.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash
                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
@@ -47,6 +47,7 @@ class Ctx:
         out = []
         for start in range(0, len(items), self.n_ubatch):
             part = list(items[start:start + self.n_ubatch])
+            n_real = len(part)
             wanted = sum(1 for it in part if it[3])
             if self.pad and (len(part) == 1 or wanted == 1):  # as llama_runtime.model._pad
                 llama_cpp.llama_memory_seq_rm(self.mem, SCRATCH, 0, -1)
@@ -57,7 +58,7 @@ class Ctx:
                 b.seq_id[i][0] = seq
             b.n_tokens = len(part)
             assert llama_cpp.llama_decode(self.ctx, b) == 0
-            for i, (_, _, _, want) in enumerate(part):
+            for i, (_, _, _, want) in enumerate(part[:n_real]):   # not the padding token's row
                 if want:
                     ptr = llama_cpp.llama_get_logits_ith(self.ctx, i)
                     out.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
@@ -125,6 +126,9 @@ def main(argv=None) -> int:
                ("flash on,  ubatch 512, pad", True, 512, True),
                ("flash on,  ubatch 32,  pad", True, 32, True),
                ("flash off, ubatch 32,  pad", False, 32, True)]
+    cut = model.invariant_ubatch   # probed per model (llama_runtime.model.INVARIANT_UBATCH)
+    if cut != 32:
+        configs.append((f"flash on,  ubatch {cut},{' ' * (3 - len(str(cut)))}pad", True, cut, True))
     print(f"{'configuration':34s} {'prefill':>10s} {'chunks-5':>10s} {'batched':>10s}")
     for name, flash, ub, pad in configs:
         ctx = Ctx(model, flash, ub, pad, args.threads)

@@ -176,6 +176,13 @@ class GGUFModel:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
+    @cached_property
+    def invariant_ubatch(self) -> int:
+        """The most tokens (besides a padding token) one batch-invariant decode may hold for this
+        model on this machine: INVARIANT_UBATCH, or less where a probe finds that a larger decode
+        moves logits (Gemma 3: from 8 tokens on; see the note at INVARIANT_UBATCH)."""
+        return _probe_invariant_ubatch(self)
+
     def new_context(self, n_ctx: int = 2048, n_batch: int = 512, invariant: bool = False,
                     n_seq_max: int = 1) -> "KVContext":
         return KVContext(self, n_ctx, n_batch, invariant, n_seq_max)
@@ -207,7 +214,57 @@ class GGUFModel:
 #     flash attention; decodes are cut at INVARIANT_UBATCH tokens.
 # The padding costs one extra token (and output row) per single-row decode; the cut only splits
 # long prefills. Contexts are made one token larger than the cut, for the padding.
+#
+# Some models need a smaller cut. Gemma 3 270M Q4_K_M (same code, same contexts): a decode of up to
+# 7 tokens gives rows bit-identical to token-by-token decodes; from 8 tokens on, every row from the
+# third on moves, by up to 1.26 in max |logit difference| (measured on a 40-token prompt, 1 or 2
+# threads, AVX2 Zen 3; unchanged by an F32 KV cache, swa_full or the thread count, so neither fp16
+# KV precision, the sliding-window cache nor threading is the cause: some ggml-cpu kernel changes
+# with the ubatch's row count at 8; not pinned down further). SmolLM2 Q4_1 is invariant up to 63.
+# So the cut is per model: GGUFModel.invariant_ubatch probes it once (a short token-by-token
+# reference against decodes of the candidate sizes, bit for bit) and contexts use it.
 INVARIANT_UBATCH = 32
+_PROBE_CUTS = (32, 16, 8, 6, 4, 2, 1)
+
+
+def _probe_invariant_ubatch(model: "GGUFModel") -> int:
+    """Largest cut in _PROBE_CUTS whose decodes (cut tokens + a padding token) give logits
+    bit-identical to padded one-token decodes, over a fixed 33-token sequence."""
+    text = ("The quick brown fox jumps over the lazy dog. In the beginning of the history of "
+            "computing, engineers built machines that filled whole rooms and consumed power.")
+    toks = (model.tokenize(text) * 4)[:INVARIANT_UBATCH + 1]
+    n = len(toks)
+    params = _context_params(model, n + 1, INVARIANT_UBATCH + 1, 2, True)
+    ctx = llama_cpp.llama_init_from_model(model._model, params)
+    if not ctx:
+        raise MemoryError("llama.cpp could not create the batch-invariance probe's context")
+    mem = llama_cpp.llama_get_memory(ctx)
+    batch = llama_cpp.llama_batch_init(INVARIANT_UBATCH + 1, 0, 1)
+
+    def run(cut: int) -> np.ndarray:
+        llama_cpp.llama_memory_clear(mem, True)
+        rows = []
+        for pos in range(0, n, cut):
+            items = [PassItem(0, pos + i, t, True) for i, t in enumerate(toks[pos:pos + cut])]
+            llama_cpp.llama_memory_seq_rm(mem, 1, 0, -1)
+            items.append(PassItem(1, 0, 0, True))  # the padding token, as _pad adds it
+            _fill_batch(batch, items)
+            if llama_cpp.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed in the batch-invariance probe")
+            for i in range(len(items) - 1):
+                ptr = llama_cpp.llama_get_logits_ith(ctx, i)
+                rows.append(np.ctypeslib.as_array(ptr, shape=(model.n_vocab,)).copy())
+        return np.stack(rows)
+
+    try:
+        reference = run(1)
+        for cut in _PROBE_CUTS:
+            if cut == 1 or np.array_equal(run(cut), reference):
+                return cut
+        return 1
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
 
 
 def _pad(items: list[PassItem], scratch: int) -> list[PassItem]:
@@ -307,7 +364,7 @@ class KVContext:
         self._pad_seq = n_seq_max    # the padding sequence of an invariant context
         self.tree_batch = n_batch    # the most tokens one tree pass may hold
         if invariant:
-            n_batch = min(n_batch, INVARIANT_UBATCH)
+            n_batch = min(n_batch, model.invariant_ubatch)
         params = _context_params(model, n_ctx + (1 if invariant else 0), n_batch + (1 if invariant else 0),
                                  n_seq_max + (1 if invariant else 0), invariant)
         if n_seq_max > 1:
@@ -594,7 +651,7 @@ class SharedKV:
                              "tree ids")
         self.model, self.n_seqs, self.seq_ctx, self.invariant = model, n_seqs, seq_ctx, invariant
         self.n_ids = n_ids
-        self.n_ubatch = min(n_ubatch, INVARIANT_UBATCH) if invariant else n_ubatch
+        self.n_ubatch = min(n_ubatch, model.invariant_ubatch) if invariant else n_ubatch
         self.scratch = n_ids        # the padding sequence (see INVARIANT_UBATCH)
         self.retired = n_ids + 1    # cells nobody attends to, kept occupied until the next compaction
         self.tree_ids = tree_ids    # ids n_ids + 2 .. : one per leaf of the trees being evaluated
