@@ -95,8 +95,8 @@ def vocabulary_to_proto(v: Vocabulary) -> pb.Vocabulary:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("HYBRIDSPEC_CACHE") or Path.home() / ".cache" / "hybridspec"
-    return Path(root) / "vocab"
+    from spec_core.paths import cache_root
+    return cache_root() / "vocab"
 
 
 def cached_vocabulary(fingerprint: str, directory: Path | None = None) -> Vocabulary | None:

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import importlib.util
+import json
 import logging
 import os
+import platform
 import threading
 import time
 from functools import cached_property
@@ -17,6 +20,7 @@ from spec_core.batchplan import PassItem
 from spec_core.crossvocab import Vocabulary
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.kvreuse import reusable_prefix
+from spec_core.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +184,25 @@ class GGUFModel:
     def invariant_ubatch(self) -> int:
         """The most tokens (besides a padding token) one batch-invariant decode may hold for this
         model on this machine: INVARIANT_UBATCH, or less where a probe finds that a larger decode
-        moves logits (Gemma 3: from 8 tokens on; see the note at INVARIANT_UBATCH)."""
-        return _probe_invariant_ubatch(self)
+        moves logits (Gemma 3: from 8 tokens on; see the note at INVARIANT_UBATCH). The probe's
+        answer is kept on disk, keyed by everything it depends on (see _probe_key)."""
+        path = cache_root() / "invariant" / f"{_probe_key(self)}.json"
+        try:
+            cut = int(json.loads(path.read_text())["invariant_ubatch"])
+            if cut in _PROBE_CUTS:
+                return cut
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        cut = _probe_invariant_ubatch(self)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"invariant_ubatch": cut, "model": str(self.path.resolve()),
+                                       "n_threads": self.n_threads}))
+            os.replace(tmp, path)
+        except OSError as e:  # a read-only home: probe again next time
+            log.info("could not cache the batch-invariance probe at %s: %s", path, e)
+        return cut
 
     def new_context(self, n_ctx: int = 2048, n_batch: int = 512, invariant: bool = False,
                     n_seq_max: int = 1) -> "KVContext":
@@ -222,9 +243,20 @@ class GGUFModel:
 # KV precision, the sliding-window cache nor threading is the cause: some ggml-cpu kernel changes
 # with the ubatch's row count at 8; not pinned down further). SmolLM2 Q4_1 is invariant up to 63.
 # So the cut is per model: GGUFModel.invariant_ubatch probes it once (a short token-by-token
-# reference against decodes of the candidate sizes, bit for bit) and contexts use it.
+# reference against decodes of the candidate sizes, bit for bit), keeps the answer in the cache
+# folder keyed by model file, llama.cpp build, threads and CPU features, and contexts use it.
 INVARIANT_UBATCH = 32
 _PROBE_CUTS = (32, 16, 8, 6, 4, 2, 1)
+
+
+def _probe_key(model: "GGUFModel") -> str:
+    """What the probe's answer depends on: the model file (path, size, mtime), the llama.cpp build,
+    the thread count and the CPU features llama.cpp dispatches on (another CPU may take other kernels)."""
+    _ensure_backend()
+    st = model.path.stat()
+    parts = [str(model.path.resolve()), str(st.st_size), str(st.st_mtime_ns), llama_cpp.__version__,
+             str(model.n_threads), platform.machine(), llama_cpp.llama_print_system_info().decode()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
 def _probe_invariant_ubatch(model: "GGUFModel") -> int:

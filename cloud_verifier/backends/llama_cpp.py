@@ -6,7 +6,8 @@ id; rounds and Generate steps of different sessions are evaluated together by a 
 `Batcher`. The number of sessions is bounded by KV memory: `kv_tokens` cells, each session
 reserving `n_ctx` of them.
 
-Both evaluate the target batch-invariantly (llama_runtime.model.INVARIANT_UBATCH): a session's
+Both evaluate the target batch-invariantly (llama_runtime.model.INVARIANT_UBATCH, cut per model by
+GGUFModel.invariant_ubatch: 32 tokens a decode for SmolLM2, 6 for Gemma 3): a session's
 logits do not depend on how its cache was built (rounds, single tokens, or a replay after a
 restart) nor on which sessions share a pass; in the shared cache because SharedKV keeps every
 session's cells in position order (it retires freed cells and compacts).

@@ -5,7 +5,7 @@ quantized tensors to float32) and writes an ordinary HF folder with its tokenize
 smollm2_folder() is the bundled SmolLM2-135M-Instruct Q4_1, dequantized (about 30 s, 517 MB), for
 benchmarks; tests/vllm_model.py builds tiny folders for tests from the same converter.
 
-Folders are cached under $HYBRIDSPEC_CACHE (default ~/.cache/hybridspec) keyed by the GGUF's size
+Folders are cached under spec_core.paths.cache_root() (~/.cache/hybridspec by default) keyed by the GGUF's size
 and mtime, and written atomically (a temp folder renamed into place).
 """
 from __future__ import annotations
@@ -15,9 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-
-def cache_root() -> Path:
-    return Path(os.environ.get("HYBRIDSPEC_CACHE", Path.home() / ".cache" / "hybridspec"))
+from spec_core.paths import cache_root
 
 
 def hf_folder_from_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
