@@ -15,6 +15,7 @@ ratios and the median, and the machine.
     .venv/bin/python bench/steer_vs_fixed.py                                # bundled target, 16 edges, lan
     .venv/bin/python bench/steer_vs_fixed.py --drafter gguf --reps 2        # a draft model per edge
     .venv/bin/python bench/steer_vs_fixed.py --synthetic --edges 1,4,16,64  # the synthetic GPU-like target
+    .venv/bin/python bench/steer_vs_fixed.py --pair gemma-smollm2 --drafter gguf --edges 4  # two families
 
 Results: bench/load/steer-vs-fixed-<target>-<profile>/result.json and result.md (every run's own
 load.json under runs/).
@@ -54,6 +55,8 @@ def main() -> None:
     ap.add_argument("--drafter", choices=["lookup", "gguf"], default="lookup")
     ap.add_argument("--draft-ms", type=float, default=2.0, help="emulated drafting per token (lookup, synthetic)")
     ap.add_argument("--synthetic", action="store_true", help="the synthetic target (a pass: step + per-token ms)")
+    ap.add_argument("--pair", help="a named model pair (netsim/pairs.py), e.g. gemma-smollm2: the two-family pair "
+                                   "(needs --drafter gguf: prompt lookup does not draft across tokenizers)")
     ap.add_argument("--synthetic-step-ms", type=float, default=20.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=400.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=4000.0)
@@ -62,7 +65,9 @@ def main() -> None:
     ap.add_argument("--verifier-arg", action="append", default=[], help="passed to every verifier")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    target = "synthetic" if args.synthetic else "bundled"
+    from netsim.pairs import resolve
+    models = resolve(args.pair, None, None)
+    target = "synthetic" if args.synthetic else (args.pair or "bundled")
     out = Path(args.out or f"bench/load/steer-vs-fixed-{target}-{args.profile}")
     edges = [int(e) for e in args.edges.split(",")]
     chosen = {k: v for k, v in arms(args.slo_tpot_ms, args.slo_ttft_ms).items() if k in args.arms.split(",")}
@@ -79,7 +84,8 @@ def main() -> None:
                              gamma=args.gamma, max_tokens=args.max_tokens, drafter=args.drafter,
                              draft_ms=args.draft_ms, synthetic=args.synthetic,
                              synthetic_step_ms=args.synthetic_step_ms, warmup_s=args.warmup,
-                             slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms)
+                             slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms,
+                             target=models.target, draft=models.draft, pair=models.pair)
             result = asyncio.run(run_load(cfg))
             write_all(result, cfg.out)
             for run in result["runs"]:
