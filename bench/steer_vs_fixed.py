@@ -125,8 +125,10 @@ def main() -> None:
         table.append(entry)
 
     pair = ("synthetic target " f"({args.synthetic_step_ms:g} ms/pass), synthetic drafts ({args.draft_ms:g} ms/token)"
-            if args.synthetic else f"bundled target (SmolLM2-135M Q4_1), "
-            + ("a draft model per edge (models/smollm2-draft.gguf)" if args.drafter == "gguf"
+            if args.synthetic else (f"pair {args.pair} (target {Path(models.target).name}), " if args.pair
+                                    else "bundled target (SmolLM2-135M Q4_1), ")
+            + (f"a draft model per edge ({Path(models.draft).name if models.draft else 'models/smollm2-draft.gguf'})"
+               if args.drafter == "gguf"
                else f"prompt-lookup drafts ({args.draft_ms:g} ms/token emulated)"))
     lines = [f"# Steering vs today's batcher with fixed γ, side by side ({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"Machine: {summary(machine)}.", "",
@@ -160,8 +162,9 @@ def main() -> None:
                     if "today" in chosen else 0.0
                 cells.append(f"{mine:.1f}" + (f" ({mine / base:.2f}×)" if name != "today" and base else ""))
             lines.append(f"| {n} | {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Runs flagged: the harness (edges and proxies) saturated the cores the verifier left it; "
-                  "their figures are the harness's (see each run's load.md)."]
+    if any(r["not_representative"] for r in rows):
+        lines += ["", "Runs flagged: the harness (edges and proxies) saturated the cores the verifier left it; "
+                      "their figures are the harness's (see each run's load.md)."]
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps({"machine": machine, "args": vars(args), "rows": rows,
                                                  "table": table}, indent=1))
