@@ -306,6 +306,19 @@ class VllmBackend(Backend):
         result, _ = verify_from_scores(drafts, draft_probs, scores, full_row, rng)
         return result, 0.0, time.perf_counter() - t0
 
+    def _one_request(self, committed: list[int], drafts: list[int], params):
+        """A round as one request over committed + drafts, its rows read from the prompt logprobs;
+        None when the rows of the first draft positions were served from the prefix cache (vLLM leaves
+        them unset: another session's identical tokens), and the caller falls back to per-position
+        requests."""
+        out, = self._run(self._batch([(committed + drafts, params)]))
+        with self._stats_lock:
+            self.one_request_rounds += 1
+            if (out.num_cached_tokens or 0) > len(committed) - 1:
+                self.one_request_fallbacks += 1
+                return None
+        return out
+
     def _greedy_scores(self, committed: list[int], drafts: list[int]) -> list[PositionScore] | None:
         """One request over committed + drafts: the argmax at every draft position from its prompt
         logprobs (top-1, read after the prefix cache), the bonus from the sampled token. None when the
@@ -313,13 +326,10 @@ class VllmBackend(Backend):
         from vllm import SamplingParams
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, skip_reading_prefix_cache=False,
                                 ignore_eos=True, detokenize=False, skip_clone=True)
-        out, = self._run(self._batch([(committed + drafts, params)]))
+        out = self._one_request(committed, drafts, params)
+        if out is None:
+            return None
         n = len(committed)
-        with self._stats_lock:
-            self.one_request_rounds += 1
-            if (out.num_cached_tokens or 0) > n - 1:
-                self.one_request_fallbacks += 1
-                return None
         scores = []
         for i, x in enumerate(drafts):
             row = out.prompt_logprobs[n + i]   # {token id: Logprob}: the prompt token first, then the top-1
@@ -380,13 +390,10 @@ class VllmBackend(Backend):
         last draft (the session's settings and seed). Returns (scores, processed rows  # [gamma, vocab])."""
         params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=settings.top_k,
                               skip_reading_prefix_cache=False)
-        out, = self._run(self._batch([(committed + drafts, params)]))
+        out = self._one_request(committed, drafts, params)
+        if out is None:
+            return None
         n = len(committed)
-        with self._stats_lock:
-            self.one_request_rounds += 1
-            if (out.num_cached_tokens or 0) > n - 1:
-                self.one_request_fallbacks += 1
-                return None
         raw = np.full((len(drafts), self.info.n_vocab), -np.inf, dtype=np.float32)
         for i in range(len(drafts)):
             for t, lp in out.prompt_logprobs[n + i].items():
