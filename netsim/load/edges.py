@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from edge_client.drafters import Draft, Drafter, TreeDraft
 from netsim.load.config import SYNTHETIC_VOCAB, LoadConfig
 
 
@@ -26,26 +27,47 @@ class DraftCost(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(client_call_details, request)
 
 
-class EmulatedDrafter:
-    """A drafter whose cost per token is owed to a DraftCost interceptor instead of slept on the loop."""
+class EmulatedDrafter(Drafter):
+    """A drafter whose cost per token is owed to a DraftCost interceptor instead of slept on the loop.
 
-    def __init__(self, inner, per_token_s: float, cost: DraftCost) -> None:
+    Every method of the drafter contract is passed to the inner drafter here, by name, so that no
+    draft escapes the emulated cost: a chain owes per token, a tree per draft forward row
+    (TreeDraft.rows). Drafting across vocabularies would draft through next_logits, around the
+    cost, so it is refused (supports_cross_vocab False: the client says so before the first round)."""
+
+    supports_cross_vocab = False
+
+    def __init__(self, inner: Drafter, per_token_s: float, cost: DraftCost) -> None:
         self.inner, self.per_token_s, self.cost = inner, per_token_s, cost
         self.name, self.fingerprint = inner.name, inner.fingerprint
+        self.supports_trees = inner.supports_trees
 
-    def propose(self, committed, gamma, settings, qmode, rng):
-        draft = self.inner.propose(committed, gamma, settings, qmode, rng)
-        emulated_s = self.per_token_s * len(draft.tokens)
+    def _owe(self, units: int) -> float:
+        emulated_s = self.per_token_s * units
         self.cost.owed_s += emulated_s
-        draft.seconds += emulated_s   # what the device would have measured: the adaptive γ uses it
+        return emulated_s
+
+    def propose(self, committed, gamma, settings, qmode, rng) -> Draft:
+        draft = self.inner.propose(committed, gamma, settings, qmode, rng)
+        draft.seconds += self._owe(len(draft.tokens))   # what the device would have measured: the adaptive γ uses it
         return draft
+
+    def propose_tree(self, committed, shape, settings, qmode, rng) -> TreeDraft:
+        tree = self.inner.propose_tree(committed, shape, settings, qmode, rng)
+        tree.seconds += self._owe(tree.rows)
+        return tree
+
+    def anchor_prompt(self, target_prompt, draft_prompt) -> None:
+        self.inner.anchor_prompt(target_prompt, draft_prompt)
+
+    def retokenization(self):
+        return self.inner.retokenization()
 
     def observe(self, committed, num_accepted) -> None:
         self.inner.observe(committed, num_accepted)
 
-    def __getattr__(self, name):
-        # The rest of the drafter contract (retokenization, supports_trees, ...) is the inner one's.
-        return getattr(self.inner, name)
+    def close(self) -> None:
+        self.inner.close()
 
 
 @dataclass
