@@ -21,6 +21,7 @@ from edge_client.crossvocab import Chat, PromptPlan
 from edge_client.drafters import Draft, TreeDraft
 from edge_client.gamma import AdaptiveGamma, FixedGamma, RoundPlan, TreePolicy
 from edge_client.options import ADAPTIVE, Speculation
+from edge_client.pairing import Pairing, plan_prompt
 from edge_client.stats import GenerationStats, RoundEvent
 from edge_client.transport import EdgeError, sampling_proto
 from spec_core import qcodec
@@ -61,9 +62,11 @@ class Generation:
         await self._it.aclose()
 
     async def _run(self) -> AsyncIterator[str]:
-        spec = await self._client._speculation(self.stats)  # within the verifier's limits
-        plan = await self._client._plan_prompt(self._prompt, self.stats)
-        loop = _SessionLoop(self._client, spec, plan.ids, self.settings, self.stats, plan)
+        client = self._client
+        spec = await client._speculation(self.stats)  # within the verifier's limits
+        pairing = await client._pair(self.stats)      # decided once per client, before its first round
+        plan = await plan_prompt(pairing, self._prompt, client._in_drafter)
+        loop = _SessionLoop(client, spec, plan.ids, self.settings, self.stats, pairing, plan)
         try:
             while not loop.finished:
                 piece = await loop.step()
@@ -92,8 +95,9 @@ class _SessionLoop:
     the next round, kept only if its base comes true."""
 
     def __init__(self, client: "EdgeClient", spec: Speculation, prompt_ids: list[int], settings: SamplingSettings,
-                 stats: GenerationStats, plan: PromptPlan | None = None):
+                 stats: GenerationStats, pairing: Pairing, plan: PromptPlan | None = None):
         self.c, self.spec, self.settings, self.st = client, spec, settings, stats
+        self.pairing, self.drafter, self.verifier = pairing, pairing.drafter, client.verifier
         self.prompt_ids = prompt_ids
         self.plan = plan or PromptPlan(prompt_ids, None)   # a text open: the target's ids come with the first reply
         if spec.gamma == ADAPTIVE:
@@ -113,11 +117,11 @@ class _SessionLoop:
         self.pieces: list[str] = []
         self.finished = False
         self.final: pb.VerifyReply | None = None  # the last reply applied: its finish reason is the generation's
-        self.stop_ids = frozenset(settings.stop_token_ids) | (frozenset() if settings.ignore_eos else client.hidden_ids)
+        self.stop_ids = frozenset(settings.stop_token_ids) | (frozenset() if settings.ignore_eos else pairing.hidden_ids)
         self.ahead: _Prepared | None = None  # drafted during the last round trip, for a guessed base
         self.ahead_job: asyncio.Future | None = None  # drafting `ahead` during the round trip
         self.spec_task: asyncio.Future | None = None  # the pipelined round, sent before the reply
-        self.view0 = self.c.drafter.retokenization()   # across tokenizers: the draft view's counters so far
+        self.view0 = self.drafter.retokenization()   # across tokenizers: the draft view's counters so far
         self.uplink = UplinkFit()  # the uplink's time per request byte, for the continuations' cost
 
     # --- one round ----------------------------------------------------------------------------
@@ -128,8 +132,8 @@ class _SessionLoop:
         prep = await self._next_draft(remaining)
         req = self._request(prep, self.last_round + 1)
         t_round = time.perf_counter()
-        reply_task = asyncio.ensure_future(self.c._verify(req, self.st) if self.session_id
-                                           else self.c._open_round(req, self.st))
+        reply_task = asyncio.ensure_future(self.verifier.verify(req, self.st) if self.session_id
+                                           else self.verifier.open_round(req, self.st))
         await self._work_during_round_trip(prep, remaining, reply_task, req.round)
         try:
             reply = await reply_task
@@ -181,7 +185,7 @@ class _SessionLoop:
             spec_req.continuations.extend(self._continuation(g) for g in guesses[1:])
             self.st.continuations_sent += len(guesses)
             # Retried like any round: a lost reply is answered from the server's cache.
-            self.spec_task = asyncio.ensure_future(self.c._verify(spec_req, self.st))
+            self.spec_task = asyncio.ensure_future(self.verifier.verify(spec_req, self.st))
 
     def _replay_after(self, e: EdgeError) -> bool:
         """Whether to replay the committed tokens in a new session: the verifier lost ours (NOT_FOUND)
@@ -223,12 +227,13 @@ class _SessionLoop:
     def _text(self, new: list[int]) -> str:
         """The text of newly committed tokens (special tokens hidden; UTF-8 split across tokens kept
         until complete)."""
-        st, c = self.st, self.c
+        st, pairing = self.st, self.pairing
         if new and not st.ttft_s:
             st.ttft_s = time.perf_counter() - self.t0
         if self.finished:
             st.finish_reason = pb.FinishReason.Name(self.final.finish_reason).lower()
-        piece = self.decoder.decode(b"".join(c.tokenizer.token_bytes(t) for t in new if t not in c.hidden_ids))
+        piece = self.decoder.decode(b"".join(pairing.tokenizer.token_bytes(t) for t in new
+                                             if t not in pairing.hidden_ids))
         if self.finished:
             piece += self.decoder.decode(b"", final=True)
         if piece:
@@ -245,7 +250,7 @@ class _SessionLoop:
 
     def _prepare(self, base: list[int], plan: RoundPlan) -> "_Prepared":
         """Draft a chain or tree after `base` (in the drafting executor while a round is in flight)."""
-        drafter = self.c.drafter
+        drafter = self.drafter
         if plan.shape is None:
             d = drafter.propose(base, plan.gamma, self.settings, self.spec.qmode, self._base_rng(base))
             return _Prepared(base, plan, d, [], len(d.tokens))
@@ -304,7 +309,7 @@ class _SessionLoop:
     def _outcomes(self, prep: "_Prepared", path: list[int]) -> list[Outcome]:
         """The round's outcomes ranked by the draft's estimate (spec_core.continuations), at most
         max_continuations of them."""
-        drafter, after = self.c.drafter, prep.base + path
+        drafter, after = self.drafter, prep.base + path
         if self.spec.max_continuations <= 1:
             bonus = drafter.propose(after, 1, GREEDY, QMode("none"), self._base_rng(after)).tokens
             return [Outcome(tuple(path + bonus), 1.0)] if bonus else []
@@ -343,8 +348,8 @@ class _SessionLoop:
         if not self.session_id:
             req.open.CopyFrom(pb.OpenSession(
                 prompt_token_ids=self.prompt_ids, resume_token_ids=prep.base[self.prompt_len:],
-                sampling=sampling_proto(self.settings), tokenizer_fingerprint=self.c.drafter.fingerprint or "",
-                open_key=os.urandom(16), draft_tokenizer_fingerprint=getattr(self.c.drafter, "draft_fingerprint", "")))
+                sampling=sampling_proto(self.settings), tokenizer_fingerprint=self.drafter.fingerprint or "",
+                open_key=os.urandom(16), draft_tokenizer_fingerprint=self.pairing.draft_fingerprint))
             if self.spec.slo_tpot_ms or self.spec.slo_ttft_ms:
                 req.open.slo.CopyFrom(pb.SessionSlo(tpot_ms=self.spec.slo_tpot_ms, ttft_ms=self.spec.slo_ttft_ms))
             if not self.prompt_ids and self.plan.text_open is not None:
@@ -371,7 +376,7 @@ class _SessionLoop:
         self.prompt_ids = ids
         self.committed[:0] = ids
         self.prompt_len = len(ids)
-        self.c.drafter.anchor_prompt(ids, self.plan.draft_ids)
+        self.drafter.anchor_prompt(ids, self.plan.draft_ids)
 
     @staticmethod
     def _accepted(prep: "_Prepared", reply: pb.VerifyReply) -> list[int]:
@@ -407,7 +412,7 @@ class _SessionLoop:
                                 round_s=round_s, server_s=server_s, model_s=model_s, rejected=rejected)
         self.planner.observe(prep.plan, nodes=len(draft.tokens), rows=prep.rows, tokens=n_new,
                              draft_s=draft.seconds, round_s=round_s, server_s=server_s, model_s=model_s)
-        self.c.drafter.observe(self.committed, reply.num_accepted)
+        self.drafter.observe(self.committed, reply.num_accepted)
         if reply.HasField("budget") and self.spec.steer and self.spec.gamma == ADAPTIVE:
             self.planner.steer(reply.budget.max_gamma, reply.budget.max_tree_nodes)
         if self.c.on_round is not None:
@@ -424,7 +429,7 @@ class _SessionLoop:
         # One left early (the caller stopped reading, was cancelled, or a round failed) is closed
         # now; shielded, so a cancelled caller still sends it.
         if self.session_id and not self.finished:
-            await asyncio.shield(self.c._close(self.session_id))
+            await asyncio.shield(self.verifier.close_session(self.session_id))
 
     def _complete_stats(self) -> None:
         st = self.st
@@ -441,7 +446,7 @@ class _SessionLoop:
         st.plans = self.planner.describe()
         st.expected_tokens_per_round = expected_tokens_per_round(st.alpha, round(st.mean_gamma))
         st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
-        view = self.c.drafter.retokenization()
+        view = self.drafter.retokenization()
         if view is not None and self.view0 is not None:
             st.draft_rolled_back = view.rolled_back - self.view0.rolled_back
             st.draft_retokenized = view.retokenized - self.view0.retokenized
