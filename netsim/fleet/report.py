@@ -16,22 +16,22 @@ import numpy as np
 from netsim.fleet.calibration import Calibration, calibrate_from_load, fleet_config, run_alpha
 from netsim.fleet.costs import H100, H200, LinearCost, gpu_cost, kv_sessions
 from netsim.fleet.simulation import FleetConfig, simulate
+from spec_core.slo import run_meets_slo
 
 
-def meets_slo(result: dict, slo_tpot_s: float, slo_ttft_s: float | None = None) -> bool:
-    """p95 TPOT within the SLO, p95 TTFT too when given (an unmeasured TTFT does not count against it:
-    netsim.load.meets_slo_p95's rule), and every session's KV on the verifier (or parked: offload)."""
-    if result.get("kv_exceeded") or result["tpot_p95_s"] is None or result["tpot_p95_s"] > slo_tpot_s:
-        return False
-    return slo_ttft_s is None or result.get("ttft_p95_s") is None or result["ttft_p95_s"] <= slo_ttft_s
+def simulation_meets_slo(result: dict, slo_tpot_s: float, slo_ttft_s: float | None = None) -> bool:
+    """A simulated run meets the SLO: spec_core.slo's run verdict (p95 TPOT, and p95 TTFT when given
+    and measured), with every session's KV on the verifier (or parked: offload)."""
+    return not result.get("kv_exceeded") and run_meets_slo(result["tpot_p95_s"], result.get("ttft_p95_s"),
+                                                           slo_tpot_s, slo_ttft_s)
 
 
 def edges_per_verifier(make: Callable[[int], FleetConfig], slo_s: float, max_edges: int = 1 << 16,
                        duration_s: float = 20.0, slo_ttft_s: float | None = None) -> tuple[int, dict | None]:
-    """The largest n whose simulation meets the SLO (`meets_slo`; 0 when even one edge misses); make(n) -> FleetConfig."""
+    """The largest n whose simulation meets the SLO (`simulation_meets_slo`; 0 when even one edge misses); make(n) -> FleetConfig."""
     def ok(n: int) -> tuple[bool, dict]:
         result = simulate(replace(make(n), duration_s=duration_s))
-        return meets_slo(result, slo_s, slo_ttft_s), result
+        return simulation_meets_slo(result, slo_s, slo_ttft_s), result
     good, result = ok(1)
     if not good:
         return 0, result

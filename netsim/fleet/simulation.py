@@ -44,6 +44,7 @@ from netsim.fleet.costs import KvOffload, RoundWork, draft_budget
 from netsim.fleet.links import ROUND_BYTES, STREAM_BYTES, EdgeLink
 from netsim.profiles import Profile, get_profile
 from spec_core.batchplan import fair_share
+from spec_core.slo import meets_slo, window_tpot
 
 
 @dataclass
@@ -255,22 +256,16 @@ class _Simulation:
     def in_window(self, t: float) -> bool:
         return self.t_measure <= t <= self.t_end
 
-    def windowed_tpot(self, e: _Edge) -> float | None:
-        inside = [(t, n) for t, n in e.token_times if self.in_window(t)]
-        if len(inside) < 2 or inside[-1][1] == inside[0][1]:
-            return None
-        return (inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1])
-
     def close_request(self, e: _Edge) -> None:
-        """Its TPOT over the window, and whether it met the SLO (netsim.load's rule: TPOT inside the
-        window, TTFT if it started inside it; a request the window saw too little of is not judged)."""
-        tpot = self.windowed_tpot(e)
+        """Its TPOT over the window, and whether it met the SLO (spec_core.slo's verdict, as the load
+        test judges: TPOT inside the window, TTFT if it started inside it)."""
+        tpot = window_tpot(e.token_times, self.t_measure, self.t_end)
         if tpot is not None:
             self.finished_tpots.append(tpot)
         ttft = (e.token_times[0][0] - e.request_start) if e.token_times and self.in_window(e.request_start) else None
-        if tpot is None and ttft is None:
+        met = meets_slo(tpot, ttft, self.cfg.slo_tpot_s, self.cfg.slo_ttft_s)
+        if met is None:
             return
-        met = (tpot is None or tpot <= self.cfg.slo_tpot_s) and (ttft is None or ttft <= self.cfg.slo_ttft_s)
         self.verdicts.append(met)
         if met:
             before = 0

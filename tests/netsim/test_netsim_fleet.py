@@ -253,7 +253,7 @@ def test_the_capacity_table_takes_each_verifiers_own_calibration(monkeypatch):
 from dataclasses import replace  # noqa: E402
 
 from netsim.fleet.costs import KvOffload, RoundWork, draft_budget  # noqa: E402
-from netsim.fleet.report import edges_per_verifier, meets_slo  # noqa: E402
+from netsim.fleet.report import edges_per_verifier, simulation_meets_slo  # noqa: E402
 
 
 def test_round_work_counts_the_backends_requests_and_tokens():
@@ -312,7 +312,7 @@ def test_kv_offload_keeps_resident_sessions_within_the_gpus_memory():
     # Sessions that all fit never copy; without offload, more sessions than fit is no answer at all.
     assert simulate(_gpu_like(10, kv_capacity=10, offload=offload))["kv_copies_per_s"] == 0
     over = simulate(_gpu_like(40, kv_capacity=10))
-    assert over["kv_exceeded"] and not meets_slo(over, 10.0)
+    assert over["kv_exceeded"] and not simulation_meets_slo(over, 10.0)
 
 
 def test_a_faster_host_link_never_slows_the_parked_fleet():
@@ -348,7 +348,7 @@ def test_goodput_counts_only_requests_that_met_the_slo():
     assert loose["slo_met_share"] == 1.0
     impossible = simulate(_gpu_like(4, slo_tpot_s=1e-6, slo_ttft_s=100.0))
     assert impossible["goodput_tokens_per_s"] == 0.0 and impossible["slo_met_share"] == 0.0
-    assert meets_slo(loose, 10.0, 100.0) and not meets_slo(loose, 10.0, 1e-6)   # the TTFT part counts
+    assert simulation_meets_slo(loose, 10.0, 100.0) and not simulation_meets_slo(loose, 10.0, 1e-6)   # the TTFT part counts
 
 
 def test_capacity_grows_with_a_looser_slo():
