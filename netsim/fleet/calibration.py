@@ -20,6 +20,7 @@ from netsim.fleet.costs import LinearCost, RooflineCost
 from netsim.fleet.links import ROUND_BYTES
 from netsim.fleet.simulation import FleetConfig
 from netsim.profiles import get_profile
+from spec_core.costmodel import expected_tokens_per_round
 
 # Tokens per batched pass (the Batcher's n_ubatch) of the verifiers the load test starts:
 # cloud_verifier.backends.synthetic.SyntheticBackend(batch_tokens=512), and the batched llama.cpp
@@ -67,7 +68,7 @@ def alpha_from_tokens_per_round(tokens_per_round: float, gamma: int) -> float:
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        value = (1 - mid ** (gamma + 1)) / (1 - mid) if mid < 1 else gamma + 1.0
+        value = expected_tokens_per_round(mid, gamma)
         lo, hi = (mid, hi) if value < target else (lo, mid)
     return (lo + hi) / 2
 
