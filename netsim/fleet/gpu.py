@@ -17,7 +17,7 @@ kaist-ina/specedge) through the same simulator.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from netsim.effects import Delay
 from netsim.fleet.calibration import Calibration, fleet_config
