@@ -80,13 +80,7 @@ def load_batching(result: dict) -> bool:
     said = (result.get("server") or {}).get("batching")
     if said is not None:
         return bool(said)
-    args = [str(a) for a in result["config"].get("verifier_args") or []]
-    setting = None
-    for i, arg in enumerate(args):
-        if arg == "--batching" and i + 1 < len(args):
-            setting = args[i + 1]
-        elif arg.startswith("--batching="):
-            setting = arg.split("=", 1)[1]
+    setting = _verifier_arg(result, "--batching")
     if setting is not None:
         return setting == "on"
     for run in result["runs"]:
@@ -94,6 +88,36 @@ def load_batching(result: dict) -> bool:
         if sessions and sessions["count"] and sessions["sum"] > sessions["count"]:
             return True
     return False
+
+
+def _verifier_arg(result: dict, name: str) -> str | None:
+    """The value of option `name` among the arguments a load run's verifier was started with
+    (`--name V` or `--name=V`; the last one wins), or None."""
+    args = [str(a) for a in result["config"].get("verifier_args") or []]
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def load_schedule(result: dict) -> dict:
+    """How a load run's batching verifier ordered its passes, as FleetConfig fields: packing
+    "slack" (`--schedule slack`, its `--prefill-chunk` and the latency target it scheduled by,
+    `--slo-tpot-ms`/`--slo-ttft-ms`) or "fair-share" (the default)."""
+    if _verifier_arg(result, "--schedule") != "slack":
+        return {"packing": "fair-share"}
+    out: dict = {"packing": "slack"}
+    chunk = _verifier_arg(result, "--prefill-chunk")
+    if chunk:
+        out["prefill_chunk"] = int(chunk)
+    for arg, key in (("--slo-tpot-ms", "slo_tpot_s"), ("--slo-ttft-ms", "slo_ttft_s")):
+        ms = _verifier_arg(result, arg)
+        if ms is not None and float(ms) > 0:   # 0: the verifier's "none"
+            out[key] = float(ms) / 1e3
+    return out
 
 
 def pass_cost_from_histograms(runs: list[dict], per_token_s: float | None = None) -> LinearCost | None:

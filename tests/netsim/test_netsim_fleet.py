@@ -190,6 +190,15 @@ def test_calibration_reads_the_verifiers_arguments(args, batching):
     assert load_batching(load) is batching
 
 
+def test_the_check_simulates_the_schedule_the_verifier_ran():
+    from netsim.fleet.calibration import load_schedule
+    assert load_schedule({"config": {"verifier_args": ["--batching", "on"]}}) == {"packing": "fair-share"}
+    assert load_schedule({"config": {"verifier_args": ["--schedule", "fair"]}}) == {"packing": "fair-share"}
+    args = ["--schedule=slack", "--prefill-chunk", "64", "--slo-tpot-ms", "250", "--slo-ttft-ms", "0"]
+    assert load_schedule({"config": {"verifier_args": args}}) == {"packing": "slack", "prefill_chunk": 64,
+                                                                  "slo_tpot_s": 0.25}
+
+
 def test_a_verifier_we_did_not_start_batched_if_a_pass_held_two_sessions():
     serial = {"config": {"verifier_args": []}, "runs": [{"batch_histograms": _histograms(100, 500, 2.0, 100)}]}
     batched = {"config": {"verifier_args": []}, "runs": [{"batch_histograms": _histograms(100, 900, 2.1, 180)}]}
