@@ -19,6 +19,7 @@ import numpy as np
 from netsim.fleet.costs import LinearCost, RooflineCost
 from netsim.fleet.links import ROUND_BYTES
 from netsim.fleet.simulation import FleetConfig
+from netsim.cmdline import option_value
 from netsim.profiles import get_profile
 from spec_core.costmodel import expected_tokens_per_round
 
@@ -91,16 +92,8 @@ def load_batching(result: dict) -> bool:
 
 
 def _verifier_arg(result: dict, name: str) -> str | None:
-    """The value of option `name` among the arguments a load run's verifier was started with
-    (`--name V` or `--name=V`; the last one wins), or None."""
-    args = [str(a) for a in result["config"].get("verifier_args") or []]
-    value = None
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
+    """The value of option `name` among the arguments a load run's verifier was started with."""
+    return option_value(result["config"].get("verifier_args") or [], name)
 
 
 def load_schedule(result: dict) -> dict:
