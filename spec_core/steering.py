@@ -24,6 +24,9 @@ edge's adaptive γ counts those, and drafts min(its choice, the budget). Tree no
 rule: a node reached through candidates of sibling ranks k_1..k_j (0: the first tried) is
 committed with probability Π (1 − α)^k_i · α under the same independence, and is worth its cost
 when that is ≥ θ.
+
+The verifier (cloud_verifier.engine) and the fleet simulator (netsim.fleet.policies) price drafts with
+these same functions, the simulator feeding them its simulated passes and commits.
 """
 from __future__ import annotations
 
