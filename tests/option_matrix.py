@@ -8,6 +8,10 @@ Across vocabularies: tests/xvocab_pair.py (target `<s> <eos> a b c é abc bb \\x
 with the text prompt.
 Both targets are bigram models (order 1), so a sampled run is checked token transition by token
 transition against the target's processed distribution (`transition_p`).
+The llama.cpp backend (tests/tiny_gguf.py's target and its blurred draft, one tokenizer): same
+vocabulary only, verifier batching, serial, or batching with KV parking ("kv-park"); greedy runs
+are compared with the cloud-only stream, sampled ones only for the same seed twice (there is no
+exact distribution to test against).
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ WORKS = ("none", "proactive", "pipeline", "continuations")
 QS = ("none", "fixed", "float")
 SAMPLINGS = ("greedy", "top-k", "top-p")
 BATCHINGS = ("batched", "serial")
+LLAMA_BATCHINGS = ("batched", "serial", "kv-park")
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,8 @@ class Combo:
     work: str = "none"         # WORKS: what the edge does while a round is in flight
     q: str = "float"           # QS: q on the wire (sparse supports: narrower than the vocabulary)
     sampling: str = "greedy"   # SAMPLINGS
-    batching: str = "serial"   # BATCHINGS: the verifier's batcher on or off
+    batching: str = "serial"   # BATCHINGS: the verifier's batcher on or off (LLAMA_BATCHINGS: or with KV parking)
+    backend: str = "synthetic"  # synthetic | llama.cpp (tiny GGUF models, same vocabulary)
 
     def __str__(self) -> str:
         return "/".join(dataclasses.astuple(self))
@@ -78,7 +84,14 @@ class Combo:
 
 
 def all_combos():
+    """The synthetic matrix (432 combinations)."""
     return [Combo(*c) for c in itertools.product(VOCABS, SHAPES, WORKS, QS, SAMPLINGS, BATCHINGS)]
+
+
+def llama_combos():
+    """The llama.cpp matrix (324 combinations: one vocabulary, three verifier modes)."""
+    return [Combo("same", *c, backend="llama.cpp")
+            for c in itertools.product(SHAPES, WORKS, QS, SAMPLINGS, LLAMA_BATCHINGS)]
 
 
 # --- the pair ----------------------------------------------------------------------------------------
@@ -107,7 +120,11 @@ def target_lm(vocab: str) -> SyntheticLM:
     return SyntheticLM(SAME_V, 0) if vocab == "same" else SyntheticLM(TARGET.n_vocab, 5)
 
 
-def backend_for(combo: Combo, step_ms: float = 2.0) -> SyntheticBackend:
+def backend_for(combo: Combo, models: dict | None = None, step_ms: float = 2.0):
+    if combo.backend == "llama.cpp":
+        from cloud_verifier.backends.llama_cpp import LlamaCppBackend
+        return LlamaCppBackend(str(models["target"]), n_ctx=512, n_threads=1, max_tree_leaves=16,
+                               batching=combo.batching != "serial", kv_park=combo.batching == "kv-park")
     # A few ms per pass, so that drafting during the round trip has a round trip to work in.
     kw = dict(step_ms=step_ms, batching=combo.batching == "batched")
     if combo.vocab == "same":
@@ -116,7 +133,11 @@ def backend_for(combo: Combo, step_ms: float = 2.0) -> SyntheticBackend:
                             eos_token_ids=(1,), **kw)
 
 
-def drafter_for(combo: Combo) -> tuple[Drafter, object]:
+def drafter_for(combo: Combo, models: dict | None = None) -> tuple[Drafter, object]:
+    if combo.backend == "llama.cpp":
+        from edge_client.drafters import GGUFDrafter
+        d = GGUFDrafter(str(models["draft"]), n_threads=1, n_ctx=512, max_tree_nodes=16)
+        return d, d.model
     if combo.vocab == "same":
         return SyntheticDrafter(SAME_V, seed=0, noise=1.0), SyntheticTokenizer(SAME_V)
     d = SyntheticDrafter(vocab=DRAFT.n_vocab, seed=2, noise=0.5)
@@ -124,6 +145,8 @@ def drafter_for(combo: Combo) -> tuple[Drafter, object]:
 
 
 def prompt_for(combo: Combo):
+    if combo.backend == "llama.cpp":
+        return "Hello world"
     return [0, 5, 6] if combo.vocab == "same" else "ab"
 
 
@@ -162,18 +185,21 @@ class Run(NamedTuple):
 
 
 async def generate(combo: Combo, server_port: int, settings: SamplingSettings, wrap: Callable | None = None,
-                   runs: int = 1) -> list[Run]:
+                   runs: int = 1, models: dict | None = None) -> list[Run]:
     """`runs` generations of `combo` (one EdgeClient, one drafter) against the verifier at `server_port`."""
-    drafter, tokenizer = drafter_for(combo)
+    drafter, tokenizer = drafter_for(combo, models)
     if wrap is not None:
         drafter = wrap(drafter)
     out = []
-    async with EdgeClient(edge_options(f"127.0.0.1:{server_port}", deadline_s=60, **combo.edge_fields()),
-                          drafter, tokenizer) as c:
-        for _ in range(runs):
-            gen = c.generate(prompt_for(combo), settings)
-            await gen.text()
-            out.append(Run(list(gen.stats.token_ids), list(gen.prompt_ids), gen.stats))
+    try:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server_port}", deadline_s=60, **combo.edge_fields()),
+                              drafter, tokenizer) as c:
+            for _ in range(runs):
+                gen = c.generate(prompt_for(combo), settings)
+                await gen.text()
+                out.append(Run(list(gen.stats.token_ids), list(gen.prompt_ids), gen.stats))
+    finally:
+        drafter.close()
     return out
 
 
@@ -229,27 +255,30 @@ def transition_p(combo: Combo, sequences: list[list[int]]) -> tuple[float, int]:
 
 
 def run_combo(combo: Combo, tokens: int, seed: int = 7, check_seed: bool = True, wrap: Callable | None = None,
-              runs: int = 1) -> dict:
+              runs: int = 1, models: dict | None = None) -> dict:
     """Run one combination on a fresh verifier and check it: greedy equals the cloud-only stream;
-    sampled: the same seed gives the same ids twice, and (unseeded) `tokens` tokens for the
-    chi-square. Returns what was measured (the caller asserts)."""
-    return asyncio.run(_run_combo(combo, tokens, seed, check_seed, wrap, runs))
+    sampled: the same seed gives the same ids twice, and (unseeded, synthetic only) `tokens` tokens
+    for the chi-square. `models`: tests/conftest.py's tiny_models, for the llama.cpp backend.
+    Returns what was measured (the caller asserts)."""
+    return asyncio.run(_run_combo(combo, tokens, seed, check_seed, wrap, runs, models))
 
 
-async def _run_combo(combo: Combo, tokens: int, seed: int, check_seed: bool, wrap, runs: int) -> dict:
-    backend = backend_for(combo)
+async def _run_combo(combo: Combo, tokens: int, seed: int, check_seed: bool, wrap, runs: int, models) -> dict:
+    backend = backend_for(combo, models)
     out: dict = {"combo": str(combo)}
     try:
         async with running_server(backend, max_sessions=16) as server:
             if combo.greedy:
                 n = min(tokens, 40)
-                (run,) = await generate(combo, server.port, combo.settings(n))
+                (run,) = await generate(combo, server.port, combo.settings(n), models=models)
                 out["ids"], out["reference"] = run.ids, await cloud_only(server, run.prompt_ids, combo.settings(n))
-                out["stats"] = run.stats
+                out["prompt_ids"], out["stats"] = run.prompt_ids, run.stats
                 return out
             if check_seed:
-                a, b = await generate(combo, server.port, combo.settings(24, seed=seed), runs=2)
+                a, b = await generate(combo, server.port, combo.settings(24, seed=seed), runs=2, models=models)
                 out["seeded"] = (a.ids, b.ids)
+            if combo.backend != "synthetic":
+                return out
             done = await generate(combo, server.port, combo.settings(tokens), wrap=wrap, runs=runs)
             out["stats"] = done[0].stats
             out["chi2"] = transition_p(combo, [r.prompt_ids[-1:] + r.ids for r in done])
