@@ -254,6 +254,24 @@ def transition_p(combo: Combo, sequences: list[list[int]]) -> tuple[float, int]:
     return float(chisquare(obs, exp, ddof=ddof).pvalue), int(counts.sum())
 
 
+def seeded_ids_by_work(combo: Combo, works: tuple[str, ...], tokens: int, seed: int) -> dict[str, list[int]]:
+    """The ids of `combo` with each of `works` (no work during the round trip, proactive, pipeline, ...),
+    each on a fresh verifier, all with the same seed."""
+    async def run_all():
+        out = {}
+        for work in works:
+            c = dataclasses.replace(combo, work=work)
+            backend = backend_for(c)
+            try:
+                async with running_server(backend, max_sessions=16) as server:
+                    (r,) = await generate(c, server.port, c.settings(tokens, seed=seed))
+            finally:
+                backend.close()
+            out[work] = r.ids
+        return out
+    return asyncio.run(run_all())
+
+
 def run_combo(combo: Combo, tokens: int, seed: int = 7, check_seed: bool = True, wrap: Callable | None = None,
               runs: int = 1, models: dict | None = None) -> dict:
     """Run one combination on a fresh verifier and check it: greedy equals the cloud-only stream;

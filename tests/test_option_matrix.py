@@ -30,6 +30,7 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, note, settings
+from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 
 from edge_client import cli
@@ -37,7 +38,7 @@ from edge_client.drafters import PromptLookupDrafter, SyntheticDrafter
 from edge_client.options import (OptionConflict, OptionError, Speculation, refuse_conflicts,
                                  refuse_drafter_conflicts)
 from option_matrix import (BATCHINGS, LLAMA_BATCHINGS, QS, SAMPLINGS, SHAPES, VOCABS, WORKS, Combo, WrongQ,
-                           all_combos, llama_combos, run_combo)
+                           all_combos, llama_combos, run_combo, seeded_ids_by_work)
 
 P_MIN = 1e-4
 N_TOKENS = 800
@@ -53,7 +54,8 @@ def vocab_cache(tmp_path, monkeypatch):
 
 def check_combo(combo: Combo, tokens: int = N_TOKENS, models: dict | None = None) -> None:
     got = run_combo(combo, tokens, models=models)
-    note(f"{combo}: {got}")
+    if currently_in_test_context():
+        note(f"{combo}: {got}")
     if combo.greedy:
         assert len(got["ids"]) == 40
         if combo.backend == "llama.cpp":
@@ -149,6 +151,21 @@ LLAMA_COMBOS = st.builds(Combo, st.just("same"), st.sampled_from(SHAPES), st.sam
 def test_a_sample_of_the_matrix_on_llama_cpp(tiny_models, combo):
     pytest.importorskip("llama_cpp")
     check_combo(combo, models=tiny_models)
+
+
+@pytest.mark.parametrize("combo", [Combo("same", "chain", "none", "float", "top-k", "batched"),
+                                   Combo("cross", "chain", "none", "fixed", "top-p", "serial"),
+                                   Combo("same", "tree", "none", "none", "top-p", "serial"),
+                                   Combo("cross", "tree", "none", "float", "top-k", "batched")], ids=str)
+def test_the_same_seed_gives_the_same_ids_pipelined_or_not(combo):
+    """A round's draft and the verifier's draws depend only on the seed and the committed tokens, so
+    drafting during the round trip (proactive) and sending it early (pipeline) change nothing.
+    (Continuations are left out: one for a shorter outcome is drafted with the plan of the longest,
+    capped by the tokens left after that one, so near max_new_tokens its tree or chain can be
+    shallower than a fresh round's; exact, but not the same ids.)"""
+    ids = seeded_ids_by_work(combo, ("none", "proactive", "pipeline"), tokens=40, seed=11)
+    assert ids["proactive"] == ids["none"] and ids["pipeline"] == ids["none"], ids
+    assert len(ids["none"]) == 40
 
 
 def test_negative_control_a_wrong_q_fails_the_chi_square():
