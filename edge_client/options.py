@@ -133,17 +133,21 @@ class Speculation:
 
     def timing_dependent(self) -> tuple[str, ...]:
         """The options whose choices follow measured timings (and the verifier's load), so that a
-        seed does not pin the output: adaptive γ, tree 'auto', and with pipelined continuations the
-        length of a continuation's chain (edge_client.continuations.choose_length). Every one of them
-        stays exact; with none of them, the same seed gives the same ids, pipelined or not (a round's
-        draft and the verifier's draws depend only on the seed and the committed tokens)."""
+        seed does not pin the output: adaptive γ, tree 'auto', and continuations for more than one
+        outcome (with proactive or pipeline). Which outcomes get a continuation before the reply is
+        a matter of time, and a continuation is not always the round a fresh draft would make: a
+        pipelined chain's length is chosen by the cost model (edge_client.continuations.choose_length),
+        and one for a shorter outcome is drafted with the plan of the longest, so near
+        max_new_tokens it can be shallower. All of these stay exact. With none of them the same
+        seed gives the same ids, with or without proactive or pipelined rounds (a round's draft
+        and the verifier's draws depend only on the seed and the committed tokens)."""
         out = []
         if self.gamma == ADAPTIVE:
             out.append("gamma")
         if self.tree == "auto":
             out.append("tree")
-        if self.pipeline and self.max_continuations > 1 and self.tree == "off":
-            out.append("max_continuations")   # a fixed tree shape stays the same in a continuation
+        if (self.proactive or self.pipeline) and self.max_continuations > 1:
+            out.append("max_continuations")
         return tuple(out)
 
     @property

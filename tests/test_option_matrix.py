@@ -11,8 +11,8 @@ Checked per combination:
 - greedy: the ids equal the verifier's own cloud-only stream (Generate) for the same prompt ids
   (on llama.cpp a difference at a near-tie of the top two logits is an xfail, as in test_e2e_grpc);
 - sampled: the same seed gives the same ids twice (pipelined or not) unless an option follows
-  measured timings (Speculation.timing_dependent: adaptive γ, tree auto, pipelined continuations
-  on chains); on the synthetic pair, unseeded, N = 800 tokens pass a chi-square of their token
+  measured timings (Speculation.timing_dependent: adaptive γ, tree auto, continuations for more
+  than one outcome); on the synthetic pair, unseeded, N = 800 tokens pass a chi-square of their token
   transitions against the target's processed bigram distribution at p > 1e-4 (cells with expected
   count < 5 pooled per row). Negative control (must fail at the same N and threshold): the edge
   ships a uniform q over the drawn support instead of the q it drew from.
@@ -117,9 +117,11 @@ def test_the_cli_refuses_a_conflict_before_any_model_loads(argv, flags, capsys):
 def test_timing_dependent_options():
     assert Speculation(gamma=4).timing_dependent() == ()
     assert Speculation(gamma=4, pipeline=True, max_continuations=1).timing_dependent() == ()
-    assert Speculation(gamma=4, pipeline=True, tree="budget=6,depth=3").timing_dependent() == ()
+    assert Speculation(gamma=4, proactive=True, max_continuations=1, tree="budget=6,depth=3").timing_dependent() == ()
+    assert Speculation(gamma=4, max_continuations=8).timing_dependent() == ()   # nothing drafted ahead
     assert Speculation(gamma="adaptive", tree="auto").timing_dependent() == ("gamma", "tree")
     assert Speculation(gamma=4, pipeline=True, max_continuations=8).timing_dependent() == ("max_continuations",)
+    assert Speculation(gamma=4, proactive=True, tree="budget=6,depth=3").timing_dependent() == ("max_continuations",)
 
 
 # --- the matrix: a sample in the fast suite ----------------------------------------------------------
