@@ -3,11 +3,11 @@ and for simulating a loaded cloud. Its distributions are exact, so tests can com
 
 batching=True runs it behind the same continuous `Batcher` as the llama.cpp backend: waiting
 rounds share a pass that costs step_ms + per_token_ms x (tokens in the pass), a simple model of
-a batched target (the llama.cpp backend's measured cost per pass is in its metrics).
+a batched target (the llama.cpp backend's measured cost per pass is in its metrics). Serial
+(batching=False), one request a pass, in turns, prompts a chunk a pass (backends.turns).
 """
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable, Sequence
 
@@ -16,6 +16,7 @@ import numpy as np
 from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, BackendInfo
 from cloud_verifier.backends.batcher import Batcher, BatchStep
+from cloud_verifier.backends.turns import Turns
 from spec_core.batchplan import PassItem
 from spec_core.crossvocab import Vocabulary
 from spec_core.kvreuse import reusable_prefix
@@ -43,8 +44,9 @@ class SyntheticBackend(Backend):
         fingerprint = vocabulary.fingerprint if vocabulary is not None else synthetic_fingerprint(vocab)
         self.info = BackendInfo("synthetic", f"synthetic-v{vocab}-s{seed}", vocab, n_ctx,
                                 fingerprint, frozenset(eos_token_ids))
-        self._lock = threading.Lock()
         self._forwarded = 0
+        # Serial: the model in turns, prompts cut in chunks (a quarter of a pass by default, as batched).
+        self._turns = Turns(prefill_chunk or max(1, batch_tokens // 4))
         self.batcher: Batcher | None = None
         if batching:
             self._packer = _SyntheticPacker(self, batch_tokens)
@@ -87,22 +89,32 @@ class SyntheticBackend(Backend):
         if cost > 0:
             time.sleep(cost)
 
+    def _serial_pass(self, state: dict, new: int, cached: int) -> None:
+        """One pass of the serial target over `new` tokens, after which the state holds `cached`."""
+        t0 = time.perf_counter()
+        self._forwarded += new
+        state["cached"] = cached
+        self._cost(new)
+        _observe_step(BatchStep(new, 1, time.perf_counter() - t0))
+
+    def _in_turns(self, state: dict, upto: int, fn):
+        """Serial: fn() in a turn, after the state's missing tokens up to `upto` (a prompt, a
+        replay), a chunk a turn (cloud_verifier.backends.turns)."""
+        r = self._turns.run(fn, state["cached"], upto,
+                            lambda n: self._serial_pass(state, n - state["cached"], n))
+        return r.value, r.queue_s, r.model_s
+
     def target_logits(self, state: dict, tokens: Sequence[int], rows: int):
         if self.batcher is not None:
             if state.get("seq") is None:
                 raise RuntimeError("this session's state was released")
             return self.batcher.submit(state["seq"], tokens, rows)
-        t0 = time.perf_counter()
-        with self._lock:
-            t1 = time.perf_counter()
-            new = max(rows, len(tokens) - state["cached"])
-            self._forwarded += new
+
+        def last_rows():
             out = np.stack([self.lm.logits(tokens[: len(tokens) - rows + 1 + i]) for i in range(rows)])
-            state["cached"] = len(tokens)
-            self._cost(new)
-            t2 = time.perf_counter()
-        _observe_step(BatchStep(new, 1, t2 - t1))
-        return out, t1 - t0, t2 - t1
+            self._serial_pass(state, max(rows, len(tokens) - state["cached"]), len(tokens))
+            return out
+        return self._in_turns(state, len(tokens) - rows, last_rows)
 
     def tree_logits(self, state: dict, committed: Sequence[int], tree: DraftTree):
         """One pass for the tree: costs step + per_token × (new committed tokens + nodes), like a
@@ -111,20 +123,14 @@ class SyntheticBackend(Backend):
             if state.get("seq") is None:
                 raise RuntimeError("this session's state was released")
             return self.batcher.submit_tree(state["seq"], committed, tree.tokens, tree.parents)
-        t0 = time.perf_counter()
-        with self._lock:
-            t1 = time.perf_counter()
-            committed = list(committed)
-            new = max(1, len(committed) - state["cached"]) + len(tree)
-            self._forwarded += new
+        committed = list(committed)
+
+        def rows():
             ctxs = [committed] + [committed + [tree.tokens[j] for j in tree.path_to(i)] for i in range(len(tree))]
             out = np.stack([self.lm.logits(c) for c in ctxs])
-            state["cached"] = len(committed)
-            cost = self.step_s + self.per_token_s * new
-            if cost > 0:
-                time.sleep(cost)
-            t2 = time.perf_counter()
-        return out, t1 - t0, t2 - t1
+            self._serial_pass(state, max(1, len(committed) - state["cached"]) + len(tree), len(committed))
+            return out
+        return self._in_turns(state, len(committed) - 1, rows)
 
     def keep_tree_path(self, state: dict, committed, tree, path) -> None:
         if self.batcher is not None:
