@@ -10,7 +10,8 @@ Glossary:
 
 Both the verifier's batcher (cloud_verifier.backends.batcher) and the fleet simulator
 (netsim.fleet) plan their passes with `fair_share`, so what the simulator charges a pass is what
-the shipped batcher packs (the simulator flags no prefills: its short prompts are planned as rounds). It lives here because it is pure arithmetic on token counts and both
+the shipped batcher packs (the simulator flags no prefills: its short prompts are planned as
+rounds). It lives here because it is pure arithmetic on token counts and both
 may import spec_core, while netsim must never import cloud_verifier. `PassItem` is here for the
 same reason: the batcher packs it and llama_runtime (which the edge imports too) decodes it.
 """

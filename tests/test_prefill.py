@@ -25,6 +25,8 @@ CONFIGS = {
     "batched fair": dict(batching=True, schedule="fair"),
     "batched slack, no deadlines": dict(batching=True, schedule="slack"),
     "batched slack, the prefill late": dict(batching=True, schedule="slack", late_prefill=True),
+    # The parking path (PlacePacker brings parked sessions back as their rounds are prepared).
+    "batched, kv-park on": dict(batching=True, kv_park=True, kv_tokens=2 * 4096),
 }
 
 
@@ -59,16 +61,16 @@ class PassLog:
 
 
 def _seq_key(backend, state):
-    return id(state) if backend.batcher is None else state.seq if hasattr(state, "seq") else state["seq"]
+    return id(state) if backend.batcher is None else state.seq
 
 
-def small_round_while_prefilling(chunk: int, batching: bool, schedule: str = "fair", late_prefill: bool = False,
-                                 **backend_kw):
+def small_round_while_prefilling(chunk: int, batching: bool, schedule: str = "fair",
+                                 late_prefill: bool = False, **backend_kw):
     """Start a 1,500-token prefill; after 3 of its passes (1 without chunks), a small round of
     another session (a pass costs 1 ms + 0.2 ms a token: the prompt alone would take 0.3 s).
     Returns (log, k0): the pass log and how many passes had begun when the round was sent."""
-    backend = SyntheticBackend(vocab=16, step_ms=1.0, per_token_ms=0.2, batching=batching, batch_tokens=BUDGET, schedule=schedule,
-                               prefill_chunk=chunk, **backend_kw)
+    backend = SyntheticBackend(vocab=16, step_ms=1.0, per_token_ms=0.2, batching=batching, batch_tokens=BUDGET,
+                               schedule=schedule, prefill_chunk=chunk, **backend_kw)
     try:
         small, big = backend.new_state(), backend.new_state()
         log = PassLog(backend, {_seq_key(backend, small): "small", _seq_key(backend, big): "big"})

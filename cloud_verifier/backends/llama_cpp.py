@@ -33,16 +33,13 @@ import numpy as np
 from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, BackendInfo, NoChatTemplate, NoFreeState
 from cloud_verifier.backends.batcher import Batcher, BatchStep
-from cloud_verifier.backends.kvpark import PlacePacker, SeqBook, SeqState
+from cloud_verifier.backends.kvpark import (DEFAULT_KV_PARK_BYTES, DEFAULT_KV_SESSIONS, PlacePacker, SeqBook, SeqState,
+                                            check_park_options)
 from cloud_verifier.backends.turns import Turns
 from llama_runtime import GGUFModel, KVContext, SharedKV, kv_bytes_per_token
 from spec_core.kvpark import parked_capacity
 from spec_core.kvreuse import reusable_prefix
 from spec_core.tree import DraftTree
-
-# Default KV pool: as many cells as today's default of 8 sessions of 2048 tokens.
-DEFAULT_KV_SESSIONS = 8
-DEFAULT_KV_PARK_BYTES = 1 << 30
 
 
 class LlamaCppBackend(Backend):
@@ -51,12 +48,7 @@ class LlamaCppBackend(Backend):
                  invariant: bool = True, max_tree_leaves: int = 64, schedule: str = "fair",
                  prefill_chunk: int | None = None, kv_park: bool = False,
                  kv_park_bytes: int = DEFAULT_KV_PARK_BYTES, kv_park_order: str = "next-use"):
-        if kv_park and not batching:
-            raise ValueError("--kv-park on needs --batching on: the serial verifier has no shared KV cache")
-        if kv_park and kv_park_bytes <= 0:
-            raise ValueError(f"--kv-park-bytes must be positive with --kv-park on, got {kv_park_bytes}")
-        if kv_park_order not in ("next-use", "lru"):
-            raise ValueError(f"--kv-park-order must be next-use or lru, got {kv_park_order!r}")
+        check_park_options(kv_park, batching, kv_park_bytes, kv_park_order)
         self.model = GGUFModel(model, n_threads=n_threads)
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -111,6 +103,9 @@ class LlamaCppBackend(Backend):
             return
         with self.model.lock:  # never free a context while a decode runs on this model
             state.close()
+
+    def release_frees_room(self, state) -> bool:
+        return self.book.frees_room(state) if isinstance(state, SeqState) else True
 
     def set_deadline(self, state, deadline: float | None) -> None:
         if isinstance(state, SeqState) and state.seq is not None:
