@@ -61,7 +61,7 @@ class SyntheticBackend(Backend):
                                 fingerprint, frozenset(eos_token_ids))
         self._forwarded = 0
         # Serial: the model in turns, prompts cut in chunks (a quarter of a pass by default, as batched).
-        self._turns = Turns(prefill_chunk or max(1, batch_tokens // 4))
+        self.turns = Turns(prefill_chunk or max(1, batch_tokens // 4))
         self.batcher: Batcher | None = None
         self.book: SeqBook | None = None
         if batching:
@@ -134,7 +134,7 @@ class SyntheticBackend(Backend):
     def _in_turns(self, state: dict, upto: int, fn):
         """Serial: fn() in a turn, after the state's missing tokens up to `upto` (a prompt, a
         replay), a chunk a turn (cloud_verifier.backends.turns)."""
-        r = self._turns.run(fn, state["cached"], upto,
+        r = self.turns.run(fn, state["cached"], upto,
                             lambda n: self._serial_pass(state, n - state["cached"], n))
         return r.value, r.queue_s, r.model_s
 
