@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from cloud_verifier.backends.synthetic import SyntheticBackend
@@ -124,3 +125,31 @@ def test_the_control_without_chunks_stalls_the_round(config):
     share; slack, the round behind the whole prompt."""
     passes, k0 = small_round_while_prefilling(NO_CHUNKS, **CONFIGS[config])
     assert stall_problems(passes, k0)
+
+
+def test_the_serial_llama_cpp_verifier_prefills_in_turns_with_the_rows_unchanged(tiny_models):
+    """llama.cpp, --batching off: a 300-token prompt in chunks of 7 (a turn each) gives, bit for
+    bit, the rows of the prompt in one turn, for a chain round and for a tree round after it; the
+    chunked prompt took ceil(300 / 7) turns, the other one."""
+    from cloud_verifier.backends.llama_cpp import LlamaCppBackend
+    from spec_core.tree import DraftTree
+    got = {}
+    for chunk in (7, NO_CHUNKS):
+        backend = LlamaCppBackend(str(tiny_models["target"]), n_ctx=512, n_threads=1, prefill_chunk=chunk)
+        vocab = backend.info.n_vocab
+        prompt = [int(t) for t in np.random.default_rng(1).integers(3, vocab, size=300)]
+        state = backend.new_state()
+        turns0 = backend.turns.turns
+        chain = backend.target_logits(state, prompt + [5, 6, 7, 8], 5)[0]
+        turns = backend.turns.turns - turns0
+        # A tree round on a fresh state: its committed tokens are a prefill too.
+        tree_state = backend.new_state()
+        tree = DraftTree((5, 6, 9), (-1, 0, -1))
+        rows = backend.tree_logits(tree_state, prompt, tree)[0]
+        got[chunk] = chain, rows, turns
+        backend.release(state)
+        backend.release(tree_state)
+        backend.close()
+    np.testing.assert_array_equal(got[7][0], got[NO_CHUNKS][0])
+    np.testing.assert_array_equal(got[7][1], got[NO_CHUNKS][1])
+    assert (got[7][2], got[NO_CHUNKS][2]) == (-(-300 // 7), 1)
