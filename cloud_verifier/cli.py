@@ -28,12 +28,13 @@ def _add_serve(sub) -> None:
                         "(llama.cpp: in one KV cache; synthetic: a pass costs step + per-token x tokens); off: "
                         "the serial verifier, one context per session and one round at a time")
     p.add_argument("--kv-tokens", type=int, default=None,
-                   help="(llama.cpp, batching on) KV cache cells for all sessions; each session reserves --n-ctx "
-                        "of them, and the cache has an eighth more for compaction (default: 8 x --n-ctx)")
+                   help="(batching on) KV cache cells for all sessions; each session reserves --n-ctx "
+                        "of them, and the cache has an eighth more for compaction (default: 8 x --n-ctx; synthetic: "
+                        "no bound unless --kv-park on)")
     p.add_argument("--kv-park", choices=["on", "off"], default="off",
-                   help="(llama.cpp, batching on) when the KV cache is short, park idle sessions' cells in host "
-                        "memory and restore them when their next round arrives, so that more sessions fit "
-                        "--kv-tokens (docs/many-edges.md)")
+                   help="(llama.cpp or synthetic, batching on) when the KV cache is short, park idle sessions' "
+                        "cells in host memory and restore them when their next round arrives, so that more sessions "
+                        "fit --kv-tokens (docs/many-edges.md)")
     p.add_argument("--kv-park-bytes", type=int, default=1 << 30,
                    help="(with --kv-park on) host bytes for parked cells; the server holds as many more sessions "
                         "as fit them at their full --n-ctx (default 1 GiB)")
@@ -47,8 +48,8 @@ def _add_serve(sub) -> None:
                    help="(batching on) how a pass is filled: fair (default) a fair share per request in arrival "
                         "order; slack: least slack before each session's SLO deadline first, prefills capped per pass")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="(--schedule slack) most prompt tokens of one request per pass while it is not late "
-                        "(default: a quarter of a pass)")
+                   help="most prompt tokens of one request per pass while other sessions' rounds wait, under "
+                        "every schedule (default: a quarter of a pass; llama.cpp with --batching off: one decode)")
     p.add_argument("--slo-tpot-ms", type=float, default=0.0,
                    help="latency target of sessions that state none: time per output token (0: none)")
     p.add_argument("--slo-ttft-ms", type=float, default=0.0, help="... and time to first token (0: none)")
@@ -88,13 +89,18 @@ def _add_serve(sub) -> None:
 
 def backend_from_args(args):
     from cloud_verifier.backends import load_backend
-    if args.kv_park == "on" and (args.backend != "llama.cpp" or args.batching != "on"):
-        raise SystemExit("cloud-verifier: --kv-park on needs the llama.cpp backend with --batching on")
+    if args.kv_park == "on" and args.backend == "vllm":
+        raise SystemExit("cloud-verifier: --kv-park on is for the llama.cpp and synthetic backends: vLLM manages "
+                         "its own KV cache (its preemption and swap settings go in --vllm-arg)")
+    if args.kv_park == "on" and args.batching != "on":
+        raise SystemExit("cloud-verifier: --kv-park on needs --batching on: the serial verifier has no shared KV cache")
     if args.backend == "synthetic":
         return load_backend("synthetic", None, vocab=args.synthetic_vocab, seed=args.synthetic_seed,
                             n_ctx=args.n_ctx, step_ms=args.synthetic_step_ms, per_token_ms=args.synthetic_per_token_ms,
                             batching=args.batching == "on", batch_window_ms=args.batch_window_ms,
-                            schedule=args.schedule, prefill_chunk=args.prefill_chunk)
+                            schedule=args.schedule, prefill_chunk=args.prefill_chunk, kv_tokens=args.kv_tokens,
+                            kv_park=args.kv_park == "on", kv_park_bytes=args.kv_park_bytes,
+                            kv_park_order=args.kv_park_order)
     model = args.model
     if model is None and args.backend == "llama.cpp":
         from llama_runtime import bundled_model_path
