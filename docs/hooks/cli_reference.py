@@ -46,9 +46,9 @@ def build_parser(program: Program) -> argparse.ArgumentParser:
     return importlib.import_module(program.module).build_parser()
 
 
-def commands(program: Program) -> list[Command]:
+def commands(program: Program, parser: argparse.ArgumentParser | None = None) -> list[Command]:
     """The program and each of its subcommands (depth first), with their parsers."""
-    return list(_walk(program.name, build_parser(program), ""))
+    return list(_walk(program.name, parser or build_parser(program), ""))
 
 
 def _walk(path: str, parser: argparse.ArgumentParser, help_text: str) -> Iterator[Command]:
@@ -70,9 +70,9 @@ def anchor(path: str) -> str:
     return path.replace(" ", "-")
 
 
-def render(program: Program) -> str:
-    """The reference page of one program, in Markdown."""
-    cmds = commands(program)
+def render(program: Program, parser: argparse.ArgumentParser | None = None) -> str:
+    """The reference page of one program (from `parser`, default its build_parser()), in Markdown."""
+    cmds = commands(program, parser)
     top = cmds[0].parser
     lines = [f"# {program.name}", "",
              f"{program.summary} This page is generated from the program's parser when the site is built "
