@@ -7,10 +7,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
-
-from typing import TYPE_CHECKING
+import sys
+import time
+from typing import TYPE_CHECKING, Callable, Iterator
 
 if TYPE_CHECKING:  # rich is the `draft` extra: `edge-client generate` must not need it
     from rich.console import Console
@@ -83,6 +85,28 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_eval_draft)
 
 
+@contextlib.contextmanager
+def steps(err: Console, what: str) -> Iterator[Callable[[str], None]]:
+    """Progress of long work on standard error, as a callback that takes the step being done.
+
+    On a terminal: a spinner with the step and the time elapsed, cleared when the work ends.
+    Otherwise (piped, logged, in CI): one line per step with the seconds since the start, so a
+    long run is never silent."""
+    if err.is_terminal:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                      transient=True) as progress:
+            task = progress.add_task(what, total=None)
+            yield lambda step: progress.update(task, description=f"{what}: {step}")
+        return
+    start = time.monotonic()
+
+    def line(step: str) -> None:
+        print(f"[{time.monotonic() - start:5.0f} s] {what}: {step}", file=sys.stderr, flush=True)
+    line("started")
+    yield line
+
+
 def _target(args) -> str:
     return _model(args.target or "smollm2")
 
@@ -118,8 +142,8 @@ def cmd_make_draft(args) -> int:
                          search_shortlist=args.shortlist,
                          calib_prompts=args.calib_prompts, calib_tokens=args.calib_tokens, threads=args.threads,
                          extra={"command": _make_command(args, target)})
-        with err.status("making the draft") as status:
-            info = make_draft(target, args.out, spec, progress=lambda msg: status.update(msg))
+        with steps(err, f"making {args.out}") as step:
+            info = make_draft(target, args.out, spec, progress=step)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         err.print(f"[red]make-draft:[/red] {e}")
         return 2
@@ -195,7 +219,7 @@ def cmd_eval_draft(args) -> int:
         prompts = load_prompts(args.prompts)
         if args.per_category:
             prompts = _first_per_category(prompts, args.per_category)
-        with err.status("evaluating") as status:
+        with steps(err, "eval-draft") as step:
             reports = evaluate_drafts(
                 _target(args), [_model(d) for d in args.draft], prompts, cross_vocab=not args.strict_vocab, max_new_tokens=args.tokens, temperatures=temps,
                 continuation=args.continuation, seed=args.seed, threads=args.threads,
@@ -203,7 +227,7 @@ def cmd_eval_draft(args) -> int:
                 verify_threads=args.verify_threads, link=link_figures(args.link), fom_temperature=args.fom_temperature,
                 draft_threads=args.draft_threads, max_gamma=args.max_gamma,
                 prompts_file=args.prompts or "edge_client/prompts/eval.jsonl",
-                progress=lambda msg: status.update(msg))
+                progress=step)
     except (ValueError, FileNotFoundError, KeyError) as e:
         err.print(f"[red]eval-draft:[/red] {e}")
         return 2

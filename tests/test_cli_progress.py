@@ -1,0 +1,73 @@
+"""Long work says what it is doing: make-draft, eval-draft and netsim experiment report each step
+(a line per step on standard error when it is not a terminal, a progress bar or spinner on one)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+from tiny_gguf import write_tiny_llama
+
+from edge_client.draftmaker.evaluate import Prompt
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("progress")
+    return write_tiny_llama(d / "target.gguf", seed=3, n_layer=2)
+
+
+def test_make_and_eval_draft_print_a_line_per_step_when_not_on_a_terminal(tiny, tmp_path, capsys):
+    from edge_client.cli import main
+    out = tmp_path / "draft.gguf"
+    assert main(["make-draft", "--target", str(tiny), "--out", str(out), "--method", "copy", "--json"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].endswith(f"making {out}: started")
+    assert any("checking the draft loads" in line for line in err), err
+    assert all(re.match(r"\[\s*\d+ s\] making ", line) for line in err), err
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"category": p.category, "prompt": p.text}) + "\n"
+                               for p in (Prompt("code", "def list"), Prompt("chat", "hello world"))))
+    assert main(["eval-draft", "--target", str(tiny), "--draft", str(out), "--prompts", str(prompts),
+                 "--tokens", "4", "--no-speed", "--json"]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)                          # the report alone on standard output
+    steps = [line for line in captured.err.splitlines() if "eval-draft: " in line]
+    assert [s.split("eval-draft: ", 1)[1] for s in steps] == ["started", "prompt 1/2 (code)", "prompt 2/2 (chat)"]
+
+
+class RecordingProgress:
+    """rich.progress.Progress's part that the experiment uses, recording what it is told."""
+
+    def __init__(self):
+        self.events: list[tuple[str, object]] = []
+
+    def add_task(self, description, total=None):
+        self.events.append(("describe", description))
+        return 0
+
+    def update(self, task, description=None, total=None):
+        if description is not None:
+            self.events.append(("describe", description))
+        if total is not None:
+            self.events.append(("total", total))
+
+    def advance(self, task):
+        self.events.append(("advance", 1))
+
+
+def test_experiment_says_it_starts_the_verifier_before_the_first_measurement(tmp_path):
+    from netsim.experiment import ExperimentConfig, run_experiment
+    cfg = ExperimentConfig(profiles=["lan"], modes=["cloud-only"], out=tmp_path, workloads=["chat"], max_tokens=4,
+                           synthetic=True, synthetic_step_ms=0.0, crossover=False)
+    progress = RecordingProgress()
+    result = asyncio.run(run_experiment(cfg, progress))
+    assert len(result["rows"]) == 1
+    described = [value for kind, value in progress.events if kind == "describe"]
+    first_advance = progress.events.index(("advance", 1))
+    before = [value for kind, value in progress.events[:first_advance] if kind == "describe"]
+    assert before[0] == "setting up the synthetic pair" and before[1].startswith("starting the verifier")
+    assert before[-1] == "lan cloud-only chat" and ("total", 1) in progress.events[:first_advance]
+    assert described[-1] == "lan cloud-only chat"
