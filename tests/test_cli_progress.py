@@ -71,3 +71,24 @@ def test_experiment_says_it_starts_the_verifier_before_the_first_measurement(tmp
     assert before[0] == "setting up the synthetic pair" and before[1].startswith("starting the verifier")
     assert before[-1] == "lan cloud-only chat" and ("total", 1) in progress.events[:first_advance]
     assert described[-1] == "lan cloud-only chat"
+
+
+@pytest.mark.parametrize("extra, steps", [([], 5), (["--with", "gemma"], 6)], ids=["default", "with-gemma"])
+def test_set_up_prints_a_line_per_step(tmp_path, extra, steps):
+    """scripts/setup.sh with every tool it calls stubbed out (pip, python, edge-client): the steps alone."""
+    import os
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    for tool in ("python", "pip", "edge-client"):
+        (venv_bin / tool).write_text("#!/bin/sh\nexit 0\n")
+        (venv_bin / tool).chmod(0o755)
+    r = subprocess.run(["bash", str(root / "scripts" / "setup.sh"), *extra], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "VENV": str(tmp_path / "venv"), "PYTHON": str(venv_bin / "python"),
+                                        "HYBRIDSPEC_MODELS": str(tmp_path / "models"), "HYBRIDSPEC_WITH": ""})
+    assert r.returncode == 0, r.stderr
+    numbered = re.findall(r"^\[setup\] \d\d:\d\d:\d\d step (\d+)/(\d+): (.+)$", r.stderr, flags=re.M)
+    assert [(int(n), int(total)) for n, total, _ in numbered] == [(i, steps) for i in range(1, steps + 1)]
+    assert "the default draft" in numbered[4][2] and r.stderr.rstrip().endswith(f"ready: {tmp_path / 'venv'}")
