@@ -92,3 +92,15 @@ def test_set_up_prints_a_line_per_step(tmp_path, extra, steps):
     numbered = re.findall(r"^\[setup\] \d\d:\d\d:\d\d step (\d+)/(\d+): (.+)$", r.stderr, flags=re.M)
     assert [(int(n), int(total)) for n, total, _ in numbered] == [(i, steps) for i in range(1, steps + 1)]
     assert "the default draft" in numbered[4][2] and r.stderr.rstrip().endswith(f"ready: {tmp_path / 'venv'}")
+
+
+def test_load_says_it_starts_the_verifier_before_the_first_run(tmp_path):
+    from netsim.load import LoadConfig, run_load
+    cfg = LoadConfig(edges=[1], profiles=["lan"], modes=["cloud-only"], duration_s=0.5, out=tmp_path, synthetic=True,
+                     warmup_s=0.2, max_tokens=4, synthetic_step_ms=1.0)
+    progress = RecordingProgress()
+    result = asyncio.run(run_load(cfg, progress))
+    assert len(result["runs"]) == 1
+    first_advance = progress.events.index(("advance", 1))
+    before = [value for kind, value in progress.events[:first_advance] if kind == "describe"]
+    assert before == ["loading the edges' models", "starting the verifier", "1 edges, cloud-only (0.7 s)"]
