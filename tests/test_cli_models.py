@@ -79,7 +79,7 @@ def test_an_unreadable_or_unloadable_file_is_one_line_too(tmp_path):
                                                 "(not a GGUF model it supports?)"
 
 
-def test_make_draft_eval_draft_and_netsim_say_it_in_one_line(tmp_path):
+def test_make_draft_eval_draft_netsim_and_the_demo_say_it_in_one_line(tmp_path):
     missing = str(tmp_path / "nowhere.gguf")
     for argv in (["make-draft", "--target", missing, "--out", str(tmp_path / "d.gguf")],
                  ["eval-draft", "--target", missing, "--draft", missing, "--no-speed"]):
@@ -87,6 +87,8 @@ def test_make_draft_eval_draft_and_netsim_say_it_in_one_line(tmp_path):
         assert r.returncode == 2 and f"no model file at {missing}" in one_line(r)
     line = one_line(run("netsim", "experiment", "--target", missing, "--out", str(tmp_path / "out")))
     assert line.startswith("netsim: no model file at") and missing in line
+    line = one_line(run("hybridspec", "demo", "--target", missing))
+    assert line.startswith("[demo] no model file at") and missing in line
 
 
 def test_a_bad_option_value_is_still_reported_before_a_missing_model(tmp_path, capsys):
