@@ -68,19 +68,20 @@ def add_parsers(sub) -> None:
     p.add_argument("--continuation", choices=["sampled", "greedy"], default="sampled",
                    help="sampled: the target samples its continuation at each T (default); greedy: one greedy "
                         "continuation for every T (faster, optimistic for T > 0)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the target's sampled continuations")
     p.add_argument("--threads", type=int, default=1,
                    help="threads for the acceptance runs (default 1: robust on a busy 2-core machine)")
     p.add_argument("--no-speed", action="store_true", help="skip the speed and verify-cost measurements")
-    p.add_argument("--speed-tokens", type=int, default=32)
-    p.add_argument("--speed-repeats", type=int, default=3)
+    p.add_argument("--speed-tokens", type=int, default=32, help="tokens decoded per speed measurement")
+    p.add_argument("--speed-repeats", type=int, default=3, help="speed measurements per model (the median is kept)")
     p.add_argument("--verify-threads", type=int, default=1,
                    help="threads of the target when timing verification (default 1, as the demo's verifier)")
     p.add_argument("--draft-threads", type=int, default=1,
                    help="draft threads in the figure of merit (default 1, as the demo's edge)")
     p.add_argument("--link", default="3g", help="netsim profile for the figure of merit (default 3g)")
-    p.add_argument("--fom-temperature", type=float, default=0.7)
-    p.add_argument("--max-gamma", type=int, default=12)
+    p.add_argument("--fom-temperature", type=float, default=0.7,
+                   help="temperature whose α the figure of merit uses (default 0.7)")
+    p.add_argument("--max-gamma", type=int, default=12, help="largest γ the figure of merit tries (default 12)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=cmd_eval_draft)
 

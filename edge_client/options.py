@@ -264,9 +264,12 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     s.add_argument("--continuations", type=int, default=8, metavar="N",
                    help="with --proactive / --pipeline: draft the next round for up to N likely outcomes of the "
                         "round in flight (the cost model picks how many pay; 1 = only 'every draft accepted')")
-    s.add_argument("--synthetic-vocab", type=int, default=64)
-    s.add_argument("--synthetic-seed", type=int, default=0)
-    s.add_argument("--synthetic-noise", type=float, default=1.0)
+    s.add_argument("--synthetic-vocab", type=int, default=64,
+                   help="(--drafter synthetic) vocabulary size, as the synthetic verifier's --synthetic-vocab")
+    s.add_argument("--synthetic-seed", type=int, default=0,
+                   help="(--drafter synthetic) the target's seed, as the synthetic verifier's --synthetic-seed")
+    s.add_argument("--synthetic-noise", type=float, default=1.0,
+                   help="(--drafter synthetic) how far the draft is blurred from the target (0: the target itself)")
 
 
 def _add_security(p: argparse.ArgumentParser) -> None:

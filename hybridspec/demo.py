@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="target GGUF, or a bundled model's name: smollm2 (default: SmolLM2-135M-Instruct "
                                     "Q4_1) or gemma (Gemma 3 270M Q4_K_M, another tokenizer: scripts/setup.sh --with gemma)")
-    p.add_argument("--verifier-threads", type=int, default=1)
+    p.add_argument("--verifier-threads", type=int, default=1, help="llama.cpp threads of the verifier it starts")
     p.add_argument("--no-baseline", action="store_true", help="skip the cloud-only comparison")
     p.add_argument("--json", action="store_true", help="end with one JSON line of statistics")
     add_sampling_args(p)

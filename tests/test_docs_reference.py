@@ -170,3 +170,10 @@ def test_hand_written_pages_name_only_options_that_exist():
 def test_the_page_check_catches_a_wrong_option(line, expected):
     """The check above on made-up lines: a misspelt or misplaced option, a misspelt command."""
     assert _invocation_problems(line) == expected
+
+
+def test_every_option_says_what_it_does():
+    """An option without a help text would be a bare name on its reference page."""
+    silent = [f"{c.path} {a.option_strings[0]}" for program in HOOK.PROGRAMS for c in HOOK.commands(program)
+              for a in HOOK._own_actions(c.parser) if a.option_strings and not (a.help or "").strip()]
+    assert not silent, f"options without a help text: {silent}"
