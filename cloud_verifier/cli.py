@@ -13,11 +13,12 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the Verifier gRPC service",
                        description="Serve a target model. The embedded default is a GGUF file on llama.cpp (CPU).")
     p.add_argument("--model", help="llama.cpp: a GGUF file, or a bundled model's name: smollm2 (default, "
-                                   "SmolLM2-135M-Instruct Q4_1) or gemma (Gemma 3 270M, scripts/setup.sh --with gemma); "
-                                   "vllm: a local Hugging Face model folder")
+                                   "SmolLM2-135M-Instruct Q4_1) or gemma (Gemma 3 270M, scripts/setup.sh --with "
+                                   "gemma); vllm: a local Hugging Face model folder")
     p.add_argument("--backend", default="llama.cpp", choices=["llama.cpp", "vllm", "synthetic"],
                    help="llama.cpp: a GGUF target on the CPU (default); vllm: a GPU or CPU vLLM engine "
-                        "(scripts/setup_vllm.sh); synthetic: a small made-up target (spec_core/synthetic.py), for tests and fast sweeps")
+                        "(scripts/setup_vllm.sh); synthetic: a small made-up target (spec_core/synthetic.py), "
+                        "for tests and fast sweeps")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--n-ctx", type=int, default=2048, help="context window per session, tokens")
