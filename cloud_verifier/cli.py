@@ -6,8 +6,6 @@ import asyncio
 import logging
 import sys
 
-from cloud_verifier.engine import Limits
-
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the Verifier gRPC service",
@@ -166,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Imported here, not at the top: build_parser() needs only argparse (the docs build renders it).
+    from cloud_verifier.engine import Limits
     from cloud_verifier.process import READY
     from cloud_verifier.server import serve_forever
     tls, tokens, policy = security_from_args(args)

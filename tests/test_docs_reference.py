@@ -177,3 +177,27 @@ def test_every_option_says_what_it_does():
     silent = [f"{c.path} {a.option_strings[0]}" for program in HOOK.PROGRAMS for c in HOOK.commands(program)
               for a in HOOK._own_actions(c.parser) if a.option_strings and not (a.help or "").strip()]
     assert not silent, f"options without a help text: {silent}"
+
+
+def test_the_reference_renders_with_only_the_docs_dependencies():
+    """The docs site is built with requirements/docs.txt (mkdocs, and the core's numpy, grpc, protobuf):
+    each build_parser() must import none of the parts' own dependencies (llama.cpp, rich, FastAPI...)."""
+    import subprocess
+    import sys
+    parts_only = ["llama_cpp", "rich", "gguf", "prometheus_client", "fastapi", "uvicorn", "psutil", "matplotlib",
+                  "scipy", "grpc_health", "pydantic", "openai", "cryptography", "vllm", "torch"]
+    code = f"""
+import importlib.abc, importlib.util, sys
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {parts_only!r}:
+            raise ImportError("not in requirements/docs.txt: " + name)
+sys.meta_path.insert(0, Missing())
+spec = importlib.util.spec_from_file_location("cli_reference", {str(ROOT / "docs" / "hooks" / "cli_reference.py")!r})
+hook = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(hook)
+for program in hook.PROGRAMS:
+    assert hook.render(program)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
