@@ -6,15 +6,17 @@ import asyncio
 import logging
 import sys
 
-from cloud_verifier.engine import Limits
-
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the Verifier gRPC service",
                        description="Serve a target model. The embedded default is a GGUF file on llama.cpp (CPU).")
-    p.add_argument("--model", help="GGUF file (llama.cpp) or model folder (vllm); default: the bundled "
-                                   "SmolLM2-135M-Instruct Q4_1")
-    p.add_argument("--backend", default="llama.cpp", choices=["llama.cpp", "vllm", "synthetic"])
+    p.add_argument("--model", help="llama.cpp: a GGUF file, or a bundled model's name: smollm2 (default, "
+                                   "SmolLM2-135M-Instruct Q4_1) or gemma (Gemma 3 270M, scripts/setup.sh --with "
+                                   "gemma); vllm: a local Hugging Face model folder")
+    p.add_argument("--backend", default="llama.cpp", choices=["llama.cpp", "vllm", "synthetic"],
+                   help="llama.cpp: a GGUF target on the CPU (default); vllm: a GPU or CPU vLLM engine "
+                        "(scripts/setup_vllm.sh); synthetic: a small made-up target (spec_core/synthetic.py), "
+                        "for tests and fast sweeps")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--n-ctx", type=int, default=2048, help="context window per session, tokens")
@@ -84,7 +86,7 @@ def _add_serve(sub) -> None:
                    help="seconds a session must be idle before a new session may evict it; until then newcomers "
                         "get RESOURCE_EXHAUSTED with a retry hint")
     s.add_argument("--grace", type=float, default=5.0, help="seconds for rounds in flight to finish on SIGTERM")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
 
 
 def backend_from_args(args):
@@ -101,20 +103,22 @@ def backend_from_args(args):
                             schedule=args.schedule, prefill_chunk=args.prefill_chunk, kv_tokens=args.kv_tokens,
                             kv_park=args.kv_park == "on", kv_park_bytes=args.kv_park_bytes,
                             kv_park_order=args.kv_park_order)
-    model = args.model
-    if model is None and args.backend == "llama.cpp":
-        from llama_runtime import bundled_model_path
-        model = str(bundled_model_path())
-    if model is None:
-        raise SystemExit("--model is required for the vllm backend (a local Hugging Face model folder)")
     if args.backend == "vllm":
+        if args.model is None:
+            raise SystemExit("cloud-verifier: --model is required for the vllm backend (a local Hugging Face model "
+                             "folder)")
         engine_args = dict(kv.split("=", 1) for kv in args.vllm_arg)
-        return load_backend("vllm", model, n_ctx=args.n_ctx, engine_args=engine_args)
-    return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads,
-                        batching=args.batching == "on", kv_tokens=args.kv_tokens,
-                        batch_window_ms=args.batch_window_ms, schedule=args.schedule,
-                        prefill_chunk=args.prefill_chunk, kv_park=args.kv_park == "on",
-                        kv_park_bytes=args.kv_park_bytes, kv_park_order=args.kv_park_order)
+        return load_backend("vllm", args.model, n_ctx=args.n_ctx, engine_args=engine_args)
+    from llama_runtime import ModelMissing, ModelUnloadable, find_model
+    try:
+        model = str(find_model(args.model or "smollm2"))   # a missing file: one line saying how to get it
+        return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads,
+                            batching=args.batching == "on", kv_tokens=args.kv_tokens,
+                            batch_window_ms=args.batch_window_ms, schedule=args.schedule,
+                            prefill_chunk=args.prefill_chunk, kv_park=args.kv_park == "on",
+                            kv_park_bytes=args.kv_park_bytes, kv_park_order=args.kv_park_order)
+    except (ModelMissing, ModelUnloadable) as e:
+        raise SystemExit(f"cloud-verifier: {e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Imported here, not at the top: build_parser() needs only argparse (the docs build renders it).
+    from cloud_verifier.engine import Limits
     from cloud_verifier.process import READY
     from cloud_verifier.server import serve_forever
     tls, tokens, policy = security_from_args(args)

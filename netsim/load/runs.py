@@ -225,6 +225,9 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
     for name in cfg.profiles:
         get_profile(name)
     cfg.out.mkdir(parents=True, exist_ok=True)
+    # Say what happens before the first measured run: loading drafts and starting a verifier take
+    # up to a minute (the verifier's first start on a model checks batch invariance).
+    task = progress.add_task("loading the edges' models", total=len(cfg.edges) * len(cfg.modes)) if progress else None
     edges = Edges(cfg)
     proc, args = None, []
     if cfg.server:
@@ -233,17 +236,18 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
     else:
         metrics_port = free_port()
         args = verifier_args(cfg, metrics_port, max(cfg.edges))
+        if progress:
+            progress.update(task, description="starting the verifier" + ("" if cfg.synthetic else " (~1 min)"))
         proc, address = spawn_verifier(args)
         upstream = ("127.0.0.1", int(address.rsplit(":", 1)[1]))
         metrics_url, pid = f"http://127.0.0.1:{metrics_port}/metrics", proc.pid
     runs = []
-    task = progress.add_task("load", total=len(cfg.edges) * len(cfg.modes)) if progress else None
     try:
         info = await server_info(upstream)
         for n_edges in cfg.edges:
             for mode in cfg.modes:
                 if progress:
-                    progress.update(task, description=f"{n_edges} edges, {mode}")
+                    progress.update(task, description=f"{n_edges} edges, {mode} ({cfg.warmup_s + cfg.duration_s:g} s)")
                 runs.append(await run_once(cfg, edges, mode, n_edges, upstream, metrics_url, pid))
                 runs[-1]["drain_s"] = await drain(metrics_url)
                 if progress:
