@@ -1,5 +1,5 @@
 """A GGUF model loaded once (GGUFModel: vocabulary, tokenizer, chat template, its KV contexts) and
-where model files are found (bundled_model_path, resolve_model)."""
+where model files are found (bundled_model_path, resolve_model, find_model)."""
 from __future__ import annotations
 
 import ctypes
@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import threading
+import time
 from functools import cached_property
 from pathlib import Path
 from typing import Sequence
@@ -73,14 +74,49 @@ def resolve_model(spec: str | os.PathLike) -> Path:
     return bundled_model_path(str(spec)) if str(spec) in BUNDLED else Path(spec)
 
 
+class ModelMissing(FileNotFoundError):
+    """A model file that is not there or cannot be read. Its message is one line that names the
+    file and the command that fetches it, for a command line to print as it is."""
+
+
+class ModelUnloadable(ValueError):
+    """A file llama.cpp cannot load as a model (not a GGUF file, or an architecture it lacks)."""
+
+
+# The model files set-up writes, and the command that writes each: the hint when one is missing.
+# (smollm2-draft.gguf is edge_client.drafters.DEFAULT_DRAFT, made from the bundled target.)
+FETCHED_BY = {"SmolLM2-135M-Instruct.Q4_1.gguf": "scripts/setup.sh", "smollm2-draft.gguf": "scripts/setup.sh",
+              GEMMA_FILE: "scripts/setup.sh --with gemma"}
+
+
+def find_model(spec: str | os.PathLike) -> Path:
+    """resolve_model, and the file must be there and readable; ModelMissing says what to do if not."""
+    try:
+        path = resolve_model(spec)
+    except FileNotFoundError as e:     # a bundled model whose package is not installed: says which command
+        raise ModelMissing(str(e)) from None
+    _check_readable(path)
+    return path
+
+
+def _check_readable(path: Path) -> None:
+    if path.is_file() and os.access(path, os.R_OK):
+        return
+    what = ("no model file at" if not path.exists() else "not a file:" if not path.is_file()
+            else "cannot read the model file")
+    fetch = FETCHED_BY.get(path.name)
+    hint = (f"{fetch} fetches it" if fetch else
+            f"give a GGUF file, or a bundled model's name ({' or '.join(BUNDLED)})")
+    raise ModelMissing(f"{what} {path}; {hint}")
+
+
 class GGUFModel:
     """A GGUF model loaded once. KV caches (`KVContext`) are made per sequence and share weights."""
 
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, vocab_only: bool = False):
         _ensure_backend()
         self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"no GGUF file at {self.path}")
+        _check_readable(self.path)
         self.n_threads = n_threads or default_threads()
         params = llama_cpp.llama_model_default_params()
         params.use_extra_bufts = False
@@ -88,7 +124,7 @@ class GGUFModel:
         params.n_gpu_layers = 0
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
-            raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it supports?)")
+            raise ModelUnloadable(f"llama.cpp could not load {self.path} (not a GGUF model it supports?)")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.bos_id = int(llama_cpp.llama_vocab_bos(self._vocab))
@@ -174,7 +210,14 @@ class GGUFModel:
                 return cut
         except (OSError, ValueError, KeyError, TypeError):
             pass
+        # Loud on purpose: on a busy 2-core machine the probe takes up to a minute, once per model,
+        # CPU and thread count, and the server has said nothing else yet.
+        log.info("%s: checking how many tokens one decode may hold and stay batch-invariant on this CPU "
+                 "(once per model, CPU and thread count; up to a minute)", self.name)
+        started = time.monotonic()
         cut = _probe_invariant_ubatch(self)
+        log.info("%s: batch-invariant up to %d tokens per decode (probed in %.0f s; kept in %s)", self.name, cut,
+                 time.monotonic() - started, path.parent)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -12,6 +12,7 @@ import numpy as np
 
 from edge_client.drafters import Draft, Drafter, TreeDraft
 from netsim.load.config import SYNTHETIC_VOCAB, LoadConfig
+from spec_core.slo import meets_slo, window_tpot
 
 
 class DraftCost(grpc.aio.UnaryUnaryClientInterceptor):
@@ -89,20 +90,14 @@ class Request:
 
     def tpot_s(self, t_from: float, t_to: float) -> float | None:
         """Time per output token over the commits inside [t_from, t_to] (None with fewer than two)."""
-        inside = [(t, n) for t, n in self.token_times if t_from <= t <= t_to]
-        if len(inside) < 2:
-            return None
-        (t_first, n_first), (t_last, n_last) = inside[0], inside[-1]
-        return (t_last - t_first) / (n_last - n_first) if n_last > n_first else None
+        return window_tpot(self.token_times, t_from, t_to)
 
     def meets(self, t_from: float, t_to: float, slo_tpot_s: float, slo_ttft_s: float) -> bool | None:
-        """Whether this request met the SLO, judged on what the window saw of it: its TPOT inside
-        the window, and its TTFT if it arrived inside it. None: the window saw too little to say."""
-        tpot = self.tpot_s(t_from, t_to)
+        """Whether this request met the SLO, judged on what the window saw of it (spec_core.slo's
+        verdict, the fleet simulator's too): its TPOT inside the window, and its TTFT if it arrived
+        inside it. None: the window saw too little to say."""
         ttft = self.ttft_s() if t_from <= self.arrival_s <= t_to else None
-        if tpot is None and ttft is None:
-            return None
-        return (tpot is None or tpot <= slo_tpot_s) and (ttft is None or ttft <= slo_ttft_s)
+        return meets_slo(self.tpot_s(t_from, t_to), ttft, slo_tpot_s, slo_ttft_s)
 
 
 class Edges:

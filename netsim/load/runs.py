@@ -19,6 +19,7 @@ from netsim.load.config import SYNTHETIC_VOCAB, LoadConfig
 from netsim.load.edges import DraftCost, Edges, Request, Window, run_edge
 from netsim.load.metering import (BATCH_HISTOGRAMS, ProcessMeter, free_port, histogram_delta, kv_between_rounds,
                                   metric_delta, scrape)
+from netsim.cmdline import option_value
 from netsim.load.verdicts import capacity_at_slo
 from netsim.profiles import get_profile
 from netsim.proxyhost import LinkSpec, ProxyHost
@@ -157,7 +158,7 @@ def verifier_args(cfg: LoadConfig, metrics_port: int, max_edges: int) -> list[st
     if "--max-sessions" not in given:
         args += ["--max-sessions", str(max(8, max_edges))]
     if "--kv-tokens" not in given and not cfg.synthetic:
-        n_ctx = int(_arg_value(cfg.verifier_args, "--n-ctx") or LOAD_N_CTX)
+        n_ctx = int(option_value(cfg.verifier_args, "--n-ctx") or LOAD_N_CTX)
         args += ["--kv-tokens", str(max(8, max_edges) * n_ctx)]
     return args + ["--metrics-port", str(metrics_port)] + list(cfg.verifier_args)
 
@@ -171,17 +172,6 @@ def verifier_threads(cores: int | None = None) -> int:
     drafting, the proxies and the event loop on the same cores (docs/benchmarks.md has the figures).
     `--verifier-arg=--threads=N` overrides it; load.json records what the verifier ran with."""
     return max(1, (cores or os.cpu_count() or 1) // 2)
-
-
-def _arg_value(args: list[str], name: str) -> str | None:
-    """The value of option `name` in a command line (`--name V` or `--name=V`; the last one wins)."""
-    value = None
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif a.startswith(name + "="):
-            value = a.split("=", 1)[1]
-    return value
 
 
 HARNESS_SATURATED = 0.9   # share of the cores left to the harness above which a run is flagged
@@ -235,6 +225,9 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
     for name in cfg.profiles:
         get_profile(name)
     cfg.out.mkdir(parents=True, exist_ok=True)
+    # Say what happens before the first measured run: loading drafts and starting a verifier take
+    # up to a minute (the verifier's first start on a model checks batch invariance).
+    task = progress.add_task("loading the edges' models", total=len(cfg.edges) * len(cfg.modes)) if progress else None
     edges = Edges(cfg)
     proc, args = None, []
     if cfg.server:
@@ -243,17 +236,18 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
     else:
         metrics_port = free_port()
         args = verifier_args(cfg, metrics_port, max(cfg.edges))
+        if progress:
+            progress.update(task, description="starting the verifier" + ("" if cfg.synthetic else " (~1 min)"))
         proc, address = spawn_verifier(args)
         upstream = ("127.0.0.1", int(address.rsplit(":", 1)[1]))
         metrics_url, pid = f"http://127.0.0.1:{metrics_port}/metrics", proc.pid
     runs = []
-    task = progress.add_task("load", total=len(cfg.edges) * len(cfg.modes)) if progress else None
     try:
         info = await server_info(upstream)
         for n_edges in cfg.edges:
             for mode in cfg.modes:
                 if progress:
-                    progress.update(task, description=f"{n_edges} edges, {mode}")
+                    progress.update(task, description=f"{n_edges} edges, {mode} ({cfg.warmup_s + cfg.duration_s:g} s)")
                 runs.append(await run_once(cfg, edges, mode, n_edges, upstream, metrics_url, pid))
                 runs[-1]["drain_s"] = await drain(metrics_url)
                 if progress:
@@ -264,7 +258,7 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
             proc.wait(30)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     machine = describe_machine()
-    given_threads = _arg_value(args, "--threads") if proc is not None else None
+    given_threads = option_value(args, "--threads") if proc is not None else None
     threads = int(given_threads) if given_threads else None
     for run in runs:
         run["not_representative"] = saturation(run, machine["cores"] or 1, threads)
