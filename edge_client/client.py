@@ -39,7 +39,7 @@ import grpc
 
 from edge_client.crossvocab import Chat
 from edge_client.drafters import Drafter
-from edge_client.options import EdgeOptions, Speculation, Transport
+from edge_client.options import EdgeOptions, Speculation, Transport, refuse_drafter_conflicts
 from edge_client.pairing import Pairing, pair
 from edge_client.protocols import Tokenizer
 from edge_client.session import Generation
@@ -76,8 +76,7 @@ class EdgeClient:
         self.token = self.verifier.token
         self.draft_executor = draft_executor
         self.on_round = on_round
-        if self.speculation.tree != "off" and not drafter.supports_trees:
-            raise ValueError(f"the {drafter.name} drafter does not build trees; use tree='off'")
+        refuse_drafter_conflicts(self.speculation, drafter)   # OptionConflict (a ValueError), before any round
         self._pairing: Pairing | None = None   # decided at the first generation, before its first round
         self._pairing_lock = asyncio.Lock()
         # Special tokens (EOS, <|im_end|>) end generation; they are not printed.

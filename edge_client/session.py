@@ -28,9 +28,9 @@ from spec_core import qcodec
 from spec_core.continuations import MAX_CONTINUATION_NODES, MAX_CONTINUATIONS, Outcome
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.drafting import QMode
+from spec_core.estimates import Acceptance
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.qcodec import EncodedQ
-from spec_core.steering import Acceptance
 from spec_core.tree import ROOT, DraftTree
 from spec_core.warping import EDGE_STREAM, SamplingSettings, seeded_rng
 
@@ -111,7 +111,7 @@ class _SessionLoop:
             self.policy = FixedGamma(spec.gamma)
         self.planner = TreePolicy(self.policy, spec.tree, max_nodes=spec.max_tree_nodes)
         # Per-token α of this session's chains, for ranking a round's outcomes (continuations): the
-        # verifier's rule (spec_core.steering.Acceptance), which AdaptiveGamma's α follows too.
+        # rule the verifier and AdaptiveGamma use (spec_core.estimates.Acceptance).
         self.acceptance = Acceptance()
         self.rng = seeded_rng(settings.seed, EDGE_STREAM)  # never the verifier's stream (see warping)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

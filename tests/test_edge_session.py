@@ -16,7 +16,7 @@ from edge_client.stats import GenerationStats
 from edge_client.text import SyntheticTokenizer
 from edge_client.transport import EdgeError
 from spec_core.proto import verifier_pb2 as pb
-from spec_core.steering import Acceptance
+from spec_core.estimates import Acceptance
 from spec_core.tree import DraftTree, TreeShape
 from spec_core.warping import SamplingSettings
 
@@ -47,7 +47,7 @@ def reply(base_len: int, accepted: int, next_token: int | None = 9, kept=()) -> 
 @pytest.mark.parametrize("gamma", ["adaptive", 4])
 def test_the_alpha_for_outcomes_is_the_verifier_rule_whatever_the_gamma_policy(gamma):
     """40 chain rounds of γ = 4 with random acceptances (seeded). The estimate that ranks outcomes is
-    spec_core.steering.Acceptance fed the same rounds, for a fixed γ as for the adaptive one (whose
+    spec_core.estimates.Acceptance fed the same rounds, for a fixed γ as for the adaptive one (whose
     own α follows the same rule). Control: the whole-session estimate a fixed γ used before,
     (accepted + 1) / (accepted + rejections + 2), differs from it after these rounds."""
     s, reference = loop(gamma), Acceptance()
