@@ -1,4 +1,4 @@
-"""The session loop and the Python API an app calls.
+"""The Python API an app calls: EdgeClient, and the generations it runs.
 
     options = EdgeOptions(Transport("127.0.0.1:50051"), Speculation(gamma="adaptive"))
     async with EdgeClient(options, drafter, tokenizer) as client:
@@ -31,7 +31,6 @@ interfaces it works against).
 from __future__ import annotations
 
 import asyncio
-import logging
 from concurrent.futures import Executor
 from typing import Callable, Sequence
 
@@ -49,8 +48,6 @@ from edge_client.transport import (_SERVER_LIMITS, EdgeError, Verifier, auth_met
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
-
-log = logging.getLogger(__name__)
 
 # What other modules and tests import from here.
 __all__ = ["CloudOnlyStats", "EdgeClient", "EdgeError", "Generation", "GenerationStats", "RoundEvent", "Tokenizer",

@@ -2,6 +2,7 @@
 and one α rule for ranking a round's outcomes, whichever γ policy drafts."""
 from __future__ import annotations
 
+import asyncio
 import types
 
 import numpy as np
@@ -102,3 +103,39 @@ def test_a_round_that_ends_at_a_shallow_leaf_is_a_bonus_not_a_rejection():
     deep = _Prepared(base, TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
     s._apply(deep, reply(len(base), 1, 9, kept=[0]), 0.01)   # node 0 kept, its child 2 rejected
     assert s.st.rejections == 1
+
+
+async def test_the_pairing_is_decided_once_per_client_before_the_first_round(monkeypatch, tmp_path):
+    """Three generations started together, then one more, on one client whose draft has another
+    tokenizer: one pairing (one vocabulary set-up), made before any Verify round; each open
+    announces the draft's tokenizer."""
+    import edge_client.client as client_module
+    from edge_client import EdgeClient, crossvocab
+    from helpers import edge_options, running_server
+    from test_crossvocab_grpc import drafter_pair, target_backend
+
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
+    crossvocab._VOCABS.clear()
+    pairings, opens = [], []
+    real_pair = client_module.pair
+
+    async def counted_pair(*args, **kw):
+        pairings.append(len(opens))   # Verify rounds sent before this pairing
+        return await real_pair(*args, **kw)
+    monkeypatch.setattr(client_module, "pair", counted_pair)
+    drafter, tok = drafter_pair()
+    settings = SamplingSettings(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    async with running_server(target_backend()) as server:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=3), drafter, tok) as c:
+            real_verify = c.verifier.verify
+
+            async def verify(req, st, retries=None):
+                if req.HasField("open"):
+                    opens.append(req.open.draft_tokenizer_fingerprint)
+                return await real_verify(req, st, retries)
+            c.verifier.verify = verify
+            gens = [c.generate(p, settings) for p in ("abc", "ab", "ba")]
+            await asyncio.gather(*(g.text() for g in gens))
+            await c.generate("cab", settings).text()
+    assert pairings == [0] and len(opens) == 4 and set(opens) == {drafter.fingerprint}
+    assert all(g.stats.tokens == 6 for g in gens)
