@@ -294,14 +294,17 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
                    help="q on the wire: none | fixed[:TOPK[:BITS]] | float[:TOPK] (TOPK 0 = whole vocabulary)")
     s.add_argument("--drafter", choices=["gguf", "lookup", "synthetic"], default="gguf",
                    help="gguf: a draft model (--draft); lookup: prompt lookup, no model; synthetic: test pair")
-    s.add_argument("--draft", help="draft GGUF file (default: models/smollm2-draft.gguf when it exists); one with "
-                                   "another tokenizer than the target's drafts across vocabularies (docs/usage.md)")
+    s.add_argument("--draft", help="draft GGUF file, or a bundled model's name (smollm2, gemma); default: "
+                                   "models/smollm2-draft.gguf (scripts/setup.sh makes it). One with another tokenizer "
+                                   "than the target's drafts across vocabularies (docs/usage.md)")
     s.add_argument("--strict-tokenizer", action="store_true",
                    help="refuse a target whose tokenizer differs from the draft's instead of drafting across "
                         "vocabularies")
-    s.add_argument("--target-vocab", help="the target's vocabulary from a local file (the target's GGUF, or a saved "
-                                          ".pb) instead of asking the verifier (GetVocabulary) the first time")
-    s.add_argument("--tokenizer", help="GGUF file whose vocabulary to use with --drafter lookup (default: bundled)")
+    s.add_argument("--target-vocab", help="the target's vocabulary from a local file (the target's GGUF or bundled "
+                                          "name, or a saved .pb) instead of asking the verifier (GetVocabulary) the "
+                                          "first time")
+    s.add_argument("--tokenizer", help="GGUF file or bundled model's name (smollm2, gemma) whose vocabulary to use "
+                                       "with --drafter lookup (default: smollm2)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
     s.add_argument("--tree", default="off",
                    help="token trees: 'off' (chains), 'auto' (the cost model picks chain or tree each round), or a "
@@ -321,9 +324,12 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     s.add_argument("--continuations", type=int, default=8, metavar="N",
                    help="with --proactive / --pipeline: draft the next round for up to N likely outcomes of the "
                         "round in flight (the cost model picks how many pay; 1 = only 'every draft accepted')")
-    s.add_argument("--synthetic-vocab", type=int, default=64)
-    s.add_argument("--synthetic-seed", type=int, default=0)
-    s.add_argument("--synthetic-noise", type=float, default=1.0)
+    s.add_argument("--synthetic-vocab", type=int, default=64,
+                   help="(--drafter synthetic) vocabulary size, as the synthetic verifier's --synthetic-vocab")
+    s.add_argument("--synthetic-seed", type=int, default=0,
+                   help="(--drafter synthetic) the target's seed, as the synthetic verifier's --synthetic-seed")
+    s.add_argument("--synthetic-noise", type=float, default=1.0,
+                   help="(--drafter synthetic) how far the draft is blurred from the target (0: the target itself)")
 
 
 def _add_security(p: argparse.ArgumentParser) -> None:
