@@ -8,8 +8,10 @@ Across vocabularies: tests/xvocab_pair.py (target `<s> <eos> a b c é abc bb \\x
 with the text prompt.
 Both targets are bigram models (order 1), so a sampled run is checked token transition by token
 transition against the target's processed distribution (`transition_p`).
+The verifier batches, runs serially, or batches with KV parking on ("kv-park"; whether a session is
+parked depends on the pressure on its places: the matrix checks that the option combines).
 The llama.cpp backend (tests/tiny_gguf.py's target and its blurred draft, one tokenizer): same
-vocabulary only, verifier batching, serial, or batching with KV parking ("kv-park"); greedy runs
+vocabulary only; greedy runs
 are compared with the cloud-only stream, sampled ones only for the same seed twice (there is no
 exact distribution to test against).
 """
@@ -44,8 +46,7 @@ SHAPES = ("chain", "tree", "auto")
 WORKS = ("none", "proactive", "pipeline", "continuations")
 QS = ("none", "fixed", "float")
 SAMPLINGS = ("greedy", "top-k", "top-p")
-BATCHINGS = ("batched", "serial")
-LLAMA_BATCHINGS = ("batched", "serial", "kv-park")
+BATCHINGS = ("batched", "serial", "kv-park")   # kv-park: batching with KV parking on
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Combo:
     work: str = "none"         # WORKS: what the edge does while a round is in flight
     q: str = "float"           # QS: q on the wire (sparse supports: narrower than the vocabulary)
     sampling: str = "greedy"   # SAMPLINGS
-    batching: str = "serial"   # BATCHINGS: the verifier's batcher on or off (LLAMA_BATCHINGS: or with KV parking)
+    batching: str = "serial"   # BATCHINGS: the verifier's batcher on or off, or on with KV parking
     backend: str = "synthetic"  # synthetic | llama.cpp (tiny GGUF models, same vocabulary)
 
     def __str__(self) -> str:
@@ -84,14 +85,14 @@ class Combo:
 
 
 def all_combos():
-    """The synthetic matrix (432 combinations)."""
+    """The synthetic matrix (648 combinations)."""
     return [Combo(*c) for c in itertools.product(VOCABS, SHAPES, WORKS, QS, SAMPLINGS, BATCHINGS)]
 
 
 def llama_combos():
     """The llama.cpp matrix (324 combinations: one vocabulary, three verifier modes)."""
     return [Combo("same", *c, backend="llama.cpp")
-            for c in itertools.product(SHAPES, WORKS, QS, SAMPLINGS, LLAMA_BATCHINGS)]
+            for c in itertools.product(SHAPES, WORKS, QS, SAMPLINGS, BATCHINGS)]
 
 
 # --- the pair ----------------------------------------------------------------------------------------
@@ -126,7 +127,7 @@ def backend_for(combo: Combo, models: dict | None = None, step_ms: float = 2.0):
         return LlamaCppBackend(str(models["target"]), n_ctx=512, n_threads=1, max_tree_leaves=16,
                                batching=combo.batching != "serial", kv_park=combo.batching == "kv-park")
     # A few ms per pass, so that drafting during the round trip has a round trip to work in.
-    kw = dict(step_ms=step_ms, batching=combo.batching == "batched")
+    kw = dict(step_ms=step_ms, batching=combo.batching != "serial", kv_park=combo.batching == "kv-park")
     if combo.vocab == "same":
         return SyntheticBackend(vocab=SAME_V, seed=0, **kw)
     return SyntheticBackend(vocab=TARGET.n_vocab, seed=5, vocabulary=TARGET, tokenize=longest_match_tokenizer(TARGET),
