@@ -28,15 +28,14 @@ from scipy.stats import chisquare
 
 from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
-from edge_client import crossvocab
 from edge_client.client import stream_cloud_only
-from edge_client.drafters import CrossVocabDrafter, Draft, Drafter, SyntheticDrafter
+from edge_client.drafters import Draft, Drafter, SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
 from helpers import edge_options, running_server, stub_for
 from spec_core.qcodec import EncodedQ
 from spec_core.synthetic import SyntheticLM
 from spec_core.warping import SamplingSettings, processed_probs
-from xvocab_pair import DRAFT, TARGET, longest_match_tokenizer
+from xvocab_pair import DRAFT, TARGET, DraftTokenizer, longest_match_tokenizer
 
 SAME_V = 16
 TREE = "budget=6,depth=3,branching=2,width=2"
@@ -96,25 +95,6 @@ def llama_combos():
 
 
 # --- the pair ----------------------------------------------------------------------------------------
-
-class DraftTokenizer:
-    """The cross-vocabulary draft's tokenizer (edge_client.crossvocab.DraftTokenizer)."""
-
-    def __init__(self, fingerprint: str):
-        self.fingerprint = fingerprint
-        self.vocabulary = DRAFT
-        self.eog_ids = frozenset()
-        self._tok = longest_match_tokenizer(DRAFT)
-
-    def tokenize(self, text, add_special=True, parse_special=True):
-        return ([0] if add_special else []) + self._tok(text.encode())
-
-    def tokenize_bytes(self, data, add_special=False, parse_special=False):
-        return self._tok(data)
-
-    def token_bytes(self, token, special=False):
-        return DRAFT.token_bytes[token]
-
 
 def target_lm(vocab: str) -> SyntheticLM:
     """The target the backend of `vocab` serves (SyntheticBackend's own model)."""
@@ -207,11 +187,6 @@ async def generate(combo: Combo, server_port: int, settings: SamplingSettings, w
 async def cloud_only(server, prompt_ids: list[int], settings: SamplingSettings) -> list[int]:
     async with stub_for(server) as stub:
         return (await stream_cloud_only(stub, prompt_ids, settings, timeout_s=120)).token_ids
-
-
-def fresh_vocabulary_cache(directory) -> None:
-    """Across vocabularies the edge caches the target's vocabulary: start each test without it."""
-    crossvocab._VOCABS.clear()
 
 
 # --- the statistics --------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from edge_client import cli
 from edge_client.drafters import PromptLookupDrafter, SyntheticDrafter
-from edge_client.options import (OptionConflict, OptionError, Speculation, refuse_conflicts,
+from edge_client.options import (OptionConflict, Speculation, refuse_conflicts,
                                  refuse_drafter_conflicts)
 from option_matrix import (BATCHINGS, QS, SAMPLINGS, SHAPES, VOCABS, WORKS, Combo, WrongQ,
                            all_combos, llama_combos, run_combo, seeded_ids_by_work)
