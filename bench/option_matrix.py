@@ -7,8 +7,9 @@ vocabularies by the SmolLM2 draft), this starts `cloud-verifier serve` on 127.0.
 - greedy: every combination of chain / tree × none / proactive / pipeline × q none / fixed / float:16
   must exit 0, and all of one target's greedy runs must give the same ids; they are also compared
   with the verifier's own cloud-only stream (Generate) for the same text prompt;
-- sampled: top-k and top-p, plain and pipelined (and each q in --sampled-q), each run twice with the
-  same seed: both runs must exit 0 and give the same ids.
+- sampled: top-k and top-p, plain and pipelined (with the default continuations, and with one),
+  each q in --sampled-q, each run twice with the same seed: both runs must exit 0 and give the
+  same ids.
 
 It prints one table row per run and a verdict per target; exit status 1 when a row fails.
 
@@ -35,6 +36,9 @@ SHAPES = {"chain": "off", "tree": TREE}
 WORKS = {"none": [], "proactive": ["--proactive"], "pipeline": ["--pipeline"]}
 GREEDY_QS = ("none", "fixed", "float:16")
 SAMPLINGS = {"top-k": ["--temperature", "0.8", "--top-k", "5"], "top-p": ["--temperature", "0.8", "--top-p", "0.9"]}
+# --pipeline drafts continuations for up to 8 outcomes by default; with one, a seed pins the output
+# whatever the timings (edge_client.options.Speculation.timing_dependent).
+SAMPLED_WORKS = {"plain": [], "pipeline": ["--pipeline"], "pipeline, 1 continuation": ["--pipeline", "--continuations", "1"]}
 PROMPT = "The three primary colours are"
 
 
@@ -126,8 +130,7 @@ def run_target(name: str, path: Path, draft: Path, args) -> list[Row]:
                 r.verdict = "pass" if r.ids == reference else "pass (differs from cloud-only)"
         rows.append(Row(name, "cloud-only", "Generate stream", 0, 0.0, reference,
                         verdict="same as greedy runs" if reference == first else "differs from greedy runs"))
-        for (sampling, sflags), (work, wflags), q in itertools.product(SAMPLINGS.items(),
-                                                                      (("plain", []), ("pipeline", ["--pipeline"])),
+        for (sampling, sflags), (work, wflags), q in itertools.product(SAMPLINGS.items(), SAMPLED_WORKS.items(),
                                                                       args.sampled_q):
             extra = [*sflags, *wflags, "--q", q, "--seed", str(args.seed)]
             a = one("sampled", f"{sampling} / {work} / q {q} / run 1", extra)

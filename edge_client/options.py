@@ -379,6 +379,8 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
             strict_tokenizer=getattr(args, "strict_tokenizer", False), target_vocab=getattr(args, "target_vocab", None),
             steer=getattr(args, "steer", True), slo_tpot_ms=getattr(args, "slo_tpot_ms", 0.0),
             slo_ttft_ms=getattr(args, "slo_ttft_ms", 0.0), max_continuations=args.continuations))
+        if hasattr(args, "drafter"):
+            _as_flag(lambda: refuse_conflicts(spec, args.drafter, _drafter_class(args.drafter).supports_trees))
     transport = _as_flag(lambda: Transport(
         server=getattr(args, "server", ""), deadline_s=args.deadline,
         max_retries=getattr(args, "retries", Transport.max_retries)))
@@ -397,12 +399,16 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
     return EdgeOptions(transport, spec, security)
 
 
-def build_drafter(args: argparse.Namespace, spec: Speculation):
-    """(drafter, tokenizer) from add_edge_options' drafter arguments (this loads the draft model
-    after refusing a drafter that conflicts with the speculation options)."""
+def _drafter_class(name: str):
+    """The class behind --drafter NAME (its capabilities, before anything loads)."""
     from edge_client.drafters import GGUFDrafter, PromptLookupDrafter, SyntheticDrafter
-    builds_trees = {"lookup": PromptLookupDrafter, "synthetic": SyntheticDrafter}.get(args.drafter, GGUFDrafter)
-    _as_flag(lambda: refuse_conflicts(spec, args.drafter, builds_trees.supports_trees))
+    return {"lookup": PromptLookupDrafter, "synthetic": SyntheticDrafter, "gguf": GGUFDrafter}[name]
+
+
+def build_drafter(args: argparse.Namespace, spec: Speculation):
+    """(drafter, tokenizer) from add_edge_options' drafter arguments (this loads the draft model;
+    options_from_args has refused a drafter that conflicts with the speculation options)."""
+    from edge_client.drafters import GGUFDrafter, PromptLookupDrafter, SyntheticDrafter
     if args.drafter == "synthetic":
         from edge_client.text import SyntheticTokenizer
         return (SyntheticDrafter(args.synthetic_vocab, args.synthetic_seed, args.synthetic_noise),

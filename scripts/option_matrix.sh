@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole option matrix (issue 24), beyond what CI runs:
-#   1. the synthetic matrix in process, all 432 combinations (tests/test_option_matrix.py; CI runs a
-#      hypothesis-drawn sample of it): ~20 min on 2 cores;
+#   1. the option matrix in process: 648 combinations on the synthetic pair and 324 on llama.cpp's
+#      tiny models (tests/test_option_matrix.py; CI runs hypothesis-drawn samples of it);
 #   2. the command-line check with real models (bench/option_matrix.py): the bundled SmolLM2 target,
 #      and Gemma 3 270M across vocabularies when `scripts/setup.sh --with gemma` assembled it.
 # Extra arguments go to bench/option_matrix.py (e.g. --targets smollm2 --max-tokens 16).

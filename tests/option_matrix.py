@@ -8,8 +8,10 @@ Across vocabularies: tests/xvocab_pair.py (target `<s> <eos> a b c é abc bb \\x
 with the text prompt.
 Both targets are bigram models (order 1), so a sampled run is checked token transition by token
 transition against the target's processed distribution (`transition_p`).
+The verifier batches, runs serially, or batches with KV parking on ("kv-park"; whether a session is
+parked depends on the pressure on its places: the matrix checks that the option combines).
 The llama.cpp backend (tests/tiny_gguf.py's target and its blurred draft, one tokenizer): same
-vocabulary only, verifier batching, serial, or batching with KV parking ("kv-park"); greedy runs
+vocabulary only; greedy runs
 are compared with the cloud-only stream, sampled ones only for the same seed twice (there is no
 exact distribution to test against).
 """
@@ -26,15 +28,14 @@ from scipy.stats import chisquare
 
 from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
-from edge_client import crossvocab
 from edge_client.client import stream_cloud_only
-from edge_client.drafters import CrossVocabDrafter, Draft, Drafter, SyntheticDrafter
+from edge_client.drafters import Draft, Drafter, SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
 from helpers import edge_options, running_server, stub_for
 from spec_core.qcodec import EncodedQ
 from spec_core.synthetic import SyntheticLM
 from spec_core.warping import SamplingSettings, processed_probs
-from xvocab_pair import DRAFT, TARGET, longest_match_tokenizer
+from xvocab_pair import DRAFT, TARGET, DraftTokenizer, longest_match_tokenizer
 
 SAME_V = 16
 TREE = "budget=6,depth=3,branching=2,width=2"
@@ -44,8 +45,7 @@ SHAPES = ("chain", "tree", "auto")
 WORKS = ("none", "proactive", "pipeline", "continuations")
 QS = ("none", "fixed", "float")
 SAMPLINGS = ("greedy", "top-k", "top-p")
-BATCHINGS = ("batched", "serial")
-LLAMA_BATCHINGS = ("batched", "serial", "kv-park")
+BATCHINGS = ("batched", "serial", "kv-park")   # kv-park: batching with KV parking on
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Combo:
     work: str = "none"         # WORKS: what the edge does while a round is in flight
     q: str = "float"           # QS: q on the wire (sparse supports: narrower than the vocabulary)
     sampling: str = "greedy"   # SAMPLINGS
-    batching: str = "serial"   # BATCHINGS: the verifier's batcher on or off (LLAMA_BATCHINGS: or with KV parking)
+    batching: str = "serial"   # BATCHINGS: the verifier's batcher on or off, or on with KV parking
     backend: str = "synthetic"  # synthetic | llama.cpp (tiny GGUF models, same vocabulary)
 
     def __str__(self) -> str:
@@ -84,36 +84,17 @@ class Combo:
 
 
 def all_combos():
-    """The synthetic matrix (432 combinations)."""
+    """The synthetic matrix (648 combinations)."""
     return [Combo(*c) for c in itertools.product(VOCABS, SHAPES, WORKS, QS, SAMPLINGS, BATCHINGS)]
 
 
 def llama_combos():
     """The llama.cpp matrix (324 combinations: one vocabulary, three verifier modes)."""
     return [Combo("same", *c, backend="llama.cpp")
-            for c in itertools.product(SHAPES, WORKS, QS, SAMPLINGS, LLAMA_BATCHINGS)]
+            for c in itertools.product(SHAPES, WORKS, QS, SAMPLINGS, BATCHINGS)]
 
 
 # --- the pair ----------------------------------------------------------------------------------------
-
-class DraftTokenizer:
-    """The cross-vocabulary draft's tokenizer (edge_client.crossvocab.DraftTokenizer)."""
-
-    def __init__(self, fingerprint: str):
-        self.fingerprint = fingerprint
-        self.vocabulary = DRAFT
-        self.eog_ids = frozenset()
-        self._tok = longest_match_tokenizer(DRAFT)
-
-    def tokenize(self, text, add_special=True, parse_special=True):
-        return ([0] if add_special else []) + self._tok(text.encode())
-
-    def tokenize_bytes(self, data, add_special=False, parse_special=False):
-        return self._tok(data)
-
-    def token_bytes(self, token, special=False):
-        return DRAFT.token_bytes[token]
-
 
 def target_lm(vocab: str) -> SyntheticLM:
     """The target the backend of `vocab` serves (SyntheticBackend's own model)."""
@@ -126,7 +107,7 @@ def backend_for(combo: Combo, models: dict | None = None, step_ms: float = 2.0):
         return LlamaCppBackend(str(models["target"]), n_ctx=512, n_threads=1, max_tree_leaves=16,
                                batching=combo.batching != "serial", kv_park=combo.batching == "kv-park")
     # A few ms per pass, so that drafting during the round trip has a round trip to work in.
-    kw = dict(step_ms=step_ms, batching=combo.batching == "batched")
+    kw = dict(step_ms=step_ms, batching=combo.batching != "serial", kv_park=combo.batching == "kv-park")
     if combo.vocab == "same":
         return SyntheticBackend(vocab=SAME_V, seed=0, **kw)
     return SyntheticBackend(vocab=TARGET.n_vocab, seed=5, vocabulary=TARGET, tokenize=longest_match_tokenizer(TARGET),
@@ -206,11 +187,6 @@ async def generate(combo: Combo, server_port: int, settings: SamplingSettings, w
 async def cloud_only(server, prompt_ids: list[int], settings: SamplingSettings) -> list[int]:
     async with stub_for(server) as stub:
         return (await stream_cloud_only(stub, prompt_ids, settings, timeout_s=120)).token_ids
-
-
-def fresh_vocabulary_cache(directory) -> None:
-    """Across vocabularies the edge caches the target's vocabulary: start each test without it."""
-    crossvocab._VOCABS.clear()
 
 
 # --- the statistics --------------------------------------------------------------------------------------
