@@ -25,7 +25,7 @@ from spec_core.costmodel import expected_tokens_per_round
 
 # Tokens per batched pass (the Batcher's n_ubatch) of the verifiers the load test starts:
 # cloud_verifier.backends.synthetic.SyntheticBackend(batch_tokens=512), and the batched llama.cpp
-# verifier's batch-invariant passes for the bundled SmolLM2 target (llama_runtime.model.INVARIANT_UBATCH
+# verifier's batch-invariant passes for the bundled SmolLM2 target (llama_runtime.invariance.INVARIANT_UBATCH
 # = 32; GGUFModel.invariant_ubatch probes a smaller cut for models that need one, e.g. 6 for Gemma 3).
 SYNTHETIC_UBATCH = 512
 LLAMA_CPP_UBATCH = 32
