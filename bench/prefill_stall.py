@@ -4,8 +4,8 @@ verifier path (serial, batched fair, batched slack, kv-park), with prefills chun
 side in one run on the machine at hand.
 
     PYTHONPATH=. .venv/bin/python bench/prefill_stall.py                    # synthetic target
-    PYTHONPATH=. .venv/bin/python bench/prefill_stall.py --model bundled    # SmolLM2 on llama.cpp
-    PYTHONPATH=. .venv/bin/python bench/prefill_stall.py --model bundled --gamma 16 --threads 2
+    PYTHONPATH=. .venv/bin/python bench/prefill_stall.py --model smollm2    # SmolLM2 on llama.cpp
+    PYTHONPATH=. .venv/bin/python bench/prefill_stall.py --model smollm2 --gamma 16 --threads 2
 
 The backends are driven directly (no gRPC, no edge): one thread prefills `--prompt` tokens; a
 second sends chain rounds of `--gamma` drafts back to back on a session of its own until the
@@ -84,7 +84,8 @@ def run(args, chunk: int | None, kw: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="a GGUF file or 'bundled' (default: the synthetic target)")
+    p.add_argument("--model", default=None,
+                   help="a GGUF file or a bundled model's name (smollm2, gemma); default: the synthetic target")
     p.add_argument("--prompt", type=int, default=1561, help="the long prompt's tokens")
     p.add_argument("--gamma", type=int, default=4, help="drafts per round of the other session")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads")

@@ -250,12 +250,15 @@ class VerifierEngine:
                 raise RequestError(grpc.StatusCode.NOT_FOUND,
                                    f"session {session.id!r} was evicted: resend the round with `open` to replay")
             digest = _round_digest(req)
-            if req.round == session.round and session.last_reply is not None:
-                if digest != session.last_request_digest:
+            cached = session.replies.get(req.round)
+            if cached is not None:
+                # A retry of a committed round gets that round's reply, whatever committed after it
+                # (sessions.ReplyCache says why anything else would bias the output).
+                if digest != cached.digest:
                     raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"round {req.round} was already verified with different drafts")
                 metrics.RETRIES.inc()
-                return session.last_reply
+                return cached.reply
             chosen = 0
             if assumed and req.round == session.round + 1:
                 # A pipelined round: run the alternative drafted after what the last round committed.
@@ -275,9 +278,11 @@ class VerifierEngine:
             else:
                 req_committed_length = committed_length
             if req.round != session.round + 1:
+                older = "" if req.round > session.round else \
+                    f"; its reply is no longer kept (this server keeps the last {session.replies.size} rounds')"
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"round {req.round} is out of step: this session expects round {session.round + 1} "
-                                   f"(committed length {len(session.tokens)})")
+                                   f"(committed length {len(session.tokens)}){older}")
             if req_committed_length != len(session.tokens):
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"committed_length {req_committed_length} does not match the server's "
@@ -337,7 +342,7 @@ class VerifierEngine:
             if budget is not None:
                 reply.budget.CopyFrom(budget)
             reply.continuation = chosen
-            session.last_reply, session.last_request_digest = reply, digest
+            session.replies.put(req.round, digest, reply)
             # Used until now, not since the round arrived: a round that queued for seconds behind
             # many others must not leave its session looking idle (and evictable) as it ends.
             session.last_used = time.monotonic()

@@ -1,4 +1,4 @@
-"""Sessions: the committed sequence the verifier agrees on, a seeded RNG, the last reply.
+"""Sessions: the committed sequence the verifier agrees on, a seeded RNG, the replies of its last rounds.
 
 Ids come from `secrets` (128 bits, unguessable). The store is an LRU bounded by `max_sessions`
 and an idle TTL; an evicted session's edge gets NOT_FOUND and replays (nothing is lost: the edge
@@ -18,7 +18,7 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -28,6 +28,48 @@ from spec_core.warping import SamplingSettings
 
 # The tenant the current call acts for; set per call by cloud_verifier.guard.CallGuard.
 current_tenant: contextvars.ContextVar[str] = contextvars.ContextVar("hybridspec_tenant", default="")
+
+# Committed rounds whose replies a session keeps for retries. It must cover every round that can
+# be in flight at once (today two: a round and the pipelined one after it; a window of k rounds
+# needs k): a retry of a committed round older than this is answered "out of step" and the edge
+# replays, which draws that round's outcome again.
+REPLY_CACHE_ROUNDS = 16
+
+
+class CachedReply(NamedTuple):
+    digest: bytes               # what made the request that round (engine._round_digest)
+    reply: pb.VerifyReply
+
+
+class ReplyCache:
+    """The replies of a session's last `size` committed rounds, by round number.
+
+    Why by round and not just the last one: with rounds in flight, round r + 1 may commit before
+    the edge sees round r's reply (lost, then retried). Answering that retry with anything but
+    round r's own reply makes the edge replay and draw round r again, and which outcomes get
+    redrawn then depends on the outcome (r + 1 commits only when its continuation guessed r's
+    outcome): the output would be biased. So a retry of any cached round gets its reply,
+    whatever committed after it."""
+
+    def __init__(self, size: int = REPLY_CACHE_ROUNDS):
+        self.size = size
+        self._by_round: OrderedDict[int, CachedReply] = OrderedDict()
+
+    def get(self, round_: int) -> CachedReply | None:
+        return self._by_round.get(round_)
+
+    def put(self, round_: int, digest: bytes, reply: pb.VerifyReply) -> None:
+        self._by_round[round_] = CachedReply(digest, reply)
+        self._by_round.move_to_end(round_)
+        while len(self._by_round) > self.size:
+            self._by_round.popitem(last=False)
+
+    def oldest(self) -> int | None:
+        """The oldest round still answered from the cache (None: none yet)."""
+        return next(iter(self._by_round), None)
+
+    def __len__(self) -> int:
+        return len(self._by_round)
 
 
 @dataclass
@@ -43,8 +85,7 @@ class Session:
     rng: np.random.Generator
     state: object                 # backend state (KV cache)
     round: int = 0                # last completed round
-    last_reply: pb.VerifyReply | None = None
-    last_request_digest: bytes = b""
+    replies: ReplyCache = field(default_factory=ReplyCache)  # the last rounds' replies, for retries
     finish_reason: int = pb.NOT_FINISHED
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

@@ -1,4 +1,4 @@
-"""The session loop and the Python API an app calls.
+"""The Python API an app calls: EdgeClient, and the generations it runs.
 
     options = EdgeOptions(Transport("127.0.0.1:50051"), Speculation(gamma="adaptive"))
     async with EdgeClient(options, drafter, tokenizer) as client:
@@ -31,7 +31,6 @@ interfaces it works against).
 from __future__ import annotations
 
 import asyncio
-import logging
 from concurrent.futures import Executor
 from typing import Callable, Sequence
 
@@ -39,7 +38,7 @@ import grpc
 
 from edge_client.crossvocab import Chat
 from edge_client.drafters import Drafter
-from edge_client.options import EdgeOptions, Speculation, Transport
+from edge_client.options import EdgeOptions, Speculation, Transport, refuse_drafter_conflicts
 from edge_client.pairing import Pairing, pair
 from edge_client.protocols import Tokenizer
 from edge_client.session import Generation
@@ -49,8 +48,6 @@ from edge_client.transport import (_SERVER_LIMITS, EdgeError, Verifier, auth_met
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
-
-log = logging.getLogger(__name__)
 
 # What other modules and tests import from here.
 __all__ = ["CloudOnlyStats", "EdgeClient", "EdgeError", "Generation", "GenerationStats", "RoundEvent", "Tokenizer",
@@ -76,8 +73,7 @@ class EdgeClient:
         self.token = self.verifier.token
         self.draft_executor = draft_executor
         self.on_round = on_round
-        if self.speculation.tree != "off" and not drafter.supports_trees:
-            raise ValueError(f"the {drafter.name} drafter does not build trees; use tree='off'")
+        refuse_drafter_conflicts(self.speculation, drafter)   # OptionConflict (a ValueError), before any round
         self._pairing: Pairing | None = None   # decided at the first generation, before its first round
         self._pairing_lock = asyncio.Lock()
         # Special tokens (EOS, <|im_end|>) end generation; they are not printed.

@@ -221,9 +221,10 @@ def cmd_eval_draft(args) -> int:
         prompts = load_prompts(args.prompts)
         if args.per_category:
             prompts = _first_per_category(prompts, args.per_category)
+        target, drafts = _target(args), [_model(d) for d in args.draft]   # all there, before the work starts
         with steps(err, "eval-draft") as step:
             reports = evaluate_drafts(
-                _target(args), [_model(d) for d in args.draft], prompts, cross_vocab=not args.strict_vocab, max_new_tokens=args.tokens, temperatures=temps,
+                target, drafts, prompts, cross_vocab=not args.strict_vocab, max_new_tokens=args.tokens, temperatures=temps,
                 continuation=args.continuation, seed=args.seed, threads=args.threads,
                 measure_speed=not args.no_speed, speed_tokens=args.speed_tokens, speed_repeats=args.speed_repeats,
                 verify_threads=args.verify_threads, link=link_figures(args.link), fom_temperature=args.fom_temperature,

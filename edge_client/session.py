@@ -18,17 +18,20 @@ import numpy as np
 
 from edge_client.continuations import ContinuationBudget, UplinkFit, choose_length, ranked_outcomes
 from edge_client.crossvocab import Chat, PromptPlan
-from edge_client.drafters import Draft, TreeDraft
 from edge_client.gamma import AdaptiveGamma, FixedGamma, RoundPlan, TreePolicy
 from edge_client.options import ADAPTIVE, Speculation
 from edge_client.pairing import Pairing, plan_prompt
+from edge_client.protocols import GammaPolicy
 from edge_client.stats import GenerationStats, RoundEvent
 from edge_client.transport import EdgeError, sampling_proto
 from spec_core import qcodec
 from spec_core.continuations import MAX_CONTINUATION_NODES, MAX_CONTINUATIONS, Outcome
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.drafting import QMode
+from spec_core.estimates import Acceptance
 from spec_core.proto import verifier_pb2 as pb
+from spec_core.qcodec import EncodedQ
+from spec_core.tree import ROOT, DraftTree
 from spec_core.warping import EDGE_STREAM, SamplingSettings, seeded_rng
 
 if TYPE_CHECKING:
@@ -100,12 +103,16 @@ class _SessionLoop:
         self.pairing, self.drafter, self.verifier = pairing, pairing.drafter, client.verifier
         self.prompt_ids = prompt_ids
         self.plan = plan or PromptPlan(prompt_ids, None)   # a text open: the target's ids come with the first reply
+        self.policy: GammaPolicy
         if spec.gamma == ADAPTIVE:
             self.policy = AdaptiveGamma(max_gamma=spec.max_gamma,
                                         start_gamma=min(AdaptiveGamma.start_gamma, spec.max_gamma))
         else:
             self.policy = FixedGamma(spec.gamma)
         self.planner = TreePolicy(self.policy, spec.tree, max_nodes=spec.max_tree_nodes)
+        # Per-token α of this session's chains, for ranking a round's outcomes (continuations): the
+        # rule the verifier and AdaptiveGamma use (spec_core.estimates.Acceptance).
+        self.acceptance = Acceptance()
         self.rng = seeded_rng(settings.seed, EDGE_STREAM)  # never the verifier's stream (see warping)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.committed = list(prompt_ids)
@@ -160,7 +167,7 @@ class _SessionLoop:
     async def _next_draft(self, remaining: int) -> "_Prepared":
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead.base == self.committed:
-            self.st.reused_drafts += len(ahead.draft.tokens)
+            self.st.reused_drafts += len(ahead.tree)
             return ahead  # the round trip's guess came true: this draft is ready
         return await self.c._in_drafter(self._prepare, list(self.committed), self.planner.plan(remaining))
 
@@ -170,7 +177,7 @@ class _SessionLoop:
         as one round before the reply when they are ready first (pipeline): alternative 0 in the
         request's own fields, the others in `continuations`."""
         self.ahead_job = self.spec_task = None
-        if not ((self.spec.proactive or self.spec.pipeline) and self.session_id and prep.draft.tokens):
+        if not ((self.spec.proactive or self.spec.pipeline) and self.session_id and len(prep.tree)):
             return
         stop = threading.Event()  # the reply is here: stop drafting for outcomes, one is known
         reply_task.add_done_callback(lambda _: stop.set())
@@ -249,13 +256,15 @@ class _SessionLoop:
         return self.rng if seed is None else seeded_rng(seed, EDGE_STREAM, len(base))
 
     def _prepare(self, base: list[int], plan: RoundPlan) -> "_Prepared":
-        """Draft a chain or tree after `base` (in the drafting executor while a round is in flight)."""
-        drafter = self.drafter
+        """Draft the planned chain or tree after `base` (in the drafting executor while a round is in
+        flight); either way the round's draft is a tree (a chain: one path)."""
+        drafter, rng = self.drafter, self._base_rng(base)
         if plan.shape is None:
-            d = drafter.propose(base, plan.gamma, self.settings, self.spec.qmode, self._base_rng(base))
-            return _Prepared(base, plan, d, [], len(d.tokens))
-        d = drafter.propose_tree(base, plan.shape, self.settings, self.spec.qmode, self._base_rng(base))
-        return _Prepared(base, plan, d, d.parents, d.rows)
+            d = drafter.propose(base, plan.gamma, self.settings, self.spec.qmode, rng)
+            return _Prepared(base, plan, DraftTree.chain(d.tokens), d.qs, d.seconds, len(d.tokens))
+        d = drafter.propose_tree(base, plan.shape, self.settings, self.spec.qmode, rng)
+        return _Prepared(base, plan, DraftTree(tuple(d.tokens), tuple(d.parents)), d.qs, d.seconds, d.rows,
+                         d.path_probs)
 
     def _budget(self, prep: "_Prepared", now: float) -> ContinuationBudget:
         """When the reply is expected and what a hit saves, from the planner's measured costs."""
@@ -275,12 +284,12 @@ class _SessionLoop:
             return []
         plan = self.planner.plan(remaining - len(path) - 1)
         out: list[_Guess] = []
-        covered, spent, nodes, nbytes = 0.0, [prep.draft.seconds], 0, self._request(prep, 0).q.ByteSize()
+        covered, spent, nodes, nbytes = 0.0, [prep.seconds], 0, self._request(prep, 0).q.ByteSize()
         outcomes = self._outcomes(prep, path)
         if self.spec.pipeline and plan.shape is None and len(outcomes) > 1 and plan.gamma > 1:
             # How long: as many outcomes covered as pay, times what a hit commits (edge_client.continuations).
-            t_row = self.planner.t_row_s or prep.draft.seconds / max(prep.rows, 1)
-            gamma = choose_length(outcomes, self._alpha(), plan.gamma, t_row, nbytes / max(len(prep.draft.tokens), 1),
+            t_row = self.planner.t_row_s or prep.seconds / max(prep.rows, 1)
+            gamma = choose_length(outcomes, self._alpha(), plan.gamma, t_row, nbytes / max(len(prep.tree), 1),
                                   budget, time.perf_counter())
             plan = RoundPlan(plan.arm, gamma)
             spent = [(gamma + 1) * t_row]
@@ -297,10 +306,10 @@ class _SessionLoop:
             nxt = self._prepare(prep.base + tokens, plan)
             spent.append(time.perf_counter() - t0)
             if out:
-                nodes += len(nxt.draft.tokens)
+                nodes += len(nxt.tree)
                 if nodes > MAX_CONTINUATION_NODES:
                     break
-            if nxt.draft.tokens:
+            if len(nxt.tree):
                 out.append(_Guess(tokens, nxt))
                 covered += outcome.prob
                 nbytes = self._continuation(out[-1]).ByteSize()
@@ -319,31 +328,27 @@ class _SessionLoop:
         def probe(seq: list[int]):
             qs = drafter.propose(seq, 1, est, QMode("float", 16), np.random.default_rng(0)).qs
             return qs[0] if qs else None
-        nodes = prep.guess_nodes()
-        shipped = prep.draft.qs
-        if prep.parents:
-            children = [[prep.draft.tokens[c] for c in range(len(prep.parents)) if prep.parents[c] == prep.parents[n]]
-                        for n in nodes]
-        else:
-            children = [[] for _ in nodes]
+        nodes, tree, shipped = prep.guess_nodes(), prep.tree, prep.qs
+        # Position j's other candidates: the siblings of the path's node there (none in a chain).
+        children = tree.children()
+        siblings = [[tree.tokens[c] for c in children[tree.parents[n]] if c != n] for n in nodes]
         position_q = (lambda j: shipped[nodes[j]]) if shipped is not None else (lambda j: probe(prep.base + path[:j]))
         return ranked_outcomes(path, self._alpha(), position_q, probe(after), self.spec.max_continuations,
-                               excluded=lambda j: children[j])
+                               excluded=lambda j: siblings[j])
 
     def _alpha(self) -> float:
-        """The per-token acceptance estimate: the γ policy's, or the session's so far (Beta(1, 1) prior)."""
-        alpha = getattr(self.policy, "alpha", None)
-        return alpha if alpha is not None else (self.st.accepted + 1) / (self.st.accepted + self.st.rejections + 2)
+        """The per-token acceptance estimate of this session's chains so far."""
+        return self.acceptance.alpha
 
     def _continuation(self, guess: _Guess) -> pb.Continuation:
         p = guess.prep
-        return pb.Continuation(assumed_tokens=guess.tokens, draft_token_ids=p.draft.tokens, draft_parents=p.parents,
-                               q=qcodec.to_proto(p.draft.qs, self.spec.qmode.scale_bits))
+        return pb.Continuation(assumed_tokens=guess.tokens, draft_token_ids=p.tree.tokens, draft_parents=p.wire_parents(),
+                               q=qcodec.to_proto(p.qs, self.spec.qmode.scale_bits))
 
     def _request(self, prep: "_Prepared", round_: int, assumed: Sequence[int] = ()) -> pb.VerifyRequest:
         req = pb.VerifyRequest(session_id=self.session_id, round=round_, committed_length=len(prep.base),
-                               draft_token_ids=prep.draft.tokens, draft_parents=prep.parents,
-                               q=qcodec.to_proto(prep.draft.qs, self.spec.qmode.scale_bits),
+                               draft_token_ids=prep.tree.tokens, draft_parents=prep.wire_parents(),
+                               q=qcodec.to_proto(prep.qs, self.spec.qmode.scale_bits),
                                assumed_tokens=list(assumed))
         if not self.session_id:
             req.open.CopyFrom(pb.OpenSession(
@@ -360,7 +365,8 @@ class _SessionLoop:
 
     def _apply(self, prep: "_Prepared", reply: pb.VerifyReply, round_s: float) -> list[int]:
         """Commit a reply's tokens (checked against the server's view) and learn from the round."""
-        new = self._accepted(prep, reply) + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
+        kept = prep.kept_path(reply)
+        new = [prep.tree.tokens[i] for i in kept] + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
         if not self.prompt_ids and reply.prompt_token_ids:
             self._prompt_known(list(reply.prompt_token_ids))
         self.committed.extend(new)
@@ -368,7 +374,7 @@ class _SessionLoop:
             raise EdgeError(grpc.StatusCode.INTERNAL, f"server committed {reply.committed_length} tokens, "
                                                       f"the edge {len(self.committed)}")
         self.session_id, self.last_round = reply.session_id, reply.round
-        self._learn(prep, reply, round_s, len(new))
+        self._learn(prep, reply, kept, round_s, len(new))
         return new
 
     def _prompt_known(self, ids: list[int]) -> None:
@@ -378,46 +384,35 @@ class _SessionLoop:
         self.prompt_len = len(ids)
         self.drafter.anchor_prompt(ids, self.plan.draft_ids)
 
-    @staticmethod
-    def _accepted(prep: "_Prepared", reply: pb.VerifyReply) -> list[int]:
-        """The draft tokens the verifier kept: a prefix of a chain, or a path from a tree's root."""
-        draft = prep.draft
-        if not prep.parents:
-            return draft.tokens[: reply.num_accepted]
-        kept = list(reply.kept_nodes)
-        is_path = len(kept) == reply.num_accepted and all(
-            k < len(draft.tokens) and draft.parents[k] == (kept[j - 1] if j else -1) for j, k in enumerate(kept))
-        if not is_path:
-            raise EdgeError(grpc.StatusCode.INTERNAL, f"kept_nodes {kept} is not a path from the root of "
-                                                      f"{reply.num_accepted} nodes")
-        return [draft.tokens[i] for i in kept]
-
-    def _learn(self, prep: "_Prepared", reply: pb.VerifyReply, round_s: float, n_new: int) -> None:
+    def _learn(self, prep: "_Prepared", reply: pb.VerifyReply, kept: list[int], round_s: float, n_new: int) -> None:
         """Count the round, and teach γ, the tree planner and the drafter what it cost and kept."""
-        st, draft, parents = self.st, prep.draft, prep.parents
+        st, tree = self.st, prep.tree
         st.rounds += 1
-        st.drafted += len(draft.tokens)
+        st.drafted += len(tree)
         st.accepted += reply.num_accepted
-        depth = prep.plan.gamma if parents else len(draft.tokens)
-        rejected = reply.HasField("next_token_id") and reply.num_accepted < depth
+        depth = max(tree.depths(), default=0)
+        # Rejected: the verifier drew the next token where a draft was still on offer (the last
+        # kept node, or the root, has children); else it was the bonus, after a leaf.
+        rejected = reply.HasField("next_token_id") and bool(tree.children()[kept[-1] if kept else ROOT])
         st.rejections += rejected
-        st.draft_s += draft.seconds
+        st.draft_s += prep.seconds
         st.server_model_s += reply.timings.model_ms / 1e3
-        self.nodes_sent += len(draft.tokens)
-        st.tree_rounds += bool(parents)
+        self.nodes_sent += len(tree)
+        st.tree_rounds += not tree.is_chain
         self.gammas.append(depth)
         server_s, model_s = reply.timings.total_ms / 1e3, reply.timings.model_ms / 1e3
-        if not parents:  # the chain's α and γ model; a tree round's acceptance is not geometric
-            self.policy.observe(gamma=len(draft.tokens), num_accepted=reply.num_accepted, draft_s=draft.seconds,
+        if tree.is_chain:  # the chain's α and γ model; a tree round's acceptance is not geometric
+            self.acceptance.observe(len(tree), reply.num_accepted, rejected)
+            self.policy.observe(gamma=len(tree), num_accepted=reply.num_accepted, draft_s=prep.seconds,
                                 round_s=round_s, server_s=server_s, model_s=model_s, rejected=rejected)
-        self.planner.observe(prep.plan, nodes=len(draft.tokens), rows=prep.rows, tokens=n_new,
-                             draft_s=draft.seconds, round_s=round_s, server_s=server_s, model_s=model_s)
+        self.planner.observe(prep.plan, nodes=len(tree), rows=prep.rows, tokens=n_new,
+                             draft_s=prep.seconds, round_s=round_s, server_s=server_s, model_s=model_s)
         self.drafter.observe(self.committed, reply.num_accepted)
         if reply.HasField("budget") and self.spec.steer and self.spec.gamma == ADAPTIVE:
             self.planner.steer(reply.budget.max_gamma, reply.budget.max_tree_nodes)
         if self.c.on_round is not None:
             self.c.on_round(RoundEvent(gamma=depth, accepted=reply.num_accepted, tokens=n_new,
-                                       draft_s=draft.seconds, rpc_s=round_s, server_s=server_s))
+                                       draft_s=prep.seconds, rpc_s=round_s, server_s=server_s))
 
     # --- the end --------------------------------------------------------------------------------
 
@@ -457,32 +452,44 @@ GREEDY = SamplingSettings(temperature=0.0)
 
 @dataclass
 class _Prepared:
-    """A draft (chain or tree) made for one base (the committed sequence it follows)."""
+    """A round's draft, made for one base (the committed sequence it follows): a tree of draft
+    tokens, a chain being the tree with one path. On the wire a one-path tree stays a chain (no
+    draft_parents), as every verifier takes it."""
 
     base: list[int]
-    plan: RoundPlan
-    draft: "Draft | TreeDraft"
-    parents: list[int]      # empty for a chain
-    rows: int               # draft forward rows it cost
+    plan: RoundPlan                      # what the planner chose (its arm learns from the round)
+    tree: DraftTree                      # [n] node tokens and parents
+    qs: list[EncodedQ] | None            # [n] each node's shipped q, or None: point masses
+    seconds: float                       # time spent drafting
+    rows: int                            # draft forward rows it cost
+    path_probs: Sequence[float] | None = None   # [n] the draft's probability of reaching each node
+                                                # (None: a chain, whose one path is every node)
+
+    def wire_parents(self) -> list[int]:
+        """draft_parents on the wire: none for a chain."""
+        return [] if self.tree.is_chain else list(self.tree.parents)
 
     def guess_path(self) -> list[int]:
         """The tokens of the most likely full acceptance: every draft, or the most probable branch."""
-        return [self.draft.tokens[i] for i in self.guess_nodes()]
+        return [self.tree.tokens[i] for i in self.guess_nodes()]
 
     def guess_nodes(self) -> list[int]:
         """The nodes of that path, root first."""
-        if not self.parents:
-            return list(range(len(self.draft.tokens)))
-        has_child = set(self.parents)
-        leaves = [i for i in range(len(self.parents)) if i not in has_child]
+        leaves = self.tree.leaves()
         if not leaves:
             return []
-        node = max(leaves, key=lambda i: (self.draft.path_probs[i], -i))
-        path = []
-        while node != -1:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
+        probs = self.path_probs
+        return self.tree.path_to(max(leaves, key=lambda i: (probs[i] if probs is not None else 1.0, -i)))
+
+    def kept_path(self, reply: pb.VerifyReply) -> list[int]:
+        """The nodes the verifier kept, root first (a chain's reply says only how many); a reply that
+        names no path of this tree is an error."""
+        n = reply.num_accepted
+        kept = list(range(n)) if self.tree.is_chain else list(reply.kept_nodes)
+        if len(kept) != n or any(k >= len(self.tree) for k in kept) or (kept and self.tree.path_to(kept[-1]) != kept):
+            raise EdgeError(grpc.StatusCode.INTERNAL, f"the verifier kept {n} nodes ({list(reply.kept_nodes)}), not a "
+                                                      f"path from the root of this round's {len(self.tree)} draft nodes")
+        return kept
 
 
 async def _settle(job, spec_task):

@@ -53,7 +53,7 @@ class GenerationStats:
 class RoundEvent:
     """One committed round, as seen by the edge (for metrics: `EdgeClient(on_round=...)`)."""
 
-    gamma: int          # draft tokens sent
+    gamma: int          # the draft's depth: its tokens for a chain, the deepest path for a tree
     accepted: int       # of them accepted
     tokens: int         # committed this round: accepted + the corrected or bonus token
     draft_s: float      # time drafting

@@ -9,10 +9,10 @@ Glossary:
              rows (a prompt, a replay); *round*: any other (a draft to verify, a stream's token).
 
 Both the verifier's batcher (cloud_verifier.backends.batcher) and the fleet simulator
-(netsim.fleet) plan their passes with `fair_share`, so what the simulator charges a pass is what
-the shipped batcher packs (the simulator flags no prefills: its short prompts are planned as
-rounds). It lives here because it is pure arithmetic on token counts and both
-may import spec_core, while netsim must never import cloud_verifier. `PassItem` is here for the
+(netsim.fleet.policies.plan_pass) plan their passes with these functions, prefill flags
+included, so what the simulator charges a pass is what the shipped batcher packs. They live here
+because they are pure arithmetic on token counts and both may import spec_core, while netsim
+must never import cloud_verifier. `PassItem` is here for the
 same reason: the batcher packs it and llama_runtime (which the edge imports too) decodes it.
 """
 from __future__ import annotations

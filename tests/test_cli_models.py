@@ -24,7 +24,7 @@ def run(module: str, *argv: str, env: dict | None = None) -> subprocess.Complete
 def one_line(r: subprocess.CompletedProcess) -> str:
     """The error a command ended with: exactly one line on standard error, and no traceback."""
     assert r.returncode != 0, r.stdout
-    lines = [line for line in r.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     return lines[0]
 

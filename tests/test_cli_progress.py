@@ -104,3 +104,19 @@ def test_load_says_it_starts_the_verifier_before_the_first_run(tmp_path):
     first_advance = progress.events.index(("advance", 1))
     before = [value for kind, value in progress.events[:first_advance] if kind == "describe"]
     assert before == ["loading the edges' models", "starting the verifier", "1 edges, cloud-only (0.7 s)"]
+
+
+def test_the_invariance_probe_says_what_it_does_and_what_it_found(tiny, tmp_path, monkeypatch, caplog):
+    """The verifier's first start on a model probes batch invariance (up to a minute on a busy
+    machine): it says so at INFO, which `cloud-verifier serve` shows, and says nothing when cached."""
+    import logging
+    from llama_runtime import GGUFModel
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="llama_runtime.model"):
+        cut = GGUFModel(tiny, n_threads=1).invariant_ubatch
+        first = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        assert GGUFModel(tiny, n_threads=1).invariant_ubatch == cut
+    assert "checking how many tokens one decode may hold and stay batch-invariant" in first[0]
+    assert f"batch-invariant up to {cut} tokens per decode" in first[1]
+    assert caplog.records == []          # the second model found the answer in the cache

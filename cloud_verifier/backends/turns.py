@@ -3,7 +3,7 @@
 A serial backend (batching off) evaluates one request at a time. Under a plain lock a 1,500-token
 prompt holds the model for its whole prefill, and every other session's round waits behind it;
 a plain lock is not even first come, first served (a thread that lets go and takes it again
-usually wins over the threads woken to take it). `Turns` hands the model out in arrival order,
+may win over the threads woken to take it, each time). `Turns` hands the model out in arrival order,
 and `Turns.run` cuts what a request evaluates for the cache (a prompt, a replay) into turns of
 `chunk` tokens: a round that arrives during a prefill waits for one chunk, then has its turn.
 The batching backends do the same inside their passes (spec_core.batchplan.chunk_prefills).

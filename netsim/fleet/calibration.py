@@ -97,19 +97,18 @@ def _verifier_arg(result: dict, name: str) -> str | None:
 
 
 def load_schedule(result: dict) -> dict:
-    """How a load run's batching verifier ordered its passes, as FleetConfig fields: packing
-    "slack" (`--schedule slack`, its `--prefill-chunk` and the latency target it scheduled by,
-    `--slo-tpot-ms`/`--slo-ttft-ms`) or "fair-share" (the default)."""
-    if _verifier_arg(result, "--schedule") != "slack":
-        return {"packing": "fair-share"}
-    out: dict = {"packing": "slack"}
+    """How a load run's batching verifier planned its passes, as FleetConfig fields: packing "slack"
+    (`--schedule slack`, with the latency target it scheduled by, `--slo-tpot-ms`/`--slo-ttft-ms`)
+    or "fair-share" (the default), and its `--prefill-chunk` under either."""
+    out: dict = {"packing": "slack" if _verifier_arg(result, "--schedule") == "slack" else "fair-share"}
     chunk = _verifier_arg(result, "--prefill-chunk")
     if chunk:
         out["prefill_chunk"] = int(chunk)
-    for arg, key in (("--slo-tpot-ms", "slo_tpot_s"), ("--slo-ttft-ms", "slo_ttft_s")):
-        ms = _verifier_arg(result, arg)
-        if ms is not None and float(ms) > 0:   # 0: the verifier's "none"
-            out[key] = float(ms) / 1e3
+    if out["packing"] == "slack":
+        for arg, key in (("--slo-tpot-ms", "slo_tpot_s"), ("--slo-ttft-ms", "slo_ttft_s")):
+            ms = _verifier_arg(result, arg)
+            if ms is not None and float(ms) > 0:   # 0: the verifier's "none"
+                out[key] = float(ms) / 1e3
     return out
 
 

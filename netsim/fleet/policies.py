@@ -47,8 +47,9 @@ def plan_pass(packing: str, active: Sequence, budget: int, now: float, prefill_c
 
     fair-share  the Batcher's default: spec_core.batchplan.fair_share;
     slack       the Batcher's `--schedule slack`: least_slack_first with slack = deadline − now
-                (a job without a deadline: its arrival − now), a prefill (more than prefill_chunk
-                tokens wanting no logits) capped at prefill_chunk while its slack lasts;
+                (a job without a deadline: its arrival − now);
+                under both, a prefill (more than prefill_chunk tokens wanting no logits) takes at
+                most prefill_chunk of a pass while rounds wait, as the Batcher plans it;
     fcfs        whole jobs in arrival order while they fit (the first always does): vLLM-like.
     """
     if packing == "fcfs":
@@ -60,11 +61,11 @@ def plan_pass(packing: str, active: Sequence, budget: int, now: float, prefill_c
             tokens += job.tokens
         return plan
     pending = [job.tokens for job in active]
+    prefill = [job.tokens - job.rows > prefill_chunk for job in active]
     if packing == "fair-share":
-        takes = fair_share(pending, budget)
+        takes = fair_share(pending, budget, prefill, prefill_chunk)
     elif packing == "slack":
         slack = [(job.deadline if job.deadline is not None else job.arrived_s) - now for job in active]
-        prefill = [job.tokens - job.rows > prefill_chunk for job in active]
         takes = least_slack_first(pending, slack, budget, prefill_chunk, prefill)
     else:
         raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")

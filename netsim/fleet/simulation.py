@@ -72,7 +72,7 @@ class FleetConfig:
     proxy_cpu_s: float = 0.0            # per message: the load test's proxy process (every link) reading it
     max_batch_tokens: int = 512         # batching: tokens per pass (n_ubatch; synthetic 512, llama.cpp 32)
     packing: str = "fair-share"         # batching: "fair-share" or "slack" (the Batcher's schedules), "fcfs" (whole requests)
-    prefill_chunk: int | None = None    # packing "slack": a prefill's tokens per pass while it has slack
+    prefill_chunk: int | None = None    # batching: a prefill's tokens per pass while rounds wait
                                         # (None: max_batch_tokens // 4, the Batcher's default)
     round_bytes: tuple[int, int] = ROUND_BYTES     # hybrid: a Verify request and its reply on the wire (B)
     stream_bytes: tuple[int, int] = STREAM_BYTES   # cloud-only: a Generate request and one streamed token (B)

@@ -144,6 +144,12 @@ def test_the_simulators_passes_are_planned_as_the_batcher_plans_them():
             _Job(edge=2, tokens=5, rows=5, deadline=-0.1)]
     assert [(take.job.edge, take.tokens) for take in plan_pass("slack", late, 6, 0.0, 8)] == [(0, 1), (2, 5)]
     assert [(take.job.edge, take.tokens) for take in plan_pass("fair-share", late, 6, 0.0, 8)] == [(0, 2), (1, 2), (2, 2)]
+    # Under the fair schedule too a prefill holds at most a chunk while rounds wait (the Batcher's
+    # chunked prefill): rounds of 20 tokens beside a 300-token prompt, 40 a pass, chunk 8; without
+    # the chunk (a chunk as large as the prompt) the prompt takes a share like the rounds.
+    rounds = [_Job(edge=0, tokens=300, rows=1), _Job(edge=1, tokens=20, rows=20), _Job(edge=2, tokens=20, rows=20)]
+    assert [take.tokens for take in plan_pass("fair-share", rounds, 40, 0.0, 8)] == [8, 19, 13]
+    assert [take.tokens for take in plan_pass("fair-share", rounds, 40, 0.0, 300)] == [14, 13, 13]
     assert [(take.job.edge, take.tokens) for take in plan_pass("slack", late, 32, 0.0, 8)] == [(0, 5), (1, 22), (2, 5)]
     with pytest.raises(ValueError):
         plan_pass("random", jobs, 32, 0.0, 8)
@@ -194,6 +200,8 @@ def test_the_check_simulates_the_schedule_the_verifier_ran():
     from netsim.fleet.calibration import load_schedule
     assert load_schedule({"config": {"verifier_args": ["--batching", "on"]}}) == {"packing": "fair-share"}
     assert load_schedule({"config": {"verifier_args": ["--schedule", "fair"]}}) == {"packing": "fair-share"}
+    assert load_schedule({"config": {"verifier_args": ["--prefill-chunk=16"]}}) == {"packing": "fair-share",
+                                                                                   "prefill_chunk": 16}
     args = ["--schedule=slack", "--prefill-chunk", "64", "--slo-tpot-ms", "250", "--slo-ttft-ms", "0"]
     assert load_schedule({"config": {"verifier_args": args}}) == {"packing": "slack", "prefill_chunk": 64,
                                                                   "slo_tpot_s": 0.25}
