@@ -17,8 +17,8 @@ Checked per combination:
   ships a uniform q over the drawn support instead of the q it drew from.
 
 The fast suite draws samples with hypothesis (12 synthetic combinations plus explicit ones for the
-crash of issue 24; 6 on llama.cpp); the whole matrix is behind a documented command (the synthetic
-part takes ~30 minutes on 2 cores):
+crash of issue 24; 6 on llama.cpp); the whole matrix is behind a documented command (about an hour
+on 2 cores, nearly all of it the synthetic pair's chi-square runs):
 
     HYBRIDSPEC_MATRIX=all .venv/bin/python -m pytest -q tests/test_option_matrix.py -k whole
     bash scripts/option_matrix.sh          # the same, then the real-model CLI check
@@ -178,7 +178,7 @@ def test_negative_control_a_wrong_q_fails_the_chi_square():
 
 # --- the whole matrix (documented command) --------------------------------------------------------------
 
-@pytest.mark.skipif(not WHOLE, reason="the whole matrix: HYBRIDSPEC_MATRIX=all (about 30 minutes on 2 cores)")
+@pytest.mark.skipif(not WHOLE, reason="the whole matrix: HYBRIDSPEC_MATRIX=all (about an hour on 2 cores)")
 @pytest.mark.parametrize("combo", all_combos(), ids=str)
 def test_whole_matrix(combo):
     check_combo(combo)
