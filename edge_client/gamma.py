@@ -83,6 +83,20 @@ class RoundPlan:
     gamma: int                       # chain length, or the tree's depth
     shape: TreeShape | None = None   # None: a chain
 
+    def within(self, remaining: int) -> "RoundPlan":
+        """This plan cut as `TreePolicy.plan(remaining)` cuts a fresh round: depth (or γ) at most
+        remaining - 1. A continuation for an outcome is drafted with the plan a fresh round after that
+        outcome would have, so the same seed drafts the same tokens whether or not it was guessed."""
+        room = max(0, remaining - 1)
+        if self.gamma <= room:
+            return self
+        if self.shape is None:
+            return RoundPlan(self.arm, room)
+        if room < 1:
+            return RoundPlan("chain", 0)
+        s = self.shape
+        return RoundPlan(self.arm, room, TreeShape(s.budget, room, s.branching, s.width))
+
 
 @dataclass
 class _Arm:

@@ -133,20 +133,19 @@ class Speculation:
 
     def timing_dependent(self) -> tuple[str, ...]:
         """The options whose choices follow measured timings (and the verifier's load), so that a
-        seed does not pin the output: adaptive γ, tree 'auto', and continuations for more than one
-        outcome (with proactive or pipeline). Which outcomes get a continuation before the reply is
-        a matter of time, and a continuation is not always the round a fresh draft would make: a
-        pipelined chain's length is chosen by the cost model (edge_client.continuations.choose_length),
-        and one for a shorter outcome is drafted with the plan of the longest, so near
-        max_new_tokens it can be shallower. All of these stay exact. With none of them the same
-        seed gives the same ids, with or without proactive or pipelined rounds (a round's draft
-        and the verifier's draws depend only on the seed and the committed tokens)."""
+        seed does not pin the output: adaptive γ, tree 'auto', and pipelined chains with
+        continuations for more than one outcome (their length is chosen by the cost model,
+        edge_client.continuations.choose_length). All of these stay exact. With none of them the
+        same seed gives the same ids, with or without proactive or pipelined rounds and whichever
+        outcomes got a continuation in time: a round's draft and the verifier's draws depend only on
+        the seed and the committed tokens, and a continuation is drafted with the plan a fresh round
+        after its outcome would have (RoundPlan.within)."""
         out = []
         if self.gamma == ADAPTIVE:
             out.append("gamma")
         if self.tree == "auto":
             out.append("tree")
-        if (self.proactive or self.pipeline) and self.max_continuations > 1:
+        if self.pipeline and self.max_continuations > 1 and self.tree == "off":
             out.append("max_continuations")
         return tuple(out)
 

@@ -26,6 +26,7 @@ from edge_client.stats import GenerationStats, RoundEvent
 from edge_client.transport import EdgeError, sampling_proto
 from spec_core import qcodec
 from spec_core.continuations import MAX_CONTINUATION_NODES, MAX_CONTINUATIONS, Outcome
+from spec_core.wire import OPEN_KEY_BYTES
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.drafting import QMode
 from spec_core.estimates import Acceptance
@@ -282,7 +283,8 @@ class _SessionLoop:
         path = prep.guess_path()
         if not path or len(path) + 1 >= remaining or self.stop_ids & set(path):
             return []
-        plan = self.planner.plan(remaining - len(path) - 1)
+        # Planned for the shortest outcome (a rejection at the first draft), cut per outcome below.
+        plan = self.planner.plan(remaining - 1)
         out: list[_Guess] = []
         covered, spent, nodes, nbytes = 0.0, [prep.seconds], 0, self._request(prep, 0).q.ByteSize()
         outcomes = self._outcomes(prep, path)
@@ -303,7 +305,7 @@ class _SessionLoop:
                                                                sum(spent) / len(spent), nbytes):
                 break
             t0 = time.perf_counter()
-            nxt = self._prepare(prep.base + tokens, plan)
+            nxt = self._prepare(prep.base + tokens, plan.within(remaining - len(tokens)))
             spent.append(time.perf_counter() - t0)
             if out:
                 nodes += len(nxt.tree)
@@ -354,7 +356,7 @@ class _SessionLoop:
             req.open.CopyFrom(pb.OpenSession(
                 prompt_token_ids=self.prompt_ids, resume_token_ids=prep.base[self.prompt_len:],
                 sampling=sampling_proto(self.settings), tokenizer_fingerprint=self.drafter.fingerprint or "",
-                open_key=os.urandom(16), draft_tokenizer_fingerprint=self.pairing.draft_fingerprint))
+                open_key=os.urandom(OPEN_KEY_BYTES), draft_tokenizer_fingerprint=self.pairing.draft_fingerprint))
             if self.spec.slo_tpot_ms or self.spec.slo_ttft_ms:
                 req.open.slo.CopyFrom(pb.SessionSlo(tpot_ms=self.spec.slo_tpot_ms, ttft_ms=self.spec.slo_ttft_ms))
             if not self.prompt_ids and self.plan.text_open is not None:

@@ -17,6 +17,7 @@ from edge_client.stats import CloudOnlyStats, GenerationStats
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
+from spec_core.wire import MESSAGE_SIZE_OPTIONS, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -24,14 +25,12 @@ GRPC_FRAME_BYTES = 5  # gRPC length-prefixed message header
 # A server shutting down cancels in-flight calls (CANCELLED); our own cancellation arrives as
 # asyncio.CancelledError instead, so retrying CANCELLED is safe. Rounds are idempotent.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-RETRY_AFTER_KEY = "retry-after-ms"   # trailing metadata of a refusal for load (cloud_verifier.admission)
 # The verifier's limits, per channel (one connection to one verifier): asked once, shared by the
 # clients on that channel.
 _SERVER_LIMITS: "weakref.WeakKeyDictionary[grpc.aio.Channel, ServerLimits]" = weakref.WeakKeyDictionary()
 _SERVER_INFOS: "weakref.WeakKeyDictionary[grpc.aio.Channel, pb.ServerInfo]" = weakref.WeakKeyDictionary()
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    *MESSAGE_SIZE_OPTIONS,
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.enable_retries", 0),  # we retry ourselves, idempotently
 ]

@@ -10,7 +10,7 @@ Checked per combination:
 - greedy: the ids equal the verifier's own cloud-only stream (Generate) for the same prompt ids
   (on llama.cpp a difference at a near-tie of the top two logits is an xfail, as in test_e2e_grpc);
 - sampled: the same seed gives the same ids twice (pipelined or not) unless an option follows
-  measured timings (Speculation.timing_dependent: adaptive γ, tree auto, continuations for more
+  measured timings (Speculation.timing_dependent: adaptive γ, tree auto, pipelined chains with continuations for more
   than one outcome); on the synthetic pair, unseeded, N = 800 tokens pass a chi-square of their token
   transitions against the target's processed bigram distribution at p > 1e-4 (cells with expected
   count < 5 pooled per row). Negative control (must fail at the same N and threshold): the edge
@@ -120,7 +120,9 @@ def test_timing_dependent_options():
     assert Speculation(gamma=4, max_continuations=8).timing_dependent() == ()   # nothing drafted ahead
     assert Speculation(gamma="adaptive", tree="auto").timing_dependent() == ("gamma", "tree")
     assert Speculation(gamma=4, pipeline=True, max_continuations=8).timing_dependent() == ("max_continuations",)
-    assert Speculation(gamma=4, proactive=True, tree="budget=6,depth=3").timing_dependent() == ("max_continuations",)
+    assert Speculation(gamma=4, proactive=True, max_continuations=8).timing_dependent() == ()
+    assert Speculation(gamma=4, pipeline=True, max_continuations=8, tree="budget=6,depth=3").timing_dependent() == ()
+    assert Speculation(gamma=4, proactive=True, tree="budget=6,depth=3").timing_dependent() == ()
 
 
 # --- the matrix: a sample in the fast suite ----------------------------------------------------------
@@ -161,11 +163,22 @@ def test_a_sample_of_the_matrix_on_llama_cpp(tiny_models, combo):
 def test_the_same_seed_gives_the_same_ids_pipelined_or_not(combo):
     """A round's draft and the verifier's draws depend only on the seed and the committed tokens, so
     drafting during the round trip (proactive) and sending it early (pipeline) change nothing.
-    (Continuations are left out: one for a shorter outcome is drafted with the plan of the longest,
-    capped by the tokens left after that one, so near max_new_tokens its tree or chain can be
-    shallower than a fresh round's; exact, but not the same ids.)"""
+    (Continuations for several outcomes: the next test, for fixed trees.)"""
     ids = seeded_ids_by_work(combo, ("none", "proactive", "pipeline"), tokens=40, seed=11)
     assert ids["proactive"] == ids["none"] and ids["pipeline"] == ids["none"], ids
+    assert len(ids["none"]) == 40
+
+
+@pytest.mark.parametrize("combo", [Combo("same", "tree", "none", "fixed", "top-k", "serial"),
+                                   Combo("cross", "tree", "none", "float", "top-p", "batched")], ids=str)
+def test_the_same_seed_gives_the_same_ids_with_continuations_for_fixed_trees(combo):
+    """A continuation for an outcome is drafted with the plan a fresh round after that outcome would
+    have (RoundPlan.within), so near max_new_tokens a guessed round is as deep as a fresh one and a
+    fixed tree's output does not depend on which outcomes were guessed in time. (Pipelined chains with
+    several outcomes stay timing-dependent: their length is chosen from measured timings.) Before the
+    cut, the first combination differed at position 37 of 40."""
+    ids = seeded_ids_by_work(combo, ("none", "continuations"), tokens=40, seed=11)
+    assert ids["continuations"] == ids["none"], ids
     assert len(ids["none"]) == 40
 
 
