@@ -75,6 +75,18 @@ def _bad(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+QUOTE_CHARS = 48
+
+
+def quoted(text: str, limit: int = QUOTE_CHARS) -> str:
+    """Client input as a message quotes it: at most `limit` characters (then its length). A field
+    echoed whole could make the status bigger than a client takes (gRPC's default 16 KiB of
+    metadata): the client would see RESOURCE_EXHAUSTED instead of the status we meant."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
+
+
 class VerifierEngine:
     def __init__(self, backend: Backend, limits: Limits = Limits(), version: str = ""):
         self.backend, self.limits, self.version = backend, limits, version
@@ -159,7 +171,7 @@ class VerifierEngine:
                                f"the prompt text is {size} bytes; this server takes at most {MAX_PROMPT_TEXT_BYTES}")
         for i, m in enumerate(messages):
             if not _ROLE.fullmatch(m.role):
-                raise _bad(f"{what}prompt_messages[{i}].role {m.role[:40]!r} is not a role (system, user, "
+                raise _bad(f"{what}prompt_messages[{i}].role {quoted(m.role)} is not a role (system, user, "
                            "assistant: lower-case letters and '_', at most 32)")
         if not len(messages):
             return text, None
@@ -204,9 +216,9 @@ class VerifierEngine:
 
     # --- one round ----------------------------------------------------------------------------
 
-    async def verify(self, req: pb.VerifyRequest) -> pb.VerifyReply:
-        t_start = time.perf_counter()
-        committed_length = req.committed_length
+    def validate(self, req: pb.VerifyRequest) -> "ValidRound":
+        """Everything a round can be refused for without its session: checked before a session is
+        created, admitted or touched (a malformed open is INVALID_ARGUMENT even when every slot is full)."""
         drafts = list(req.draft_token_ids)
         tree = self._tree(req, drafts)
         if tree is None and len(drafts) > self.limits.max_gamma:
@@ -216,30 +228,38 @@ class VerifierEngine:
         self._check_ids(drafts, "draft_token_ids")
         if req.round < 1:
             raise _bad("round must be >= 1 (1 is the first round of a session)")
-        # Everything a request can be refused for is checked before a session is created or touched.
         try:
             qs = qcodec.from_proto(req.q, drafts, self.info.n_vocab)
         except qcodec.QError as e:
             raise _bad(str(e)) from None
-        if req.session_id:
-            session = self.sessions.get(req.session_id)
-            if session is None:
-                raise RequestError(grpc.StatusCode.NOT_FOUND,
-                                   f"session {req.session_id!r} is unknown here (evicted, expired, or the verifier "
-                                   "restarted): resend the round with `open` to replay the committed tokens")
-        elif req.HasField("open"):
-            session = self._reopen(req) or await self._open(req)
-            if _text_open(req.open):
-                # The edge counted only what follows the prompt it could not tokenize (see the .proto).
-                committed_length = req.committed_length + session.prompt_len
-        else:
+        if not req.session_id and not req.HasField("open"):
             raise _bad("session_id is empty and `open` is missing: the first round must carry `open`")
-
         assumed = list(req.assumed_tokens)
         if len(assumed) > self.limits.max_gamma + 1:
             raise _bad(f"assumed_tokens has {len(assumed)} ids; at most max_gamma + 1 = {self.limits.max_gamma + 1}")
         self._check_ids(assumed, "assumed_tokens")
         alternatives = self._continuations(req, _Alternative(assumed, drafts, tree, qs))
+        return ValidRound(req, alternatives, None if req.session_id else self._valid_open(req))
+
+    async def verify(self, valid: "ValidRound") -> pb.VerifyReply:
+        """One round of a validated request (`validate`)."""
+        t_start = time.perf_counter()
+        req = valid.req
+        committed_length = req.committed_length
+        assumed = valid.alternatives[0].assumed
+        alternatives = valid.alternatives
+        drafts, tree, qs = alternatives[0].drafts, alternatives[0].tree, alternatives[0].qs
+        if req.session_id:
+            session = self.sessions.get(req.session_id)
+            if session is None:
+                raise RequestError(grpc.StatusCode.NOT_FOUND,
+                                   f"session {quoted(req.session_id)} is unknown here (evicted, expired, or the "
+                                   "verifier restarted): resend the round with `open` to replay the committed tokens")
+        else:
+            session = self._reopen(req) or await self._open(req, valid.open)
+            if _text_open(req.open):
+                # The edge counted only what follows the prompt it could not tokenize (see the .proto).
+                committed_length = req.committed_length + session.prompt_len
         if assumed:
             await self._wait_for_round(session, req.round - 1)
 
@@ -248,7 +268,7 @@ class VerifierEngine:
                     session.finish_reason == pb.NOT_FINISHED:
                 # Evicted or closed while this round waited for the lock.
                 raise RequestError(grpc.StatusCode.NOT_FOUND,
-                                   f"session {session.id!r} was evicted: resend the round with `open` to replay")
+                                   f"session {quoted(session.id)} was evicted: resend the round with `open` to replay")
             digest = _round_digest(req)
             cached = session.replies.get(req.round)
             if cached is not None:
@@ -374,7 +394,7 @@ class VerifierEngine:
             self.sessions.remove(session.id)
             metrics.SESSIONS.set(len(self.sessions))
             raise RequestError(grpc.StatusCode.NOT_FOUND,
-                               f"session {session.id!r} lost its KV cache ({e}): resend the round with `open` to "
+                               f"session {quoted(session.id)} lost its KV cache ({e}): resend the round with `open` to "
                                "replay the committed tokens") from None
 
     async def _wait_for_round(self, session: Session, round_: int) -> None:
@@ -441,8 +461,6 @@ class VerifierEngine:
     def _reopen(self, req: pb.VerifyRequest) -> Session | None:
         """A retried first round: the same open_key and the same `open` map to the same session."""
         o = req.open
-        if o.open_key and len(o.open_key) != 16:
-            raise _bad(f"open.open_key must be 16 random bytes, got {len(o.open_key)}")
         session = self.sessions.by_open_key(o.open_key)
         if session is not None and session.open_digest != _open_digest(o):
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -450,17 +468,20 @@ class VerifierEngine:
                                "draw a fresh random key per generation")
         return session
 
-    async def _open(self, req: pb.VerifyRequest) -> Session:
+    def _valid_open(self, req: pb.VerifyRequest) -> "ValidOpen":
+        """The first round's `open`, checked as far as it can be without tokenizing a text prompt."""
         o = req.open
+        if o.open_key and len(o.open_key) != 16:
+            raise _bad(f"open.open_key must be 16 random bytes, got {len(o.open_key)}")
         prompt, resume = list(o.prompt_token_ids), list(o.resume_token_ids)
         text, messages = self._text_prompt(o.prompt_text, o.prompt_messages, "open.")
-        if prompt and (text is not None or messages is not None):
+        text_prompt = text is not None or messages is not None
+        if prompt and text_prompt:
             raise _bad("open.prompt_token_ids and a text prompt are both set: send one")
-        if text is not None or messages is not None:
-            prompt = await self._tokenize_prompt(text, messages, "open.")
-        if not prompt:
+        if not prompt and not text_prompt:
             raise _bad("open.prompt_token_ids is empty: send at least one token (e.g. BOS)")
-        self._check_context(len(prompt) + len(resume))
+        if not text_prompt:
+            self._check_context(len(prompt) + len(resume))
         self._check_ids(prompt, "open.prompt_token_ids")
         self._check_ids(resume, "open.resume_token_ids")
         if o.tokenizer_fingerprint and o.tokenizer_fingerprint != self.info.fingerprint:
@@ -470,16 +491,24 @@ class VerifierEngine:
                                "target must share a tokenizer")
         settings = self._settings(o.sampling, o.HasField("sampling"))
         slo = self._slo(o)
-        tokens = prompt + resume
         if req.round != 1:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"a round with `open` must be round 1, got {req.round}")
-        expected = len(resume) if _text_open(o) else len(tokens)
+        expected = len(resume) if text_prompt else len(prompt) + len(resume)
         if req.committed_length != expected:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"committed_length {req.committed_length} does not match the "
                                + (f"resumed tokens sent ({expected}; a text open counts the tokens after the prompt only)"
-                                  if _text_open(o) else f"prompt + resumed tokens sent ({expected})"))
+                                  if text_prompt else f"prompt + resumed tokens sent ({expected})"))
+        return ValidOpen(prompt, text, messages, resume, settings, slo)
+
+    async def _open(self, req: pb.VerifyRequest, valid: "ValidOpen") -> Session:
+        o = req.open
+        prompt, resume, settings, slo = valid.prompt, valid.resume, valid.settings, valid.slo
+        if valid.text is not None or valid.messages is not None:
+            prompt = await self._tokenize_prompt(valid.text, valid.messages, "open.")
+            self._check_context(len(prompt) + len(resume))
+        tokens = prompt + resume
         # The verifier's stream must be independent of the edge's even when both get the same user
         # seed (identical streams correlate draft sampling with acceptance and bias the output), and
         # a replay must not restart a stream already used: key it by role and committed length.
@@ -642,6 +671,27 @@ class _Alternative:
     drafts: list[int]
     tree: DraftTree | None
     qs: list | None
+
+
+@dataclass
+class ValidOpen:
+    """A first round's `open`, validated; a text prompt is tokenized once the session is admitted."""
+
+    prompt: list[int]                       # the prompt's ids (empty for a text prompt)
+    text: str | None                        # a text prompt, or
+    messages: list[dict[str, str]] | None   # a conversation (chat template), or neither
+    resume: list[int]                       # tokens committed earlier (a replay)
+    settings: SamplingSettings
+    slo: Slo | None
+
+
+@dataclass
+class ValidRound:
+    """A VerifyRequest that passed `VerifierEngine.validate`."""
+
+    req: pb.VerifyRequest
+    alternatives: list[_Alternative]   # 0: the round's own draft; then its continuations
+    open: ValidOpen | None             # the first round's `open` (None when the round names a session)
 
 
 def _open_digest(o: pb.OpenSession) -> bytes:
