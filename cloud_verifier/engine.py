@@ -29,7 +29,7 @@ from spec_core.continuations import MAX_CONTINUATION_NODES, MAX_CONTINUATIONS, p
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.steering import CommitRate, draft_budget
 from spec_core.tree import DraftTree, TreeError, prune_to_fit, validate_tree
-from spec_core.verify import RoundResult, commit_round
+from spec_core.verify import FinishReason, RoundResult, commit_round
 from spec_core.warping import GENERATE_STREAM, VERIFIER_STREAM, SamplingError, SamplingSettings, seeded_rng
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,16 @@ MAX_PROMPT_TEXT_BYTES = 1 << 20
 MAX_PROMPT_MESSAGES = 256
 _ROLE = re.compile(r"[a-z_]{1,32}")
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
+
+
+# The one mapping from spec_core's finish reason to the wire's.
+_WIRE_FINISH = {FinishReason.NOT_FINISHED: pb.NOT_FINISHED, FinishReason.STOP: pb.STOP,
+                FinishReason.LENGTH: pb.LENGTH, FinishReason.CONTEXT: pb.CONTEXT}
+
+
+def wire_finish(reason: FinishReason) -> int:
+    """spec_core.verify.FinishReason as pb.FinishReason."""
+    return _WIRE_FINISH[reason]
 
 
 def _bad(message: str) -> RequestError:
@@ -340,7 +350,7 @@ class VerifierEngine:
                                 remaining=session.settings.max_new_tokens - session.generated,
                                 context_left=self.info.n_ctx - len(session.tokens))
             session.tokens.extend(done.tokens)
-            session.finish_reason = done.finish_reason
+            session.finish_reason = wire_finish(done.finish_reason)
             session.round = req.round
             now = time.perf_counter()
             self.commits.observe(now, len(done.tokens))
@@ -350,7 +360,7 @@ class VerifierEngine:
                 session.acceptance.observe(n_verified, result.num_accepted, result.num_accepted < n_verified)
             reply = pb.VerifyReply(
                 session_id=session.id, round=req.round, num_accepted=done.num_accepted,
-                committed_length=len(session.tokens), finish_reason=done.finish_reason,
+                committed_length=len(session.tokens), finish_reason=session.finish_reason,
                 timings=pb.ServerTimings(model_ms=model_s * 1e3, queue_ms=queue_s * 1e3,
                                          total_ms=(time.perf_counter() - t_start) * 1e3))
             if done.has_next_token:
@@ -368,7 +378,7 @@ class VerifierEngine:
             session.last_used = time.monotonic()
             session.round_done.set()
             session.round_done = asyncio.Event()
-            if done.finish_reason != pb.NOT_FINISHED:
+            if done.finish_reason is not FinishReason.NOT_FINISHED:
                 # Keep the (small) session for retries of this last round; free its KV cache now.
                 self.backend.release(session.state)
                 session.state = None
@@ -610,8 +620,9 @@ class VerifierEngine:
             done = commit_round((), RoundResult(0, tok), stop, remaining=settings.max_new_tokens - generated,
                                 context_left=self.info.n_ctx - len(tokens))
             tokens.append(tok)
-            yield pb.GenerateChunk(token_ids=[tok], finish_reason=done.finish_reason, model_ms=model_s * 1e3)
-            if done.finish_reason != pb.NOT_FINISHED:
+            yield pb.GenerateChunk(token_ids=[tok], finish_reason=wire_finish(done.finish_reason),
+                                   model_ms=model_s * 1e3)
+            if done.finish_reason is not FinishReason.NOT_FINISHED:
                 return
 
     def server_info(self) -> pb.ServerInfo:
