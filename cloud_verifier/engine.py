@@ -15,13 +15,13 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, NamedTuple, Sequence
 
 import grpc
 import numpy as np
 
 from cloud_verifier import metrics
-from cloud_verifier.backends.base import Backend, NoChatTemplate, NoFreeState, StateLost
+from cloud_verifier.backends.base import Backend, BackendRound, NoChatTemplate, NoFreeState, StateLost
 from cloud_verifier.sessions import Session, SessionStore, Slo
 from spec_core import qcodec
 from spec_core.crossvocab import pack_token_bytes
@@ -29,7 +29,7 @@ from spec_core.continuations import MAX_CONTINUATION_NODES, MAX_CONTINUATIONS, p
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.steering import CommitRate, draft_budget
 from spec_core.tree import DraftTree, TreeError, prune_to_fit, validate_tree
-from spec_core.verify import RoundResult, commit_round
+from spec_core.verify import Commit, FinishReason, RoundResult, commit_round
 from spec_core.warping import GENERATE_STREAM, VERIFIER_STREAM, SamplingError, SamplingSettings, seeded_rng
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,30 @@ _ROLE = re.compile(r"[a-z_]{1,32}")
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 
 
+# The one mapping from spec_core's finish reason to the wire's.
+_WIRE_FINISH = {FinishReason.NOT_FINISHED: pb.NOT_FINISHED, FinishReason.STOP: pb.STOP,
+                FinishReason.LENGTH: pb.LENGTH, FinishReason.CONTEXT: pb.CONTEXT}
+
+
+def wire_finish(reason: FinishReason) -> int:
+    """spec_core.verify.FinishReason as pb.FinishReason."""
+    return _WIRE_FINISH[reason]
+
+
 def _bad(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+QUOTE_CHARS = 48
+
+
+def quoted(text: str, limit: int = QUOTE_CHARS) -> str:
+    """Client input as a message quotes it: at most `limit` characters (then its length). A field
+    echoed whole could make the status bigger than a client takes (gRPC's default 16 KiB of
+    metadata): the client would see RESOURCE_EXHAUSTED instead of the status we meant."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
 
 
 class VerifierEngine:
@@ -159,7 +181,7 @@ class VerifierEngine:
                                f"the prompt text is {size} bytes; this server takes at most {MAX_PROMPT_TEXT_BYTES}")
         for i, m in enumerate(messages):
             if not _ROLE.fullmatch(m.role):
-                raise _bad(f"{what}prompt_messages[{i}].role {m.role[:40]!r} is not a role (system, user, "
+                raise _bad(f"{what}prompt_messages[{i}].role {quoted(m.role)} is not a role (system, user, "
                            "assistant: lower-case letters and '_', at most 32)")
         if not len(messages):
             return text, None
@@ -204,9 +226,9 @@ class VerifierEngine:
 
     # --- one round ----------------------------------------------------------------------------
 
-    async def verify(self, req: pb.VerifyRequest) -> pb.VerifyReply:
-        t_start = time.perf_counter()
-        committed_length = req.committed_length
+    def validate(self, req: pb.VerifyRequest) -> "ValidRound":
+        """Everything a round can be refused for without its session: checked before a session is
+        created, admitted or touched (a malformed open is INVALID_ARGUMENT even when every slot is full)."""
         drafts = list(req.draft_token_ids)
         tree = self._tree(req, drafts)
         if tree is None and len(drafts) > self.limits.max_gamma:
@@ -216,39 +238,33 @@ class VerifierEngine:
         self._check_ids(drafts, "draft_token_ids")
         if req.round < 1:
             raise _bad("round must be >= 1 (1 is the first round of a session)")
-        # Everything a request can be refused for is checked before a session is created or touched.
         try:
             qs = qcodec.from_proto(req.q, drafts, self.info.n_vocab)
         except qcodec.QError as e:
             raise _bad(str(e)) from None
-        if req.session_id:
-            session = self.sessions.get(req.session_id)
-            if session is None:
-                raise RequestError(grpc.StatusCode.NOT_FOUND,
-                                   f"session {req.session_id!r} is unknown here (evicted, expired, or the verifier "
-                                   "restarted): resend the round with `open` to replay the committed tokens")
-        elif req.HasField("open"):
-            session = self._reopen(req) or await self._open(req)
-            if _text_open(req.open):
-                # The edge counted only what follows the prompt it could not tokenize (see the .proto).
-                committed_length = req.committed_length + session.prompt_len
-        else:
+        if not req.session_id and not req.HasField("open"):
             raise _bad("session_id is empty and `open` is missing: the first round must carry `open`")
-
         assumed = list(req.assumed_tokens)
         if len(assumed) > self.limits.max_gamma + 1:
             raise _bad(f"assumed_tokens has {len(assumed)} ids; at most max_gamma + 1 = {self.limits.max_gamma + 1}")
         self._check_ids(assumed, "assumed_tokens")
         alternatives = self._continuations(req, _Alternative(assumed, drafts, tree, qs))
-        if assumed:
-            await self._wait_for_round(session, req.round - 1)
+        return ValidRound(req, alternatives, None if req.session_id else self._valid_open(req))
 
+    async def verify(self, valid: "ValidRound") -> pb.VerifyReply:
+        """One round of a validated request (`validate`): resolve the session, choose the
+        alternative, run the round, commit, reply. A retry of a committed round gets its reply."""
+        t_start = time.perf_counter()
+        req = valid.req
+        session, committed_length = await self._resolve_session(valid)
+        if valid.alternatives[0].assumed:
+            await self._wait_for_round(session, req.round - 1)
         async with session.lock:
             if self.sessions.get(session.id) is not session or session.state is None and \
                     session.finish_reason == pb.NOT_FINISHED:
                 # Evicted or closed while this round waited for the lock.
                 raise RequestError(grpc.StatusCode.NOT_FOUND,
-                                   f"session {session.id!r} was evicted: resend the round with `open` to replay")
+                                   f"session {quoted(session.id)} was evicted: resend the round with `open` to replay")
             digest = _round_digest(req)
             cached = session.replies.get(req.round)
             if cached is not None:
@@ -259,101 +275,137 @@ class VerifierEngine:
                                        f"round {req.round} was already verified with different drafts")
                 metrics.RETRIES.inc()
                 return cached.reply
-            chosen = 0
-            if assumed and req.round == session.round + 1:
-                # A pipelined round: run the alternative drafted after what the last round committed.
-                base_length = req.committed_length - len(assumed)
-                hit = pick_continuation(session.tokens, base_length, [a.assumed for a in alternatives]) \
-                    if session.finish_reason == pb.NOT_FINISHED and 0 <= base_length <= len(session.tokens) else None
-                if hit is None:
-                    # No alternative's base was committed: answered, never verified, not cached, and
-                    # the round number stays free.
-                    metrics.PIPELINE_DISCARDS.inc()
-                    return pb.VerifyReply(session_id=session.id, round=req.round,
-                                          committed_length=len(session.tokens),
-                                          finish_reason=session.finish_reason, base_mismatch=True)
-                chosen, alt = hit, alternatives[hit]
-                drafts, tree, qs = alt.drafts, alt.tree, alt.qs
-                req_committed_length = base_length + len(alt.assumed)
-            else:
-                req_committed_length = committed_length
-            if req.round != session.round + 1:
-                older = "" if req.round > session.round else \
-                    f"; its reply is no longer kept (this server keeps the last {session.replies.size} rounds')"
-                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"round {req.round} is out of step: this session expects round {session.round + 1} "
-                                   f"(committed length {len(session.tokens)}){older}")
-            if req_committed_length != len(session.tokens):
-                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"committed_length {req_committed_length} does not match the server's "
-                                   f"{len(session.tokens)} (after round {session.round}); resync by replaying")
-            if session.finish_reason != pb.NOT_FINISHED:
-                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"generation already finished ({pb.FinishReason.Name(session.finish_reason)})")
-            # Near the end of the context window verify only the drafts that fit: a prefix of the
-            # draft is still a valid draft, and the target alone would stop there too (CONTEXT).
-            room = self.info.n_ctx - len(session.tokens) - 1
-            if room < 0:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the context window is full")
-            kept_nodes: list[int] = []
-            self.backend.set_deadline(session.state, session.due(t_start))
-            if tree is not None:
-                # A tree is cut like a chain: whole levels past the room, then nodes in index order.
-                fit = prune_to_fit(tree, room)
-                if len(fit) < len(tree):
-                    tree, qs = tree.subtree(fit), ([qs[i] for i in fit] if qs is not None else None)
-                tree_result, queue_s, model_s = await self._backend_round(
-                    session, self.backend.verify_tree, session.state, session.tokens, tree, qs, session.settings,
-                    _round_rng(session))
-                kept_nodes = [fit[i] for i in tree_result.path]
-                n_verified = len(tree)
-                drafts = [tree.tokens[i] for i in tree_result.path]
-                result = RoundResult(len(drafts), tree_result.next_token)
-            else:
-                if len(drafts) > room:
-                    drafts, qs = drafts[:room], (qs[:room] if qs is not None else None)
-                n_verified = len(drafts)
-                result, queue_s, model_s = await self._backend_round(
-                    session, self.backend.verify, session.state, session.tokens, drafts, qs, session.settings,
-                    _round_rng(session))
-            done = commit_round(drafts, result, session.stop_ids,
-                                remaining=session.settings.max_new_tokens - session.generated,
-                                context_left=self.info.n_ctx - len(session.tokens))
-            session.tokens.extend(done.tokens)
-            session.finish_reason = done.finish_reason
-            session.round = req.round
-            now = time.perf_counter()
-            self.commits.observe(now, len(done.tokens))
-            if session.first_token_at is None and done.tokens:
-                session.first_token_at = (now, len(session.tokens))
-            if tree is None:
-                session.acceptance.observe(n_verified, result.num_accepted, result.num_accepted < n_verified)
-            reply = pb.VerifyReply(
-                session_id=session.id, round=req.round, num_accepted=done.num_accepted,
-                committed_length=len(session.tokens), finish_reason=done.finish_reason,
-                timings=pb.ServerTimings(model_ms=model_s * 1e3, queue_ms=queue_s * 1e3,
-                                         total_ms=(time.perf_counter() - t_start) * 1e3))
-            if done.has_next_token:
-                reply.next_token_id = done.tokens[-1]
-            if req.HasField("open") and _text_open(req.open):
-                reply.prompt_token_ids.extend(session.tokens[: session.prompt_len])
-            reply.kept_nodes.extend(kept_nodes[: done.num_accepted])
-            budget = self._budget(session, now)
-            if budget is not None:
-                reply.budget.CopyFrom(budget)
-            reply.continuation = chosen
+            choice = self._choose(session, valid, committed_length)
+            if choice.alternative is None:
+                # No alternative's base was committed: answered, never verified, not cached, and
+                # the round number stays free.
+                metrics.PIPELINE_DISCARDS.inc()
+                return pb.VerifyReply(session_id=session.id, round=req.round, committed_length=len(session.tokens),
+                                      finish_reason=session.finish_reason, base_mismatch=True)
+            self._check_step(session, req.round, choice.committed_length)
+            run = await self._run_round(session, choice.alternative, t_start)
+            done = self._commit(session, req.round, run)
+            reply = self._reply(session, valid, choice, run, done, t_start)
             session.replies.put(req.round, digest, reply)
-            # Used until now, not since the round arrived: a round that queued for seconds behind
-            # many others must not leave its session looking idle (and evictable) as it ends.
-            session.last_used = time.monotonic()
             session.round_done.set()
             session.round_done = asyncio.Event()
-            if done.finish_reason != pb.NOT_FINISHED:
+            if done.finish_reason is not FinishReason.NOT_FINISHED:
                 # Keep the (small) session for retries of this last round; free its KV cache now.
                 self.backend.release(session.state)
                 session.state = None
-            metrics.observe_round(n_verified, done.num_accepted, model_s, time.perf_counter() - t_start)
+            metrics.observe_round(run.n_verified, done.num_accepted, run.model_s, time.perf_counter() - t_start)
             return reply
+
+    async def _resolve_session(self, valid: "ValidRound") -> "ResolvedSession":
+        """The session a round names, or the one its `open` makes (or made: a retried first round)."""
+        req = valid.req
+        if req.session_id:
+            session = self.sessions.get(req.session_id)
+            if session is None:
+                raise RequestError(grpc.StatusCode.NOT_FOUND,
+                                   f"session {quoted(req.session_id)} is unknown here (evicted, expired, or the "
+                                   "verifier restarted): resend the round with `open` to replay the committed tokens")
+            return ResolvedSession(session, req.committed_length)
+        session = self._reopen(req) or await self._open(req, valid.open)
+        # A text open: the edge counted only what follows the prompt it could not tokenize (see the .proto).
+        return ResolvedSession(session, req.committed_length + (session.prompt_len if _text_open(req.open) else 0))
+
+    def _choose(self, session: Session, valid: "ValidRound", committed_length: int) -> "Choice":
+        """The alternative this round runs: its own draft, or for a pipelined round the one drafted
+        after what the last round committed (alternative None: none was)."""
+        req, alternatives = valid.req, valid.alternatives
+        assumed = alternatives[0].assumed
+        if not (assumed and req.round == session.round + 1):
+            return Choice(0, alternatives[0], committed_length)
+        base_length = req.committed_length - len(assumed)
+        hit = pick_continuation(session.tokens, base_length, [a.assumed for a in alternatives]) \
+            if session.finish_reason == pb.NOT_FINISHED and 0 <= base_length <= len(session.tokens) else None
+        if hit is None:
+            return Choice(0, None, committed_length)
+        return Choice(hit, alternatives[hit], base_length + len(alternatives[hit].assumed))
+
+    @staticmethod
+    def _check_step(session: Session, round_: int, committed_length: int) -> None:
+        """The round is the session's next one, from the committed sequence the server holds."""
+        if round_ != session.round + 1:
+            older = "" if round_ > session.round else \
+                f"; its reply is no longer kept (this server keeps the last {session.replies.size} rounds')"
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"round {round_} is out of step: this session expects round {session.round + 1} "
+                               f"(committed length {len(session.tokens)}){older}")
+        if committed_length != len(session.tokens):
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"committed_length {committed_length} does not match the server's "
+                               f"{len(session.tokens)} (after round {session.round}); resync by replaying")
+        if session.finish_reason != pb.NOT_FINISHED:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"generation already finished ({pb.FinishReason.Name(session.finish_reason)})")
+
+    async def _run_round(self, session: Session, alt: "_Alternative", t_start: float) -> "RoundRun":
+        """Verify one alternative's draft against the session's committed sequence."""
+        # Near the end of the context window verify only the drafts that fit: a prefix of the
+        # draft is still a valid draft, and the target alone would stop there too (CONTEXT).
+        room = self.info.n_ctx - len(session.tokens) - 1
+        if room < 0:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the context window is full")
+        drafts, tree, qs = alt.drafts, alt.tree, alt.qs
+        self.backend.set_deadline(session.state, session.due(t_start))
+        if tree is not None:
+            # A tree is cut like a chain: whole levels past the room, then nodes in index order.
+            fit = prune_to_fit(tree, room)
+            if len(fit) < len(tree):
+                tree, qs = tree.subtree(fit), ([qs[i] for i in fit] if qs is not None else None)
+            out = await self._backend_round(
+                session, self.backend.verify_tree, session.state, session.tokens, tree, qs, session.settings,
+                _round_rng(session))
+            path = out.result.path
+            kept = [tree.tokens[i] for i in path]
+            return RoundRun(kept, RoundResult(len(kept), out.result.next_token), [fit[i] for i in path],
+                            len(tree), False, out.queue_s, out.model_s)
+        if len(drafts) > room:
+            drafts, qs = drafts[:room], (qs[:room] if qs is not None else None)
+        out = await self._backend_round(
+            session, self.backend.verify, session.state, session.tokens, drafts, qs, session.settings,
+            _round_rng(session))
+        return RoundRun(drafts, out.result, [], len(drafts), True, out.queue_s, out.model_s)
+
+    def _commit(self, session: Session, round_: int, run: "RoundRun") -> Commit:
+        """Append what the round keeps (cut at a stop token, the length or the context) to the session."""
+        done = commit_round(run.drafts, run.result, session.stop_ids,
+                            remaining=session.settings.max_new_tokens - session.generated,
+                            context_left=self.info.n_ctx - len(session.tokens))
+        session.tokens.extend(done.tokens)
+        session.finish_reason = wire_finish(done.finish_reason)
+        session.round = round_
+        now = time.perf_counter()
+        self.commits.observe(now, len(done.tokens))
+        if session.first_token_at is None and done.tokens:
+            session.first_token_at = (now, len(session.tokens))
+        if run.chain:  # a tree round's acceptance is not geometric: α is the chains'
+            session.acceptance.observe(run.n_verified, run.result.num_accepted, run.result.num_accepted < run.n_verified)
+        # Used until now, not since the round arrived: a round that queued for seconds behind
+        # many others must not leave its session looking idle (and evictable) as it ends.
+        session.last_used = time.monotonic()
+        return done
+
+    def _reply(self, session: Session, valid: "ValidRound", choice: "Choice", run: "RoundRun", done: Commit,
+               t_start: float) -> pb.VerifyReply:
+        req = valid.req
+        reply = pb.VerifyReply(
+            session_id=session.id, round=req.round, num_accepted=done.num_accepted,
+            committed_length=len(session.tokens), finish_reason=session.finish_reason,
+            timings=pb.ServerTimings(model_ms=run.model_s * 1e3, queue_ms=run.queue_s * 1e3,
+                                     total_ms=(time.perf_counter() - t_start) * 1e3))
+        if done.has_next_token:
+            reply.next_token_id = done.tokens[-1]
+        if req.HasField("open") and _text_open(req.open):
+            reply.prompt_token_ids.extend(session.tokens[: session.prompt_len])
+        reply.kept_nodes.extend(run.kept_nodes[: done.num_accepted])
+        budget = self._budget(session, time.perf_counter())
+        if budget is not None:
+            reply.budget.CopyFrom(budget)
+        reply.continuation = choice.index
+        return reply
 
     def _budget(self, session: Session, now: float) -> pb.DraftBudget | None:
         """The draft that pays at this load (spec_core.steering); None when the server does not steer."""
@@ -365,7 +417,7 @@ class VerifierEngine:
         b = draft_budget(session.acceptance.alpha, price, self.limits.max_gamma, nodes, self.limits.max_tree_branching)
         return pb.DraftBudget(max_gamma=b.max_gamma, max_tree_nodes=b.max_tree_nodes, price=b.price)
 
-    async def _backend_round(self, session: Session, fn, *args):
+    async def _backend_round(self, session: Session, fn, *args) -> BackendRound:
         """A round's backend call; a session whose state the backend lost (StateLost) is dropped
         and its edge told to replay (NOT_FOUND), as after an eviction."""
         try:
@@ -374,7 +426,7 @@ class VerifierEngine:
             self.sessions.remove(session.id)
             metrics.SESSIONS.set(len(self.sessions))
             raise RequestError(grpc.StatusCode.NOT_FOUND,
-                               f"session {session.id!r} lost its KV cache ({e}): resend the round with `open` to "
+                               f"session {quoted(session.id)} lost its KV cache ({e}): resend the round with `open` to "
                                "replay the committed tokens") from None
 
     async def _wait_for_round(self, session: Session, round_: int) -> None:
@@ -441,8 +493,6 @@ class VerifierEngine:
     def _reopen(self, req: pb.VerifyRequest) -> Session | None:
         """A retried first round: the same open_key and the same `open` map to the same session."""
         o = req.open
-        if o.open_key and len(o.open_key) != 16:
-            raise _bad(f"open.open_key must be 16 random bytes, got {len(o.open_key)}")
         session = self.sessions.by_open_key(o.open_key)
         if session is not None and session.open_digest != _open_digest(o):
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -450,17 +500,20 @@ class VerifierEngine:
                                "draw a fresh random key per generation")
         return session
 
-    async def _open(self, req: pb.VerifyRequest) -> Session:
+    def _valid_open(self, req: pb.VerifyRequest) -> "ValidOpen":
+        """The first round's `open`, checked as far as it can be without tokenizing a text prompt."""
         o = req.open
+        if o.open_key and len(o.open_key) != 16:
+            raise _bad(f"open.open_key must be 16 random bytes, got {len(o.open_key)}")
         prompt, resume = list(o.prompt_token_ids), list(o.resume_token_ids)
         text, messages = self._text_prompt(o.prompt_text, o.prompt_messages, "open.")
-        if prompt and (text is not None or messages is not None):
+        text_prompt = text is not None or messages is not None
+        if prompt and text_prompt:
             raise _bad("open.prompt_token_ids and a text prompt are both set: send one")
-        if text is not None or messages is not None:
-            prompt = await self._tokenize_prompt(text, messages, "open.")
-        if not prompt:
+        if not prompt and not text_prompt:
             raise _bad("open.prompt_token_ids is empty: send at least one token (e.g. BOS)")
-        self._check_context(len(prompt) + len(resume))
+        if not text_prompt:
+            self._check_context(len(prompt) + len(resume))
         self._check_ids(prompt, "open.prompt_token_ids")
         self._check_ids(resume, "open.resume_token_ids")
         if o.tokenizer_fingerprint and o.tokenizer_fingerprint != self.info.fingerprint:
@@ -470,16 +523,24 @@ class VerifierEngine:
                                "target must share a tokenizer")
         settings = self._settings(o.sampling, o.HasField("sampling"))
         slo = self._slo(o)
-        tokens = prompt + resume
         if req.round != 1:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"a round with `open` must be round 1, got {req.round}")
-        expected = len(resume) if _text_open(o) else len(tokens)
+        expected = len(resume) if text_prompt else len(prompt) + len(resume)
         if req.committed_length != expected:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"committed_length {req.committed_length} does not match the "
                                + (f"resumed tokens sent ({expected}; a text open counts the tokens after the prompt only)"
-                                  if _text_open(o) else f"prompt + resumed tokens sent ({expected})"))
+                                  if text_prompt else f"prompt + resumed tokens sent ({expected})"))
+        return ValidOpen(prompt, text, messages, resume, settings, slo)
+
+    async def _open(self, req: pb.VerifyRequest, valid: "ValidOpen") -> Session:
+        o = req.open
+        prompt, resume, settings, slo = valid.prompt, valid.resume, valid.settings, valid.slo
+        if valid.text is not None or valid.messages is not None:
+            prompt = await self._tokenize_prompt(valid.text, valid.messages, "open.")
+            self._check_context(len(prompt) + len(resume))
+        tokens = prompt + resume
         # The verifier's stream must be independent of the edge's even when both get the same user
         # seed (identical streams correlate draft sampling with acceptance and bias the output), and
         # a replay must not restart a stream already used: key it by role and committed length.
@@ -570,7 +631,7 @@ class VerifierEngine:
             if self.default_slo is not None:
                 self.backend.set_deadline(state, self.default_slo.due(time.perf_counter(), first_token_at, generated))
             try:
-                tok, _, model_s = await run_in_thread(self.backend.sample_next, state, tokens, settings, rng)
+                step = await run_in_thread(self.backend.sample_next, state, tokens, settings, rng)
             except StateLost as e:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the stream lost its KV cache ({e}); "
                                    "retry shortly", retry_after_s=1.0) from None
@@ -578,11 +639,12 @@ class VerifierEngine:
             self.commits.observe(now, 1)
             first_token_at = first_token_at or (now, generated + 1)
             # A round without drafts: the hybrid path's stop, length and context cuts, one token at a time.
-            done = commit_round((), RoundResult(0, tok), stop, remaining=settings.max_new_tokens - generated,
+            done = commit_round((), RoundResult(0, step.token), stop, remaining=settings.max_new_tokens - generated,
                                 context_left=self.info.n_ctx - len(tokens))
-            tokens.append(tok)
-            yield pb.GenerateChunk(token_ids=[tok], finish_reason=done.finish_reason, model_ms=model_s * 1e3)
-            if done.finish_reason != pb.NOT_FINISHED:
+            tokens.append(step.token)
+            yield pb.GenerateChunk(token_ids=[step.token], finish_reason=wire_finish(done.finish_reason),
+                                   model_ms=step.model_s * 1e3)
+            if done.finish_reason is not FinishReason.NOT_FINISHED:
                 return
 
     def server_info(self) -> pb.ServerInfo:
@@ -642,6 +704,52 @@ class _Alternative:
     drafts: list[int]
     tree: DraftTree | None
     qs: list | None
+
+
+@dataclass
+class ValidOpen:
+    """A first round's `open`, validated; a text prompt is tokenized once the session is admitted."""
+
+    prompt: list[int]                       # the prompt's ids (empty for a text prompt)
+    text: str | None                        # a text prompt, or
+    messages: list[dict[str, str]] | None   # a conversation (chat template), or neither
+    resume: list[int]                       # tokens committed earlier (a replay)
+    settings: SamplingSettings
+    slo: Slo | None
+
+
+class ResolvedSession(NamedTuple):
+    session: Session
+    committed_length: int   # the round's committed length as the server counts it (text opens add the prompt)
+
+
+class Choice(NamedTuple):
+    """The alternative a round runs (None: a pipelined round whose base was not committed)."""
+
+    index: int                           # 0: the round's own draft; i: continuations[i - 1]
+    alternative: "_Alternative | None"
+    committed_length: int                # what it assumes committed before it
+
+
+class RoundRun(NamedTuple):
+    """A round verified by the backend: what it kept, and where its time went."""
+
+    drafts: list[int]       # the kept path's tokens (a tree) or the drafts verified (a chain)
+    result: RoundResult     # accepted drafts + the corrected or bonus token
+    kept_nodes: list[int]   # a tree's kept nodes (indices in the tree as sent); [] for a chain
+    n_verified: int         # draft tokens (chain) or nodes (tree) the target checked
+    chain: bool
+    queue_s: float
+    model_s: float
+
+
+@dataclass
+class ValidRound:
+    """A VerifyRequest that passed `VerifierEngine.validate`."""
+
+    req: pb.VerifyRequest
+    alternatives: list[_Alternative]   # 0: the round's own draft; then its continuations
+    open: ValidOpen | None             # the first round's `open` (None when the round names a session)
 
 
 def _open_digest(o: pb.OpenSession) -> bytes:

@@ -24,7 +24,7 @@ from cloud_verifier import metrics
 from cloud_verifier.admission import InflightGate, Refused, RoundLimiter, ServerPolicy, RETRY_AFTER_KEY
 from cloud_verifier.auth import TokenFile
 from cloud_verifier.backends.base import Backend
-from cloud_verifier.engine import Limits, RequestError, VerifierEngine
+from cloud_verifier.engine import Limits, RequestError, VerifierEngine, quoted
 from cloud_verifier.guard import CallGuard
 from cloud_verifier.sessions import current_tenant
 from spec_core import __version__
@@ -151,7 +151,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if s is not None and s.tenant != current_tenant.get():
             metrics.PERMISSION_DENIED.inc()
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
-                               f"session {session_id!r} was opened by another tenant; open a session of your own")
+                               f"session {quoted(session_id)} was opened by another tenant; open a session of your own")
 
     def _admit_open(self, o: pb.OpenSession) -> bool:
         """Refuse a new session for load; False for a retried first round (its session exists)."""
@@ -183,12 +183,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 metrics.INFLIGHT.set(self.inflight.inflight)
                 tenant, opening = current_tenant.get(), None
                 try:
+                    # Content first: a malformed round is INVALID_ARGUMENT whatever the load.
+                    valid = self.engine.validate(request)
                     if request.session_id:
                         self._check_owner(request.session_id)
-                    elif request.HasField("open") and self._admit_open(request.open):
+                    elif self._admit_open(request.open):
                         opening = request.open.open_key
                         self._opening[tenant].append(opening)
-                    return await self.engine.verify(request)
+                    return await self.engine.verify(valid)
                 finally:
                     if opening is not None:
                         self._opening[tenant].remove(opening)

@@ -16,13 +16,13 @@ The accept test and the residual are spec_core.acceptance's, shared with trees a
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
 from spec_core.acceptance import accepts, corrected_probs, keeps_sample
-from spec_core.proto import verifier_pb2 as pb
 from spec_core.qcodec import EncodedQ
 from spec_core.warping import SamplingSettings, processed_probs, sample
 
@@ -96,12 +96,21 @@ def verify_from_scores(draft_tokens: Sequence[int], draft_probs: Sequence[Encode
     return RoundResult(gamma, scores[gamma].sample), False
 
 
+class FinishReason(enum.Enum):
+    """Why generation ended after a round (the verifier maps it to the wire's enum in one place)."""
+
+    NOT_FINISHED = "not_finished"
+    STOP = "stop"          # a stop token (EOS or one the request named) was committed
+    LENGTH = "length"      # max_new_tokens reached
+    CONTEXT = "context"    # the context window is full
+
+
 @dataclass(frozen=True)
 class Commit:
     tokens: list[int]       # appended to the committed sequence this round, in order
     num_accepted: int       # how many of them are draft tokens
     has_next_token: bool    # whether the corrected/bonus token is among them
-    finish_reason: int      # pb.FinishReason
+    finish_reason: FinishReason
 
 
 def commit_round(draft_tokens: Sequence[int], result: RoundResult, stop_ids: frozenset[int],
@@ -113,14 +122,14 @@ def commit_round(draft_tokens: Sequence[int], result: RoundResult, stop_ids: fro
     """
     tokens = list(draft_tokens[: result.num_accepted]) + [result.next_token]
     for i, tok in enumerate(tokens):
-        reason = pb.NOT_FINISHED
+        reason = FinishReason.NOT_FINISHED
         if tok in stop_ids:
-            reason = pb.STOP
+            reason = FinishReason.STOP
         elif i + 1 >= remaining:
-            reason = pb.LENGTH
+            reason = FinishReason.LENGTH
         elif i + 1 >= context_left:
-            reason = pb.CONTEXT
-        if reason != pb.NOT_FINISHED:
+            reason = FinishReason.CONTEXT
+        if reason is not FinishReason.NOT_FINISHED:
             kept = tokens[: i + 1]
             return Commit(kept, min(len(kept), result.num_accepted), len(kept) > result.num_accepted, reason)
-    return Commit(tokens, result.num_accepted, True, pb.NOT_FINISHED)
+    return Commit(tokens, result.num_accepted, True, FinishReason.NOT_FINISHED)

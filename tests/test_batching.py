@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
+from cloud_verifier.backends.base import BackendRound
 from cloud_verifier.backends.llama_cpp import LlamaCppBackend
 from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
@@ -520,9 +521,9 @@ class AcceptEverything(SyntheticBackend):
     """Negative control: a verifier that accepts every draft (biased toward the draft)."""
 
     def verify(self, state, committed, draft_tokens, draft_probs, settings, rng):
-        result, queue_s, model_s = super().verify(state, committed, draft_tokens, draft_probs, settings, rng)
+        out = super().verify(state, committed, draft_tokens, draft_probs, settings, rng)
         from spec_core.verify import RoundResult
-        return RoundResult(len(draft_tokens), result.next_token), queue_s, model_s
+        return out._replace(result=RoundResult(len(draft_tokens), out.result.next_token))
 
 
 class FollowFirstChild(SyntheticBackend):
@@ -534,7 +535,7 @@ class FollowFirstChild(SyntheticBackend):
         p = processed_probs(logits, settings.temperature, settings.top_k, settings.top_p)
         result = follow_first_child(p, tree, draft_probs, rng)
         self.keep_tree_path(state, committed, tree, result.path)
-        return result, queue_s, model_s
+        return BackendRound(result, queue_s, model_s)
 
 
 async def _sequence_counts(backend, n, concurrency=48, tree="off", **limits):

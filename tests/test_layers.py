@@ -1,6 +1,7 @@
 """Which package may import which: the house rules, read from the source with `ast`.
 
-  spec_core        imports nothing of ours but spec_core (pure: both ends import it).
+  spec_core        imports nothing of ours but spec_core (pure: both ends import it), and no
+                   generated protobuf code (spec_core.proto) outside that package itself.
   edge_client      never imports cloud_verifier; its draftmaker never imports netsim.
   netsim           never imports cloud_verifier (it starts verifiers through hybridspec.launch).
   llama_runtime    never imports cloud_verifier, edge_client or netsim.
@@ -103,6 +104,32 @@ def test_the_collector_sees_imports_in_functions_and_relative_ones():
 def test_spec_core_imports_only_itself():
     bad = [i for i in all_imports("spec_core") if top(i.module) in OURS - {"spec_core"}]
     assert not bad, report(bad, "spec_core must import nothing of ours but spec_core")
+
+
+def is_wire_code(module: str) -> bool:
+    return module == "spec_core.proto" or module.startswith("spec_core.proto.")
+
+
+# Modules that still import the wire code, each with why; the list may only shrink. spec_core.qcodec's
+# to_proto / from_proto go to the wire side once edge_client/client.py calls them there (issue 24).
+WIRE_IMPORTS_LEFT = {"spec_core/qcodec.py": "to_proto / from_proto (QPayload), called by edge_client/client.py"}
+
+
+def test_spec_core_is_free_of_generated_protobuf_code():
+    # The pure core's records are plain (e.g. spec_core.verify.FinishReason); the ends map them to the wire.
+    found = [i for i in all_imports("spec_core") if is_wire_code(i.module) and not i.file.startswith("spec_core/proto/")]
+    bad = [i for i in found if i.file not in WIRE_IMPORTS_LEFT]
+    assert not bad, report(bad, "spec_core must not import spec_core.proto (generated wire code) outside the proto "
+                                "package: keep the record plain and map it to the wire in cloud_verifier / edge_client")
+    gone = set(WIRE_IMPORTS_LEFT) - {i.file for i in found}
+    assert not gone, f"{sorted(gone)} no longer import spec_core.proto: take them off WIRE_IMPORTS_LEFT"
+
+
+def test_the_wire_code_rule_sees_an_import_of_the_proto_package():
+    path = ROOT / "spec_core" / "example.py"
+    source = "from spec_core.proto import verifier_pb2 as pb\nimport spec_core.proto.verifier_pb2\nfrom spec_core import qcodec\n"
+    found = [i.line for i in imports_in(source, path) if is_wire_code(i.module)]
+    assert sorted(set(found)) == [1, 2]
 
 
 def test_edge_client_and_netsim_never_import_cloud_verifier():

@@ -208,11 +208,11 @@ async def test_a_first_round_answered_not_found_is_replayed():
             engine, calls = server.engine, []
             real = engine.verify
 
-            async def flaky(req):
-                calls.append(req.HasField("open"))
+            async def flaky(valid):   # engine.verify takes the round engine.validate passed
+                calls.append(valid.req.HasField("open"))
                 if fail_first_with is not None and len(calls) == 1:
                     raise RequestError(fail_first_with, "session was evicted: resend the round with `open`")
-                return await real(req)
+                return await real(valid)
             engine.verify = flaky
             async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2), SyntheticDrafter(64),
                                   SyntheticTokenizer(64)) as client:

@@ -2,9 +2,8 @@
 import numpy as np
 import pytest
 
-from spec_core.proto import verifier_pb2 as pb
 from spec_core.qcodec import EncodedQ
-from spec_core.verify import RoundResult, commit_round, verify_round
+from spec_core.verify import FinishReason, RoundResult, commit_round, verify_round
 
 V = 6
 
@@ -86,32 +85,32 @@ EOS = frozenset({5})
 def test_commit_stop_token_inside_accepted_prefix():
     draft = [1, 5, 3]; result = RoundResult(3, 4)  # eos (5) accepted at position 1
     c = commit_round(draft, result, EOS, remaining=100, context_left=100)
-    assert (c.tokens, c.num_accepted, c.has_next_token, c.finish_reason) == ([1, 5], 2, False, pb.STOP)
+    assert (c.tokens, c.num_accepted, c.has_next_token, c.finish_reason) == ([1, 5], 2, False, FinishReason.STOP)
 
 
 def test_commit_stop_as_corrected_token():
     c = commit_round([1, 2], RoundResult(1, 5), EOS, remaining=100, context_left=100)
-    assert (c.tokens, c.has_next_token, c.finish_reason) == ([1, 5], True, pb.STOP)
+    assert (c.tokens, c.has_next_token, c.finish_reason) == ([1, 5], True, FinishReason.STOP)
 
 
 def test_commit_max_tokens_reached_mid_round():
     c = commit_round([1, 2, 3], RoundResult(3, 4), EOS, remaining=2, context_left=100)
-    assert (c.tokens, c.num_accepted, c.has_next_token, c.finish_reason) == ([1, 2], 2, False, pb.LENGTH)
+    assert (c.tokens, c.num_accepted, c.has_next_token, c.finish_reason) == ([1, 2], 2, False, FinishReason.LENGTH)
 
 
 def test_commit_max_tokens_exactly_at_next_token():
     c = commit_round([1, 2], RoundResult(2, 4), EOS, remaining=3, context_left=100)
-    assert (c.tokens, c.finish_reason) == ([1, 2, 4], pb.LENGTH)
+    assert (c.tokens, c.finish_reason) == ([1, 2, 4], FinishReason.LENGTH)
 
 
 def test_commit_context_full():
     c = commit_round([1, 2, 3], RoundResult(3, 4), EOS, remaining=100, context_left=2)
-    assert (c.tokens, c.finish_reason) == ([1, 2], pb.CONTEXT)
+    assert (c.tokens, c.finish_reason) == ([1, 2], FinishReason.CONTEXT)
 
 
 def test_commit_nothing_special():
     c = commit_round([1, 2, 3], RoundResult(1, 4), EOS, remaining=100, context_left=100)
-    assert (c.tokens, c.num_accepted, c.has_next_token, c.finish_reason) == ([1, 4], 1, True, pb.NOT_FINISHED)
+    assert (c.tokens, c.num_accepted, c.has_next_token, c.finish_reason) == ([1, 4], 1, True, FinishReason.NOT_FINISHED)
 
 
 def test_reusable_prefix_keeps_the_common_prefix_but_recomputes_the_rows_asked_for():

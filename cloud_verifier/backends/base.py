@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -29,6 +29,22 @@ class BackendInfo:
     n_ctx: int                # context window per session
     fingerprint: str          # spec_core.fingerprint of the target tokenizer
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+class BackendRound(NamedTuple):
+    """A verified round and where its time went."""
+
+    result: RoundResult | TreeResult   # a chain's (verify) or a tree's (verify_tree)
+    queue_s: float                     # waiting for the model (its lock, or a batched pass)
+    model_s: float                     # in the model
+
+
+class BackendSample(NamedTuple):
+    """One token sampled from the target (the cloud-only stream) and where its time went."""
+
+    token: int
+    queue_s: float
+    model_s: float
 
 
 class NoFreeState(Exception):
@@ -68,11 +84,11 @@ class Backend(abc.ABC):
 
     def verify(self, state: object, committed: Sequence[int], draft_tokens: Sequence[int],
                draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
-               rng: np.random.Generator) -> tuple[RoundResult, float, float]:
+               rng: np.random.Generator) -> BackendRound:
         gamma = len(draft_tokens)
         logits, queue_s, model_s = self.target_logits(state, list(committed) + list(draft_tokens), gamma + 1)
         # p is warped row by row as the round reaches it (rows after a rejection are not needed).
-        return verify_round_on_logits(logits, settings, draft_tokens, draft_probs, rng), queue_s, model_s
+        return BackendRound(verify_round_on_logits(logits, settings, draft_tokens, draft_probs, rng), queue_s, model_s)
 
     def tree_logits(self, state: object, committed: Sequence[int], tree: DraftTree) -> tuple[np.ndarray, float, float]:
         """Raw logits after the committed sequence and after every node  # [n + 1, vocab]: row 0 predicts
@@ -95,18 +111,18 @@ class Backend(abc.ABC):
 
     def verify_tree(self, state: object, committed: Sequence[int], tree: DraftTree,
                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
-                    rng: np.random.Generator) -> tuple[TreeResult, float, float]:
+                    rng: np.random.Generator) -> BackendRound:
         logits, queue_s, model_s = self.tree_logits(state, committed, tree)
         target_probs = processed_probs(logits, settings.temperature, settings.top_k, settings.top_p)  # [n+1, V]
         result = verify_tree(target_probs, tree, draft_probs, rng)
         self.keep_tree_path(state, committed, tree, result.path)
-        return result, queue_s, model_s
+        return BackendRound(result, queue_s, model_s)
 
     def sample_next(self, state: object, tokens: Sequence[int], settings: SamplingSettings,
-                    rng: np.random.Generator) -> tuple[int, float, float]:
+                    rng: np.random.Generator) -> BackendSample:
         logits, queue_s, model_s = self.target_logits(state, tokens, 1)
         probs = processed_probs(logits[0], settings.temperature, settings.top_k, settings.top_p)
-        return sample(probs, rng), queue_s, model_s
+        return BackendSample(sample(probs, rng), queue_s, model_s)
 
     # --- text prompts (edges whose draft has another tokenizer) -------------------------------------
 

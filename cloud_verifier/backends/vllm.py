@@ -72,11 +72,11 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from cloud_verifier.backends.base import Backend, BackendInfo
+from cloud_verifier.backends.base import Backend, BackendInfo, BackendRound, BackendSample
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
-from spec_core.tree import ROOT, DraftTree, NodeScore, TreeResult, tree_tokens_needed, verify_tree_from_scores
-from spec_core.verify import PositionScore, RoundResult, verify_from_scores
+from spec_core.tree import ROOT, DraftTree, NodeScore, tree_tokens_needed, verify_tree_from_scores
+from spec_core.verify import PositionScore, verify_from_scores
 from spec_core.warping import SamplingSettings, processed_probs, sample
 
 log = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ class VllmBackend(Backend):
 
     def verify(self, state, committed: Sequence[int], draft_tokens: Sequence[int],
                draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
-               rng: np.random.Generator) -> tuple[RoundResult, float, float]:
+               rng: np.random.Generator) -> BackendRound:
         t0 = time.perf_counter()
         gamma = len(draft_tokens)
         committed, drafts = list(committed), [int(x) for x in draft_tokens]
@@ -278,7 +278,7 @@ class VllmBackend(Backend):
                         self.local_full_rows += 1
                     return rows[i]
                 result, _ = verify_from_scores(drafts, draft_probs, scores, local_row, rng)
-                return result, 0.0, time.perf_counter() - t0
+                return BackendRound(result, 0.0, time.perf_counter() - t0)
         if settings.greedy and self.one_request and committed:
             scores = self._greedy_scores(committed, drafts)
             if scores is not None:
@@ -287,7 +287,7 @@ class VllmBackend(Backend):
                     row[scores[i].sample] = 1.0
                     return row
                 result, _ = verify_from_scores(drafts, draft_probs, scores, point_mass, rng)
-                return result, 0.0, time.perf_counter() - t0
+                return BackendRound(result, 0.0, time.perf_counter() - t0)
         seeds = rng.integers(0, 2**62, size=gamma + 1)
         requests = []
         for i in range(gamma + 1):
@@ -304,7 +304,7 @@ class VllmBackend(Backend):
             return _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
 
         result, _ = verify_from_scores(drafts, draft_probs, scores, full_row, rng)
-        return result, 0.0, time.perf_counter() - t0
+        return BackendRound(result, 0.0, time.perf_counter() - t0)
 
     def _one_request(self, committed: list[int], drafts: list[int], params):
         """A round as one request over committed + drafts, its rows read from the prompt logprobs;
@@ -409,7 +409,7 @@ class VllmBackend(Backend):
 
     def verify_tree(self, state, committed: Sequence[int], tree: DraftTree,
                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
-                    rng: np.random.Generator) -> tuple[TreeResult, float, float]:
+                    rng: np.random.Generator) -> BackendRound:
         """The chain's mechanism per node: one request after the root and after every node
         (prompt = committed + the node's path, prefix-cached, max_tokens = 1, a seed from the
         session's generator) scores p on the children and their q supports
@@ -425,7 +425,7 @@ class VllmBackend(Backend):
                     row[scores[0 if node == ROOT else node + 1].sample] = 1.0
                     return row
                 result, _ = verify_tree_from_scores(tree, draft_probs, scores, point_mass, rng)
-                return result, 0.0, time.perf_counter() - t0
+                return BackendRound(result, 0.0, time.perf_counter() - t0)
         nodes = [ROOT] + list(range(len(tree)))
         seeds = rng.integers(0, 2**62, size=len(nodes))
         score_reqs, full_reqs = [], []  # (index in nodes, prompt, params, tokens needed)
@@ -468,13 +468,13 @@ class VllmBackend(Backend):
             return _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
 
         result, _ = verify_tree_from_scores(tree, draft_probs, scores, full_row, rng)
-        return result, 0.0, time.perf_counter() - t0
+        return BackendRound(result, 0.0, time.perf_counter() - t0)
 
     def sample_next(self, state, tokens: Sequence[int], settings: SamplingSettings,
-                    rng: np.random.Generator) -> tuple[int, float, float]:
+                    rng: np.random.Generator) -> BackendSample:
         t0 = time.perf_counter()
         out = self._run(self._one(tokens, self._params(settings, int(rng.integers(0, 2**62)))))
-        return int(out.outputs[0].token_ids[0]), 0.0, time.perf_counter() - t0
+        return BackendSample(int(out.outputs[0].token_ids[0]), 0.0, time.perf_counter() - t0)
 
     def target_logits(self, state, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
         """Full log-probability rows (logits up to a constant per row)  # [rows, vocab].
