@@ -49,7 +49,7 @@ class Ctx:
             part = list(items[start:start + self.n_ubatch])
             n_real = len(part)
             wanted = sum(1 for it in part if it[3])
-            if self.pad and (len(part) == 1 or wanted == 1):  # as llama_runtime.model._pad
+            if self.pad and (len(part) == 1 or wanted == 1):  # as llama_runtime.invariance._pad
                 llama_cpp.llama_memory_seq_rm(self.mem, SCRATCH, 0, -1)
                 part.append((SCRATCH, 0, 0, wanted == 1))
             b = self.batch
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
                ("flash on,  ubatch 512, pad", True, 512, True),
                ("flash on,  ubatch 32,  pad", True, 32, True),
                ("flash off, ubatch 32,  pad", False, 32, True)]
-    cut = model.invariant_ubatch   # probed per model (llama_runtime.model.INVARIANT_UBATCH)
+    cut = model.invariant_ubatch   # probed per model (llama_runtime.invariance.INVARIANT_UBATCH)
     if cut != 32:
         configs.append((f"flash on,  ubatch {cut},{' ' * (3 - len(str(cut)))}pad", True, cut, True))
     print(f"{'configuration':34s} {'prefill':>10s} {'chunks-5':>10s} {'batched':>10s}")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
-RETRY_AFTER_KEY = "retry-after-ms"
+from spec_core.wire import RETRY_AFTER_KEY
 
 
 @dataclass(frozen=True)

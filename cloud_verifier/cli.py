@@ -6,15 +6,17 @@ import asyncio
 import logging
 import sys
 
-from cloud_verifier.engine import Limits
-
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the Verifier gRPC service",
                        description="Serve a target model. The embedded default is a GGUF file on llama.cpp (CPU).")
-    p.add_argument("--model", help="GGUF file (llama.cpp) or model folder (vllm); default: the bundled "
-                                   "SmolLM2-135M-Instruct Q4_1")
-    p.add_argument("--backend", default="llama.cpp", choices=["llama.cpp", "vllm", "synthetic"])
+    p.add_argument("--model", help="llama.cpp: a GGUF file, or a bundled model's name: smollm2 (default, "
+                                   "SmolLM2-135M-Instruct Q4_1) or gemma (Gemma 3 270M, scripts/setup.sh --with "
+                                   "gemma); vllm: a local Hugging Face model folder")
+    p.add_argument("--backend", default="llama.cpp", choices=["llama.cpp", "vllm", "synthetic"],
+                   help="llama.cpp: a GGUF target on the CPU (default); vllm: a GPU or CPU vLLM engine "
+                        "(scripts/setup_vllm.sh); synthetic: a small made-up target (spec_core/synthetic.py), "
+                        "for tests and fast sweeps")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--n-ctx", type=int, default=2048, help="context window per session, tokens")
@@ -28,12 +30,13 @@ def _add_serve(sub) -> None:
                         "(llama.cpp: in one KV cache; synthetic: a pass costs step + per-token x tokens); off: "
                         "the serial verifier, one context per session and one round at a time")
     p.add_argument("--kv-tokens", type=int, default=None,
-                   help="(llama.cpp, batching on) KV cache cells for all sessions; each session reserves --n-ctx "
-                        "of them, and the cache has an eighth more for compaction (default: 8 x --n-ctx)")
+                   help="(batching on) KV cache cells for all sessions; each session reserves --n-ctx "
+                        "of them, and the cache has an eighth more for compaction (default: 8 x --n-ctx; synthetic: "
+                        "no bound unless --kv-park on)")
     p.add_argument("--kv-park", choices=["on", "off"], default="off",
-                   help="(llama.cpp, batching on) when the KV cache is short, park idle sessions' cells in host "
-                        "memory and restore them when their next round arrives, so that more sessions fit "
-                        "--kv-tokens (docs/many-edges.md)")
+                   help="(llama.cpp or synthetic, batching on) when the KV cache is short, park idle sessions' "
+                        "cells in host memory and restore them when their next round arrives, so that more sessions "
+                        "fit --kv-tokens (docs/many-edges.md)")
     p.add_argument("--kv-park-bytes", type=int, default=1 << 30,
                    help="(with --kv-park on) host bytes for parked cells; the server holds as many more sessions "
                         "as fit them at their full --n-ctx (default 1 GiB)")
@@ -47,8 +50,8 @@ def _add_serve(sub) -> None:
                    help="(batching on) how a pass is filled: fair (default) a fair share per request in arrival "
                         "order; slack: least slack before each session's SLO deadline first, prefills capped per pass")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="(--schedule slack) most prompt tokens of one request per pass while it is not late "
-                        "(default: a quarter of a pass)")
+                   help="most prompt tokens of one request per pass while other sessions' rounds wait, under "
+                        "every schedule (default: a quarter of a pass; llama.cpp with --batching off: one decode)")
     p.add_argument("--slo-tpot-ms", type=float, default=0.0,
                    help="latency target of sessions that state none: time per output token (0: none)")
     p.add_argument("--slo-ttft-ms", type=float, default=0.0, help="... and time to first token (0: none)")
@@ -83,32 +86,39 @@ def _add_serve(sub) -> None:
                    help="seconds a session must be idle before a new session may evict it; until then newcomers "
                         "get RESOURCE_EXHAUSTED with a retry hint")
     s.add_argument("--grace", type=float, default=5.0, help="seconds for rounds in flight to finish on SIGTERM")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
 
 
 def backend_from_args(args):
     from cloud_verifier.backends import load_backend
-    if args.kv_park == "on" and (args.backend != "llama.cpp" or args.batching != "on"):
-        raise SystemExit("cloud-verifier: --kv-park on needs the llama.cpp backend with --batching on")
+    if args.kv_park == "on" and args.backend == "vllm":
+        raise SystemExit("cloud-verifier: --kv-park on is for the llama.cpp and synthetic backends: vLLM manages "
+                         "its own KV cache (its preemption and swap settings go in --vllm-arg)")
+    if args.kv_park == "on" and args.batching != "on":
+        raise SystemExit("cloud-verifier: --kv-park on needs --batching on: the serial verifier has no shared KV cache")
     if args.backend == "synthetic":
         return load_backend("synthetic", None, vocab=args.synthetic_vocab, seed=args.synthetic_seed,
                             n_ctx=args.n_ctx, step_ms=args.synthetic_step_ms, per_token_ms=args.synthetic_per_token_ms,
                             batching=args.batching == "on", batch_window_ms=args.batch_window_ms,
-                            schedule=args.schedule, prefill_chunk=args.prefill_chunk)
-    model = args.model
-    if model is None and args.backend == "llama.cpp":
-        from llama_runtime import bundled_model_path
-        model = str(bundled_model_path())
-    if model is None:
-        raise SystemExit("--model is required for the vllm backend (a local Hugging Face model folder)")
+                            schedule=args.schedule, prefill_chunk=args.prefill_chunk, kv_tokens=args.kv_tokens,
+                            kv_park=args.kv_park == "on", kv_park_bytes=args.kv_park_bytes,
+                            kv_park_order=args.kv_park_order)
     if args.backend == "vllm":
+        if args.model is None:
+            raise SystemExit("cloud-verifier: --model is required for the vllm backend (a local Hugging Face model "
+                             "folder)")
         engine_args = dict(kv.split("=", 1) for kv in args.vllm_arg)
-        return load_backend("vllm", model, n_ctx=args.n_ctx, engine_args=engine_args)
-    return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads,
-                        batching=args.batching == "on", kv_tokens=args.kv_tokens,
-                        batch_window_ms=args.batch_window_ms, schedule=args.schedule,
-                        prefill_chunk=args.prefill_chunk, kv_park=args.kv_park == "on",
-                        kv_park_bytes=args.kv_park_bytes, kv_park_order=args.kv_park_order)
+        return load_backend("vllm", args.model, n_ctx=args.n_ctx, engine_args=engine_args)
+    from llama_runtime import ModelMissing, ModelUnloadable, find_model
+    try:
+        model = str(find_model(args.model or "smollm2"))   # a missing file: one line saying how to get it
+        return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads,
+                            batching=args.batching == "on", kv_tokens=args.kv_tokens,
+                            batch_window_ms=args.batch_window_ms, schedule=args.schedule,
+                            prefill_chunk=args.prefill_chunk, kv_park=args.kv_park == "on",
+                            kv_park_bytes=args.kv_park_bytes, kv_park_order=args.kv_park_order)
+    except (ModelMissing, ModelUnloadable) as e:
+        raise SystemExit(f"cloud-verifier: {e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Imported here, not at the top: build_parser() needs only argparse (the docs build renders it).
+    from cloud_verifier.engine import Limits
     from cloud_verifier.process import READY
     from cloud_verifier.server import serve_forever
     tls, tokens, policy = security_from_args(args)

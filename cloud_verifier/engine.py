@@ -570,7 +570,7 @@ class VerifierEngine:
             return await run_in_thread(self.backend.new_state)
         except NoFreeState as e:
             refusal = str(e)
-        if self.sessions.evict_idle():
+        if self.sessions.evict_idle(self.backend.release_frees_room):
             metrics.SESSIONS.set(len(self.sessions))
             try:
                 return await run_in_thread(self.backend.new_state)

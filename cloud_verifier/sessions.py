@@ -186,11 +186,14 @@ class SessionStore:
             self._by_open_key[(s.tenant, s.open_key)] = s.id
         return s
 
-    def evict_idle(self) -> bool:
+    def evict_idle(self, frees_room: Callable[[object], bool] = lambda state: True) -> bool:
         """Evict the least recently used session holding a KV cache that is neither mid-round nor
-        used within `evict_idle_after_s` (to free its KV cache)."""
+        used within `evict_idle_after_s`, and whose release makes room for a new one
+        (`frees_room(state)`, the backend's Backend.release_frees_room: not a session whose KV
+        cells are parked in host memory while no place is free, as evicting it frees no place)."""
         now = time.monotonic()
-        victim = next((s for s in self._by_id.values() if s.state is not None and self._evictable(s, now)), None)
+        victim = next((s for s in self._by_id.values()
+                       if s.state is not None and self._evictable(s, now) and frees_room(s.state)), None)
         if victim is None:
             return False
         self.remove(victim.id)

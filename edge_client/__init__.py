@@ -4,7 +4,10 @@
 - `gamma`: fixed γ, or adaptive γ from the measured cost model.
 - `options`: EdgeOptions (speculation, transport, security), built once, from code or from
   the command line (`add_edge_options`, `options_from_args`).
-- `client`: the session loop (deadlines, idempotent retries, replay) and the Python API.
+- `client`: the Python API (EdgeClient); `session`: the session loop (rounds, rounds in flight,
+  replay); `transport`: the calls to the verifier (deadlines, idempotent retries, back-off);
+  `pairing`: same tokenizer or across vocabularies, decided before the first round; `stats`: the
+  records of a generation; `protocols`: the interfaces (tokenizer, γ policy).
 - `cli`: `edge-client generate | info | serve | make-draft | eval-draft`.
 - `serve`: the OpenAI-compatible HTTP API on the edge (`openai_protocol`: request and response
   shapes; `stopstrings`; `metrics`: Prometheus). FastAPI, uvicorn and prometheus_client are

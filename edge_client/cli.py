@@ -78,12 +78,37 @@ async def run_generate(args, options, settings: SamplingSettings, out=sys.stdout
         drafter.close()
 
 
+# The arguments that name a model file: each takes a path or a bundled model's name.
+MODEL_ARGS = ("draft", "tokenizer", "target_vocab")
+
+
+def find_models(args) -> None:
+    """Replace bundled names (smollm2, gemma) in the model arguments by their files, and the default
+    draft by its path; a missing or unreadable file exits with one line saying how to get it."""
+    if getattr(args, "drafter", None) == "gguf" and not args.draft:
+        from edge_client.drafters import DEFAULT_DRAFT
+        args.draft = str(DEFAULT_DRAFT)
+    named = [name for name in MODEL_ARGS if getattr(args, name, None)]
+    if not named:               # the synthetic drafter: llama.cpp is not needed
+        return
+    from llama_runtime import ModelMissing, find_model
+    try:
+        for name in named:
+            setattr(args, name, str(find_model(getattr(args, name))))
+    except ModelMissing as e:
+        raise SystemExit(f"edge-client: {e}") from None
+
+
 def cmd_generate(args) -> int:
     from edge_client.client import EdgeError
-    options, settings = options_from_args(args), settings_from_args(args)  # before any model loads
+    from llama_runtime import ModelUnloadable
+    settings = settings_from_args(args)
+    options_from_args(args)       # a bad value is refused before a missing model is reported
+    find_models(args)
+    options = options_from_args(args)  # with the model files found
     try:
         stats = asyncio.run(run_generate(args, options, settings))
-    except EdgeError as e:
+    except (EdgeError, ModelUnloadable) as e:
         print(f"edge-client: {e}", file=sys.stderr)
         return 2
     if args.json:
@@ -120,16 +145,23 @@ def cmd_info(args) -> int:
 def cmd_serve(args) -> int:
     # FastAPI, uvicorn and prometheus_client are imported only here: `generate` needs none of them.
     from edge_client import serve
+    from llama_runtime import ModelUnloadable
+    options_from_args(args)       # a bad value is refused before a missing model is reported
+    find_models(args)
 
     def ready(port: int, metrics_port: int | None) -> None:
         metrics = f" metrics http://{args.host}:{metrics_port}/metrics" if metrics_port is not None else ""
         print(f"{SERVE_READY} http://{args.host}:{port}/v1{metrics}", flush=True)
-    return serve.run(args, on_ready=ready)
+    try:
+        return serve.run(args, on_ready=ready)
+    except ModelUnloadable as e:
+        print(f"edge-client: {e}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-client", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG (default: warnings only)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate text with a draft here and the target on a verifier")

@@ -16,6 +16,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from spec_core.continuations import Outcome, chain_outcomes, worth_drafting
+from spec_core.costmodel import expected_tokens_per_round
+from spec_core.estimates import fit_line
 from spec_core.qcodec import EncodedQ
 
 CANDIDATES = 8  # corrected / bonus candidates considered per position
@@ -60,12 +62,10 @@ class UplinkFit:
     def seconds_per_byte(self) -> float:
         if len(self.points) < 4:
             return 0.0
-        x = np.array([p[0] for p in self.points], dtype=np.float64)
-        y = np.array([p[1] for p in self.points], dtype=np.float64)
-        if np.ptp(x) < 16:
+        sizes = [p[0] for p in self.points]
+        if max(sizes) - min(sizes) < 16:
             return 0.0
-        slope = float(np.polyfit(x, y, 1)[0])
-        return max(0.0, slope)
+        return fit_line(self.points).slope
 
 
 @dataclass
@@ -99,8 +99,6 @@ def choose_length(outcomes: Sequence[Outcome], alpha: float, max_gamma: int, t_r
     """The continuations' length: the γ that maximises P(hit) × E[tokens of a hit round], where
     P(hit) sums the outcomes that `budget.worth` would let be drafted at that length (a longer
     continuation commits more when it hits, a shorter one lets more outcomes be covered)."""
-    from spec_core.costmodel import expected_tokens_per_round
-
     def covered(g: int) -> float:
         cost = (g + 1) * t_row_s   # the outcome's own token, then g drafts
         total, t = 0.0, now

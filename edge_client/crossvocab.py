@@ -20,26 +20,18 @@ import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Sequence
 
+from edge_client.protocols import DraftTokenizer
 from spec_core.crossvocab import TokenMap, Vocabulary, VocabularyError, intersection_map, unpack_token_bytes
 from spec_core.proto import verifier_pb2 as pb
+from spec_core.wire import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 # GetVocabulary's answer for Gemma 3 is ~1.4 MB; allow well above gRPC's 4 MiB default.
-VOCABULARY_MAX_BYTES = 64 << 20
-
-
-class DraftTokenizer(Protocol):
-    """What drafting across vocabularies needs of the draft's tokenizer (llama_runtime.GGUFModel has it)."""
-
-    fingerprint: str
-    vocabulary: Vocabulary
-
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
-    def tokenize_bytes(self, data: bytes, add_special: bool = False, parse_special: bool = False) -> list[int]: ...
+VOCABULARY_MAX_BYTES = MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)

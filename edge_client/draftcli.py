@@ -7,10 +7,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
-
-from typing import TYPE_CHECKING
+import sys
+import time
+from typing import TYPE_CHECKING, Callable, Iterator
 
 if TYPE_CHECKING:  # rich is the `draft` extra: `edge-client generate` must not need it
     from rich.console import Console
@@ -66,21 +68,44 @@ def add_parsers(sub) -> None:
     p.add_argument("--continuation", choices=["sampled", "greedy"], default="sampled",
                    help="sampled: the target samples its continuation at each T (default); greedy: one greedy "
                         "continuation for every T (faster, optimistic for T > 0)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the target's sampled continuations")
     p.add_argument("--threads", type=int, default=1,
                    help="threads for the acceptance runs (default 1: robust on a busy 2-core machine)")
     p.add_argument("--no-speed", action="store_true", help="skip the speed and verify-cost measurements")
-    p.add_argument("--speed-tokens", type=int, default=32)
-    p.add_argument("--speed-repeats", type=int, default=3)
+    p.add_argument("--speed-tokens", type=int, default=32, help="tokens decoded per speed measurement")
+    p.add_argument("--speed-repeats", type=int, default=3, help="speed measurements per model (the median is kept)")
     p.add_argument("--verify-threads", type=int, default=1,
                    help="threads of the target when timing verification (default 1, as the demo's verifier)")
     p.add_argument("--draft-threads", type=int, default=1,
                    help="draft threads in the figure of merit (default 1, as the demo's edge)")
     p.add_argument("--link", default="3g", help="netsim profile for the figure of merit (default 3g)")
-    p.add_argument("--fom-temperature", type=float, default=0.7)
-    p.add_argument("--max-gamma", type=int, default=12)
+    p.add_argument("--fom-temperature", type=float, default=0.7,
+                   help="temperature whose α the figure of merit uses (default 0.7)")
+    p.add_argument("--max-gamma", type=int, default=12, help="largest γ the figure of merit tries (default 12)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=cmd_eval_draft)
+
+
+@contextlib.contextmanager
+def steps(err: Console, what: str) -> Iterator[Callable[[str], None]]:
+    """Progress of long work on standard error, as a callback that takes the step being done.
+
+    On a terminal: a spinner with the step and the time elapsed, cleared when the work ends.
+    Otherwise (piped, logged, in CI): one line per step with the seconds since the start, so a
+    long run is never silent."""
+    if err.is_terminal:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                      transient=True) as progress:
+            task = progress.add_task(what, total=None)
+            yield lambda step: progress.update(task, description=f"{what}: {step}")
+        return
+    start = time.monotonic()
+
+    def line(step: str) -> None:
+        print(f"[{time.monotonic() - start:5.0f} s] {what}: {step}", file=sys.stderr, flush=True)
+    line("started")
+    yield line
 
 
 def _target(args) -> str:
@@ -88,9 +113,10 @@ def _target(args) -> str:
 
 
 def _model(spec: str) -> str:
-    """A GGUF path, or a bundled model's name (smollm2, gemma)."""
-    from llama_runtime.model import resolve_model
-    return str(resolve_model(spec))
+    """A GGUF path, or a bundled model's name (smollm2, gemma), as a readable file's path
+    (ModelMissing, a FileNotFoundError, says how to get one that is not there)."""
+    from llama_runtime import find_model
+    return str(find_model(spec))
 
 
 def cmd_make_draft(args) -> int:
@@ -100,8 +126,8 @@ def cmd_make_draft(args) -> int:
     from edge_client.draftmaker.make import DraftSpec, make_draft
 
     err = Console(stderr=True)
-    target = _target(args)
     try:
+        target = _target(args)
         drop: list[int] = []
         if args.method.startswith("skip"):
             if bool(args.drop) == bool(args.keep):
@@ -118,10 +144,10 @@ def cmd_make_draft(args) -> int:
                          search_shortlist=args.shortlist,
                          calib_prompts=args.calib_prompts, calib_tokens=args.calib_tokens, threads=args.threads,
                          extra={"command": _make_command(args, target)})
-        with err.status("making the draft") as status:
-            info = make_draft(target, args.out, spec, progress=lambda msg: status.update(msg))
+        with steps(err, f"making {args.out}") as step:
+            info = make_draft(target, args.out, spec, progress=step)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        err.print(f"[red]make-draft:[/red] {e}")
+        err.print(f"[red]make-draft:[/red] {e}", soft_wrap=True)   # one line, however long
         return 2
     if args.json:
         print(json.dumps(info, indent=2))
@@ -195,17 +221,18 @@ def cmd_eval_draft(args) -> int:
         prompts = load_prompts(args.prompts)
         if args.per_category:
             prompts = _first_per_category(prompts, args.per_category)
-        with err.status("evaluating") as status:
+        target, drafts = _target(args), [_model(d) for d in args.draft]   # all there, before the work starts
+        with steps(err, "eval-draft") as step:
             reports = evaluate_drafts(
-                _target(args), [_model(d) for d in args.draft], prompts, cross_vocab=not args.strict_vocab, max_new_tokens=args.tokens, temperatures=temps,
+                target, drafts, prompts, cross_vocab=not args.strict_vocab, max_new_tokens=args.tokens, temperatures=temps,
                 continuation=args.continuation, seed=args.seed, threads=args.threads,
                 measure_speed=not args.no_speed, speed_tokens=args.speed_tokens, speed_repeats=args.speed_repeats,
                 verify_threads=args.verify_threads, link=link_figures(args.link), fom_temperature=args.fom_temperature,
                 draft_threads=args.draft_threads, max_gamma=args.max_gamma,
                 prompts_file=args.prompts or "edge_client/prompts/eval.jsonl",
-                progress=lambda msg: status.update(msg))
+                progress=step)
     except (ValueError, FileNotFoundError, KeyError) as e:
-        err.print(f"[red]eval-draft:[/red] {e}")
+        err.print(f"[red]eval-draft:[/red] {e}", soft_wrap=True)   # one line, however long
         return 2
     if args.json:
         docs = [r.to_json() for r in reports]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spec_core.costmodel import RoundCosts, best_gamma, expected_tokens_per_round
+from spec_core.estimates import Acceptance, fit_line
 from spec_core.tree import TreeShape
 
 
@@ -34,49 +35,38 @@ class AdaptiveGamma:
     min_gamma: int = 1
     start_gamma: int = 4
     decay: float = 0.9               # forgetting factor per round for every estimate
-    accepted: float = 1.0            # Beta prior: 1 accepted of 2 tested drafts (α = 0.5)
-    tested: float = 2.0              # drafts actually tested: the accepted ones + the rejected one
+    acceptance: Acceptance = field(init=False)   # α, forgotten at `decay` (spec_core.estimates)
     t_draft_s: float | None = None
     rtt_s: float | None = None
     _verify_points: list[tuple[int, float]] = field(default_factory=list)
     chosen: list[int] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.acceptance = Acceptance(self.decay)
+
     @property
     def alpha(self) -> float:
-        return self.accepted / self.tested
+        return self.acceptance.alpha
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
     def observe(self, gamma: int, num_accepted: int, draft_s: float, round_s: float, server_s: float,
                 model_s: float, rejected: bool = False) -> None:
+        # Drafts after the first rejection are never tested, so accepted / drafted would
+        # underestimate α and shrink γ; Acceptance counts only tested drafts.
+        self.acceptance.observe(gamma, num_accepted, rejected)
         if gamma > 0:
-            # Drafts after the first rejection are never tested, so accepted / drafted would
-            # underestimate α and shrink γ; count only tested drafts (the geometric model's MLE).
-            self.accepted = self.decay * self.accepted + num_accepted
-            self.tested = self.decay * self.tested + num_accepted + (1 if rejected else 0)
             self.t_draft_s = self._ewma(self.t_draft_s, draft_s / gamma)
         # round_s is timed around the RPC alone (drafting happens before it).
         self.rtt_s = self._ewma(self.rtt_s, max(0.0, round_s - server_s))
         self._verify_points = (self._verify_points + [(gamma, model_s)])[-32:]
 
-    def _verify_line(self) -> tuple[float, float]:
-        """Least-squares base + per-token verifier time over recent rounds."""
-        pts = self._verify_points
-        if not pts:
-            return 0.0, 0.0
-        n = len(pts)
-        mx = sum(g for g, _ in pts) / n
-        my = sum(t for _, t in pts) / n
-        var = sum((g - mx) ** 2 for g, _ in pts)
-        slope = max(0.0, sum((g - mx) * (t - my) for g, t in pts) / var) if var > 0 else 0.0
-        return max(0.0, my - slope * mx), slope
-
     def next_gamma(self) -> int:
         if self.t_draft_s is None or self.rtt_s is None:
             g = self.start_gamma
         else:
-            base, per_tok = self._verify_line()
+            base, per_tok = fit_line(self._verify_points)   # verifier time over γ
             costs = RoundCosts(self.t_draft_s, self.rtt_s, base, per_tok)
             g = best_gamma(min(self.alpha, 0.999), costs, self.max_gamma, self.min_gamma)
         self.chosen.append(g)
@@ -92,6 +82,20 @@ class RoundPlan:
     arm: str                         # "chain" or the tree's name, e.g. "tree8"
     gamma: int                       # chain length, or the tree's depth
     shape: TreeShape | None = None   # None: a chain
+
+    def within(self, remaining: int) -> "RoundPlan":
+        """This plan cut as `TreePolicy.plan(remaining)` cuts a fresh round: depth (or γ) at most
+        remaining - 1. A continuation for an outcome is drafted with the plan a fresh round after that
+        outcome would have, so the same seed drafts the same tokens whether or not it was guessed."""
+        room = max(0, remaining - 1)
+        if self.gamma <= room:
+            return self
+        if self.shape is None:
+            return RoundPlan(self.arm, room)
+        if room < 1:
+            return RoundPlan("chain", 0)
+        s = self.shape
+        return RoundPlan(self.arm, room, TreeShape(s.budget, room, s.branching, s.width))
 
 
 @dataclass
@@ -169,21 +173,11 @@ class TreePolicy:
     def _take(self, plan: RoundPlan) -> RoundPlan:
         return plan
 
-    def _verify_line(self) -> tuple[float, float]:
-        pts = self._verify_points
-        if not pts:
-            return 0.0, 0.0
-        n = len(pts)
-        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-        var = sum((x - mx) ** 2 for x, _ in pts)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / var) if var > 0 else 0.0
-        return max(0.0, my - slope * mx), slope
-
     def predicted_round_s(self, plan: RoundPlan) -> float:
         nodes = plan.gamma if plan.shape is None else plan.shape.budget
         # A tree expands `width` nodes per level (the root once); a chain one row per token.
         rows = plan.gamma if plan.shape is None else 1 + (plan.shape.depth - 1) * plan.shape.width
-        base, per_node = self._verify_line()
+        base, per_node = fit_line(self._verify_points)   # verifier time over nodes
         return rows * (self.t_row_s or 0.0) + (self.rtt_s or 0.0) + base + nodes * per_node
 
     def predicted_rate(self, plan: RoundPlan) -> float:

@@ -39,6 +39,19 @@ class OptionError(ValueError):
         self.option, self.problem = option, problem
 
 
+class OptionConflict(OptionError):
+    """Two options that cannot work together: `options` names both (fields, or on the command line
+    the flags), `problem` says why and what to change."""
+
+    def __init__(self, first: str, second: str, problem: str):
+        super().__init__(f"{first} and {second}", problem)
+        self.options = (first, second)
+        self.args = (f"{first} conflicts with {second}: {problem}",)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 def parse_gamma(value: str | int) -> int | str:
     """γ: draft tokens per round (an integer >= 0; 0 drafts nothing, the target steps alone), or
     'adaptive' (the cost model picks it each round). The one place γ is read from text."""
@@ -116,6 +129,25 @@ class Speculation:
             except (TypeError, ValueError) as e:
                 raise OptionError("tree", f"'off', 'auto' or a shape such as 'budget=16,depth=4,branching=2,"
                                           f"width=4', got {self.tree!r}: {e}") from None
+        refuse_conflicts(self)
+
+    def timing_dependent(self) -> tuple[str, ...]:
+        """The options whose choices follow measured timings (and the verifier's load), so that a
+        seed does not pin the output: adaptive γ, tree 'auto', and pipelined chains with
+        continuations for more than one outcome (their length is chosen by the cost model,
+        edge_client.continuations.choose_length). All of these stay exact. With none of them the
+        same seed gives the same ids, with or without proactive or pipelined rounds and whichever
+        outcomes got a continuation in time: a round's draft and the verifier's draws depend only on
+        the seed and the committed tokens, and a continuation is drafted with the plan a fresh round
+        after its outcome would have (RoundPlan.within)."""
+        out = []
+        if self.gamma == ADAPTIVE:
+            out.append("gamma")
+        if self.tree == "auto":
+            out.append("tree")
+        if self.pipeline and self.max_continuations > 1 and self.tree == "off":
+            out.append("max_continuations")
+        return tuple(out)
 
     @property
     def draft_tree_nodes(self) -> int:
@@ -150,6 +182,33 @@ class Speculation:
                 log.warning("tree %s is beyond the verifier's limits; drafting %s", s, capped)
                 out = dataclasses.replace(out, tree=capped)
         return out
+
+
+def refuse_conflicts(spec: Speculation, drafter: str | None = None, drafter_builds_trees: bool = True) -> None:
+    """The one place two options are refused together: OptionConflict naming both and why, before
+    any model loads or the first round. Every other combination of the speculation options (chain,
+    tree or auto; proactive, pipeline, continuations; q none, fixed or float; greedy or sampled;
+    same vocabulary or across) runs: tests/test_option_matrix.py checks that it does.
+    `drafter` (its name, e.g. 'lookup') and whether it builds trees: checked when given."""
+    if drafter is not None and spec.tree != "off" and not drafter_builds_trees:
+        raise OptionConflict(f"tree={_shown(spec.tree)}", f"drafter={drafter}",
+                             f"the {drafter} drafter proposes chains only (it has no model to rank a tree's "
+                             "branches); use tree 'off', or a model drafter (gguf, synthetic) for trees")
+    if spec.strict_tokenizer and spec.target_vocab:
+        raise OptionConflict("target_vocab", "strict_tokenizer",
+                             "the target's vocabulary is only read to draft across vocabularies, which the strict "
+                             "tokenizer check refuses; drop one of them")
+
+
+def _shown(tree: str | TreeShape) -> str:
+    if isinstance(tree, str):
+        return tree
+    return ",".join(f"{f.name}={getattr(tree, f.name)}" for f in dataclasses.fields(tree))
+
+
+def refuse_drafter_conflicts(spec: Speculation, drafter) -> None:
+    """refuse_conflicts for a drafter already built (edge_client.drafters.Drafter)."""
+    refuse_conflicts(spec, drafter.name, drafter.supports_trees)
 
 
 @dataclass(frozen=True)
@@ -234,14 +293,17 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
                    help="q on the wire: none | fixed[:TOPK[:BITS]] | float[:TOPK] (TOPK 0 = whole vocabulary)")
     s.add_argument("--drafter", choices=["gguf", "lookup", "synthetic"], default="gguf",
                    help="gguf: a draft model (--draft); lookup: prompt lookup, no model; synthetic: test pair")
-    s.add_argument("--draft", help="draft GGUF file (default: models/smollm2-draft.gguf when it exists); one with "
-                                   "another tokenizer than the target's drafts across vocabularies (docs/usage.md)")
+    s.add_argument("--draft", help="draft GGUF file, or a bundled model's name (smollm2, gemma); default: "
+                                   "models/smollm2-draft.gguf (scripts/setup.sh makes it). One with another tokenizer "
+                                   "than the target's drafts across vocabularies (docs/usage.md)")
     s.add_argument("--strict-tokenizer", action="store_true",
                    help="refuse a target whose tokenizer differs from the draft's instead of drafting across "
                         "vocabularies")
-    s.add_argument("--target-vocab", help="the target's vocabulary from a local file (the target's GGUF, or a saved "
-                                          ".pb) instead of asking the verifier (GetVocabulary) the first time")
-    s.add_argument("--tokenizer", help="GGUF file whose vocabulary to use with --drafter lookup (default: bundled)")
+    s.add_argument("--target-vocab", help="the target's vocabulary from a local file (the target's GGUF or bundled "
+                                          "name, or a saved .pb) instead of asking the verifier (GetVocabulary) the "
+                                          "first time")
+    s.add_argument("--tokenizer", help="GGUF file or bundled model's name (smollm2, gemma) whose vocabulary to use "
+                                       "with --drafter lookup (default: smollm2)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
     s.add_argument("--tree", default="off",
                    help="token trees: 'off' (chains), 'auto' (the cost model picks chain or tree each round), or a "
@@ -261,9 +323,12 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     s.add_argument("--continuations", type=int, default=8, metavar="N",
                    help="with --proactive / --pipeline: draft the next round for up to N likely outcomes of the "
                         "round in flight (the cost model picks how many pay; 1 = only 'every draft accepted')")
-    s.add_argument("--synthetic-vocab", type=int, default=64)
-    s.add_argument("--synthetic-seed", type=int, default=0)
-    s.add_argument("--synthetic-noise", type=float, default=1.0)
+    s.add_argument("--synthetic-vocab", type=int, default=64,
+                   help="(--drafter synthetic) vocabulary size, as the synthetic verifier's --synthetic-vocab")
+    s.add_argument("--synthetic-seed", type=int, default=0,
+                   help="(--drafter synthetic) the target's seed, as the synthetic verifier's --synthetic-seed")
+    s.add_argument("--synthetic-noise", type=float, default=1.0,
+                   help="(--drafter synthetic) how far the draft is blurred from the target (0: the target itself)")
 
 
 def _add_security(p: argparse.ArgumentParser) -> None:
@@ -283,12 +348,22 @@ def _add_security(p: argparse.ArgumentParser) -> None:
 FLAGS = {"gamma": "--gamma", "max_gamma": "--max-gamma", "qmode": "--q", "tree": "--tree",
          "max_tree_nodes": "--max-tree-nodes", "deadline_s": "--deadline", "max_retries": "--retries",
          "tls_cert": "--tls-cert/--tls-key", "slo_tpot_ms": "--slo-tpot-ms", "slo_ttft_ms": "--slo-ttft-ms",
-         "max_continuations": "--continuations"}
+         "max_continuations": "--continuations", "drafter": "--drafter", "target_vocab": "--target-vocab",
+         "strict_tokenizer": "--strict-tokenizer"}
+
+
+def _flag(option: str) -> str:
+    """'tree=auto' -> '--tree auto'; 'gamma' -> '--gamma'."""
+    name, eq, value = option.partition("=")
+    flag = FLAGS.get(name, name)
+    return f"{flag} {value}" if eq else flag
 
 
 def _as_flag(build):
     try:
         return build()
+    except OptionConflict as e:
+        raise OptionConflict(*(f"argument {_flag(o)}" for o in e.options), e.problem) from None
     except OptionError as e:
         raise OptionError(f"argument {FLAGS.get(e.option, e.option)}", e.problem) from None
 
@@ -303,6 +378,8 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
             strict_tokenizer=getattr(args, "strict_tokenizer", False), target_vocab=getattr(args, "target_vocab", None),
             steer=getattr(args, "steer", True), slo_tpot_ms=getattr(args, "slo_tpot_ms", 0.0),
             slo_ttft_ms=getattr(args, "slo_ttft_ms", 0.0), max_continuations=args.continuations))
+        if hasattr(args, "drafter"):
+            _as_flag(lambda: refuse_conflicts(spec, args.drafter, _drafter_class(args.drafter).supports_trees))
     transport = _as_flag(lambda: Transport(
         server=getattr(args, "server", ""), deadline_s=args.deadline,
         max_retries=getattr(args, "retries", Transport.max_retries)))
@@ -321,8 +398,15 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
     return EdgeOptions(transport, spec, security)
 
 
+def _drafter_class(name: str):
+    """The class behind --drafter NAME (its capabilities, before anything loads)."""
+    from edge_client.drafters import GGUFDrafter, PromptLookupDrafter, SyntheticDrafter
+    return {"lookup": PromptLookupDrafter, "synthetic": SyntheticDrafter, "gguf": GGUFDrafter}[name]
+
+
 def build_drafter(args: argparse.Namespace, spec: Speculation):
-    """(drafter, tokenizer) from add_edge_options' drafter arguments (this loads the draft model)."""
+    """(drafter, tokenizer) from add_edge_options' drafter arguments (this loads the draft model;
+    options_from_args has refused a drafter that conflicts with the speculation options)."""
     from edge_client.drafters import GGUFDrafter, PromptLookupDrafter, SyntheticDrafter
     if args.drafter == "synthetic":
         from edge_client.text import SyntheticTokenizer

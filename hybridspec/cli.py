@@ -9,7 +9,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridspec", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG (default: warnings only)")
     sub = parser.add_subparsers(dest="command", required=True)
     from hybridspec import demo
     demo.add_parser(sub)

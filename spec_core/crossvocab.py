@@ -174,13 +174,19 @@ def restrict_probs(draft_probs: np.ndarray, token_map: TokenMap) -> np.ndarray |
 
 
 def to_target_q(q: EncodedQ, token_map: TokenMap) -> EncodedQ:
-    """The same weights on the target's ids (sparse). Every id in q's support must be mapped:
-    q must have been made from restricted logits or probabilities."""
+    """The same weights on the target's ids (sparse). Every id with positive weight must be mapped:
+    q must have been made from restricted logits or probabilities.
+
+    A sparse encoding may keep zero-weight ids (encode_float's top-k support is wider than what
+    top-k / top-p / the restriction left, so some are outside the intersection): they are never
+    drawn and add nothing to the sum, so leaving them out keeps the distribution bit for bit the one
+    the token was drawn from."""
     if q.token_ids is None:
         ids = np.flatnonzero(q.weights)
         weights = q.weights[ids]
     else:
-        ids, weights = q.token_ids.astype(np.int64), q.weights
+        positive = q.weights > 0
+        ids, weights = q.token_ids[positive].astype(np.int64), q.weights[positive]
     target_ids = token_map.draft_to_target[ids]
     if np.any(target_ids < 0):
         raise ValueError("q puts weight on draft tokens outside the intersection: restrict it before sampling")

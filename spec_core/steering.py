@@ -24,12 +24,19 @@ edge's adaptive γ counts those, and drafts min(its choice, the budget). Tree no
 rule: a node reached through candidates of sibling ranks k_1..k_j (0: the first tried) is
 committed with probability Π (1 − α)^k_i · α under the same independence, and is worth its cost
 when that is ≥ θ.
+
+The verifier (cloud_verifier.engine) and the fleet simulator (netsim.fleet.policies) price drafts with
+these same functions, the simulator feeding them its simulated passes and commits.
 """
 from __future__ import annotations
 
 import math
 from collections import deque
 from typing import NamedTuple
+
+from spec_core.estimates import Acceptance, fit_line, x_varies
+
+__all__ = ["Acceptance", "Budget", "CommitRate", "PassCostLine", "draft_budget", "gamma_budget", "tree_node_budget"]
 
 
 class Budget(NamedTuple):
@@ -104,14 +111,11 @@ class PassCostLine:
         if len(pts) < self.min_passes:
             return 0.0, 0.0
         n = len(pts)
-        mx = sum(x for x, _ in pts) / n
-        my = sum(y for _, y in pts) / n
-        var = sum((x - mx) ** 2 for x, _ in pts)
-        if var < 1e-9 * max(1.0, mx * mx):
-            return 0.0, my / mx
-        slope = sum((x - mx) * (y - my) for x, y in pts) / var
-        slope = min(max(slope, 0.0), my / mx)   # never above the through-origin cost, never negative
-        return max(0.0, my - slope * mx), slope
+        through_origin = (sum(y for _, y in pts) / n) / (sum(x for x, _ in pts) / n)
+        if not x_varies(pts):
+            return 0.0, through_origin
+        # The slope is never above the through-origin cost, never negative.
+        return tuple(fit_line(pts, max_slope=through_origin))
 
 
 class CommitRate:
@@ -136,21 +140,3 @@ class CommitRate:
     def rate(self, now: float) -> float:
         self._drop(now)
         return self.total / self.window_s
-
-
-class Acceptance:
-    """Per-token acceptance α of one session's chains as the verifier saw them: accepted / tested
-    drafts (the rejected one counts as tested, later ones do not), a Beta(1, 1) prior, forgotten
-    at `decay` per round (the edge's AdaptiveGamma does the same)."""
-
-    def __init__(self, decay: float = 0.9):
-        self.decay, self.accepted, self.tested = decay, 1.0, 2.0
-
-    def observe(self, drafted: int, accepted: int, rejected: bool) -> None:
-        if drafted > 0:
-            self.accepted = self.decay * self.accepted + accepted
-            self.tested = self.decay * self.tested + accepted + (1 if rejected else 0)
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.tested

@@ -19,7 +19,7 @@ from spec_core.crossvocab import (DraftView, TargetPieces, TokenMap, Vocabulary,
                                   pack_token_bytes, restrict_logits, restrict_probs, to_target_q,
                                   unpack_token_bytes)
 from spec_core.drafting import QMode, draft_step
-from spec_core.qcodec import EncodedQ
+from spec_core.qcodec import EncodedQ, encode_float
 from spec_core.synthetic import SyntheticLM
 from spec_core.verify import commit_round, verify_round
 from spec_core.warping import SamplingSettings, processed_probs
@@ -206,7 +206,10 @@ def run(temperature, top_k, top_p, gamma, qmode, m=None, seed=0, **kw) -> float:
     return chi_square_p(counts, exact_probs(s), N)
 
 
-QMODES = {"float": QMode("float", 0), "fixed-top3": QMode("fixed", 3, 6), "none": QMode("none", 0, 0)}
+# float-top6: a sparse float support wider than the restriction's 5 ids, so it keeps zero-weight ids
+# outside the intersection (issue 24's crash; they must be neither drawn nor shipped).
+QMODES = {"float": QMode("float", 0), "float-top6": QMode("float", 6), "fixed-top3": QMode("fixed", 3, 6),
+          "none": QMode("none", 0, 0)}
 
 
 @pytest.mark.parametrize("qname", list(QMODES))
@@ -261,3 +264,72 @@ def test_spelled_greedy_is_the_target_argmax_path():
 def test_negative_control_spelled_drafts_with_a_q_are_caught():
     """The same spelled drafts shipped with the step's TLI q (not what they were drawn from): biased."""
     assert run(1.0, 0, 1.0, 3, QMODES["none"], spelled=True, with_q=True) < P_MIN
+
+
+# --- regression: a sparse float q wider than the restricted support (issue 24) -----------------------
+
+class _LinspaceDrafter:
+    """A draft model whose logits are linspace(0, 1, n) after any context (the issue's reproduction)."""
+
+    fingerprint = None
+    supports_trees = False
+
+    def __init__(self, n: int):
+        self.logits = np.linspace(0.0, 1.0, n)
+
+    def next_logits(self, seq):
+        return self.logits
+
+    def observe(self, committed, num_accepted):
+        pass
+
+
+def _abc_pair():
+    """Target vocabulary 'a b c'; draft vocabulary 'a b c x0..x19' (the x's are outside the intersection)."""
+    target_tokens = (b"a", b"b", b"c")
+    draft_tokens = target_tokens + tuple(f"x{i}".encode() for i in range(20))
+    target = Vocabulary(target_tokens, fingerprint=_fp_of(target_tokens, b"t"))
+    draft = Vocabulary(draft_tokens, fingerprint=_fp_of(draft_tokens, b"d"))
+    return target, draft
+
+
+def _fp_of(tokens, tag):
+    from spec_core.fingerprint import tokenizer_fingerprint
+    return tokenizer_fingerprint([tag + t for t in tokens], 0, 1)
+
+
+@pytest.mark.parametrize("settings", [SamplingSettings(temperature=0.7, top_k=2),
+                                      SamplingSettings(temperature=0.7, top_p=0.5),
+                                      SamplingSettings(temperature=1.0)], ids=["top-k2", "top-p0.5", "T1"])
+def test_sparse_float_q_wider_than_the_restriction_ships_only_the_support(settings):
+    """Issue 24's crash: float:16 over a restriction with 3 (or fewer) nonzero ids keeps 13+ zero-weight
+    draft ids outside the intersection; they are never drawn, and now never shipped either."""
+    from edge_client.drafters import CrossVocabDrafter
+    target, draft = _abc_pair()
+    drafter = CrossVocabDrafter(_LinspaceDrafter(draft.n_vocab), draft, target, longest_match_tokenizer(draft))
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        d = drafter.propose([0], 2, settings, QMode("float", 16), rng)
+        assert len(d.tokens) == 2 and all(0 <= t < 3 for t in d.tokens)
+        for tok, q in zip(d.tokens, d.qs):
+            assert q.token_ids is not None and set(q.token_ids.tolist()) <= {0, 1, 2}
+            assert q.prob_of(tok) > 0
+            # The shipped q is the distribution the token was drawn from, bit for bit: the float32
+            # encoding of the restricted, processed draft distribution, less its zero entries.
+            restricted = restrict_logits(drafter.inner.logits, drafter.token_map)
+            enc = encode_float(processed_probs(restricted, settings.temperature, settings.top_k, settings.top_p), 16)
+            keep = enc.weights > 0
+            assert sorted(zip(q.token_ids.tolist(), q.weights.tolist())) == \
+                sorted(zip(enc.token_ids[keep].tolist(), enc.weights[keep].tolist()))
+
+
+def test_to_target_q_refuses_weight_outside_the_intersection():
+    """A positive weight on an unmapped draft id is still a bug upstream (q was not restricted)."""
+    target, draft = _abc_pair()
+    m = intersection_map(draft, target)
+    q = EncodedQ(np.array([0, 5], dtype=np.uint32), np.array([0.5, 0.5], dtype=np.float32), fixed=False)
+    with pytest.raises(ValueError, match="outside the intersection"):
+        to_target_q(q, m)
+    zero = EncodedQ(np.array([0, 5, 1], dtype=np.uint32), np.array([0.75, 0.0, 0.25], dtype=np.float32), fixed=False)
+    out = to_target_q(zero, m)
+    assert out.token_ids.tolist() == [0, 1] and out.weights.tolist() == [0.75, 0.25]   # the zero is not shipped

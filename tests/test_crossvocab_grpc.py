@@ -25,29 +25,10 @@ from helpers import edge_options, running_server, stub_for
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.warping import SamplingSettings, processed_probs
 from test_exactness_stats import chi_square_p
-from xvocab_pair import DRAFT, TARGET, longest_match_tokenizer
+from xvocab_pair import DRAFT, TARGET, DraftTokenizer, longest_match_tokenizer
 
 N, L = 2000, 2
 P_MIN = 1e-4
-
-
-class DraftTokenizer:
-    """The synthetic draft's tokenizer (edge_client.crossvocab.DraftTokenizer)."""
-
-    def __init__(self, fingerprint: str):
-        self.fingerprint = fingerprint
-        self.vocabulary = DRAFT
-        self.eog_ids = frozenset()
-        self._tok = longest_match_tokenizer(DRAFT)
-
-    def tokenize(self, text, add_special=True, parse_special=True):
-        return ([0] if add_special else []) + self._tok(text.encode())
-
-    def tokenize_bytes(self, data, add_special=False, parse_special=False):
-        return self._tok(data)
-
-    def token_bytes(self, token, special=False):
-        return DRAFT.token_bytes[token]
 
 
 def target_backend(**kw) -> SyntheticBackend:

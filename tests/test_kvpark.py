@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 
+import grpc
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY
@@ -14,12 +15,15 @@ from prometheus_client import REGISTRY
 from cloud_verifier.backends.base import StateLost
 from cloud_verifier.backends.kvpark import NoPlaceYet
 from cloud_verifier.backends.llama_cpp import LlamaCppBackend
+from cloud_verifier.backends.synthetic import SyntheticBackend
 from cloud_verifier.cli import backend_from_args, build_parser
 from edge_client import EdgeClient
-from edge_client.drafters import GGUFDrafter
-from helpers import edge_options, running_server
+from edge_client.drafters import GGUFDrafter, SyntheticDrafter
+from edge_client.text import SyntheticTokenizer
+from helpers import edge_options, running_server, stub_for
 from llama_runtime import GGUFModel, SharedKV, kv_bytes_per_token
 from spec_core.kvpark import ParkCandidate, ParkCost, choose_victim, idle_share, next_use, parked_capacity
+from spec_core.proto import verifier_pb2 as pb
 from spec_core.warping import SamplingSettings
 
 PROMPTS = ["hello world, the list", "def return the list of a", "the the the", "a list of hello"]
@@ -341,9 +345,14 @@ def test_bad_parking_options_are_refused(tiny_models):
         parking_backend(tiny_models, places=1, kv_park_bytes=0)
     with pytest.raises(ValueError, match="kv-park-order"):
         parking_backend(tiny_models, places=1, kv_park_order="mru")
-    args = build_parser().parse_args(["serve", "--backend", "synthetic", "--kv-park", "on"])
-    with pytest.raises(SystemExit, match="llama.cpp backend"):
+    args = build_parser().parse_args(["serve", "--backend", "vllm", "--model", "x", "--kv-park", "on"])
+    with pytest.raises(SystemExit, match="vLLM manages its own KV cache"):
         backend_from_args(args)
+    args = build_parser().parse_args(["serve", "--backend", "synthetic", "--batching", "off", "--kv-park", "on"])
+    with pytest.raises(SystemExit, match="batching on"):
+        backend_from_args(args)
+    with pytest.raises(ValueError, match="kv-park-bytes"):
+        SyntheticBackend(batching=True, kv_park=True, kv_park_bytes=0)
     args = build_parser().parse_args(["serve", "--model", str(tiny_models["target"]), "--batching", "off",
                                       "--kv-park", "on"])
     with pytest.raises(SystemExit, match="batching on"):
@@ -380,3 +389,123 @@ def test_netsim_load_reads_the_kv_metrics():
     assert kv["failures"] == 1.0
     assert "80% idle" in _kv_lines([{"edges": 4, "mode": "hybrid", "kv": kv}])[0]
     assert kv_between_rounds({}, {"hybridspec_verify_rounds_total": 3.0}, 3) is None   # a verifier without them
+
+
+# --- the synthetic target parks too (the fleet and load tests' verifier) ----------------------------
+
+def test_the_synthetic_target_parks_and_restores_with_its_rows_unchanged():
+    """One place, two sessions whose rounds alternate: each round parks the other session and
+    restores this one (counted by the metrics), and every row is the synthetic target's own."""
+    backend = SyntheticBackend(vocab=16, n_ctx=64, batching=True, kv_tokens=64, kv_park=True)
+    assert backend.max_states == 1 + parked_capacity(1 << 30, 4, 64)
+    backend.book.cost = ParkCost(0.0, 0.0, 0.0)   # any idle time pays for a move
+    parks0, restores0 = _sample("hybridspec_kv_parks_total"), _sample("hybridspec_kv_restores_total")
+    states = [backend.new_state()]
+    seqs = [[0, 3, 4], [0, 5, 6, 7]]
+    for r in range(5):
+        for k in range(2):
+            if len(states) == k:
+                states.append(backend.new_state())   # the place is taken: session 0 is parked
+            seqs[k] = seqs[k] + [(r + k) % 16, (3 * r) % 16]
+            rows = backend.target_logits(states[k], seqs[k], 3)[0]
+            want = np.stack([backend.lm.logits(seqs[k][:len(seqs[k]) - 2 + i]) for i in range(3)])
+            np.testing.assert_array_equal(rows, want)
+    for st in states:
+        backend.release(st)
+    backend.batcher.acquire(lambda: None)   # releases apply between passes
+    assert backend.book.parked_bytes == 0 and backend.kv.held == {} and not backend.kv.parked
+    backend.close()
+    assert _sample("hybridspec_kv_parks_total") - parks0 == 9
+    assert _sample("hybridspec_kv_restores_total") - restores0 == 8
+
+
+async def test_greedy_text_with_synthetic_parking_equals_the_target_s():
+    """`serve --backend synthetic --kv-park on` with 2 places: 4 concurrent greedy sessions, each
+    parked as its rounds end and restored when the next arrives, give the target's own text."""
+    from test_faults import VOCAB, synthetic_greedy
+    args = build_parser().parse_args(["serve", "--backend", "synthetic", "--kv-park", "on", "--n-ctx", "256",
+                                      "--kv-tokens", "512", "--synthetic-vocab", str(VOCAB)])
+    backend = backend_from_args(args)
+    parked = _park_after_every_round(backend)
+    settings = SamplingSettings(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    async with running_server(backend) as server:
+        async def one(k):
+            async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=3),
+                                  SyntheticDrafter(VOCAB, noise=0.3), SyntheticTokenizer(VOCAB)) as c:
+                gen = c.generate(f"{k + 2} {k + 5}", settings)
+                await gen.text()
+                return gen.stats
+        runs = await asyncio.gather(*[one(k) for k in range(4)])
+    backend.close()
+    assert sum(parked) == sum(s.rounds for s in runs)
+    for k, stats in enumerate(runs):
+        assert stats.token_ids == synthetic_greedy([0, k + 2, k + 5], 24)
+
+
+def _open(prompt, max_new_tokens=8):
+    return pb.VerifyRequest(round=1, committed_length=len(prompt), open=pb.OpenSession(
+        prompt_token_ids=prompt, sampling=pb.SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)))
+
+
+@pytest.mark.parametrize("rule", ["frees room", "control: any idle session"])
+async def test_the_engine_never_evicts_a_parked_session_that_frees_no_place(rule):
+    """One place. A opens and goes idle; B opens (A is parked) and is then mid-round (its session
+    locked, its KV busy). C opens: no place, nothing to park, so the engine looks for an idle
+    session to evict. The only one is A, parked: evicting it frees no place. The rule keeps A
+    (C is refused at once, RESOURCE_EXHAUSTED); control, the old rule (any idle session): A is
+    evicted for nothing (its edge must replay) and C is refused all the same, after a second wait."""
+    backend = SyntheticBackend(vocab=16, n_ctx=64, batching=True, kv_tokens=64, kv_park=True)
+    backend.book.cost = ParkCost(0.0, 0.0, 0.0)
+    backend.book.restore_wait_s = 0.2
+    if rule.startswith("control"):
+        backend.release_frees_room = lambda state: True
+    tries = []
+    new_state = backend.new_state
+    backend.new_state = lambda: tries.append(1) or new_state()
+    async with running_server(backend, max_sessions=8) as server:
+        async with stub_for(server) as stub:
+            a = await stub.Verify(_open([0, 3, 3]), timeout=10)
+            b = await stub.Verify(_open([0, 4, 4]), timeout=10)
+            assert backend.book.parked_sessions == 1
+            session_b = server.engine.sessions.get(b.session_id)
+            async with session_b.lock:                       # B mid-round: not evictable ...
+                with backend.book.round(session_b.state):    # ... and its KV busy: not parkable
+                    tries.clear()
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await stub.Verify(_open([0, 5]), timeout=10)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            kept = {s.id for s in server.engine.sessions.sessions()}
+            if rule == "frees room":
+                assert kept == {a.session_id, b.session_id} and len(tries) == 1
+                assert backend.book.parked_sessions == 1
+            else:
+                assert kept == {b.session_id} and len(tries) == 2
+    backend.close()
+
+
+@pytest.mark.parametrize("rule", ["frees room", "control: any idle session"])
+async def test_the_engine_evicts_the_session_in_a_place_when_parking_is_full(rule):
+    """One place; host bytes for one parked session. A opens and goes idle; B opens and A is
+    parked; C opens: B cannot be parked (no bytes left), so the engine evicts an idle session.
+    The rule skips A (parked: its eviction frees no place) and evicts B, whose place C takes.
+    Control, the old rule: the least recently used, A, is evicted; its bytes then let B be parked,
+    so C opens too, but A's edge lost its session for no place."""
+    backend = SyntheticBackend(vocab=16, n_ctx=16, batching=True, kv_tokens=16, kv_park=True,
+                               kv_park_bytes=4 * 16)
+    backend.book.cost = ParkCost(0.0, 0.0, 0.0)
+    backend.book.restore_wait_s = 0.2
+    if rule.startswith("control"):
+        backend.release_frees_room = lambda state: True
+    async with running_server(backend, max_sessions=8) as server:
+        async with stub_for(server) as stub:
+            a = await stub.Verify(_open([0] + [3] * 11), timeout=10)
+            b = await stub.Verify(_open([0] + [4] * 11), timeout=10)
+            assert backend.book.parked_sessions == 1
+            c = await stub.Verify(_open([0, 5]), timeout=10)
+            assert c.committed_length == 3
+            kept = {s.id for s in server.engine.sessions.sessions()}
+            if rule == "frees room":
+                assert kept == {a.session_id, c.session_id}   # B was evicted, A is still parked
+            else:
+                assert kept == {b.session_id, c.session_id}
+    backend.close()

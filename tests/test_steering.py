@@ -135,7 +135,7 @@ def test_acceptance_counts_tested_drafts():
     ([5, 5, 5], [0.3, -0.1, 0.2], 12, 16, [2, 5, 5]),          # the late one first, then by slack
     ([5, 300, 5], [0.1, 1.5, 0.2], 32, 8, [5, 22, 5]),         # the prefill: 8, then the leftovers
     ([5, 300, 5, 5, 5, 5], [0.1, 1.5, 0.2, 0.2, 0.2, 0.2], 32, 8, [5, 7, 5, 5, 5, 5]),  # rounds first
-    ([5, 300, 5], [0.1, -0.5, 0.2], 32, 8, [0, 32, 0]),        # a late prefill is served like any request
+    ([5, 300, 5], [0.1, -0.5, 0.2], 32, 8, [5, 22, 5]),        # a late prefill goes first, a chunk a pass
     ([5, 5], [0.1, 0.1], 5, 8, [5, 0]),                        # ties in the order given
 ])
 def test_least_slack_first_cases(pending, slack, budget, chunk, takes):

@@ -42,3 +42,22 @@ def longest_match_tokenizer(vocab: Vocabulary):
                 pos += 1   # a byte no token covers: dropped (the draft's context only)
         return out
     return tokenize
+
+
+class DraftTokenizer:
+    """The synthetic draft's tokenizer (edge_client.crossvocab.DraftTokenizer)."""
+
+    def __init__(self, fingerprint: str):
+        self.fingerprint = fingerprint
+        self.vocabulary = DRAFT
+        self.eog_ids = frozenset()
+        self._tok = longest_match_tokenizer(DRAFT)
+
+    def tokenize(self, text, add_special=True, parse_special=True):
+        return ([0] if add_special else []) + self._tok(text.encode())
+
+    def tokenize_bytes(self, data, add_special=False, parse_special=False):
+        return self._tok(data)
+
+    def token_bytes(self, token, special=False):
+        return DRAFT.token_bytes[token]

@@ -172,3 +172,9 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         pass
+
+    def release_frees_room(self, state: object) -> bool:
+        """Whether releasing `state` would let `new_state` succeed where it found no room
+        (NoFreeState): the engine evicts only such an idle session. False e.g. for a session whose
+        KV cells are parked in host memory (cloud_verifier.backends.kvpark) while no place is free."""
+        return True

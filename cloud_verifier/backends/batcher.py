@@ -4,14 +4,17 @@ Callers block in `Batcher.submit` from their worker threads. One batcher thread 
 when a pass finishes it takes every request that has arrived since (a round never waits for a
 batch to fill; `window_s` optionally waits that long after the first arrival when the batcher is
 idle), and packs the pending tokens of all active requests into the next pass. Each active
-request gets a fair share of a pass (long prefills are spread over several passes and do not
-hold up short rounds), and the rest of the pass is filled in arrival order: that is
+request gets a fair share of a pass and the rest of the pass is filled in arrival order: that is
 `spec_core.batchplan.fair_share`, which the fleet simulator plans with too. With
 `schedule="slack"` the pass is planned by `spec_core.batchplan.least_slack_first` instead: least
 slack before the request's deadline first (the engine sets each session's deadline from its SLO,
-`set_deadline`), and a prefill takes at most `prefill_chunk` tokens a pass until it is late, so
-decoding rounds are never held back by a long prompt. Either way a pass is a set of tokens whose
-rows do not depend on each other: the order changes when a round is done, never what it computes.
+`set_deadline`). Under either schedule a prefill (a prompt, a replay: more than `prefill_chunk`
+tokens evaluated for the cache, not for rows) takes at most `prefill_chunk` tokens of a pass
+until every round in it got all it had (`spec_core.batchplan.chunk_prefills`): rounds are served
+as if each prompt had a chunk left to evaluate, and wait for no more of a prompt than the pass in
+flight when they arrived.
+Either way a pass is a set of tokens whose rows do not depend on each other: the order changes
+when a round is done, never what it computes.
 The batcher also keeps the line of its pass costs (`cost`, seconds over tokens) that the engine's
 draft budget is priced with (spec_core.steering).
 
@@ -224,15 +227,16 @@ class Batcher:
     def _plan(self) -> list[tuple[_Request, int]]:
         """How many pending tokens of each active request go into the next pass (none: left out)."""
         pending = [len(req.items) - req.cursor for req in self._active]
+        # A prefill evaluates tokens for the cache, not for rows (a prompt, a replay, a tree round's
+        # missing committed tokens): either schedule gives it at most a chunk while rounds wait.
+        prefill = [sum(not it.want_logits for it in req.items[req.cursor:]) > self.prefill_chunk
+                   for req in self._active]
         if self.schedule == "slack":
             now = time.perf_counter()
             slack = [(req.deadline if req.deadline is not None else req.t_submit) - now for req in self._active]
-            # A prefill evaluates tokens for the cache, not for rows (a prompt, a replay).
-            prefill = [sum(not it.want_logits for it in req.items[req.cursor:]) > self.prefill_chunk
-                       for req in self._active]
             takes = least_slack_first(pending, slack, self.packer.n_ubatch, self.prefill_chunk, prefill)
         else:
-            takes = fair_share(pending, self.packer.n_ubatch)
+            takes = fair_share(pending, self.packer.n_ubatch, prefill, self.prefill_chunk)
         return [(req, n) for req, n in zip(self._active, takes) if n]
 
     def _step(self) -> None:

@@ -1,4 +1,5 @@
-"""Sessions' places in the batched llama.cpp verifier's shared KV cache, and parking.
+"""Sessions' places in a batching verifier's KV cache (llama.cpp's SharedKV, or the synthetic
+target's stand-in for one), and parking.
 
 A hybrid session's round holds the target for one pass; then its KV cache waits, unused, while
 the reply crosses the link, the edge drafts, and the next round crosses back (on a 3g link,
@@ -39,6 +40,20 @@ from llama_runtime import ParkedSeq, SharedKV
 from spec_core.kvpark import ParkCandidate, ParkCost, choose_victim, ewma
 
 log = logging.getLogger(__name__)
+
+DEFAULT_KV_SESSIONS = 8           # a batching backend's default KV pool: places for 8 sessions
+DEFAULT_KV_PARK_BYTES = 1 << 30   # host memory for parked cells
+
+
+def check_park_options(park: bool, batching: bool, max_bytes: int, order: str) -> None:
+    """Refuse parking options that cannot work (ValueError naming the flag), before a model loads."""
+    if park and not batching:
+        raise ValueError("--kv-park on needs --batching on: the serial verifier has no shared KV cache")
+    if park and max_bytes <= 0:
+        raise ValueError(f"--kv-park-bytes must be positive with --kv-park on, got {max_bytes}")
+    if order not in ("next-use", "lru"):
+        raise ValueError(f"--kv-park-order must be next-use or lru, got {order!r}")
+
 
 _EMPTY = ParkedSeq([], np.empty(0, dtype=np.uint8))
 
@@ -153,6 +168,13 @@ class SeqBook:
                     metrics.KV_PARK_FAILURES.labels("no_place").inc()
                     raise StateLost(f"no place in the KV cache came free within {self.restore_wait_s:g} s to "
                                     "bring this session's parked cells back") from None
+
+    def frees_room(self, state: SeqState) -> bool:
+        """Whether releasing `state` lets a new session have a sequence: one in a place frees it; a
+        parked one frees only its id, which is enough only when a place is free already."""
+        with self._lock:
+            parked = state.parked is not None
+        return not parked or self.kv.free_places > 0
 
     def park(self, state: SeqState) -> bool:
         """Park an idle session now, short of room or not (tests force parking with it)."""

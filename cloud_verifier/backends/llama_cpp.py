@@ -33,14 +33,13 @@ import numpy as np
 from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, BackendInfo, NoChatTemplate, NoFreeState
 from cloud_verifier.backends.batcher import Batcher, BatchStep
-from cloud_verifier.backends.kvpark import PlacePacker, SeqBook, SeqState
+from cloud_verifier.backends.kvpark import (DEFAULT_KV_PARK_BYTES, DEFAULT_KV_SESSIONS, PlacePacker, SeqBook, SeqState,
+                                            check_park_options)
+from cloud_verifier.backends.turns import Turns
 from llama_runtime import GGUFModel, KVContext, SharedKV, kv_bytes_per_token
 from spec_core.kvpark import parked_capacity
+from spec_core.kvreuse import reusable_prefix
 from spec_core.tree import DraftTree
-
-# Default KV pool: as many cells as today's default of 8 sessions of 2048 tokens.
-DEFAULT_KV_SESSIONS = 8
-DEFAULT_KV_PARK_BYTES = 1 << 30
 
 
 class LlamaCppBackend(Backend):
@@ -49,12 +48,7 @@ class LlamaCppBackend(Backend):
                  invariant: bool = True, max_tree_leaves: int = 64, schedule: str = "fair",
                  prefill_chunk: int | None = None, kv_park: bool = False,
                  kv_park_bytes: int = DEFAULT_KV_PARK_BYTES, kv_park_order: str = "next-use"):
-        if kv_park and not batching:
-            raise ValueError("--kv-park on needs --batching on: the serial verifier has no shared KV cache")
-        if kv_park and kv_park_bytes <= 0:
-            raise ValueError(f"--kv-park-bytes must be positive with --kv-park on, got {kv_park_bytes}")
-        if kv_park_order not in ("next-use", "lru"):
-            raise ValueError(f"--kv-park-order must be next-use or lru, got {kv_park_order!r}")
+        check_park_options(kv_park, batching, kv_park_bytes, kv_park_order)
         self.model = GGUFModel(model, n_threads=n_threads)
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -66,6 +60,8 @@ class LlamaCppBackend(Backend):
         # ids, lent to each tree round for its leaves.
         self.n_seq_max = max_tree_leaves + 1
         self.kv: SharedKV | None = None
+        # Serial: the model in turns, prompts a chunk a turn (by default one decode of the context).
+        self.turns = Turns(prefill_chunk or (self.model.invariant_ubatch if invariant else n_batch))
         self.batcher: Batcher | None = None
         self.book: SeqBook | None = None
         if batching:
@@ -108,6 +104,9 @@ class LlamaCppBackend(Backend):
         with self.model.lock:  # never free a context while a decode runs on this model
             state.close()
 
+    def release_frees_room(self, state) -> bool:
+        return self.book.frees_room(state) if isinstance(state, SeqState) else True
+
     def set_deadline(self, state, deadline: float | None) -> None:
         if isinstance(state, SeqState) and state.seq is not None:
             self.batcher.set_deadline(state.seq, deadline)
@@ -119,16 +118,8 @@ class LlamaCppBackend(Backend):
         if isinstance(state, SeqState):
             with self.book.round(state) as seq:
                 return self.book.run(state, lambda: self.batcher.submit(seq, tokens, rows))
-        t0 = time.perf_counter()
-        with self.model.lock:
-            t1 = time.perf_counter()
-            before = state.tokens_decoded
-            logits = state.logits(tokens, rows)
-            decoded = state.tokens_decoded - before
-            self._forwarded += decoded
-            t2 = time.perf_counter()
-        _observe_step(BatchStep(decoded, 1, t2 - t1))
-        return logits, t1 - t0, t2 - t1
+        tokens = list(tokens)
+        return self._in_turns(state, tokens, rows, lambda: state.logits(tokens, rows))
 
     def tree_logits(self, state, committed: Sequence[int], tree: DraftTree):
         """Serial: the whole tree in one target pass (KVContext.tree_logits). Batching: the tree's
@@ -137,16 +128,24 @@ class LlamaCppBackend(Backend):
             with self.book.round(state) as seq:
                 return self.book.run(state, lambda: self.batcher.submit_tree(seq, committed, tree.tokens,
                                                                              tree.parents))
-        t0 = time.perf_counter()
-        with self.model.lock:
-            t1 = time.perf_counter()
-            before = state.tokens_decoded
-            logits = state.tree_logits(committed, tree.tokens, tree.parents)
-            decoded = state.tokens_decoded - before
-            self._forwarded += decoded
-            t2 = time.perf_counter()
-        _observe_step(BatchStep(decoded, 1, t2 - t1))
-        return logits, t1 - t0, t2 - t1
+        committed = list(committed)
+        return self._in_turns(state, committed, 1, lambda: state.tree_logits(committed, tree.tokens, tree.parents))
+
+    def _in_turns(self, state, tokens: list[int], rows: int, fn):
+        """Serial: fn() in a turn of the model, after the uncached part of tokens[:-rows] (a
+        prompt, a replay) a chunk a turn (cloud_verifier.backends.turns)."""
+        def decode(call):
+            with self.model.lock:
+                before = state.tokens_decoded
+                t0 = time.perf_counter()
+                out = call()
+                decoded = state.tokens_decoded - before
+                self._forwarded += decoded
+            _observe_step(BatchStep(decoded, 1, time.perf_counter() - t0))
+            return out
+        r = self.turns.run(lambda: decode(fn), reusable_prefix(state.tokens, tokens, rows), len(tokens) - rows,
+                           lambda n: decode(lambda: state.logits(tokens[:n], 1)))
+        return r.value, r.queue_s, r.model_s
 
     def keep_tree_path(self, state, committed, tree: DraftTree, path) -> None:
         if isinstance(state, SeqState):

@@ -3,11 +3,11 @@ and for simulating a loaded cloud. Its distributions are exact, so tests can com
 
 batching=True runs it behind the same continuous `Batcher` as the llama.cpp backend: waiting
 rounds share a pass that costs step_ms + per_token_ms x (tokens in the pass), a simple model of
-a batched target (the llama.cpp backend's measured cost per pass is in its metrics).
+a batched target (the llama.cpp backend's measured cost per pass is in its metrics). Serial
+(batching=False), one request a pass, in turns, prompts a chunk a pass (backends.turns).
 """
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable, Sequence
 
@@ -16,11 +16,19 @@ import numpy as np
 from cloud_verifier import metrics
 from cloud_verifier.backends.base import Backend, BackendInfo
 from cloud_verifier.backends.batcher import Batcher, BatchStep
+from cloud_verifier.backends.kvpark import (DEFAULT_KV_PARK_BYTES, DEFAULT_KV_SESSIONS, PlacePacker, SeqBook, SeqState,
+                                            check_park_options)
+from cloud_verifier.backends.turns import Turns
 from spec_core.batchplan import PassItem
+from llama_runtime import ParkedSeq
 from spec_core.crossvocab import Vocabulary
+from spec_core.kvpark import parked_capacity
 from spec_core.kvreuse import reusable_prefix
 from spec_core.synthetic import SyntheticLM, synthetic_fingerprint
 from spec_core.tree import DraftTree
+
+
+_BYTES_PER_TOKEN = 4   # a synthetic sequence's "KV cache" is its token ids, int32
 
 
 def _observe_step(step: BatchStep) -> None:
@@ -32,9 +40,17 @@ class SyntheticBackend(Backend):
                  step_ms: float = 0.0, per_token_ms: float = 0.0, eos_token_ids: Sequence[int] = (1,),
                  batching: bool = False, batch_tokens: int = 512, batch_window_ms: float = 0.0,
                  vocabulary: Vocabulary | None = None, tokenize: Callable[[bytes], list[int]] | None = None,
-                 schedule: str = "fair", prefill_chunk: int | None = None):
+                 schedule: str = "fair", prefill_chunk: int | None = None, kv_tokens: int | None = None,
+                 kv_park: bool = False, kv_park_bytes: int = DEFAULT_KV_PARK_BYTES, kv_park_order: str = "next-use"):
         """`vocabulary` (with `tokenize`, bytes -> ids): give the synthetic ids bytes, so that the
-        backend serves GetVocabulary and text prompts (tests of drafting across tokenizers)."""
+        backend serves GetVocabulary and text prompts (tests of drafting across tokenizers).
+
+        Batching: `kv_tokens` bounds the sessions held at once to kv_tokens // n_ctx places, as the
+        llama.cpp backend's KV cache does (None: no bound, but with `kv_park`, the llama.cpp
+        default of DEFAULT_KV_SESSIONS); `kv_park` parks idle sessions when the places are short
+        (cloud_verifier.backends.kvpark, the llama.cpp backend's own bookkeeping and policy). A
+        parked synthetic session is its token ids (4 bytes a token), moved at no modelled cost."""
+        check_park_options(kv_park, batching, kv_park_bytes, kv_park_order)
         self.lm = SyntheticLM(vocab, seed, order=order)
         self._vocabulary, self._tokenize = vocabulary, tokenize
         self.has_vocabulary = vocabulary is not None and tokenize is not None
@@ -43,13 +59,31 @@ class SyntheticBackend(Backend):
         fingerprint = vocabulary.fingerprint if vocabulary is not None else synthetic_fingerprint(vocab)
         self.info = BackendInfo("synthetic", f"synthetic-v{vocab}-s{seed}", vocab, n_ctx,
                                 fingerprint, frozenset(eos_token_ids))
-        self._lock = threading.Lock()
         self._forwarded = 0
+        # Serial: the model in turns, prompts cut in chunks (a quarter of a pass by default, as batched).
+        self.turns = Turns(prefill_chunk or max(1, batch_tokens // 4))
         self.batcher: Batcher | None = None
+        self.book: SeqBook | None = None
         if batching:
-            self._packer = _SyntheticPacker(self, batch_tokens)
-            self.batcher = Batcher(self._packer, batch_window_ms / 1000, on_step=_observe_step,
-                                   name="synthetic-batcher", schedule=schedule, prefill_chunk=prefill_chunk)
+            if kv_tokens is None and kv_park:
+                kv_tokens = DEFAULT_KV_SESSIONS * n_ctx
+            places = None if kv_tokens is None else kv_tokens // n_ctx
+            if places is not None and places < 1:
+                raise ValueError(f"--kv-tokens {kv_tokens} cannot hold one session of --n-ctx {n_ctx} tokens")
+            n_ids = places + parked_capacity(kv_park_bytes, _BYTES_PER_TOKEN, n_ctx) if kv_park else places
+            self.kv = _SyntheticKV(self, batch_tokens, n_ctx, places, n_ids)
+            self.book = SeqBook(self.kv, None, park=kv_park, max_bytes=kv_park_bytes, order=kv_park_order,
+                                bytes_per_token=_BYTES_PER_TOKEN)
+            self.batcher = Batcher(PlacePacker(self.kv, self.book) if kv_park else self.kv, batch_window_ms / 1000,
+                                   on_step=_observe_step, name="synthetic-batcher", schedule=schedule,
+                                   prefill_chunk=prefill_chunk)
+            self.book.batcher = self.batcher
+
+    @property
+    def max_states(self) -> int | None:
+        """Sessions + Generate streams held at once: the places, and with parking as many more as
+        the parked bytes hold at their full context (None: no bound)."""
+        return self.kv.n_ids if self.batcher is not None else None
 
     def vocabulary(self):
         return self._vocabulary
@@ -65,19 +99,21 @@ class SyntheticBackend(Backend):
     def chat_prompts(self) -> bool:
         return self._tokenize is not None
 
-    def new_state(self) -> dict:
-        if self.batcher is not None:
-            return {"seq": self.batcher.acquire(self._packer.acquire)}
+    def new_state(self):
+        if self.book is not None:
+            return self.book.new_state()
         return {"cached": 0}
 
-    def release(self, state: dict) -> None:
-        if self.batcher is not None and state.get("seq") is not None:
-            seq, state["seq"] = state["seq"], None
-            self.batcher.release(seq)
+    def release(self, state) -> None:
+        if isinstance(state, SeqState):
+            self.book.release(state)
 
-    def set_deadline(self, state: dict, deadline: float | None) -> None:
-        if self.batcher is not None and state.get("seq") is not None:
-            self.batcher.set_deadline(state["seq"], deadline)
+    def release_frees_room(self, state) -> bool:
+        return self.book.frees_room(state) if isinstance(state, SeqState) else True
+
+    def set_deadline(self, state, deadline: float | None) -> None:
+        if isinstance(state, SeqState) and state.seq is not None:
+            self.batcher.set_deadline(state.seq, deadline)
 
     def pass_cost(self) -> tuple[float, float] | None:
         return self.batcher.cost.line() if self.batcher is not None else None
@@ -87,47 +123,50 @@ class SyntheticBackend(Backend):
         if cost > 0:
             time.sleep(cost)
 
-    def target_logits(self, state: dict, tokens: Sequence[int], rows: int):
-        if self.batcher is not None:
-            if state.get("seq") is None:
-                raise RuntimeError("this session's state was released")
-            return self.batcher.submit(state["seq"], tokens, rows)
+    def _serial_pass(self, state: dict, new: int, cached: int) -> None:
+        """One pass of the serial target over `new` tokens, after which the state holds `cached`."""
         t0 = time.perf_counter()
-        with self._lock:
-            t1 = time.perf_counter()
-            new = max(rows, len(tokens) - state["cached"])
-            self._forwarded += new
+        self._forwarded += new
+        state["cached"] = cached
+        self._cost(new)
+        _observe_step(BatchStep(new, 1, time.perf_counter() - t0))
+
+    def _in_turns(self, state: dict, upto: int, fn):
+        """Serial: fn() in a turn, after the state's missing tokens up to `upto` (a prompt, a
+        replay), a chunk a turn (cloud_verifier.backends.turns)."""
+        r = self.turns.run(fn, state["cached"], upto,
+                            lambda n: self._serial_pass(state, n - state["cached"], n))
+        return r.value, r.queue_s, r.model_s
+
+    def target_logits(self, state: dict, tokens: Sequence[int], rows: int):
+        if isinstance(state, SeqState):
+            with self.book.round(state) as seq:
+                return self.book.run(state, lambda: self.batcher.submit(seq, tokens, rows))
+
+        def last_rows():
             out = np.stack([self.lm.logits(tokens[: len(tokens) - rows + 1 + i]) for i in range(rows)])
-            state["cached"] = len(tokens)
-            self._cost(new)
-            t2 = time.perf_counter()
-        _observe_step(BatchStep(new, 1, t2 - t1))
-        return out, t1 - t0, t2 - t1
+            self._serial_pass(state, max(rows, len(tokens) - state["cached"]), len(tokens))
+            return out
+        return self._in_turns(state, len(tokens) - rows, last_rows)
 
     def tree_logits(self, state: dict, committed: Sequence[int], tree: DraftTree):
         """One pass for the tree: costs step + per_token × (new committed tokens + nodes), like a
         backend that batches every node (a GPU's cost is nearly flat in the node count: per_token ≈ 0)."""
-        if self.batcher is not None:
-            if state.get("seq") is None:
-                raise RuntimeError("this session's state was released")
-            return self.batcher.submit_tree(state["seq"], committed, tree.tokens, tree.parents)
-        t0 = time.perf_counter()
-        with self._lock:
-            t1 = time.perf_counter()
-            committed = list(committed)
-            new = max(1, len(committed) - state["cached"]) + len(tree)
-            self._forwarded += new
+        if isinstance(state, SeqState):
+            with self.book.round(state) as seq:
+                return self.book.run(state, lambda: self.batcher.submit_tree(seq, committed, tree.tokens,
+                                                                             tree.parents))
+        committed = list(committed)
+
+        def rows():
             ctxs = [committed] + [committed + [tree.tokens[j] for j in tree.path_to(i)] for i in range(len(tree))]
             out = np.stack([self.lm.logits(c) for c in ctxs])
-            state["cached"] = len(committed)
-            cost = self.step_s + self.per_token_s * new
-            if cost > 0:
-                time.sleep(cost)
-            t2 = time.perf_counter()
-        return out, t1 - t0, t2 - t1
+            self._serial_pass(state, max(1, len(committed) - state["cached"]) + len(tree), len(committed))
+            return out
+        return self._in_turns(state, len(committed) - 1, rows)
 
-    def keep_tree_path(self, state: dict, committed, tree, path) -> None:
-        if self.batcher is not None:
+    def keep_tree_path(self, state, committed, tree, path) -> None:
+        if isinstance(state, SeqState):
             return  # the sequence holds `committed`; the kept path is evaluated with the next round
         state["cached"] = len(committed) + len(path)  # as a KV cache keeping the kept path would
 
@@ -139,21 +178,51 @@ class SyntheticBackend(Backend):
             self.batcher.close()
 
 
-class _SyntheticPacker:
-    """The batcher's view of the synthetic target: per sequence, the tokens it 'holds'."""
+class _SyntheticKV:
+    """The batcher's view of the synthetic target, and the places of a KV cache as the llama.cpp
+    backend's SharedKV has them (what SeqBook and PlacePacker use): per sequence, the tokens it
+    holds; at most `n_seqs` unparked sequences (None: no bound) and `n_ids` ids in all."""
 
-    def __init__(self, backend: SyntheticBackend, n_ubatch: int):
-        self.backend, self.n_ubatch = backend, n_ubatch
+    def __init__(self, backend: SyntheticBackend, n_ubatch: int, seq_ctx: int, n_seqs: int | None,
+                 n_ids: int | None):
+        self.backend, self.n_ubatch, self.seq_ctx, self.n_seqs, self.n_ids = backend, n_ubatch, seq_ctx, n_seqs, n_ids
         self.held: dict[int, list[int]] = {}
+        self.parked: set[int] = set()
         self._next = 0
 
-    def acquire(self) -> int:
+    @property
+    def free_places(self) -> int:
+        if self.n_seqs is None:
+            return 1 << 30
+        return self.n_seqs - (len(self.held) - len(self.parked))
+
+    def acquire(self) -> int | None:
+        if self.free_places <= 0 or (self.n_ids is not None and len(self.held) >= self.n_ids):
+            return None
         seq, self._next = self._next, self._next + 1
         self.held[seq] = []
         return seq
 
     def release(self, seq: int) -> None:
         self.held.pop(seq, None)
+        self.parked.discard(seq)
+
+    def park(self, seq: int) -> ParkedSeq:
+        tokens, self.held[seq] = self.held[seq], []
+        self.parked.add(seq)
+        return ParkedSeq(tokens, np.asarray(tokens, dtype=np.int32).view(np.uint8))
+
+    def restore(self, seq: int, parked: ParkedSeq) -> bool:
+        if seq not in self.parked:
+            raise ValueError(f"sequence {seq} is not parked")
+        if self.free_places <= 0:
+            return False
+        self.parked.discard(seq)
+        self.held[seq] = list(parked.tokens)
+        return True
+
+    def maintain(self) -> bool:
+        return False   # nothing to compact
 
     def prepare(self, seq: int, tokens: Sequence[int], rows: int) -> list[PassItem]:
         tokens, held = list(tokens), self.held[seq]
@@ -185,7 +254,7 @@ class _SyntheticTreeJob:
     committed tokens, then every node (each a token of the pass), rows for the last committed
     token and each node; the sequence keeps `committed` only."""
 
-    def __init__(self, packer: _SyntheticPacker, seq: int, committed: list[int], tokens: list[int],
+    def __init__(self, packer: _SyntheticKV, seq: int, committed: list[int], tokens: list[int],
                  parents: list[int]):
         self.packer, self.seq, self.committed, self.tokens, self.parents = packer, seq, committed, tokens, parents
 

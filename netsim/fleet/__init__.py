@@ -6,6 +6,8 @@ verifier with N/V edges). The parts, one job each:
 
   costs        what a forward pass costs (a line for a CPU backend, a roofline for a GPU)
   links        an edge's connection: the proxy's own link model, draw for draw
+  policies     the verifier's policies, the shipped functions themselves: batch order, draft budget,
+               KV victim, SLO verdict (a test fails if the fleet writes its own)
   simulation   the event loop: edges, links, the verifier's passes (planned as the Batcher plans them)
   calibration  the simulator's parameters from a `netsim load` run (`Calibration`)
   report       each load run checked against its calibration; verifiers per N edges at an SLO

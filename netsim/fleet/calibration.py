@@ -19,11 +19,13 @@ import numpy as np
 from netsim.fleet.costs import LinearCost, RooflineCost
 from netsim.fleet.links import ROUND_BYTES
 from netsim.fleet.simulation import FleetConfig
+from netsim.cmdline import option_value
 from netsim.profiles import get_profile
+from spec_core.costmodel import expected_tokens_per_round
 
 # Tokens per batched pass (the Batcher's n_ubatch) of the verifiers the load test starts:
 # cloud_verifier.backends.synthetic.SyntheticBackend(batch_tokens=512), and the batched llama.cpp
-# verifier's batch-invariant passes for the bundled SmolLM2 target (llama_runtime.model.INVARIANT_UBATCH
+# verifier's batch-invariant passes for the bundled SmolLM2 target (llama_runtime.invariance.INVARIANT_UBATCH
 # = 32; GGUFModel.invariant_ubatch probes a smaller cut for models that need one, e.g. 6 for Gemma 3).
 SYNTHETIC_UBATCH = 512
 LLAMA_CPP_UBATCH = 32
@@ -67,7 +69,7 @@ def alpha_from_tokens_per_round(tokens_per_round: float, gamma: int) -> float:
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        value = (1 - mid ** (gamma + 1)) / (1 - mid) if mid < 1 else gamma + 1.0
+        value = expected_tokens_per_round(mid, gamma)
         lo, hi = (mid, hi) if value < target else (lo, mid)
     return (lo + hi) / 2
 
@@ -79,13 +81,7 @@ def load_batching(result: dict) -> bool:
     said = (result.get("server") or {}).get("batching")
     if said is not None:
         return bool(said)
-    args = [str(a) for a in result["config"].get("verifier_args") or []]
-    setting = None
-    for i, arg in enumerate(args):
-        if arg == "--batching" and i + 1 < len(args):
-            setting = args[i + 1]
-        elif arg.startswith("--batching="):
-            setting = arg.split("=", 1)[1]
+    setting = _verifier_arg(result, "--batching")
     if setting is not None:
         return setting == "on"
     for run in result["runs"]:
@@ -93,6 +89,27 @@ def load_batching(result: dict) -> bool:
         if sessions and sessions["count"] and sessions["sum"] > sessions["count"]:
             return True
     return False
+
+
+def _verifier_arg(result: dict, name: str) -> str | None:
+    """The value of option `name` among the arguments a load run's verifier was started with."""
+    return option_value(result["config"].get("verifier_args") or [], name)
+
+
+def load_schedule(result: dict) -> dict:
+    """How a load run's batching verifier planned its passes, as FleetConfig fields: packing "slack"
+    (`--schedule slack`, with the latency target it scheduled by, `--slo-tpot-ms`/`--slo-ttft-ms`)
+    or "fair-share" (the default), and its `--prefill-chunk` under either."""
+    out: dict = {"packing": "slack" if _verifier_arg(result, "--schedule") == "slack" else "fair-share"}
+    chunk = _verifier_arg(result, "--prefill-chunk")
+    if chunk:
+        out["prefill_chunk"] = int(chunk)
+    if out["packing"] == "slack":
+        for arg, key in (("--slo-tpot-ms", "slo_tpot_s"), ("--slo-ttft-ms", "slo_ttft_s")):
+            ms = _verifier_arg(result, arg)
+            if ms is not None and float(ms) > 0:   # 0: the verifier's "none"
+                out[key] = float(ms) / 1e3
+    return out
 
 
 def pass_cost_from_histograms(runs: list[dict], per_token_s: float | None = None) -> LinearCost | None:

@@ -159,31 +159,6 @@ class KvOffload:
                 f"{self.host_memory_bytes / 1e9:g} GB host memory per GPU")
 
 
-# --- the draft budget the verifier tells the edge (a pure rule) --------------------------------
-
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Committed tokens per round: (1 - alpha^(gamma+1)) / (1 - alpha)."""
-    return gamma + 1.0 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-
-
-def draft_budget(cost, work: RoundWork, alpha: float, gamma_max: int, other_tokens: int, other_sessions: int) -> int:
-    """The gamma that commits the most tokens per second of the verifier's time at its current load.
-
-    A round of gamma drafts adds `work.mean_tokens(gamma)` tokens and one session to a pass that
-    already holds `other_tokens` for `other_sessions`; its price is what it adds to that pass. Idle
-    (a memory-bound pass), more tokens cost nothing and the budget is gamma_max; saturated (a
-    compute-bound pass) each token costs its FLOPs and the budget shortens. 0 means verify no draft.
-    """
-    base = cost.pass_s(other_tokens, other_sessions) if other_sessions else 0.0
-    best, best_rate = 0, -1.0
-    for gamma in range(gamma_max + 1):
-        added = cost.pass_s(other_tokens + round(work.mean_tokens(gamma)), other_sessions + 1) - base
-        rate = expected_tokens(alpha, gamma) / max(added, 1e-12)
-        if rate > best_rate * (1 + 1e-9):
-            best, best_rate = gamma, rate
-    return best
-
-
 # --- other models of the fleet ----------------------------------------------------------------
 
 # Qwen3-14B (config.json: 40 layers, 8 KV heads of 128 dims; 14.8e9 parameters), bf16:

@@ -5,9 +5,11 @@ Each case is searched for the most edges per GPU whose simulated p95 TPOT and p9
 requests that met the SLO), GPUs per N edges. What a hybrid round costs the GPU is what the shipped
 vLLM backend computes (`costs.RoundWork`, counted with vLLM's own counters by
 bench/fleet_vllm_counters.py); KV memory bounds the sessions a GPU holds (`costs.kv_sessions`), unless
-waiting sessions park their KV in host memory (`costs.KvOffload`); the verifier may tell each edge a
-draft budget (`costs.draft_budget`, the pure rule: gamma that commits the most tokens per second of
-GPU time at the load of the pass that verified the round).
+waiting sessions park their KV in host memory (`costs.KvOffload`; the victim chosen by the shipped
+rule, spec_core.kvpark.choose_victim); the verifier may tell each edge a draft budget (the shipped
+rule, spec_core.steering.draft_budget, priced from the simulated passes: netsim.fleet.policies). The
+shipped vLLM backend measures no pass cost line and parks nothing itself (vLLM's own offloading
+connector does), so the budget and parking rows say what those rules would do on this GPU.
 
 `specedge_table` puts SpecEdge's published set-up (NeurIPS 2025, arXiv 2505.17052; repository
 kaist-ina/specedge) through the same simulator.
@@ -15,7 +17,7 @@ kaist-ina/specedge) through the same simulator.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from netsim.effects import Delay
 from netsim.fleet.calibration import Calibration, fleet_config

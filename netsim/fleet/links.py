@@ -16,7 +16,7 @@ from netsim.profiles import Profile
 from netsim.proxy import chunk_bytes, connection_rng
 
 MAX_CHUNK_BYTES = 8192   # LinkProxy's max_chunk_bytes default
-RECONNECT_S = 0.05       # the edge client's first retry delay (edge_client.client.EdgeClient._verify)
+RECONNECT_S = 0.05       # the edge client's first retry delay (edge_client.transport.Verifier.call)
 
 # Bytes a message puts on the wire (gRPC and HTTP/2 framing included), as the proxy read them with
 # the synthetic pair, γ = 4 and q fixed:16:16 (bench/fleet_wire.py): a Verify request median 251 B

@@ -13,25 +13,25 @@ from typing import Callable
 
 import numpy as np
 
-from netsim.fleet.calibration import Calibration, calibrate_from_load, fleet_config, run_alpha
+from netsim.fleet.calibration import Calibration, calibrate_from_load, fleet_config, load_schedule, run_alpha
 from netsim.fleet.costs import H100, H200, LinearCost, gpu_cost, kv_sessions
 from netsim.fleet.simulation import FleetConfig, simulate
+from spec_core.slo import run_meets_slo
 
 
-def meets_slo(result: dict, slo_tpot_s: float, slo_ttft_s: float | None = None) -> bool:
-    """p95 TPOT within the SLO, p95 TTFT too when given (an unmeasured TTFT does not count against it:
-    netsim.load.meets_slo_p95's rule), and every session's KV on the verifier (or parked: offload)."""
-    if result.get("kv_exceeded") or result["tpot_p95_s"] is None or result["tpot_p95_s"] > slo_tpot_s:
-        return False
-    return slo_ttft_s is None or result.get("ttft_p95_s") is None or result["ttft_p95_s"] <= slo_ttft_s
+def simulation_meets_slo(result: dict, slo_tpot_s: float, slo_ttft_s: float | None = None) -> bool:
+    """A simulated run meets the SLO: spec_core.slo's run verdict (p95 TPOT, and p95 TTFT when given
+    and measured), with every session's KV on the verifier (or parked: offload)."""
+    return not result.get("kv_exceeded") and run_meets_slo(result["tpot_p95_s"], result.get("ttft_p95_s"),
+                                                           slo_tpot_s, slo_ttft_s)
 
 
 def edges_per_verifier(make: Callable[[int], FleetConfig], slo_s: float, max_edges: int = 1 << 16,
                        duration_s: float = 20.0, slo_ttft_s: float | None = None) -> tuple[int, dict | None]:
-    """The largest n whose simulation meets the SLO (`meets_slo`; 0 when even one edge misses); make(n) -> FleetConfig."""
+    """The largest n whose simulation meets the SLO (`simulation_meets_slo`; 0 when even one edge misses); make(n) -> FleetConfig."""
     def ok(n: int) -> tuple[bool, dict]:
         result = simulate(replace(make(n), duration_s=duration_s))
-        return meets_slo(result, slo_s, slo_ttft_s), result
+        return simulation_meets_slo(result, slo_s, slo_ttft_s), result
     good, result = ok(1)
     if not good:
         return 0, result
@@ -63,7 +63,8 @@ CHECK_SEEDS = 21
 
 def check_against_load(result: dict, params: Calibration, seeds: int = CHECK_SEEDS) -> list[dict]:
     """Simulate each (edges, mode) of a load result as the load test ran it (its window and warm-up, its
-    harness, the run's own α) with `seeds` seeds; simulated vs measured throughput and p95 TPOT.
+    harness, the run's own α, its verifier's schedule) with `seeds` seeds; simulated vs measured
+    throughput and p95 TPOT.
 
     Simulated throughput is the mean over seeds; simulated p95 the median, with the 10th to 90th
     percentile of the seeds' p95s: a window of a few requests makes a p95 little more than its
@@ -75,8 +76,10 @@ def check_against_load(result: dict, params: Calibration, seeds: int = CHECK_SEE
         # A short window holds few requests, and the synthetic pair's acceptance differs from request to
         # request (one edge on 3g for 10 s: one or two requests): the run's own α is an input, as its link is.
         alpha = run_alpha(run, params.gamma) or params.alpha
+        schedule = load_schedule(result) if params.batching else {}
         sims = [simulate(fleet_config(params, run["edges"], run["mode"], params.batching, harness=True,
-                                      alpha=alpha, duration_s=run["duration_s"], warmup_s=run["warmup_s"], seed=seed))
+                                      alpha=alpha, duration_s=run["duration_s"], warmup_s=run["warmup_s"], seed=seed,
+                                      **schedule))
                 for seed in range(1, seeds + 1)]
         p95s = [s["tpot_p95_s"] for s in sims if s["tpot_p95_s"] is not None]
         row = {"edges": run["edges"], "mode": run["mode"], "alpha": alpha if run["mode"] == "hybrid" else None,
@@ -162,8 +165,10 @@ def run_fleet(load_results: list[dict], *, slo_s: float, totals: list[int], prof
         calibrations[batched], profiles=profiles, cost=gpu_model, alpha=gpu_alpha, draft_s=gpu_draft_s,
         server_cpu_s=gpu_overhead_s, cloud_server_cpu_s=0.0, server_overhead_s=0.0, cloud_server_overhead_s=0.0,
         max_batch_tokens=GPU_BATCH_TOKENS), True, packing="fcfs")
+    batched_packing = load_schedule(load_results[batched])["packing"]   # the batched verifier's schedule, as it ran
     scenarios = [Scenario("CPU as measured, serial", cpu_serial, False),
-                 Scenario("CPU as measured, batched", cpu_batched, True), gpu_scenario]
+                 Scenario("CPU as measured, batched" + (", least slack first" if batched_packing == "slack" else ""),
+                          cpu_batched, True, packing=batched_packing), gpu_scenario]
     rows = []
     for scenario in scenarios:
         if progress:

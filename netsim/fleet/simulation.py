@@ -13,9 +13,12 @@ cloud_verifier's `Batcher`, planned by the same function (`spec_core.batchplan.f
 when a pass ends, every request that has arrived joins the active ones, each active request gets
 a fair share of the pass's `max_batch_tokens` (the backend's n_ubatch) and the rest of the pass
 is filled in arrival order; a request is answered after the pass that holds its last token, and
-no pass waits for a batch to fill. `packing="fcfs"` takes whole requests in arrival order up to
-`max_batch_tokens` (a vLLM-like scheduler: the GPU case). A pass over T tokens for S sessions
-costs `cost.pass_s(T, S)`.
+no pass waits for a batch to fill. `packing="slack"` is the Batcher's `--schedule slack`
+(`spec_core.batchplan.least_slack_first`, each request's deadline from the SLO as the engine sets
+it). `packing="fcfs"` takes whole requests in arrival order up to `max_batch_tokens` (a vLLM-like
+scheduler: the GPU case). A pass over T tokens for S sessions costs `cost.pass_s(T, S)`. The
+verifier's policies (batch order, draft budget, KV victim, SLO verdict) are the shipped functions,
+through netsim.fleet.policies.
 
 Outside its passes the server spends, per round or streamed token, `server_cpu_s` of CPU (gRPC,
 protobuf, a round's checks and sampling) on one processor, one piece at a time (one Python
@@ -29,21 +32,21 @@ CPU per round (on a processor of its own, or, in the load test, one shared by ev
 Events (one heap, ordered by time, then by when they were pushed): `Send` (a message written:
 the proxy reads it and its link carries it), then on the far side `Arrive` (a request reaches
 the verifier), `Reply` (a round's answer reaches the edge) or `Token` (a streamed token does);
-`PassDone` (the verifier finished a pass).
+`PassDone` (the verifier finished a pass); `Retry` (offload: look again for a session to park).
 """
 from __future__ import annotations
 
 import heapq
 import random
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
-from netsim.fleet.costs import KvOffload, RoundWork, draft_budget
+from netsim.fleet.costs import KvOffload, RoundWork
 from netsim.fleet.links import ROUND_BYTES, STREAM_BYTES, EdgeLink
+from netsim.fleet.policies import (PACKINGS, Acceptance, ParkCandidate, ParkCost, Slo, Steering, Take, choose_victim,
+                                   ewma, meets_slo, plan_pass, window_tpot)
 from netsim.profiles import Profile, get_profile
-from spec_core.batchplan import fair_share
 
 
 @dataclass
@@ -68,7 +71,9 @@ class FleetConfig:
     edges_share_cpu: bool = False       # every edge on one processor (the load test), else each its own
     proxy_cpu_s: float = 0.0            # per message: the load test's proxy process (every link) reading it
     max_batch_tokens: int = 512         # batching: tokens per pass (n_ubatch; synthetic 512, llama.cpp 32)
-    packing: str = "fair-share"         # batching: "fair-share" (cloud_verifier's Batcher) or "fcfs" (whole requests)
+    packing: str = "fair-share"         # batching: "fair-share" or "slack" (the Batcher's schedules), "fcfs" (whole requests)
+    prefill_chunk: int | None = None    # batching: a prefill's tokens per pass while rounds wait
+                                        # (None: max_batch_tokens // 4, the Batcher's default)
     round_bytes: tuple[int, int] = ROUND_BYTES     # hybrid: a Verify request and its reply on the wire (B)
     stream_bytes: tuple[int, int] = STREAM_BYTES   # cloud-only: a Generate request and one streamed token (B)
     # The GPU verifier as shipped: target tokens per hybrid round (RoundWork: vLLM's partial-block
@@ -76,13 +81,14 @@ class FleetConfig:
     round_work: RoundWork | None = None
     # KV memory: sessions whose KV fits on the verifier (None: no bound inside the simulation). With
     # `offload`, a hybrid session's KV is resident only while a round of it is at the verifier: a round
-    # that finds its KV parked waits for a free slot (an idle session is parked: the one answered last,
-    # whose next round is furthest away) and for the copy over the host link.
+    # that finds its KV parked waits for a free slot (the idle session spec_core.kvpark.choose_victim
+    # picks is parked; none may be yet: it looks again every 5 ms, as the shipped SeqBook waits) and
+    # for the copy over the host link.
     kv_capacity: int | None = None
     kv_bytes_per_session: float = 0.0
     offload: KvOffload | None = None
-    # The verifier steers: each reply carries a draft budget (costs.draft_budget at the load of the
-    # pass that verified the round) and the edge drafts min(gamma, budget).
+    # The verifier steers (batching only, as shipped): each reply carries a draft budget
+    # (spec_core.steering.draft_budget at the verifier's measured price) and the edge drafts min(gamma, budget).
     steer: bool = False
     # A request meets the SLO with TPOT (over the window) and TTFT (if it started in the window) within these.
     slo_tpot_s: float = 0.150
@@ -101,29 +107,8 @@ class _Job:
     tokens: int                         # tokens still to evaluate
     arrived_s: float = 0.0              # when it reached the verifier
     gamma: int = 0                      # hybrid: drafts in the round
-
-
-class Take(NamedTuple):
-    """A job's share of a pass."""
-    job: _Job
-    tokens: int
-
-
-def _fair_share_plan(active: list[_Job], budget: int) -> list[Take]:
-    """cloud_verifier's Batcher: a fair share each, then the rest in arrival order."""
-    takes = fair_share([job.tokens for job in active], budget)
-    return [Take(job, n) for job, n in zip(active, takes) if n]
-
-
-def _fcfs_plan(active: list[_Job], budget: int) -> list[Take]:
-    """Whole requests in arrival order while they fit (the first always does)."""
-    plan, tokens = [], 0
-    for job in active:
-        if plan and tokens + job.tokens > budget:
-            break
-        plan.append(Take(job, job.tokens))
-        tokens += job.tokens
-    return plan
+    rows: int = 1                       # of its tokens, those whose logits it wants (the last ones)
+    deadline: float | None = None       # when it is due under the SLO (spec_core.slo.Slo.due)
 
 
 class _Cpu:
@@ -179,6 +164,13 @@ class Ready:
 class PassDone:
     """The verifier finished a pass."""
     plan: list[Take]
+    tokens: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class Retry:
+    """Offload: rounds wait for a place and no idle session was worth parking; look again."""
 
 
 @dataclass
@@ -188,9 +180,12 @@ class _Edge:
     request_start: float = 0.0
     token_times: list = field(default_factory=list)   # (time, tokens) of the current request
     budget: int | None = None           # the draft budget of the verifier's last reply
+    acceptance: Acceptance = field(default_factory=Acceptance)   # the verifier's α of its rounds
+    first_token_at: tuple[float, int] | None = None   # the verifier's (time, tokens) at its first commit
     resident: bool = True               # offload: its KV is on the verifier
     at_verifier: bool = False           # offload: a round of it is queued, copied in or in a pass
-    answered_s: float = 0.0             # offload: when its last round left the verifier
+    answered_s: float | None = None     # when its last round's pass ended (None: no round yet)
+    mean_gap_s: float | None = None     # offload: its mean idle gap, the victim choice's forecast
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -201,6 +196,11 @@ class _Simulation:
     def __init__(self, cfg: FleetConfig) -> None:
         if cfg.mode not in ("hybrid", "cloud-only"):
             raise ValueError(f"mode must be hybrid or cloud-only, got {cfg.mode!r}")
+        if cfg.packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {PACKINGS}, got {cfg.packing!r}")
+        if cfg.steer and not cfg.batching:
+            raise ValueError("steer needs batching: the shipped verifier prices drafts from its batched passes' "
+                             "cost line, and a serial backend has none (it sends no budget)")
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         profiles = [p if isinstance(p, Profile) else get_profile(p) for p in cfg.profiles]
@@ -223,9 +223,10 @@ class _Simulation:
         self.server_cpu, self.proxy_cpu = _Cpu(), _Cpu()
         shared_edge_cpu = _Cpu()
         self.edge_cpus = [shared_edge_cpu if cfg.edges_share_cpu else _Cpu() for _ in range(cfg.edges)]
-        self.plan = _fair_share_plan if cfg.packing == "fair-share" else _fcfs_plan
         self.work = cfg.round_work or RoundWork()
-        self._budget_cache: dict[tuple[int, int], int] = {}
+        self.slo = Slo(cfg.slo_tpot_s, cfg.slo_ttft_s)
+        self.prefill_chunk = max(1, cfg.prefill_chunk or cfg.max_batch_tokens // 4)
+        self.steering = Steering(cfg.gamma) if cfg.steer else None
         self.work_rng = random.Random(cfg.seed * 7_919 + 1)   # its own, so the acceptance draws stay as they were
         self.good_tokens = 0                 # committed in the window by requests that met the SLO
         self.verdicts: list[bool] = []
@@ -236,7 +237,13 @@ class _Simulation:
                                and cfg.edges > cfg.kv_capacity)
         self.kv_exceeded = bool(cfg.kv_capacity is not None and cfg.edges > cfg.kv_capacity and not self.offloading)
         self.kv_queue: list[_Job] = []       # rounds whose KV is parked, waiting for a slot
-        self.idle_resident: list[tuple[float, int, float]] = []   # heap of (-answered_s, edge, answered_s)
+        self.idle_resident: set[int] = set()   # edges whose KV is resident with no round at the verifier
+        self.retry_pending = False
+        if self.offloading:
+            # The verifier's park cost as it measures it on this host link: write-through, so parking
+            # copies nothing; bringing back copies the whole session.
+            self.park_cost = ParkCost(park_s_per_byte=0.0,
+                                      restore_s_per_byte=1.0 / (cfg.offload.host_bytes_per_s * cfg.offload.efficiency))
         self.host_link = _Cpu()              # host -> GPU copies, one at a time
         self.copies = 0
         self.resident = self.resident_max = 0
@@ -245,7 +252,7 @@ class _Simulation:
             for i, e in enumerate(self.edges):
                 e.resident = i < cfg.kv_capacity
                 if e.resident:
-                    heapq.heappush(self.idle_resident, (-0.0, i, 0.0))
+                    self.idle_resident.add(i)
             self.resident = self.resident_max = cfg.kv_capacity
 
     def push(self, t: float, event) -> None:
@@ -255,22 +262,16 @@ class _Simulation:
     def in_window(self, t: float) -> bool:
         return self.t_measure <= t <= self.t_end
 
-    def windowed_tpot(self, e: _Edge) -> float | None:
-        inside = [(t, n) for t, n in e.token_times if self.in_window(t)]
-        if len(inside) < 2 or inside[-1][1] == inside[0][1]:
-            return None
-        return (inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1])
-
     def close_request(self, e: _Edge) -> None:
-        """Its TPOT over the window, and whether it met the SLO (netsim.load's rule: TPOT inside the
-        window, TTFT if it started inside it; a request the window saw too little of is not judged)."""
-        tpot = self.windowed_tpot(e)
+        """Its TPOT over the window, and whether it met the SLO (spec_core.slo's verdict, as the load
+        test judges: TPOT inside the window, TTFT if it started inside it)."""
+        tpot = window_tpot(e.token_times, self.t_measure, self.t_end)
         if tpot is not None:
             self.finished_tpots.append(tpot)
         ttft = (e.token_times[0][0] - e.request_start) if e.token_times and self.in_window(e.request_start) else None
-        if tpot is None and ttft is None:
+        met = meets_slo(tpot, ttft, self.cfg.slo_tpot_s, self.cfg.slo_ttft_s)
+        if met is None:
             return
-        met = (tpot is None or tpot <= self.cfg.slo_tpot_s) and (ttft is None or ttft <= self.cfg.slo_ttft_s)
         self.verdicts.append(met)
         if met:
             before = 0
@@ -295,13 +296,15 @@ class _Simulation:
         if self.in_window(t):
             self.requests_sent += self.work.requests(gamma)
         self.push(t + gamma * cfg.draft_s + cfg.edge_overhead_s,
-                  Send(i, "up", self.up_bytes, Arrive(_Job(i, tokens, gamma=gamma))))
+                  Send(i, "up", self.up_bytes, Arrive(_Job(i, tokens, gamma=gamma, rows=gamma + 1))))
 
     def start_request(self, i: int, t: float) -> None:
         cfg, e = self.cfg, self.edges[i]
         if e.token_times:
             self.close_request(e)
         e.committed, e.request_start, e.token_times = 0, t, []
+        # A new session on the verifier: no α measured, no first token yet.
+        e.acceptance, e.first_token_at = Acceptance(), None
         if self.hybrid:
             self.send_round(i, t, self.gamma_for(e, cfg.max_tokens), cfg.prompt_tokens)
         else:
@@ -316,7 +319,7 @@ class _Simulation:
             if not self.active:
                 self.verifier_free = True
                 return
-            plan = self.plan(self.active, cfg.max_batch_tokens)
+            plan = plan_pass(cfg.packing, self.active, cfg.max_batch_tokens, t, self.prefill_chunk)
         else:
             if not self.waiting:
                 self.verifier_free = True
@@ -330,7 +333,7 @@ class _Simulation:
             self.target_tokens += tokens
             self.busy_s += duration
         self.verifier_free = False
-        self.push(t + duration, PassDone(plan))
+        self.push(t + duration, PassDone(plan, tokens, duration))
 
     # --- handlers ---
 
@@ -345,12 +348,22 @@ class _Simulation:
             gamma = min(gamma, e.budget)
         return max(gamma, 0)
 
+    def reach_verifier(self, job: _Job, t: float) -> None:
+        """A job reaches the verifier: when it is due under the SLO, as the engine tells the batcher."""
+        e = self.edges[job.edge]
+        job.arrived_s = t
+        committed = e.committed if self.hybrid else self.cfg.max_tokens - self.streams[job.edge]
+        job.deadline = self.slo.due(t, e.first_token_at, committed)
+
     def on_arrive(self, t: float, arrive: Arrive) -> None:
         job = arrive.job
-        job.arrived_s = t
+        self.reach_verifier(job, t)
         if self.offloading:
             e = self.edges[job.edge]
             e.at_verifier = True
+            self.idle_resident.discard(job.edge)
+            if e.answered_s is not None:   # the idle gap just ended: the forecast of the next one
+                e.mean_gap_s = ewma(e.mean_gap_s, t - e.answered_s)
             if not e.resident:
                 self.kv_queue.append(job)
                 self.bring_back(t)
@@ -366,22 +379,30 @@ class _Simulation:
         if self.verifier_free:
             self.next_pass(t)
 
+    def on_retry(self, t: float, _: Retry) -> None:
+        self.retry_pending = False
+        self.bring_back(t)
+
     def bring_back(self, t: float) -> None:
-        """Rounds whose KV is parked, first come: a slot (parking the idle session answered last, whose
-        next round is furthest away), then the copy over the host link."""
+        """Rounds whose KV is parked, first come: a place (parking the idle session that the shipped
+        rule, spec_core.kvpark.choose_victim, picks), then the copy over the host link. When no idle
+        session is worth parking yet, look again in 5 ms or when a pass ends (as SeqBook waits)."""
         cfg = self.cfg
         while self.kv_queue:
             if self.resident >= cfg.kv_capacity:
-                victim = None
-                while self.idle_resident:
-                    _, i, answered = heapq.heappop(self.idle_resident)
-                    e = self.edges[i]
-                    if e.resident and not e.at_verifier and e.answered_s == answered:
-                        victim = e
-                        break
-                if victim is None:
-                    return                      # every resident session has a round at the verifier
-                victim.resident = False         # write-through: its host copy is current
+                nbytes = int(cfg.kv_bytes_per_session)
+                parked = cfg.edges - self.resident
+                bytes_free = int(cfg.offload.host_memory_bytes - parked * cfg.kv_bytes_per_session)
+                # A session with no round yet has been idle since the start (SeqBook: `idle_since or 0.0`).
+                key = choose_victim([ParkCandidate(i, self.edges[i].answered_s or 0.0, nbytes, self.edges[i].mean_gap_s)
+                                     for i in self.idle_resident], t, self.park_cost, bytes_free)
+                if key is None:
+                    if self.idle_resident and not self.retry_pending:
+                        self.retry_pending = True
+                        self.push(t + 0.005, Retry())
+                    return                      # none yet (or every resident session has a round here)
+                self.idle_resident.discard(key)
+                self.edges[key].resident = False   # write-through: its host copy is current
                 self.resident -= 1
             job = self.kv_queue.pop(0)
             self.edges[job.edge].resident = True
@@ -394,6 +415,8 @@ class _Simulation:
 
     def on_pass_done(self, t: float, done: PassDone) -> None:
         cfg = self.cfg
+        if self.steering:
+            self.steering.observe_pass(done.tokens, done.seconds)
         if cfg.batching:   # the finished leave the active ones (in one sweep: a pass may hold thousands)
             for job, n in done.plan:
                 job.tokens -= n
@@ -412,34 +435,37 @@ class _Simulation:
                 accepted = 0
                 while accepted < job.gamma and self.rng.random() < cfg.alpha:
                     accepted += 1
-                if cfg.steer:
-                    pass_tokens = sum(take.tokens for take in done.plan)
-                    e.budget = self._budget(pass_tokens - n, len(done.plan) - 1)
+                committed = min(accepted + 1, remaining)
+                if e.first_token_at is None:
+                    e.first_token_at = (t, e.committed + committed)
+                e.acceptance.observe(job.gamma, accepted, accepted < job.gamma)
+                if self.steering:
+                    self.steering.observe_commit(t, committed)
+                    e.budget = self.steering.budget(e.acceptance, t)
                     if self.in_window(t):
                         self.budgets.append(e.budget)
+                e.answered_s = t
                 if self.offloading:
-                    e.at_verifier, e.answered_s = False, t
-                    heapq.heappush(self.idle_resident, (-t, i, t))
-                self.push(out, Send(i, "down", self.down_bytes, Reply(i, min(accepted + 1, remaining))))
+                    e.at_verifier = False
+                    self.idle_resident.add(i)
+                self.push(out, Send(i, "down", self.down_bytes, Reply(i, committed)))
             else:
                 self.streams[i] -= 1
+                if e.first_token_at is None:
+                    e.first_token_at = (t, cfg.max_tokens - self.streams[i])
+                if self.steering:
+                    self.steering.observe_commit(t, 1)
                 self.push(out, Send(i, "down", self.down_bytes, Token(i, self.streams[i] == 0)))
                 if self.streams[i] > 0:   # the stream asks for its next token (at once: it is in the next pass)
-                    nxt = _Job(i, 1, arrived_s=out)
+                    nxt = _Job(i, 1)
                     if out <= t:
+                        self.reach_verifier(nxt, out)
                         self.waiting.append(nxt)
                     else:
                         self.push(out, Arrive(nxt))
         if self.offloading and self.kv_queue:
             self.bring_back(t)
         self.next_pass(t)
-
-    def _budget(self, other_tokens: int, other_sessions: int) -> int:
-        key = (other_tokens, other_sessions)
-        if key not in self._budget_cache:
-            self._budget_cache[key] = draft_budget(self.cfg.cost, self.work, self.cfg.alpha, self.cfg.gamma,
-                                                   other_tokens, other_sessions)
-        return self._budget_cache[key]
 
     def on_reply(self, t: float, reply: Reply) -> None:
         cfg, i = self.cfg, reply.edge
@@ -460,7 +486,7 @@ class _Simulation:
     def run(self) -> dict:
         cfg = self.cfg
         handlers = {Send: self.on_send, Arrive: self.on_arrive, PassDone: self.on_pass_done, Reply: self.on_reply,
-                    Token: self.on_token, Ready: self.on_ready}
+                    Token: self.on_token, Ready: self.on_ready, Retry: self.on_retry}
         for i in range(cfg.edges):
             self.start_request(i, self.rng.uniform(0.0, 0.05))
         while self.events:

@@ -129,14 +129,30 @@ def test_jitter_is_a_curve_not_a_draw_per_message():
 def test_the_simulators_passes_are_planned_as_the_batcher_plans_them():
     # A 300-token prefill between two 5-token rounds, 32 tokens a pass: the Batcher's fair share
     # (spec_core.batchplan.fair_share); a job with nothing in the pass is left out of it.
-    from netsim.fleet.simulation import _fair_share_plan, _fcfs_plan, _Job
+    from netsim.fleet.policies import plan_pass
+    from netsim.fleet.simulation import _Job
     jobs = [_Job(edge=0, tokens=5), _Job(edge=1, tokens=300), _Job(edge=2, tokens=5)]
-    assert [(take.job.edge, take.tokens) for take in _fair_share_plan(jobs, 32)] == [(0, 5), (1, 22), (2, 5)]
+    assert [(take.job.edge, take.tokens) for take in plan_pass("fair-share", jobs, 32, 0.0, 8)] == [(0, 5), (1, 22), (2, 5)]
     many = [_Job(edge=i, tokens=1) for i in range(40)]
-    assert [take.job.edge for take in _fair_share_plan(many, 32)] == list(range(32))
+    assert [take.job.edge for take in plan_pass("fair-share", many, 32, 0.0, 8)] == list(range(32))
     # Whole requests first come (the GPU case): the prefill goes alone, however far past the budget.
-    assert [(take.job.edge, take.tokens) for take in _fcfs_plan(jobs, 32)] == [(0, 5)]
-    assert [(take.job.edge, take.tokens) for take in _fcfs_plan(jobs[1:], 32)] == [(1, 300)]
+    assert [(take.job.edge, take.tokens) for take in plan_pass("fcfs", jobs, 32, 0.0, 8)] == [(0, 5)]
+    assert [(take.job.edge, take.tokens) for take in plan_pass("fcfs", jobs[1:], 32, 0.0, 8)] == [(1, 300)]
+    # Least slack first (`--schedule slack`): the late round first, the prefill (300 tokens wanting no
+    # logits) capped at the chunk while it has slack, then given the leftovers.
+    late = [_Job(edge=0, tokens=5, rows=5, deadline=0.3), _Job(edge=1, tokens=300, rows=1, deadline=1.5),
+            _Job(edge=2, tokens=5, rows=5, deadline=-0.1)]
+    assert [(take.job.edge, take.tokens) for take in plan_pass("slack", late, 6, 0.0, 8)] == [(0, 1), (2, 5)]
+    assert [(take.job.edge, take.tokens) for take in plan_pass("fair-share", late, 6, 0.0, 8)] == [(0, 2), (1, 2), (2, 2)]
+    # Under the fair schedule too a prefill holds at most a chunk while rounds wait (the Batcher's
+    # chunked prefill): rounds of 20 tokens beside a 300-token prompt, 40 a pass, chunk 8; without
+    # the chunk (a chunk as large as the prompt) the prompt takes a share like the rounds.
+    rounds = [_Job(edge=0, tokens=300, rows=1), _Job(edge=1, tokens=20, rows=20), _Job(edge=2, tokens=20, rows=20)]
+    assert [take.tokens for take in plan_pass("fair-share", rounds, 40, 0.0, 8)] == [8, 19, 13]
+    assert [take.tokens for take in plan_pass("fair-share", rounds, 40, 0.0, 300)] == [14, 13, 13]
+    assert [(take.job.edge, take.tokens) for take in plan_pass("slack", late, 32, 0.0, 8)] == [(0, 5), (1, 22), (2, 5)]
+    with pytest.raises(ValueError):
+        plan_pass("random", jobs, 32, 0.0, 8)
 
 
 def test_a_streams_next_token_misses_the_pass_that_starts_without_it():
@@ -178,6 +194,17 @@ def _histograms(passes: int, tokens: int, seconds: float, sessions: int) -> dict
 def test_calibration_reads_the_verifiers_arguments(args, batching):
     load = {"config": {"verifier_args": args}, "runs": [{"batch_histograms": _histograms(10, 50, 0.2, 10)}]}
     assert load_batching(load) is batching
+
+
+def test_the_check_simulates_the_schedule_the_verifier_ran():
+    from netsim.fleet.calibration import load_schedule
+    assert load_schedule({"config": {"verifier_args": ["--batching", "on"]}}) == {"packing": "fair-share"}
+    assert load_schedule({"config": {"verifier_args": ["--schedule", "fair"]}}) == {"packing": "fair-share"}
+    assert load_schedule({"config": {"verifier_args": ["--prefill-chunk=16"]}}) == {"packing": "fair-share",
+                                                                                   "prefill_chunk": 16}
+    args = ["--schedule=slack", "--prefill-chunk", "64", "--slo-tpot-ms", "250", "--slo-ttft-ms", "0"]
+    assert load_schedule({"config": {"verifier_args": args}}) == {"packing": "slack", "prefill_chunk": 64,
+                                                                  "slo_tpot_s": 0.25}
 
 
 def test_a_verifier_we_did_not_start_batched_if_a_pass_held_two_sessions():
@@ -252,8 +279,8 @@ def test_the_capacity_table_takes_each_verifiers_own_calibration(monkeypatch):
 
 from dataclasses import replace  # noqa: E402
 
-from netsim.fleet.costs import KvOffload, RoundWork, draft_budget  # noqa: E402
-from netsim.fleet.report import edges_per_verifier, meets_slo  # noqa: E402
+from netsim.fleet.costs import KvOffload, RoundWork  # noqa: E402
+from netsim.fleet.report import edges_per_verifier, simulation_meets_slo  # noqa: E402
 
 
 def test_round_work_counts_the_backends_requests_and_tokens():
@@ -312,7 +339,7 @@ def test_kv_offload_keeps_resident_sessions_within_the_gpus_memory():
     # Sessions that all fit never copy; without offload, more sessions than fit is no answer at all.
     assert simulate(_gpu_like(10, kv_capacity=10, offload=offload))["kv_copies_per_s"] == 0
     over = simulate(_gpu_like(40, kv_capacity=10))
-    assert over["kv_exceeded"] and not meets_slo(over, 10.0)
+    assert over["kv_exceeded"] and not simulation_meets_slo(over, 10.0)
 
 
 def test_a_faster_host_link_never_slows_the_parked_fleet():
@@ -323,18 +350,32 @@ def test_a_faster_host_link_never_slows_the_parked_fleet():
     assert slow["host_link_utilisation"] > 0.9
 
 
-def test_the_draft_budget_shortens_with_load():
-    cost = gpu_cost(H200, context_tokens=1024)
-    work = RoundWork("one-request", 16)
-    # Idle: the pass is memory-bound, more drafts cost nothing: the whole gamma.
-    assert draft_budget(cost, work, 0.7, 8, 0, 0) == 8
-    budgets = [draft_budget(cost, work, 0.7, 8, tokens, 300) for tokens in (0, 2000, 4000, 8000, 16000)]
-    assert budgets == sorted(budgets, reverse=True) and budgets[-1] < 8
-    # Saturated, a round that recomputes a whole block per position does better without drafts than with.
-    assert draft_budget(cost, RoundWork("per-position", 16), 0.7, 8, 16000, 300) < budgets[-1]
+def test_the_fleets_draft_budget_is_the_verifiers_price_rule():
+    # The engine's rule: θ = per-token pass cost (the pass cost line) × commit rate, budget ⌊ln θ / ln α⌋.
+    from netsim.fleet.policies import Acceptance, Steering
+    steering = Steering(max_gamma=8)
+    fresh = Acceptance()   # α = 0.5 (the Beta(1, 1) prior)
+    assert steering.budget(fresh, 0.0) == 8          # nothing measured: idle, the whole gamma
+    for tokens in (10, 20, 30, 40, 50):              # passes of 10 ms + 0.1 ms a token
+        steering.observe_pass(tokens, 0.010 + 0.0001 * tokens)
+    steering.observe_commit(1.0, 4000)               # 4000 tokens in the 2 s window: 2000 tokens/s
+    # θ = 1e-4 s/token × 2000 tokens/s = 0.2; ln 0.2 / ln 0.5 = 2.32: two drafts pay, the third does not.
+    assert steering.budget(fresh, 1.0) == 2
+    steering.observe_commit(1.5, 12_000)             # 8000 tokens/s: θ = 0.8, ln 0.8 / ln 0.5 = 0.32
+    assert steering.budget(fresh, 1.5) == 0
+    # A flat pass cost (a GPU below its compute roof) never limits the draft, however loaded.
+    flat = Steering(max_gamma=8)
+    for tokens in (10, 20, 30, 40, 50):
+        flat.observe_pass(tokens, 0.010)
+    flat.observe_commit(1.0, 100_000)
+    assert flat.budget(fresh, 1.0) == 8
+    with pytest.raises(ValueError, match="batching"):
+        simulate(_gpu_like(2, steer=True, batching=False))
 
 
 def test_the_simulated_budget_follows_the_load():
+    # 2 edges: the verifier commits little, drafts are cheap; 600 edges on per-position rounds:
+    # the pass is compute bound and busy, the price of a verified token high.
     light = simulate(_gpu_like(2, steer=True, cost=gpu_cost(H200, context_tokens=1024), gamma=8))
     heavy = simulate(_gpu_like(600, steer=True, cost=gpu_cost(H200, context_tokens=1024), gamma=8,
                                round_work=RoundWork("per-position", 16)))
@@ -348,7 +389,7 @@ def test_goodput_counts_only_requests_that_met_the_slo():
     assert loose["slo_met_share"] == 1.0
     impossible = simulate(_gpu_like(4, slo_tpot_s=1e-6, slo_ttft_s=100.0))
     assert impossible["goodput_tokens_per_s"] == 0.0 and impossible["slo_met_share"] == 0.0
-    assert meets_slo(loose, 10.0, 100.0) and not meets_slo(loose, 10.0, 1e-6)   # the TTFT part counts
+    assert simulation_meets_slo(loose, 10.0, 100.0) and not simulation_meets_slo(loose, 10.0, 1e-6)   # the TTFT part counts
 
 
 def test_capacity_grows_with_a_looser_slo():
@@ -384,3 +425,71 @@ def test_the_gpu_table_puts_each_case_beside_cloud_only():
     assert cloud["committed_tokens_per_s_vs_cloud"] == 1.0
     assert parked["gpus_for_1000"] < hybrid["gpus_for_1000"] == 125
     assert "hybrid parked" in "\n".join(gpu_markdown(result, "t"))
+
+
+# --- the fleet runs the verifier's own policies ------------------------------------------------
+
+# The shipped policies (and the estimates they run on) the fleet must import, never write again.
+_SHIPPED = {
+    "spec_core.steering": ["draft_budget", "gamma_budget", "tree_node_budget", "PassCostLine", "CommitRate", "Acceptance"],
+    "spec_core.batchplan": ["fair_share", "least_slack_first"],
+    "spec_core.kvpark": ["choose_victim", "next_use", "worth_moving", "ParkCost", "ParkCandidate", "ewma"],
+    "spec_core.slo": ["Slo", "meets_slo", "run_meets_slo", "window_tpot"],
+    "spec_core.costmodel": ["expected_tokens_per_round"],
+    "spec_core.estimates": ["fit_line"],
+}
+
+
+def test_the_fleet_runs_the_verifiers_own_policies():
+    import ast
+    import importlib
+    from pathlib import Path
+
+    import netsim.fleet.policies as policies
+    import netsim.fleet.simulation as simulation
+    # The policy objects the fleet uses are the very ones the verifier runs.
+    for module, names in _SHIPPED.items():
+        shipped = importlib.import_module(module)
+        for name in names:
+            for fleet in (policies, simulation):
+                if hasattr(fleet, name):
+                    assert getattr(fleet, name) is getattr(shipped, name), f"netsim.fleet's {name} is not {module}'s"
+    assert policies.draft_budget.__module__ == "spec_core.steering"
+    assert simulation.choose_victim.__module__ == "spec_core.kvpark"
+    # No module of the fleet defines a function or class under a shipped policy's name, nor the old
+    # fleet-only rules it replaced (a budget maximising gamma per second, its own tokens-per-round formula).
+    forbidden = {name for names in _SHIPPED.values() for name in names} | {"expected_tokens", "due", "meets"}
+    fleet_dir = Path(policies.__file__).parent
+    for path in sorted(fleet_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                assert node.name not in forbidden, f"{path.name}:{node.lineno} defines its own {node.name}"
+            # (1 - a ** (g + 1)) / (1 - a): expected tokens per round written out again
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and isinstance(node.right, ast.BinOp) \
+                    and isinstance(node.right.op, ast.Add):
+                raise AssertionError(f"{path.name}:{node.lineno}: a power of (x + 1): spec_core.costmodel's formula?")
+
+
+def test_the_simulation_calls_the_shipped_policies(monkeypatch):
+    # Each policy is not only imported but used: spies on the names the fleet calls them by.
+    import netsim.fleet.policies as policies
+    import netsim.fleet.simulation as simulation
+    calls: dict[str, int] = {}
+
+    def spy(module, name):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kw):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kw)
+        monkeypatch.setattr(module, name, wrapper)
+
+    for name in ("draft_budget", "fair_share", "least_slack_first"):
+        spy(policies, name)
+    for name in ("choose_victim", "meets_slo"):
+        spy(simulation, name)
+    offload = KvOffload(host_bytes_per_s=1e9, efficiency=1.0)
+    simulate(_gpu_like(20, kv_capacity=10, offload=offload, steer=True, packing="fair-share", duration_s=3.0))
+    simulate(_gpu_like(4, packing="slack", duration_s=2.0))
+    assert all(calls.get(name, 0) > 0 for name in ("draft_budget", "fair_share", "least_slack_first",
+                                                    "choose_victim", "meets_slo")), calls

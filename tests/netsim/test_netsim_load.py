@@ -210,3 +210,31 @@ def test_goodput_can_be_judged_again_at_another_slo():
     assert goodput_at(run, slo_tpot_s=0.15, slo_ttft_s=2.0) == 4.0    # the first only
     assert goodput_at(run, slo_tpot_s=0.35, slo_ttft_s=2.0) == 7.0    # both with a TPOT
     assert goodput_at(run, slo_tpot_s=0.05, slo_ttft_s=2.0) == 0.0    # nobody; the unjudged never count
+
+
+def test_the_emulated_drafter_owes_its_cost_for_trees_too_and_refuses_cross_vocabulary():
+    """EmulatedDrafter passes the drafter contract on by name: a tree owes per draft forward row as
+    a chain owes per token (a tree used to reach the inner drafter around the cost), and drafting
+    across vocabularies, which would draft through next_logits around the cost, is refused."""
+    import numpy as np
+
+    from edge_client.drafters import SyntheticDrafter
+    from netsim.load import DraftCost, EmulatedDrafter
+    from spec_core.drafting import QMode
+    from spec_core.tree import TreeShape
+    from spec_core.warping import SamplingSettings
+
+    cost = DraftCost()
+    drafter = EmulatedDrafter(SyntheticDrafter(64, 0, 1.0), 0.01, cost)
+    settings = SamplingSettings(temperature=1.0, seed=1)
+    chain = drafter.propose([0, 5], 4, settings, QMode("float", 16), np.random.default_rng(0))
+    assert cost.owed_s == pytest.approx(0.01 * len(chain.tokens)) and chain.seconds >= cost.owed_s
+    owed = cost.owed_s
+    assert drafter.supports_trees
+    tree = drafter.propose_tree([0, 5], TreeShape(budget=6, depth=3), settings, QMode("float", 16),
+                                np.random.default_rng(0))
+    assert tree.rows > 0 and cost.owed_s - owed == pytest.approx(0.01 * tree.rows)
+    assert tree.seconds >= 0.01 * tree.rows
+    assert not drafter.supports_cross_vocab
+    with pytest.raises(NotImplementedError):
+        drafter.next_logits([0, 5])

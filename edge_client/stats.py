@@ -1,0 +1,76 @@
+"""The edge's records of a generation: its stats (GenerationStats), each committed round
+(RoundEvent, for metrics), and the cloud-only baseline's (CloudOnlyStats)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    text: str = ""
+    tokens: int = 0                 # generated tokens committed
+    rounds: int = 0                 # Verify rounds that committed tokens
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_rate: float = 0.0    # accepted / drafted (vLLM's "draft acceptance rate")
+    alpha: float = 0.0              # per-token acceptance α = accepted / (accepted + rejections): the
+                                    # geometric model's estimate; drafts after a rejection are never tested
+    rejections: int = 0             # rounds that ended with a corrected token
+    tokens_per_round: float = 0.0   # 1 + accepted / rounds, as committed
+    expected_tokens_per_round: float = 0.0  # (1 - α^(γ+1)) / (1 - α) at the measured α and mean γ
+    wall_s: float = 0.0
+    ttft_s: float = 0.0             # time to the first committed token
+    tokens_per_s: float = 0.0
+    bytes_up: int = 0               # protobuf payload + gRPC frame header, edge -> verifier
+    bytes_down: int = 0
+    gamma: int | str = 0
+    mean_gamma: float = 0.0
+    retries: int = 0
+    replays: int = 0
+    backoffs: int = 0               # refusals for load waited out (RESOURCE_EXHAUSTED / UNAVAILABLE + hint)
+    backoff_s: float = 0.0          # total time spent waiting them out
+    draft_s: float = 0.0            # total time drafting
+    server_model_s: float = 0.0     # total time in the target model (server's own timing)
+    finish_reason: str = ""
+    nodes_per_round: float = 0.0    # draft tokens (chain) or tree nodes sent per round
+    tree_rounds: int = 0            # rounds that carried a tree
+    plans: str = ""                 # how often each chain/tree plan was chosen
+    reused_drafts: int = 0          # drafted tokens reused from proactive drafting (--proactive)
+    discarded_rounds: int = 0       # pipelined rounds dropped because their base was not committed
+    pipelined_rounds: int = 0       # pipelined rounds whose base was committed (verified, kept)
+    draft_rolled_back: int = 0      # across tokenizers: draft tokens re-tokenized away (KV rolled back)
+    draft_retokenized: int = 0      # across tokenizers: draft tokens tokenized anew from committed text
+    continuation_rounds: int = 0    # rounds during whose flight continuations were drafted
+    continuations_sent: int = 0     # alternatives shipped in pipelined rounds (each drafted for one outcome)
+    continuation_hits: int = 0      # rounds whose outcome a continuation had been drafted for (sent or reused)
+    token_ids: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RoundEvent:
+    """One committed round, as seen by the edge (for metrics: `EdgeClient(on_round=...)`)."""
+
+    gamma: int          # the draft's depth: its tokens for a chain, the deepest path for a tree
+    accepted: int       # of them accepted
+    tokens: int         # committed this round: accepted + the corrected or bonus token
+    draft_s: float      # time drafting
+    rpc_s: float        # wall time of the Verify RPC, retries included (round trip + server)
+    server_s: float     # the server's own time for the round
+
+
+
+@dataclass
+class CloudOnlyStats:
+    """The cloud-only baseline: the target streams its own output (one request)."""
+
+    tokens: int
+    wall_s: float
+    ttft_s: float
+    token_ids: list[int]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0

@@ -1,0 +1,254 @@
+"""The edge's calls to the verifier: the channel (plain or TLS), the bearer token, the retry and
+back-off rules, the errors it raises (EdgeError), and the wire form of the sampling settings."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import weakref
+from pathlib import Path
+from typing import Awaitable, Callable, Sequence
+
+import grpc
+
+from edge_client.options import Security, ServerLimits, Transport
+from edge_client.stats import CloudOnlyStats, GenerationStats
+from spec_core.proto import verifier_pb2 as pb
+from spec_core.proto import verifier_pb2_grpc as pb_grpc
+from spec_core.warping import SamplingSettings
+from spec_core.wire import MESSAGE_SIZE_OPTIONS, RETRY_AFTER_KEY
+
+log = logging.getLogger(__name__)
+
+GRPC_FRAME_BYTES = 5  # gRPC length-prefixed message header
+# A server shutting down cancels in-flight calls (CANCELLED); our own cancellation arrives as
+# asyncio.CancelledError instead, so retrying CANCELLED is safe. Rounds are idempotent.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+# The verifier's limits, per channel (one connection to one verifier): asked once, shared by the
+# clients on that channel.
+_SERVER_LIMITS: "weakref.WeakKeyDictionary[grpc.aio.Channel, ServerLimits]" = weakref.WeakKeyDictionary()
+_SERVER_INFOS: "weakref.WeakKeyDictionary[grpc.aio.Channel, pb.ServerInfo]" = weakref.WeakKeyDictionary()
+CHANNEL_OPTIONS = [
+    *MESSAGE_SIZE_OPTIONS,
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.enable_retries", 0),  # we retry ourselves, idempotently
+]
+
+
+def _pem(value: str | bytes | None) -> bytes | None:
+    """PEM bytes, or a path to a PEM file."""
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+def open_channel(server: str, *, tls: bool = False, tls_ca: str | bytes | None = None,
+                 tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
+                 tls_server_name: str | None = None, options=()) -> grpc.aio.Channel:
+    """A channel to a verifier: plain text, or TLS (mutual with a client cert and key).
+    tls_ca: CA bundle to trust (None: the system's roots); tls_server_name: the name to check the
+    server's certificate against when it differs from the address (e.g. through a proxy)."""
+    options = list(CHANNEL_OPTIONS) + list(options)
+    if not (tls or tls_ca or tls_cert or tls_key):
+        return grpc.aio.insecure_channel(server, options=options)
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("tls_cert and tls_key go together (a client certificate for mutual TLS)")
+    creds = grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca), private_key=_pem(tls_key),
+                                         certificate_chain=_pem(tls_cert))
+    if tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    return grpc.aio.secure_channel(server, creds, options=options)
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def retry_after_s(e: grpc.aio.AioRpcError) -> float | None:
+    """The server's retry hint of a refusal for load, in seconds; None when there is none."""
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0.0, float(value) / 1000)
+            except ValueError:
+                return None
+    return None
+
+
+
+class EdgeError(RuntimeError):
+    """The verifier refused the request; `code` is the gRPC status, the message says why.
+    `retry_after_s`: the server's retry hint, set only when it refused for load (the same request
+    may succeed later); a refusal without one is about the request itself."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.retry_after_s = code, retry_after_s
+
+
+
+def sampling_proto(s: SamplingSettings) -> pb.SamplingParams:
+    p = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,  # 1.0 = off, as the wire says
+                          max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids),
+                          ignore_eos=s.ignore_eos)
+    if s.seed is not None:
+        p.seed = s.seed
+    return p
+
+
+
+async def stream_cloud_only(stub: pb_grpc.VerifierStub, prompt_ids: Sequence[int], settings: SamplingSettings,
+                            timeout_s: float = 600.0, token: str | None = None) -> CloudOnlyStats:
+    """Run the Generate stream and time it (wall from the request, TTFT at the first token)."""
+    t0 = time.perf_counter()
+    ttft, ids = 0.0, []
+    async for chunk in stub.Generate(pb.GenerateRequest(prompt_token_ids=list(prompt_ids),
+                                                        sampling=sampling_proto(settings)), timeout=timeout_s,
+                                     metadata=auth_metadata(token)):
+        ids.extend(chunk.token_ids)
+        ttft = ttft or time.perf_counter() - t0
+    return CloudOnlyStats(len(ids), time.perf_counter() - t0, ttft, ids)
+
+
+class Verifier:
+    """One verifier behind a channel, as the edge calls it: every call carries the transport's
+    deadline and the bearer token; a refusal for load is waited out and a lost call retried (`call`);
+    the verifier's limits are asked once per channel and shared by the clients on it; a session that
+    a cancelled open may have opened is closed before the channel goes (`aclose`)."""
+
+    def __init__(self, transport: Transport, security: Security, channel: grpc.aio.Channel | None = None):
+        self.transport, self.security = transport, security
+        self.token = security.bearer_token()
+        self.metadata = auth_metadata(self.token)
+        self.channel = channel
+        self._own_channel = channel is None
+        self.stub: pb_grpc.VerifierStub | None = None
+        self.reached = False   # the verifier has answered once: from then on calls wait for it to come back
+        self._background: set[asyncio.Task] = set()  # Close calls that outlive a cancelled generation
+
+    async def open(self) -> None:
+        if self.channel is None:
+            self.channel = open_channel(self.transport.server, **self.security.channel_kwargs())
+        self.stub = pb_grpc.VerifierStub(self.channel)
+
+    async def aclose(self) -> None:
+        if self._background:
+            # Close calls of generations cancelled mid-open: let them reach the verifier before
+            # the channel goes (else their sessions hold KV memory until the verifier's TTL).
+            await asyncio.wait(list(self._background), timeout=self.transport.deadline_s)
+        if self._own_channel and self.channel is not None:
+            await self.channel.close()
+            self.channel = None
+
+    async def server_info(self) -> pb.ServerInfo:
+        info = await self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.transport.deadline_s,
+                                             metadata=self.metadata)
+        _SERVER_LIMITS[self.channel] = ServerLimits.from_info(info)
+        _SERVER_INFOS[self.channel] = info
+        return info
+
+    def known_info(self) -> pb.ServerInfo | None:
+        """What the verifier said of itself when its limits were asked (None: not asked, or it does not say)."""
+        return _SERVER_INFOS.get(self.channel)
+
+    async def limits(self, st: GenerationStats) -> ServerLimits:
+        """The verifier's limits (its ServerInfo, asked once per channel: clients that share a
+        channel share the answer)."""
+        limits = _SERVER_LIMITS.get(self.channel)
+        if limits is None:
+            async def ask() -> pb.ServerInfo:
+                info = await self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.transport.deadline_s,
+                                                     wait_for_ready=self.reached, metadata=self.metadata)
+                _SERVER_INFOS[self.channel] = info
+                return info
+            try:
+                limits = ServerLimits.from_info(await self.call(ask, st, "server info"))
+            except EdgeError as e:
+                if e.code != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                limits = ServerLimits()  # a verifier that does not say: nothing to cap by
+            _SERVER_LIMITS[self.channel] = limits
+        return limits
+
+    def forget_limits(self) -> None:
+        _SERVER_LIMITS.pop(self.channel, None)
+
+    async def verify(self, req: pb.VerifyRequest, st: GenerationStats, retries: int | None = None) -> pb.VerifyReply:
+        async def attempt() -> pb.VerifyReply:
+            st.bytes_up += req.ByteSize() + GRPC_FRAME_BYTES
+            # Once a verifier has answered, wait for it to come back (restart) instead of failing fast;
+            # before that, an address with nothing behind it fails within the retry budget.
+            reply = await self.stub.Verify(req, timeout=self.transport.deadline_s, wait_for_ready=self.reached,
+                                           metadata=self.metadata)
+            st.bytes_down += reply.ByteSize() + GRPC_FRAME_BYTES
+            return reply
+        return await self.call(attempt, st, f"round {req.round}", retries)
+
+    async def vocabulary(self, fingerprint: str, st: GenerationStats) -> pb.Vocabulary:
+        async def ask() -> pb.Vocabulary:
+            return await self.stub.GetVocabulary(pb.VocabularyRequest(fingerprint=fingerprint),
+                                                 timeout=max(self.transport.deadline_s, 60.0), metadata=self.metadata)
+        return await self.call(ask, st, "vocabulary")
+
+    async def call(self, attempt: Callable[[], Awaitable], st: GenerationStats, what: str,
+                   retries: int | None = None):
+        """`attempt()`, one RPC, until it answers: a refusal for load (a retry hint) is waited out,
+        UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED are retried with backoff; anything else, or
+        running out of patience, raises EdgeError."""
+        delay, attempts, waited_s = 0.05, 0, 0.0
+        max_retries = self.transport.max_retries if retries is None else retries
+        while True:
+            try:
+                answer = await attempt()
+                self.reached = True
+                return answer
+            except grpc.aio.AioRpcError as e:
+                hint_s = retry_after_s(e)
+                if hint_s is not None and e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) \
+                        and waited_s < self.transport.max_wait_s:
+                    # Refused for load: wait the hint plus up to as much again, drawn at random, so
+                    # that edges refused together do not return together.
+                    self.reached = True
+                    wait_s = min(hint_s * (1 + random.random()), self.transport.max_wait_s - waited_s)
+                    st.backoffs += 1
+                    st.backoff_s += wait_s
+                    waited_s += wait_s
+                    log.info("%s: %s, backing off %.2fs: %s", what, e.code().name, wait_s, e.details())
+                    await asyncio.sleep(wait_s)
+                    continue
+                if e.code() in RETRYABLE and attempts < max_retries:
+                    attempts += 1
+                    st.retries += 1
+                    log.info("%s: %s, retrying in %.2fs", what, e.code().name, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    continue
+                raise EdgeError(e.code(), e.details() or "", retry_after_s=hint_s) from None
+
+    async def open_round(self, req: pb.VerifyRequest, st: GenerationStats) -> pb.VerifyReply:
+        """A round that opens a session. If the caller is cancelled while it is in flight, the
+        verifier may still open the session; the round is left to finish and that session closed."""
+        call = asyncio.ensure_future(self.verify(req, st))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            async def close_when_opened() -> None:
+                try:
+                    reply = await call
+                except (Exception, asyncio.CancelledError):  # noqa: BLE001 - no session was opened
+                    return
+                await self.close_session(reply.session_id)
+            task = asyncio.ensure_future(close_when_opened())
+            self._background.add(task)   # leaving the client waits for it (aclose)
+            task.add_done_callback(self._background.discard)
+            raise
+
+    async def close_session(self, session_id: str) -> None:
+        try:
+            await self.stub.Close(pb.CloseRequest(session_id=session_id), timeout=self.transport.deadline_s,
+                                  metadata=self.metadata)
+        except grpc.aio.AioRpcError as e:  # best effort: the server's TTL frees it anyway
+            log.debug("close failed: %s", e.code().name)
+        except grpc.aio.UsageError as e:  # the channel was closed first (a generation abandoned after its client)
+            log.debug("close failed: %s", e)

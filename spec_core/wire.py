@@ -1,0 +1,25 @@
+"""Constants both ends of the wire must agree on, in one place (pure values: no gRPC, no protobuf).
+
+The .proto (proto/) is the contract for messages; these are the parts of the contract that live
+outside the messages: a gRPC metadata key, a size limit the channel options carry, and a field's
+required length.
+"""
+from __future__ import annotations
+
+# Trailing metadata of a refusal for load (RESOURCE_EXHAUSTED or UNAVAILABLE): milliseconds to wait
+# before retrying, as a decimal string. The verifier sets it (cloud_verifier.admission); the edge obeys it.
+RETRY_AFTER_KEY = "retry-after-ms"
+
+# The largest gRPC message either end sends or receives (gRPC's default is 4 MiB): a long prompt's
+# replay, a wide tree with float q, a vocabulary.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Channel/server options that raise gRPC's limits to MAX_MESSAGE_BYTES both ways.
+MESSAGE_SIZE_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+)
+
+# OpenSession.open_key: random bytes the edge picks for a session's first round, so a retried open
+# finds the session it created instead of opening a second one.
+OPEN_KEY_BYTES = 16

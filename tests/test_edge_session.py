@@ -1,0 +1,141 @@
+"""The edge's session loop on its own (no server): one prepared-draft type for chains and trees,
+and one α rule for ranking a round's outcomes, whichever γ policy drafts."""
+from __future__ import annotations
+
+import asyncio
+import types
+
+import numpy as np
+import pytest
+
+from edge_client.drafters import SyntheticDrafter
+from edge_client.gamma import AdaptiveGamma, RoundPlan
+from edge_client.options import Speculation, Transport
+from edge_client.pairing import Pairing
+from edge_client.session import _Prepared, _SessionLoop
+from edge_client.stats import GenerationStats
+from edge_client.text import SyntheticTokenizer
+from edge_client.transport import EdgeError
+from spec_core.proto import verifier_pb2 as pb
+from spec_core.estimates import Acceptance
+from spec_core.tree import DraftTree, TreeShape
+from spec_core.warping import SamplingSettings
+
+V = 64
+CHAIN = RoundPlan("chain", 4)
+TREE = RoundPlan("tree8", 3, TreeShape(budget=8, depth=3))
+
+
+def loop(gamma) -> _SessionLoop:
+    drafter, tokenizer = SyntheticDrafter(V, 0, 1.0), SyntheticTokenizer(V)
+    client = types.SimpleNamespace(verifier=None, on_round=None, transport=Transport(""))
+    return _SessionLoop(client, Speculation(gamma=gamma), [0, 5], SamplingSettings(temperature=1.0, seed=1),
+                        GenerationStats(), Pairing(drafter, tokenizer, tokenizer.eog_ids))
+
+
+def chain(base, tokens) -> _Prepared:
+    return _Prepared(list(base), CHAIN, DraftTree.chain(tokens), None, 0.001, len(tokens))
+
+
+def reply(base_len: int, accepted: int, next_token: int | None = 9, kept=()) -> pb.VerifyReply:
+    r = pb.VerifyReply(session_id="s", round=1, num_accepted=accepted, kept_nodes=list(kept),
+                       committed_length=base_len + accepted + (next_token is not None))
+    if next_token is not None:
+        r.next_token_id = next_token
+    return r
+
+
+@pytest.mark.parametrize("gamma", ["adaptive", 4])
+def test_the_alpha_for_outcomes_is_the_verifier_rule_whatever_the_gamma_policy(gamma):
+    """40 chain rounds of γ = 4 with random acceptances (seeded). The estimate that ranks outcomes is
+    spec_core.estimates.Acceptance fed the same rounds, for a fixed γ as for the adaptive one (whose
+    own α follows the same rule). Control: the whole-session estimate a fixed γ used before,
+    (accepted + 1) / (accepted + rejections + 2), differs from it after these rounds."""
+    s, reference = loop(gamma), Acceptance()
+    rng = np.random.default_rng(3)
+    accepted_all = rejections = 0
+    for _ in range(40):
+        base = list(s.committed)
+        n = int(rng.integers(0, 5))
+        prep = chain(base, [7, 8, 9, 10])
+        s._apply(prep, reply(len(base), n, 11), 0.01)
+        reference.observe(4, n, rejected=n < 4)
+        accepted_all, rejections = accepted_all + n, rejections + (n < 4)
+    assert s._alpha() == pytest.approx(reference.alpha)
+    if isinstance(s.policy, AdaptiveGamma):
+        assert s._alpha() == pytest.approx(s.policy.alpha)
+    assert abs(s._alpha() - (accepted_all + 1) / (accepted_all + rejections + 2)) > 1e-3
+
+
+def test_a_chain_is_a_tree_with_one_path_and_stays_a_chain_on_the_wire():
+    s = loop(4)
+    prep = s._prepare(list(s.committed), CHAIN)
+    assert prep.tree.is_chain and len(prep.tree) == 4 and prep.guess_nodes() == [0, 1, 2, 3]
+    req = s._request(prep, 1)
+    assert list(req.draft_token_ids) == list(prep.tree.tokens) and not req.draft_parents
+    # A tree that came out as one path goes on the wire as the chain it is.
+    path = _Prepared([0, 5], TREE, DraftTree((3, 4), (-1, 0)), None, 0.001, 2, [0.5, 0.25])
+    assert not s._request(path, 1).draft_parents and path.kept_path(reply(2, 2, None)) == [0, 1]
+    tree = s._prepare([0, 5], TREE)
+    assert not tree.tree.is_chain and list(s._request(tree, 1).draft_parents) == list(tree.tree.parents)
+
+
+def test_the_kept_path_is_checked_against_the_tree():
+    #            0:3   1:4          two children of the root; node 2 under node 0
+    tree = _Prepared([0, 5], TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
+    assert tree.guess_path() == [3, 6]
+    assert tree.kept_path(reply(2, 2, None, kept=[0, 2])) == [0, 2]
+    for bad in ([1, 2], [2], [0, 7]):
+        with pytest.raises(EdgeError, match="not a path"):
+            tree.kept_path(reply(2, len(bad), 9, kept=bad))
+    with pytest.raises(EdgeError, match="not a path"):
+        chain([0, 5], [7, 8]).kept_path(reply(2, 3, 9))   # more accepted than drafted
+
+
+def test_a_round_that_ends_at_a_shallow_leaf_is_a_bonus_not_a_rejection():
+    """Tree (depth 2 on one branch, 1 on the other) planned at depth 3: keeping the shallow leaf
+    and drawing the bonus after it is no rejection; stopping above drafts still on offer is."""
+    s = loop(4)
+    shallow = _Prepared([0, 5], TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
+    s._apply(shallow, reply(2, 1, 9, kept=[1]), 0.01)
+    assert s.st.rejections == 0 and s.st.tree_rounds == 1 and s.gammas == [2]
+    base = list(s.committed)
+    deep = _Prepared(base, TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
+    s._apply(deep, reply(len(base), 1, 9, kept=[0]), 0.01)   # node 0 kept, its child 2 rejected
+    assert s.st.rejections == 1
+
+
+async def test_the_pairing_is_decided_once_per_client_before_the_first_round(monkeypatch, tmp_path):
+    """Three generations started together, then one more, on one client whose draft has another
+    tokenizer: one pairing (one vocabulary set-up), made before any Verify round; each open
+    announces the draft's tokenizer."""
+    import edge_client.client as client_module
+    from edge_client import EdgeClient, crossvocab
+    from helpers import edge_options, running_server
+    from test_crossvocab_grpc import drafter_pair, target_backend
+
+    monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
+    crossvocab._VOCABS.clear()
+    pairings, opens = [], []
+    real_pair = client_module.pair
+
+    async def counted_pair(*args, **kw):
+        pairings.append(len(opens))   # Verify rounds sent before this pairing
+        return await real_pair(*args, **kw)
+    monkeypatch.setattr(client_module, "pair", counted_pair)
+    drafter, tok = drafter_pair()
+    settings = SamplingSettings(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    async with running_server(target_backend()) as server:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=3), drafter, tok) as c:
+            real_verify = c.verifier.verify
+
+            async def verify(req, st, retries=None):
+                if req.HasField("open"):
+                    opens.append(req.open.draft_tokenizer_fingerprint)
+                return await real_verify(req, st, retries)
+            c.verifier.verify = verify
+            gens = [c.generate(p, settings) for p in ("abc", "ab", "ba")]
+            await asyncio.gather(*(g.text() for g in gens))
+            await c.generate("cab", settings).text()
+    assert pairings == [0] and len(opens) == 4 and set(opens) == {drafter.fingerprint}
+    assert all(g.stats.tokens == 6 for g in gens)
