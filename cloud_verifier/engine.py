@@ -248,7 +248,7 @@ class VerifierEngine:
         if len(assumed) > self.limits.max_gamma + 1:
             raise _bad(f"assumed_tokens has {len(assumed)} ids; at most max_gamma + 1 = {self.limits.max_gamma + 1}")
         self._check_ids(assumed, "assumed_tokens")
-        alternatives = self._continuations(req, _Alternative(assumed, drafts, tree, qs))
+        alternatives = self._continuations(req, _alternative(assumed, drafts, tree, qs))
         return ValidRound(req, alternatives, None if req.session_id else self._valid_open(req))
 
     async def verify(self, valid: "ValidRound") -> pb.VerifyReply:
@@ -348,30 +348,22 @@ class VerifierEngine:
         room = self.info.n_ctx - len(session.tokens) - 1
         if room < 0:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the context window is full")
-        drafts, tree, qs = alt.drafts, alt.tree, alt.qs
+        tree, qs = alt.tree, alt.qs
         self.backend.set_deadline(session.state, session.due(t_start))
-        if tree is not None:
-            # A tree is cut like a chain: whole levels past the room, then nodes in index order.
-            fit = prune_to_fit(tree, room)
-            if len(fit) < len(tree):
-                tree, qs = tree.subtree(fit), ([qs[i] for i in fit] if qs is not None else None)
-            out = await self._backend_round(
-                session, self.backend.verify_tree, session.state, session.tokens, tree, qs, session.settings,
-                _round_rng(session))
-            path = out.result.path
-            kept = [tree.tokens[i] for i in path]
-            return RoundRun(kept, RoundResult(len(kept), out.result.next_token), [fit[i] for i in path],
-                            len(tree), False, out.queue_s, out.model_s)
-        if len(drafts) > room:
-            drafts, qs = drafts[:room], (qs[:room] if qs is not None else None)
-        out = await self._backend_round(
-            session, self.backend.verify, session.state, session.tokens, drafts, qs, session.settings,
-            _round_rng(session))
-        return RoundRun(drafts, out.result, [], len(drafts), True, out.queue_s, out.model_s)
+        # Cut like a chain: whole levels past the room, then nodes in index order (a chain: its first drafts).
+        fit = prune_to_fit(tree, room)
+        if len(fit) < len(tree):
+            tree, qs = tree.subtree(fit), ([qs[i] for i in fit] if qs is not None else None)
+        out = await self._backend_round(session, self.backend.verify_round, session.state, session.tokens, tree, qs,
+                                        session.settings, _round_rng(session))
+        path = out.result.path
+        return RoundRun([tree.tokens[i] for i in path], out.result.next_token,
+                        [fit[i] for i in path] if alt.sent_as_tree else [], len(tree), not alt.sent_as_tree,
+                        out.queue_s, out.model_s)
 
     def _commit(self, session: Session, round_: int, run: "RoundRun") -> Commit:
         """Append what the round keeps (cut at a stop token, the length or the context) to the session."""
-        done = commit_round(run.drafts, run.result, session.stop_ids,
+        done = commit_round(run.kept, RoundResult(len(run.kept), run.next_token), session.stop_ids,
                             remaining=session.settings.max_new_tokens - session.generated,
                             context_left=self.info.n_ctx - len(session.tokens))
         session.tokens.extend(done.tokens)
@@ -382,7 +374,7 @@ class VerifierEngine:
         if session.first_token_at is None and done.tokens:
             session.first_token_at = (now, len(session.tokens))
         if run.chain:  # a tree round's acceptance is not geometric: α is the chains'
-            session.acceptance.observe(run.n_verified, run.result.num_accepted, run.result.num_accepted < run.n_verified)
+            session.acceptance.observe(run.n_verified, len(run.kept), len(run.kept) < run.n_verified)
         # Used until now, not since the round arrived: a round that queued for seconds behind
         # many others must not leave its session looking idle (and evictable) as it ends.
         session.last_used = time.monotonic()
@@ -487,7 +479,7 @@ class VerifierEngine:
                 qs = qcodec.from_proto(c.q, drafts, self.info.n_vocab)
             except qcodec.QError as e:
                 raise _bad(f"{what}{e}") from None
-            out.append(_Alternative(assumed, drafts, tree, qs))
+            out.append(_alternative(assumed, drafts, tree, qs))
         return out
 
     def _reopen(self, req: pb.VerifyRequest) -> Session | None:
@@ -698,12 +690,18 @@ def _text_open(o: pb.OpenSession) -> bool:
 
 @dataclass
 class _Alternative:
-    """One draft of a pipelined round, keyed by the tokens it assumes the round before commits."""
+    """One draft of a round, keyed by the tokens it assumes the round before commits (a pipelined
+    round's; empty for an ordinary round)."""
 
     assumed: list[int]
-    drafts: list[int]
-    tree: DraftTree | None
-    qs: list | None
+    tree: DraftTree         # a chain is a tree with one path
+    qs: list | None         # [n] the q each node was drawn from, or None: point masses
+    sent_as_tree: bool      # it came with draft_parents (its reply names the kept nodes)
+
+
+def _alternative(assumed: list[int], drafts: list[int], tree: DraftTree | None, qs: list | None) -> _Alternative:
+    """The one round type from the wire's two shapes: drafts alone (a chain) or drafts + parents."""
+    return _Alternative(assumed, tree if tree is not None else DraftTree.chain(drafts), qs, tree is not None)
 
 
 @dataclass
@@ -734,11 +732,11 @@ class Choice(NamedTuple):
 class RoundRun(NamedTuple):
     """A round verified by the backend: what it kept, and where its time went."""
 
-    drafts: list[int]       # the kept path's tokens (a tree) or the drafts verified (a chain)
-    result: RoundResult     # accepted drafts + the corrected or bonus token
-    kept_nodes: list[int]   # a tree's kept nodes (indices in the tree as sent); [] for a chain
+    kept: list[int]         # the accepted drafts' tokens (the kept path), root first
+    next_token: int         # the corrected or bonus token
+    kept_nodes: list[int]   # the kept nodes as indices in the tree as sent; [] for a chain sent as one
     n_verified: int         # draft tokens (chain) or nodes (tree) the target checked
-    chain: bool
+    chain: bool             # sent as a chain (its acceptance feeds the session's α)
     queue_s: float
     model_s: float
 

@@ -1,9 +1,11 @@
 """The backend interface: per-session state and the target's logits at the rows a round needs.
 
-A backend supplies raw target logits; the engine turns them into p with spec_core.warping and
-runs spec_core.verify, so exactness lives in one place (spec_core.acceptance). A backend that
-cannot return full logits cheaply (vLLM) overrides `verify` / `sample_next` and runs the same
-rule from scores (spec_core.verify.verify_from_scores, spec_core.tree.verify_tree_from_scores).
+A backend supplies raw target logits; `verify_round`, the one entry the engine calls for every
+round (a chain is a tree with one path), turns them into p with spec_core.warping and runs the
+chain or tree kernel of spec_core.verify / spec_core.tree, so exactness lives in one place
+(spec_core.acceptance). A backend that cannot return full logits cheaply (vLLM) overrides the
+kernels `verify` / `verify_tree` / `sample_next` and runs the same rule from scores
+(spec_core.verify.verify_from_scores, spec_core.tree.verify_tree_from_scores).
 Methods are synchronous and called from a worker thread; a backend serialises its own model.
 """
 from __future__ import annotations
@@ -81,6 +83,20 @@ class Backend(abc.ABC):
 
         Returns (logits, queue_s, model_s): time spent waiting for the model and in it.
         """
+
+    def verify_round(self, state: object, committed: Sequence[int], tree: DraftTree,
+                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
+                     rng: np.random.Generator) -> BackendRound:
+        """The one entry the engine calls for every round: a draft tree (a chain is a tree with one
+        path) after `committed`, each node with the q it was drawn from  # draft_probs: [n] or None.
+        Returns BackendRound(TreeResult(kept path, corrected or bonus token), queue_s, model_s).
+        A chain takes the chain kernel (`verify`: p warped only as far as the round reads it, one
+        row per draft); anything else the tree kernel (`verify_tree`). Both run the same rule
+        (spec_core.acceptance); backends override the kernels, not this."""
+        if not tree.is_chain:
+            return self.verify_tree(state, committed, tree, draft_probs, settings, rng)
+        out = self.verify(state, committed, list(tree.tokens), draft_probs, settings, rng)
+        return out._replace(result=TreeResult(list(range(out.result.num_accepted)), out.result.next_token))
 
     def verify(self, state: object, committed: Sequence[int], draft_tokens: Sequence[int],
                draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
