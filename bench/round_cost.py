@@ -166,7 +166,7 @@ async def framework_figures(tokens: int) -> None:
     from edge_client.options import EdgeOptions, Speculation, Transport
     from edge_client.drafters import SyntheticDrafter
     from hybridspec.launch import spawn_verifier
-    from spec_core import qcodec
+    from spec_core.proto import qpayload
     from spec_core.proto import verifier_pb2 as pb
     from spec_core.proto import verifier_pb2_grpc as pb_grpc
 
@@ -202,7 +202,7 @@ async def framework_figures(tokens: int) -> None:
                 t0 = time.perf_counter()
                 d = drafter.propose(committed, 5, settings, qmode, rng)
                 req = pb.VerifyRequest(session_id=session, round=last_round + 1, committed_length=len(committed),
-                                       draft_token_ids=d.tokens, q=qcodec.to_proto(d.qs))
+                                       draft_token_ids=d.tokens, q=qpayload.to_proto(d.qs))
                 if not session:
                     req.open.CopyFrom(pb.OpenSession(prompt_token_ids=[0], sampling=sampling_proto(settings),
                                                      open_key=os.urandom(16)))

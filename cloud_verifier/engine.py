@@ -26,11 +26,13 @@ from cloud_verifier.sessions import Session, SessionStore, Slo
 from spec_core import qcodec
 from spec_core.crossvocab import pack_token_bytes
 from spec_core.continuations import MAX_CONTINUATION_NODES, MAX_CONTINUATIONS, pick_continuation
+from spec_core.proto import qpayload
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.steering import CommitRate, draft_budget
 from spec_core.tree import DraftTree, TreeError, prune_to_fit, validate_tree
 from spec_core.verify import Commit, FinishReason, RoundResult, commit_round
 from spec_core.warping import GENERATE_STREAM, VERIFIER_STREAM, SamplingError, SamplingSettings, seeded_rng
+from spec_core.wire import OPEN_KEY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +241,7 @@ class VerifierEngine:
         if req.round < 1:
             raise _bad("round must be >= 1 (1 is the first round of a session)")
         try:
-            qs = qcodec.from_proto(req.q, drafts, self.info.n_vocab)
+            qs = qpayload.from_proto(req.q, drafts, self.info.n_vocab)
         except qcodec.QError as e:
             raise _bad(str(e)) from None
         if not req.session_id and not req.HasField("open"):
@@ -476,7 +478,7 @@ class VerifierEngine:
                            f"{self.limits.max_gamma}")
             self._check_ids(drafts, f"{what}draft_token_ids")
             try:
-                qs = qcodec.from_proto(c.q, drafts, self.info.n_vocab)
+                qs = qpayload.from_proto(c.q, drafts, self.info.n_vocab)
             except qcodec.QError as e:
                 raise _bad(f"{what}{e}") from None
             out.append(_alternative(assumed, drafts, tree, qs))
@@ -495,8 +497,8 @@ class VerifierEngine:
     def _valid_open(self, req: pb.VerifyRequest) -> "ValidOpen":
         """The first round's `open`, checked as far as it can be without tokenizing a text prompt."""
         o = req.open
-        if o.open_key and len(o.open_key) != 16:
-            raise _bad(f"open.open_key must be 16 random bytes, got {len(o.open_key)}")
+        if o.open_key and len(o.open_key) != OPEN_KEY_BYTES:
+            raise _bad(f"open.open_key must be {OPEN_KEY_BYTES} random bytes, got {len(o.open_key)}")
         prompt, resume = list(o.prompt_token_ids), list(o.resume_token_ids)
         text, messages = self._text_prompt(o.prompt_text, o.prompt_messages, "open.")
         text_prompt = text is not None or messages is not None

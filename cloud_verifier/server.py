@@ -30,12 +30,11 @@ from cloud_verifier.sessions import current_tenant
 from spec_core import __version__
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
+from spec_core.wire import MESSAGE_SIZE_OPTIONS
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "hybridspec.v1.Verifier"
-# A round carries at most a dense float q per draft: allow big messages, refuse absurd ones.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class InsecureBindError(ValueError):
@@ -260,8 +259,7 @@ class VerifierServer:
 
     async def start(self) -> "VerifierServer":
         self.server = grpc.aio.server(interceptors=[CallGuard(self.tokens)], options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *MESSAGE_SIZE_OPTIONS,   # a round carries at most a dense float q per draft: big, not absurd
             # Edges on weak links keep connections alive with pings; let them.
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),

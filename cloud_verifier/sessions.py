@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from spec_core.proto import verifier_pb2 as pb
+from spec_core.slo import Slo
 from spec_core.steering import Acceptance
 from spec_core.warping import SamplingSettings
 
@@ -105,24 +106,6 @@ class Session:
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
-
-
-@dataclass(frozen=True)
-class Slo:
-    """A latency target, seconds (0: none on that count)."""
-    tpot_s: float = 0.0
-    ttft_s: float = 0.0
-
-    def due(self, arrival: float, first_token_at: tuple[float, int] | None, committed: int) -> float | None:
-        """When work arriving at `arrival` is due: before the first token, arrival + TTFT; after
-        it, the next token's place on the TPOT schedule from the first one, but never later than
-        one TPOT after arrival (a session ahead of schedule banks no more than that)."""
-        if first_token_at is None:
-            return arrival + self.ttft_s if self.ttft_s else None
-        if not self.tpot_s:
-            return None
-        t_first, at_first = first_token_at
-        return min(t_first + self.tpot_s * (committed - at_first + 1), arrival + self.tpot_s)
 
 
 class SessionStore:

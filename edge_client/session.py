@@ -30,6 +30,7 @@ from spec_core.wire import OPEN_KEY_BYTES
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.drafting import QMode
 from spec_core.estimates import Acceptance
+from spec_core.proto import qpayload
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import ROOT, DraftTree
@@ -345,12 +346,12 @@ class _SessionLoop:
     def _continuation(self, guess: _Guess) -> pb.Continuation:
         p = guess.prep
         return pb.Continuation(assumed_tokens=guess.tokens, draft_token_ids=p.tree.tokens, draft_parents=p.wire_parents(),
-                               q=qcodec.to_proto(p.qs, self.spec.qmode.scale_bits))
+                               q=qpayload.to_proto(p.qs, self.spec.qmode.scale_bits))
 
     def _request(self, prep: "_Prepared", round_: int, assumed: Sequence[int] = ()) -> pb.VerifyRequest:
         req = pb.VerifyRequest(session_id=self.session_id, round=round_, committed_length=len(prep.base),
                                draft_token_ids=prep.tree.tokens, draft_parents=prep.wire_parents(),
-                               q=qcodec.to_proto(prep.qs, self.spec.qmode.scale_bits),
+                               q=qpayload.to_proto(prep.qs, self.spec.qmode.scale_bits),
                                assumed_tokens=list(assumed))
         if not self.session_id:
             req.open.CopyFrom(pb.OpenSession(

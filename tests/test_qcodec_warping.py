@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from spec_core import qcodec
+from spec_core.proto import qpayload
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.warping import processed_probs
 
@@ -44,7 +45,7 @@ def test_fixed_encoding_sums_to_scale_and_has_no_zero_weights(raw, top_k, bits):
     assert len(enc.token_ids) <= (top_k or len(probs))
     # round trip through protobuf gives the same distribution
     draft = [int(enc.token_ids[0])]
-    dec = qcodec.from_proto(qcodec.to_proto([enc], bits), draft, len(probs))[0]
+    dec = qpayload.from_proto(qpayload.to_proto([enc], bits), draft, len(probs))[0]
     np.testing.assert_array_equal(dec.dense(len(probs)), enc.dense(len(probs)))
 
 
@@ -76,4 +77,4 @@ def _payload(fmt, positions, bits=16):
 ])
 def test_bad_q_is_refused_with_a_readable_message(payload, draft, message):
     with pytest.raises(qcodec.QError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        qcodec.from_proto(payload, draft, vocab=10)
+        qpayload.from_proto(payload, draft, vocab=10)

@@ -102,4 +102,13 @@ def test_the_verifier_takes_its_wire_constants_from_spec_core():
     from cloud_verifier import admission, server
     from spec_core import wire
     assert admission.RETRY_AFTER_KEY is wire.RETRY_AFTER_KEY == "retry-after-ms"
-    assert server.MAX_MESSAGE_BYTES == wire.MAX_MESSAGE_BYTES == 64 * 1024 * 1024
+    assert server.MESSAGE_SIZE_OPTIONS is wire.MESSAGE_SIZE_OPTIONS
+    assert dict(wire.MESSAGE_SIZE_OPTIONS)["grpc.max_receive_message_length"] == wire.MAX_MESSAGE_BYTES == 64 << 20
+
+
+def test_the_edge_takes_its_wire_constants_from_spec_core():
+    from edge_client import crossvocab, session, transport
+    from spec_core import wire
+    assert transport.RETRY_AFTER_KEY is wire.RETRY_AFTER_KEY
+    assert set(wire.MESSAGE_SIZE_OPTIONS) <= set(transport.CHANNEL_OPTIONS)
+    assert session.OPEN_KEY_BYTES is wire.OPEN_KEY_BYTES and crossvocab.VOCABULARY_MAX_BYTES == wire.MAX_MESSAGE_BYTES

@@ -352,7 +352,8 @@ LINK_3G = LinkFigures("3g", rtt_s=0.3, uplink_bytes_per_s=700e3 / 8)
 def q_payload_bytes(draft_probs: np.ndarray, top_k: int = 16) -> float:
     """Mean bytes on the wire per draft token: its id plus its fixed-point top-k q (CLI default),
     from the q rows shipped (the draft's processed probabilities, or TLI's on target ids)."""
-    from spec_core.qcodec import encode_fixed, to_proto
+    from spec_core.proto.qpayload import to_proto
+    from spec_core.qcodec import encode_fixed
     probs = draft_probs[: min(len(draft_probs), 32)]
     sizes = [to_proto([encode_fixed(p, top_k)]).ByteSize() for p in probs]
     return float(np.mean(sizes)) + TOKEN_ID_BYTES
