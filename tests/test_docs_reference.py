@@ -201,3 +201,23 @@ for program in hook.PROGRAMS:
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_committed_reference_pages_are_what_the_parsers_render():
+    """docs/reference/ is committed (every option readable and greppable in the repository); the
+    MkDocs hook fails the build on a stale page, and this says so without building."""
+    for program in HOOK.PROGRAMS:
+        path = ROOT / "docs" / HOOK.page_path(program)
+        assert path.is_file(), f"docs/{HOOK.page_path(program)} is missing: run python docs/hooks/cli_reference.py --write"
+        assert path.read_text(encoding="utf-8") == HOOK.render(program), (
+            f"docs/{HOOK.page_path(program)} is stale: run python docs/hooks/cli_reference.py --write")
+
+
+def test_a_stale_committed_page_fails_the_build(tmp_path):
+    """Negative control for the hook: a committed page that differs from the render is refused."""
+    from mkdocs.exceptions import PluginError
+    page = tmp_path / HOOK.page_path(HOOK.PROGRAMS[0])
+    page.parent.mkdir(parents=True)
+    page.write_text("# stale\n", encoding="utf-8")
+    with pytest.raises(PluginError, match="not what the parsers render"):
+        HOOK.on_files([], {"docs_dir": str(tmp_path)})

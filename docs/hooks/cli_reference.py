@@ -157,14 +157,36 @@ def page_path(program: Program) -> str:
 # --- the MkDocs hook ---------------------------------------------------------------------------
 
 def on_files(files, config):
+    """The committed pages (docs/reference/, so that every option can be read and grepped in the
+    repository) must be what the parsers render now: a stale one fails the build; a missing one is
+    rendered for this build."""
+    from mkdocs.exceptions import PluginError
     from mkdocs.structure.files import File
     for program in PROGRAMS:
-        files.append(File.generated(config, page_path(program), content=render(program)))
+        content = render(program)
+        committed = Path(config["docs_dir"]) / page_path(program)
+        if not committed.exists():
+            files.append(File.generated(config, page_path(program), content=content))
+        elif committed.read_text(encoding="utf-8") != content:
+            raise PluginError(f"docs/{page_path(program)} is not what the parsers render now: refresh the "
+                              "reference with `python docs/hooks/cli_reference.py --write`")
     return files
 
 
-if __name__ == "__main__":      # print the pages: python docs/hooks/cli_reference.py [PROGRAM]
+def write_pages(docs_dir: Path) -> None:
+    for program in PROGRAMS:
+        path = docs_dir / page_path(program)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(render(program), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    # python docs/hooks/cli_reference.py [PROGRAM ...]   print the pages
+    # python docs/hooks/cli_reference.py --write         refresh docs/reference/ (committed)
     wanted = sys.argv[1:]
+    if wanted == ["--write"]:
+        write_pages(Path(__file__).resolve().parents[1])
+        sys.exit(0)
     for program in PROGRAMS:
         if not wanted or program.name in wanted:
             sys.stdout.write(render(program))
