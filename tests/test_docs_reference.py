@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -42,6 +43,7 @@ def _load_hook():
 
 
 HOOK = _load_hook()
+REFERENCE_PYTHON = (3, 11)   # the Python docs/reference/ was rendered with (argparse layout)
 
 
 @lru_cache(maxsize=None)
@@ -203,21 +205,30 @@ for program in hook.PROGRAMS:
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def stale_pages(docs_dir: Path) -> list[str]:
+    """Reference pages under docs_dir that are missing or differ from what the parsers render."""
+    return [HOOK.page_path(p) for p in HOOK.PROGRAMS
+            if not (docs_dir / HOOK.page_path(p)).is_file()
+            or (docs_dir / HOOK.page_path(p)).read_text(encoding="utf-8") != HOOK.render(p)]
+
+
 def test_the_committed_reference_pages_are_what_the_parsers_render():
-    """docs/reference/ is committed (every option readable and greppable in the repository); the
-    MkDocs hook fails the build on a stale page, and this says so without building."""
-    for program in HOOK.PROGRAMS:
-        path = ROOT / "docs" / HOOK.page_path(program)
-        assert path.is_file(), f"docs/{HOOK.page_path(program)} is missing: run python docs/hooks/cli_reference.py --write"
-        assert path.read_text(encoding="utf-8") == HOOK.render(program), (
-            f"docs/{HOOK.page_path(program)} is stale: run python docs/hooks/cli_reference.py --write")
+    """docs/reference/ is committed (every option readable and greppable in the repository) and must
+    be what the parsers render now (the site renders them again at build time). argparse lays out
+    usage lines differently from one Python minor version to another: the pages are written with the
+    Python set-up uses on CI (3.11), and the check runs there."""
+    if sys.version_info[:2] != REFERENCE_PYTHON:
+        pytest.skip(f"docs/reference/ is rendered with Python {REFERENCE_PYTHON[0]}.{REFERENCE_PYTHON[1]}; "
+                    f"this is {sys.version_info[0]}.{sys.version_info[1]}")
+    stale = stale_pages(ROOT / "docs")
+    assert not stale, f"{stale} missing or stale: run python docs/hooks/cli_reference.py --write"
 
 
-def test_a_stale_committed_page_fails_the_build(tmp_path):
-    """Negative control for the hook: a committed page that differs from the render is refused."""
-    from mkdocs.exceptions import PluginError
-    page = tmp_path / HOOK.page_path(HOOK.PROGRAMS[0])
-    page.parent.mkdir(parents=True)
-    page.write_text("# stale\n", encoding="utf-8")
-    with pytest.raises(PluginError, match="not what the parsers render"):
-        HOOK.on_files([], {"docs_dir": str(tmp_path)})
+def test_a_stale_committed_page_is_caught(tmp_path):
+    """Negative control: fresh pages pass, one changed page is reported, a missing one too."""
+    HOOK.write_pages(tmp_path)
+    assert stale_pages(tmp_path) == []
+    first, second = (HOOK.page_path(p) for p in HOOK.PROGRAMS[:2])
+    (tmp_path / first).write_text(HOOK.render(HOOK.PROGRAMS[0]).replace("--", "-", 1), encoding="utf-8")
+    (tmp_path / second).unlink()
+    assert stale_pages(tmp_path) == [first, second]
