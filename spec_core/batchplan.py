@@ -87,13 +87,8 @@ def least_slack_first(pending: Sequence[int], slack_s: Sequence[float], budget: 
             break
         takes[i] = min(first[i], budget)
         budget -= takes[i]
-    for i in order:   # work-conserving: the prefills' remainder fills what is left
-        if budget <= 0:
-            break
-        extra = min(pending[i] - takes[i], budget)
-        takes[i] += extra
-        budget -= extra
-    return takes
+    # work-conserving: the prefills' remainder fills what is left
+    return _fill_leftovers(takes, pending, budget, order)
 
 
 def chunk_prefills(pending: Sequence[int], prefill: Sequence[bool], prefill_chunk: int) -> list[int]:
@@ -121,6 +116,11 @@ def _fair_in_order(pending: Sequence[int], budget: int, order: Sequence[int]) ->
     for i in order:
         takes[i] = min(pending[i], share, max(budget, 0))
         budget -= takes[i]
+    return _fill_leftovers(takes, pending, budget, order)
+
+
+def _fill_leftovers(takes: list[int], pending: Sequence[int], budget: int, order: Sequence[int]) -> list[int]:
+    """Give what is left of the pass's budget to what requests still have pending, in `order`."""
     for i in order:
         if budget <= 0:
             break
