@@ -72,7 +72,11 @@ class Generation:
         spec = await client._speculation(self.stats)  # within the verifier's limits
         pairing = await client._pair(self.stats)      # decided once per client, before its first round
         plan = await plan_prompt(pairing, self._prompt, client._in_drafter)
-        loop = _SessionLoop(client, spec, plan.ids, self.settings, self.stats, pairing, plan)
+        loop_class = _SessionLoop
+        if spec.window > 1:
+            from edge_client.window import WindowLoop   # it builds on this module's loop
+            loop_class = WindowLoop
+        loop = loop_class(client, spec, plan.ids, self.settings, self.stats, pairing, plan)
         try:
             while not loop.finished:
                 piece = await loop.step()

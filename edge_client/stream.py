@@ -39,6 +39,7 @@ class _Call:
         self.pending: dict[int, asyncio.Future] = {}
         self.reader: asyncio.Task | None = None
         self.ended = False
+        self.writing = asyncio.Lock()   # one write at a time on a call (grpc.aio fails concurrent ones)
 
 
 class RoundStream:
@@ -57,7 +58,8 @@ class RoundStream:
         fut = asyncio.get_running_loop().create_future()
         c.pending[tag] = fut
         try:
-            await c.call.write(pb.StreamRound(tag=tag, request=req))
+            async with c.writing:
+                await c.call.write(pb.StreamRound(tag=tag, request=req))
             return await asyncio.wait_for(asyncio.shield(fut), self._deadline_s)
         except asyncio.TimeoutError:
             raise _status_error(grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
@@ -111,7 +113,8 @@ class RoundStream:
         if c is None or c.ended:
             return
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-            await c.call.done_writing()
+            async with c.writing:
+                await c.call.done_writing()
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(asyncio.shield(c.reader), self._deadline_s)
         c.call.cancel()

@@ -1,0 +1,188 @@
+"""A window of rounds in flight (edge_client.window) over VerifyStream (edge_client.stream).
+
+Exactness, end to end: one unseeded session of N_TOKENS = 3000 tokens at T = 1 on the synthetic
+pair over V = 5 tokens (order 1, draft noise 1.0), γ = 2, q as float, up to 8 continuations per
+round, with a window of k = 2 and k = 3 rounds, chains and trees; the depth is forced to k (the cost
+model would keep one pipelined round on loopback, where the round trip is nothing), so rounds
+r + 1 and r + 2 travel while r is unanswered. The statistic is tests/test_continuations.transition_p
+(one chi-square over the 25 (previous, next) cells against the target's transition probabilities),
+threshold P_MIN = 1e-4. Negative control: the same window against a verifier that accepts every
+draft (biased toward the draft): it must fail at the same sample size.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+import edge_client.window as window
+from cloud_verifier.backends.synthetic import SyntheticBackend
+from edge_client import EdgeClient
+from edge_client.drafters import SyntheticDrafter
+from edge_client.options import OptionError, ServerLimits, Speculation
+from edge_client.text import SyntheticTokenizer
+from edge_client.window import WindowCosts, window_depth
+from helpers import edge_options, running_server, stub_for
+from spec_core.proto import verifier_pb2 as pb
+from spec_core.warping import SamplingSettings
+from test_batching import AcceptEverything
+from test_continuations import transition_p
+from test_exactness_stats import P_MIN
+
+V = 5
+N_TOKENS = 3000
+TREE = "budget=4,depth=2,branching=2,width=2"
+
+
+# --- the cost model ---------------------------------------------------------------------------------
+
+def test_a_slow_link_with_good_guesses_fills_the_window():
+    c = WindowCosts(rtt_s=0.6, verify_s=0.02, draft_s=0.01, up_s=0.001, hit=0.8)
+    assert window_depth(c, 4) == 4
+
+
+def test_bad_guesses_keep_one_round_in_flight():
+    c = WindowCosts(rtt_s=0.6, verify_s=0.02, draft_s=0.05, up_s=0.01, hit=0.05)
+    assert window_depth(c, 4) == 1
+
+
+def test_a_saturated_uplink_stops_the_window_early():
+    """The uplink is the slowest stage: more rounds in flight only queue on it."""
+    fast_link = WindowCosts(rtt_s=0.6, verify_s=0.02, draft_s=0.01, up_s=0.005, hit=0.9)
+    slow_link = WindowCosts(rtt_s=0.6, verify_s=0.02, draft_s=0.01, up_s=0.3, hit=0.9)
+    assert window_depth(fast_link, 4) == 4
+    assert window_depth(slow_link, 4) == 2
+
+
+def test_a_loopback_link_needs_no_window():
+    c = WindowCosts(rtt_s=0.0005, verify_s=0.005, draft_s=0.001, up_s=0.0, hit=0.5)
+    assert window_depth(c, 4) <= 2
+
+
+# --- options ----------------------------------------------------------------------------------------
+
+def test_window_implies_pipeline_and_is_capped_by_the_verifier():
+    spec = Speculation(window=3)
+    assert spec.pipeline
+    assert spec.within(ServerLimits(max_gamma=8)).window == 2          # a verifier that does not say: 2
+    assert spec.within(ServerLimits(max_gamma=8, max_window=4)).window == 3
+    with pytest.raises(OptionError, match="window"):
+        Speculation(window=0)
+
+
+# --- the stream's semantics ---------------------------------------------------------------------------
+
+def _open(seed: int = 3) -> pb.VerifyRequest:
+    return pb.VerifyRequest(round=1, committed_length=2, draft_token_ids=[1, 2], open=pb.OpenSession(
+        prompt_token_ids=[0, 1], sampling=pb.SamplingParams(temperature=1.0, seed=seed, max_new_tokens=64, ignore_eos=True),
+        open_key=b"k" * 16))
+
+
+async def _stream_rounds(stub, requests):
+    """Send `requests` on one VerifyStream (tags 1..n) and return the replies by tag."""
+    async def gen():
+        for i, r in enumerate(requests, 1):
+            yield pb.StreamRound(tag=i, request=r)
+    out = {}
+    async for msg in stub.VerifyStream(gen(), timeout=10):
+        out[msg.tag] = msg
+    return out
+
+
+async def test_the_stream_answers_as_unary_verify_does():
+    """The same seeded rounds, unary on one verifier and on a stream on another: the same replies;
+    a malformed round is answered INVALID_ARGUMENT on its own and the stream goes on; a retried
+    round gets its cached reply."""
+    async def session(use_stream: bool):
+        async with running_server(SyntheticBackend(vocab=V, seed=0)) as server:
+            async with stub_for(server) as stub:
+                first = await stub.Verify(_open(), timeout=5)
+                nxt = pb.VerifyRequest(session_id=first.session_id, round=2, committed_length=first.committed_length,
+                                       draft_token_ids=[3, 4])
+                bad = pb.VerifyRequest(session_id=first.session_id, round=3, committed_length=0,
+                                       draft_token_ids=[99])
+                if not use_stream:
+                    second = await stub.Verify(nxt, timeout=5)
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await stub.Verify(bad, timeout=5)
+                    return second, e.value.code(), e.value.details(), await stub.Verify(nxt, timeout=5)
+                replies = await _stream_rounds(stub, [nxt, bad])
+                again = await _stream_rounds(stub, [nxt])
+                err = replies[2].error
+                return replies[1].reply, grpc.StatusCode.INVALID_ARGUMENT if err.code == 3 else err.code, \
+                    err.message, again[1].reply
+    unary, streamed = await asyncio.gather(session(False), session(True))
+    assert streamed[0].committed_length == unary[0].committed_length
+    assert streamed[0].num_accepted == unary[0].num_accepted and streamed[0].next_token_id == unary[0].next_token_id
+    assert streamed[1] == unary[1] == grpc.StatusCode.INVALID_ARGUMENT and streamed[2] == unary[2]
+    assert streamed[3].committed_length == streamed[0].committed_length   # the retry: its cached reply
+    assert streamed[3].next_token_id == streamed[0].next_token_id
+
+
+async def test_the_edge_uses_the_stream_when_offered_and_unary_otherwise(monkeypatch):
+    used = []
+    orig = window.WindowLoop._send
+
+    def spy(self, req):
+        used.append(self.stream is not None)
+        return orig(self, req)
+    monkeypatch.setattr(window.WindowLoop, "_send", spy)
+    for offered in (True, False):
+        used.clear()
+        backend = SyntheticBackend(vocab=V, seed=0)
+        async with running_server(backend) as server:
+            if not offered:   # an older verifier: no VerifyStream in its ServerInfo
+                info = server.engine.server_info
+                monkeypatch.setattr(server.engine, "server_info",
+                                    lambda: pb.ServerInfo(**{**_fields(info()), "verify_stream": False}))
+            async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2, window=2),
+                                  SyntheticDrafter(V, seed=0), SyntheticTokenizer(V)) as c:
+                gen = c.generate([0], SamplingSettings(temperature=1.0, max_new_tokens=40, ignore_eos=True))
+                await gen.text()
+        assert gen.stats.tokens == 40
+        assert any(used) == offered and used
+
+
+def _fields(msg) -> dict:
+    return {f.name: v for f, v in msg.ListFields()}
+
+
+# --- exactness ----------------------------------------------------------------------------------------
+
+async def _windowed(backend, k: int, tree: str, tokens: int = N_TOKENS):
+    settings = SamplingSettings(temperature=1.0, max_new_tokens=tokens, ignore_eos=True)   # unseeded
+    async with running_server(backend, max_new_tokens_cap=tokens) as server:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2, qmode="float:0", window=k,
+                                           max_continuations=8, tree=tree),
+                              SyntheticDrafter(V, seed=0, noise=1.0), SyntheticTokenizer(V)) as c:
+            gen = c.generate([0], settings)
+            await gen.text()
+    return [0] + gen.stats.token_ids, gen.stats
+
+
+@pytest.fixture
+def forced_depth(monkeypatch):
+    """The window kept full (the cost model would not on loopback): exactness must not rest on it."""
+    monkeypatch.setattr(window, "window_depth", lambda costs, max_window: max_window)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("tree", ["off", TREE])
+async def test_a_window_of_rounds_follows_the_target(forced_depth, k, tree):
+    backend = SyntheticBackend(vocab=V, seed=0, step_ms=5.0, n_ctx=N_TOKENS + 64)
+    seq, st = await _windowed(backend, k, tree)
+    p = transition_p([seq])
+    print(f"k={k} tree={tree}: {st.rounds} rounds, {st.pipelined_rounds} pipelined kept, {st.discarded_rounds} "
+          f"discarded, mean depth {st.window_depth:.2f}; chi-square p = {p:.3g}")
+    assert st.tokens == N_TOKENS
+    assert st.pipelined_rounds > 100, st
+    if k == 3:
+        assert st.window_depth > 2.2, "round r + 2 rarely travelled behind r + 1"
+    assert p > P_MIN
+
+
+async def test_the_window_test_catches_a_biased_verifier(forced_depth):
+    seq, st = await _windowed(AcceptEverything(vocab=V, seed=0, step_ms=5.0, n_ctx=N_TOKENS + 64), 3, "off")
+    assert st.tokens == N_TOKENS
+    assert transition_p([seq]) < P_MIN
