@@ -200,8 +200,8 @@ class Speculation:
 def refuse_conflicts(spec: Speculation, drafter: str | None = None, drafter_builds_trees: bool = True) -> None:
     """The one place two options are refused together: OptionConflict naming both and why, before
     any model loads or the first round. Every other combination of the speculation options (chain,
-    tree or auto; proactive, pipeline, continuations; q none, fixed or float; greedy or sampled;
-    same vocabulary or across) runs: tests/test_option_matrix.py checks that it does.
+    tree or auto; proactive, pipeline, continuations, a window of rounds in flight; q none, fixed or
+    float; greedy or sampled; same vocabulary or across) runs: tests/test_option_matrix.py checks it.
     `drafter` (its name, e.g. 'lookup') and whether it builds trees: checked when given."""
     if drafter is not None and spec.tree != "off" and not drafter_builds_trees:
         raise OptionConflict(f"tree={_shown(spec.tree)}", f"drafter={drafter}",
