@@ -57,7 +57,7 @@ def _unavailable():
 async def test_lost_replies_are_retried_without_double_commit(temperature):
     backend = SyntheticBackend(vocab=VOCAB)
     async with VerifierServer(backend, "127.0.0.1", 0, Limits()) as server:
-        # stream=False: the faults are injected into unary Verify (the stream's own: tests/test_window_stream.py)
+        # stream=False: the faults are injected into unary Verify (the stream's own: tests/test_window.py)
         async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=4, stream=False),
                               SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB)) as c:
             c._stub = LosingReplies(c._stub)

@@ -186,3 +186,67 @@ async def test_the_window_test_catches_a_biased_verifier(forced_depth):
     seq, st = await _windowed(AcceptEverything(vocab=V, seed=0, step_ms=5.0, n_ctx=N_TOKENS + 64), 3, "off")
     assert st.tokens == N_TOKENS
     assert transition_p([seq]) < P_MIN
+
+
+# --- faults through the stream ------------------------------------------------------------------------
+
+class BreakingStreams:
+    """Wraps the edge's stub: every VerifyStream call is cancelled (as a dropped connection) shortly
+    after its `every`-th round was written, with rounds still unanswered on it."""
+
+    def __init__(self, stub, every: int):
+        self._stub, self.every, self.broken = stub, every, 0
+
+    def VerifyStream(self, **kw):
+        return _BreakingCall(self, self._stub.VerifyStream(**kw))
+
+    def __getattr__(self, name):
+        return getattr(self._stub, name)
+
+
+class _BreakingCall:
+    def __init__(self, owner: BreakingStreams, call):
+        self._owner, self._call, self._written = owner, call, 0
+
+    async def write(self, msg):
+        await self._call.write(msg)
+        self._written += 1
+        if self._written == self._owner.every:
+            self._owner.broken += 1
+            asyncio.get_running_loop().call_later(0.001, self._call.cancel)
+
+    def __getattr__(self, name):
+        return getattr(self._call, name)
+
+    def __aiter__(self):
+        return self._call.__aiter__()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_broken_streams_are_retried_without_double_commit(forced_depth, temperature):
+    """Rounds unanswered on a dropped stream are retried on a new one; the verifier answers those it
+    committed from its reply cache: the count adds up, and greedy output is the target's own."""
+    from test_faults import VOCAB as FV, synthetic_greedy
+    async with running_server(SyntheticBackend(vocab=FV, step_ms=5.0)) as server:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=3, window=3, deadline_s=10),
+                              SyntheticDrafter(FV, noise=1.0), SyntheticTokenizer(FV)) as c:
+            c._stub = stub = BreakingStreams(c._stub, every=3)
+            gen = c.generate("5 6 7", SamplingSettings(temperature=temperature, max_new_tokens=60, ignore_eos=True,
+                                                       seed=3))
+            await gen.text()
+    st = gen.stats
+    assert stub.broken >= 3 and st.retries >= 1 and st.replays == 0, (stub.broken, st)
+    assert st.tokens == 60 == len(st.token_ids)
+    if temperature == 0.0:
+        assert st.token_ids == synthetic_greedy([0, 5, 6, 7], 60)
+
+
+async def test_a_window_survives_a_verifier_restart_by_replay(forced_depth):
+    from test_faults import VOCAB as FV, generate_across_a_restart, synthetic_greedy
+    st = await generate_across_a_restart(
+        lambda port: EdgeClient(edge_options(f"127.0.0.1:{port}", gamma=3, window=3, deadline_s=10),
+                                SyntheticDrafter(FV, noise=1.0), SyntheticTokenizer(FV)),
+        SamplingSettings(temperature=0.0, max_new_tokens=60, ignore_eos=True, seed=4))
+    assert st.replays >= 1
+    assert st.tokens == 60 == len(st.token_ids)
+    assert st.token_ids == synthetic_greedy([0, 5, 6, 7], 60)
