@@ -152,9 +152,10 @@ class WindowLoop(_SessionLoop):
             guesses = await self.c._in_drafter(self._draft_continuations, prep, remaining,
                                                self._budget(prep, time.perf_counter()), stop, thread=True)
             self.draft_s.observe(time.perf_counter() - t0)
-            if not guesses or self.flight[0].task.done():
-                # Drafted in vain when the reply came first: the next fill drafts for what committed.
+            if not guesses:
                 break
+            # Sent even when the oldest reply came in meanwhile: its keys count from what the edge had
+            # committed, which the verifier checks, and the drafting is done.
             self.w.depths.append(live + 1)
             self._send_round(nxt, guesses, pipelined=True)
 

@@ -75,7 +75,8 @@ def test_window_implies_pipeline_and_is_capped_by_the_verifier():
 
 def _open(seed: int = 3) -> pb.VerifyRequest:
     return pb.VerifyRequest(round=1, committed_length=2, draft_token_ids=[1, 2], open=pb.OpenSession(
-        prompt_token_ids=[0, 1], sampling=pb.SamplingParams(temperature=1.0, seed=seed, max_new_tokens=64, ignore_eos=True),
+        prompt_token_ids=[0, 1],
+        sampling=pb.SamplingParams(temperature=1.0, seed=seed, max_new_tokens=64, ignore_eos=True),
         open_key=b"k" * 16))
 
 

@@ -7,8 +7,9 @@ visible in the output), N = 6000 sequences of L = 3 tokens from the prompt [0], 
 exact probabilities of all 125 sequences by one chi-square (cells with expected count < 5 pooled);
 a setting passes if p > 1e-4. Each sequence is a window of three rounds, all drafted before round r
 is verified: round r (no drafts: it commits one token, so round r + 2 always has a token to
-commit); for K = 6 of its outcomes (with V = 5: all) a round r + 1 (no drafts either) after it; for K of the outcomes
-of round r + 1's most likely alternative, a round r + 2 (a chain of one draft, q as float) after it, keyed by the tokens of both outcomes from the committed prefix the edge knew
+commit); for K = 6 of its outcomes (with V = 5: all) a round r + 1 (no drafts either) after it; for
+K of the outcomes of round r + 1's most likely alternative, a round r + 2 (a chain of one draft, q
+as float) after it, keyed by the tokens of both outcomes from the committed prefix the edge knew
 (edge_client.window). Then round r is verified; round r + 1 is the alternative whose key is what r
 committed (spec_core.continuations.pick_continuation), else a fresh draft; round r + 2 is the one
 whose whole key is what r and r + 1 committed, else a fresh draft; plain rounds to L.
