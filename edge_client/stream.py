@@ -23,6 +23,8 @@ from spec_core.wire import RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
+CLOSE_WAIT_S = 1.0   # how long closing waits for the verifier to end the stream on its own
+
 
 def _status_error(code: int, message: str, retry_after_ms: int = 0) -> grpc.aio.AioRpcError:
     """A round's StreamError as the AioRpcError unary Verify would raise (Verifier.call reads both)."""
@@ -115,8 +117,11 @@ class RoundStream:
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             async with c.writing:
                 await c.call.done_writing()
+        # The verifier ends the stream once it has answered what it holds; rounds waiting there for a
+        # predecessor that will not come (the generation ended) would hold it up to its pipeline
+        # wait, and their answers are not needed: give it a moment, then cancel.
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(asyncio.shield(c.reader), self._deadline_s)
+            await asyncio.wait_for(asyncio.shield(c.reader), CLOSE_WAIT_S)
         c.call.cancel()
         c.reader.cancel()
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from edge_client.session import _Guess, _Prepared, _SessionLoop, _settle
+from edge_client.session import _Guess, _SessionLoop
 from edge_client.transport import EdgeError
 from spec_core.proto import verifier_pb2 as pb
 
@@ -251,15 +251,14 @@ class WindowLoop(_SessionLoop):
         return ""
 
     async def _settle_all(self) -> None:
-        for f in self.flight:
-            await _settle(None, f.task)
-        self.flight.clear()
-
-    async def close(self) -> None:
+        """The session is being replaced (or the generation fails): what is in flight no longer matters."""
         for f in self.flight:
             f.task.cancel()
         await asyncio.gather(*(f.task for f in self.flight), return_exceptions=True)
         self.flight.clear()
+
+    async def close(self) -> None:
+        await self._settle_all()
         await super().close()
 
     def _complete_stats(self) -> None:
