@@ -137,10 +137,10 @@ class _SessionLoop:
         self.spec_task: asyncio.Future | None = None  # the pipelined round, sent before the reply
         self.view0 = self.drafter.retokenization()   # across tokenizers: the draft view's counters so far
         self.uplink = UplinkFit()  # the uplink's time per request byte, for the continuations' cost
-        info = self.verifier.known_info()
         # Rounds after the first on one VerifyStream call when the verifier offers it (edge_client.stream).
+        info = self.verifier.known_info() if self.verifier is not None else None
         self.stream = RoundStream(self.verifier.stub, self.verifier.metadata, client.transport.deadline_s) \
-            if client.transport.stream and info is not None and info.verify_stream else None
+            if info is not None and info.verify_stream and client.transport.stream else None
 
     def _send(self, req: pb.VerifyRequest):
         """A round's reply, retried and waited out as every call is (Verifier.call): the round that
