@@ -251,3 +251,40 @@ async def test_a_window_survives_a_verifier_restart_by_replay(forced_depth):
     assert st.replays >= 1
     assert st.tokens == 60 == len(st.token_ids)
     assert st.token_ids == synthetic_greedy([0, 5, 6, 7], 60)
+
+
+# --- the stream at the boundary -------------------------------------------------------------------------
+
+async def test_the_stream_needs_a_token_and_survives_a_bug_in_one_round(tmp_path, monkeypatch):
+    """VerifyStream is behind the same bearer-token check as Verify; a bug in one round answers that
+    round INTERNAL and the stream goes on."""
+    from cloud_verifier.auth import TokenFile
+    from cloud_verifier.engine import Limits
+    from cloud_verifier.server import VerifierServer
+    path = tmp_path / "tokens"
+    path.write_text("a " + "t" * 40 + "\n")
+    async with VerifierServer(SyntheticBackend(vocab=V, seed=0), "127.0.0.1", 0, Limits(), grace_s=0.5,
+                              tokens=TokenFile(path)) as server:
+        async with stub_for(server) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.VerifyStream(iter([pb.StreamRound(tag=1, request=_open())]), timeout=5):
+                    pass
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            md = (("authorization", "Bearer " + "t" * 40),)
+            verify = server.engine.verify
+
+            async def broken_once(valid):
+                if valid.req.round == 2:
+                    raise RuntimeError("a bug")
+                return await verify(valid)
+            monkeypatch.setattr(server.engine, "verify", broken_once)
+            first = await stub.Verify(_open(), timeout=5, metadata=md)
+            nxt = [pb.VerifyRequest(session_id=first.session_id, round=2, committed_length=first.committed_length),
+                   pb.VerifyRequest(session_id=first.session_id, round=9, committed_length=first.committed_length)]
+            out = {}
+            async for msg in stub.VerifyStream(iter([pb.StreamRound(tag=i, request=r) for i, r in enumerate(nxt)]),
+                                               timeout=5, metadata=md):
+                out[msg.tag] = msg
+            assert out[0].error.code == grpc.StatusCode.INTERNAL.value[0] and "logged" in out[0].error.message
+            assert out[1].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and "out of step" in \
+                out[1].error.message
