@@ -2,7 +2,8 @@
 
 Each round beyond the oldest unanswered one is pipelined: its alternatives (its own draft and its
 continuations, edge_client.continuations) are drafted after the outcomes of the round before it,
-that round's most likely alternative (alternative 0) extended by one of its likely outcomes, and
+that round's most likely alternative that can still run (once the rounds before it are answered,
+the one the verifier will run) extended by one of its likely outcomes, and
 each is keyed (assumed_tokens) by every token it assumes the unanswered rounds before it commit,
 counted from the committed sequence the edge knew when it sent it. The verifier runs a round only
 when every round before it committed exactly the tokens one alternative's key assumes (the engine
@@ -142,9 +143,12 @@ class WindowLoop(_SessionLoop):
             nxt = last.round + 1
             if self._occupied(nxt):
                 break
-            prep = last.guesses[0].prep
-            if not _extends(prep.base, self.committed):
-                break   # another alternative of `last` is what can still run: nothing to build on yet
+            # Build on the most likely of `last`'s alternatives that can still run: once the rounds
+            # before it are answered that is the one the verifier will run.
+            after = next((g for g in last.guesses if _extends(g.prep.base, self.committed)), None)
+            if after is None:
+                break
+            prep = after.prep
             remaining = self.settings.max_new_tokens - (len(prep.base) - self.prompt_len)
             stop = threading.Event()   # the oldest reply is here: stop drafting, use it first
             self.flight[0].task.add_done_callback(lambda _: stop.set())
@@ -231,12 +235,9 @@ class WindowLoop(_SessionLoop):
 
     def _recheck(self) -> None:
         """After a commit: a round in flight none of whose alternatives extends the committed sequence
-        cannot run, and the rounds drafted after its alternative 0 cannot when that one does not."""
+        cannot run (nor can the rounds drafted after it, whose bases extend its alternatives')."""
         for f in self.flight:
-            if not _extends(f.guesses[0].prep.base, self.committed):
-                self._doom_after(f.round)
-                if not any(_extends(g.prep.base, self.committed) for g in f.guesses):
-                    f.live = False
+            f.live = f.live and any(_extends(g.prep.base, self.committed) for g in f.guesses)
 
     def _doom_after(self, round_: int) -> None:
         for f in self.flight:
