@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from netsim.fleet.costs import (H200, H200_FP8_FLOPS, H200_MEMORY, LLAMA_8B, LLAMA_8B_ATTENTION, LLAMA_70B_ATTENTION,
                                 LLAMA_70B_FP8, KvOffload, RooflineCost, RoundWork, kv_sessions)
+from netsim.fleet.hostpath import DEFAULT_TABLE as DEFAULT_TABLE_PATH
 from netsim.fleet.hostpath import HostPath, HostPathTable, stream_rows
 from netsim.fleet.links import ROUND_BYTES
 from netsim.profiles import get_profile
@@ -329,3 +330,37 @@ def summary(result: dict) -> dict:
     out["cloud_kv_bound_cells"] = sum(c["cloud"]["binds"] == "KV capacity" for c in result["cells"])
     return out
 
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m netsim.fleet.regime`: the map as regime.json and regime.md in --out."""
+    import argparse
+    import json
+    import logging
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m netsim.fleet.regime", description=__doc__.split("\n")[0])
+    parser.add_argument("--setting", default="greedy", choices=("greedy", "top-k", "top-p"),
+                        help="the rounds' sampling setting (picks the host-path rows)")
+    parser.add_argument("--slo-tpot-ms", type=float, default=150.0, help="TPOT SLO (ms)")
+    parser.add_argument("--draft-ms", type=float, default=10.0, help="device drafting time per token (ms)")
+    parser.add_argument("--window", type=int, default=4, help="rounds in flight, when in flight")
+    parser.add_argument("--host-path-table", default=str(DEFAULT_TABLE_PATH),
+                        help="host-path table (JSON; bench/accept_maths.py's rows or fitted lines)")
+    parser.add_argument("--out", default="results/regime", help="output folder")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = RegimeConfig(slo_tpot_s=args.slo_tpot_ms / 1000.0, draft_s=args.draft_ms / 1000.0, window=args.window)
+    result = regime_map(setting=args.setting, cfg=cfg, table=HostPathTable.load(args.host_path_table))
+    result["summary"] = summary(result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "regime.json").write_text(json.dumps(result, indent=1))
+    (out / "regime.md").write_text(regime_markdown(result))
+    logging.info("%s", (out / "regime.md").read_text())
+    logging.info("wrote %s and %s", out / "regime.json", out / "regime.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
