@@ -30,10 +30,10 @@ will measure. Terms:
               PCIe busy n·copy/period <= `pcie_max_busy`, every session in host memory.
 
 What binds: the constraint that stops n from growing — "KV capacity" (the GPU's slots, or host
-memory with parking), "host link (PCIe)" (restores), or, where the TPOT SLO stops it, the largest
-share of the cycle: "link" (the wait on the link and drafting), "compute", "HBM bandwidth" or "host
-path" (the acceptance maths; for cloud-only the step's largest part). A cell whose hybrid cannot meet
-the SLO with one session says so (0 tok/s).
+memory with parking), "host link (PCIe)" (restores), or, where the TPOT SLO stops it: "link" when
+the wait on the link and drafting alone spend the SLO's time for a round, else what grows with n, the
+pass's largest part: "compute", "HBM bandwidth" or "host path" (the acceptance maths); for cloud-only
+the step's largest part. A cell whose hybrid cannot meet the SLO with one session says so (0 tok/s).
 
 Left out, in both modes alike: prefill of new requests, TTFT, vLLM's limits on sequences and tokens
 per step (an operator raises them), p95 against mean.
@@ -201,7 +201,11 @@ def _hybrid_fails(state: HybridState, n: int, kv_slots: int, host_slots: int, cf
     if state.pcie_busy > cfg.pcie_max_busy:
         return "host link (PCIe)"
     if state.tpot_s > cfg.slo_tpot_s:
-        return max(state.shares.items(), key=lambda kv: kv[1])[0]
+        # The link when its wait alone (with drafting) spends the SLO; else what grows with n: the pass's
+        # largest part, or restores that do not fit in the link wait.
+        if state.shares["link"] >= state.period_s * cfg.slo_tpot_s / state.tpot_s:
+            return "link"
+        return max(((k, v) for k, v in state.shares.items() if k != "link"), key=lambda kv: kv[1])[0]
     return None
 
 
