@@ -9,5 +9,5 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/fleet}
 PY=${PYTHON:-python}
 for setting in greedy top-p; do
-    "$PY" -m netsim.fleet.regime --setting "$setting" --slo-tpot-ms 150 --out "$OUT/regime-$setting"
+    "$PY" -m netsim.fleet.regime --setting "$setting" --slo-tpot-ms 150 --check --out "$OUT/regime-$setting"
 done
