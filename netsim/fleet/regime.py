@@ -23,11 +23,14 @@ will measure. Terms:
               A miss costs no target pass (the verifier runs only the continuation that matches).
   KV parking  a session's KV is on the GPU only from its restore until its pass ends; it waits on its
               link parked in host memory (write-through: the host holds every session, parking
-              copies nothing, a restore copies the whole context over PCIe). The restore starts when
-              the session's next round is forecast (its mean idle gap, as spec_core.kvpark forecasts),
-              so it is hidden while the copy fits in the link wait; what does not fit lengthens the
-              cycle. Bounds: resident sessions n·(copy + at verifier)/period <= the GPU's KV slots,
-              PCIe busy n·copy/period <= `pcie_max_busy`, every session in host memory.
+              copies nothing, a restore copies the whole context over PCIe). spec_core.kvpark's rules:
+              park only when a place is needed (as few sessions as make the rest fit), and only a
+              session whose idle gap is longer than its move (`worth_moving`); the restore starts when
+              its round arrives, so it lengthens that session's cycle by the copy (`prefetch=True`:
+              started ahead, at the forecast of its next round, hidden while the copy fits in the
+              link wait; not what the verifier does). Bounds: resident sessions n·(copy + at
+              verifier)/period <= the GPU's KV slots, PCIe busy n·copy/period <= `pcie_max_busy`,
+              every parked session in host memory.
 
 What binds: the constraint that stops n from growing — "KV capacity" (the GPU's slots, or host
 memory with parking), "host link (PCIe)" (restores), or, where the TPOT SLO stops it: "link" when
@@ -51,6 +54,7 @@ from netsim.fleet.links import ROUND_BYTES
 from netsim.profiles import get_profile
 from spec_core.continuations import chain_outcomes
 from spec_core.costmodel import expected_tokens_per_round
+from spec_core.kvpark import ParkCandidate, ParkCost, worth_moving
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class RegimeConfig:
     round_work: RoundWork = RoundWork("ideal")   # gamma + 1 tokens in one request (issue 25 item 1)
     offload: KvOffload = field(default_factory=KvOffload)
     pcie_max_busy: float = 0.9
+    prefetch: bool = False             # restore parked KV ahead of the forecast round (the verifier does not)
     memory_bytes: float = H200_MEMORY
     gpu: dict = field(default_factory=lambda: dict(H200))
 
@@ -162,8 +167,11 @@ def hybrid_state(n: int, gamma: int, alpha: float, cost: RooflineCost, wait_s: f
     tokens = work.tokens(gamma, 1) if work.path == "ideal" else work.mean_tokens(gamma)
     link = wait_s + gamma * cfg.draft_s + cfg.edge_s
     hit = hit_probability(alpha, gamma, cfg.guess, cfg.max_continuations) if window > 1 else 0.0
-    copy_s = cfg.offload.copy_s(cost.kv_bytes_per_token * cost.context_tokens)
-    exposed = max(0.0, copy_s - link)          # a restore that does not fit in the link wait
+    nbytes = cost.kv_bytes_per_token * cost.context_tokens
+    copy_s = cfg.offload.copy_s(nbytes)
+    # Write-through: parking copies nothing, a restore the whole context (as the simulation prices it).
+    move = ParkCost(park_s_per_byte=0.0, restore_s_per_byte=copy_s / nbytes)
+    exposed = max(0.0, copy_s - link) if cfg.prefetch else copy_s
     k, parked, share = 1.0, 0, 1.0
     for _ in range(80):
         parts = cost.parts(k * tokens, k, hybrid=True)
@@ -173,8 +181,11 @@ def hybrid_state(n: int, gamma: int, alpha: float, cost: RooflineCost, wait_s: f
         period = _period(cycle, hit, window, gamma, cfg, pass_s)
         period_parked = _period(cycle + exposed, hit, window, gamma, cfg, pass_s)
         share = min(1.0, (copy_s + at_verifier) / period_parked)   # of its time a parked session is resident
-        if kv_slots is not None and n > kv_slots:
-            parked = n if share >= 1.0 else min(n, math.ceil((n - kv_slots) / (1.0 - share)))
+        gap = ParkCandidate(0, 0.0, int(nbytes), max(0.0, period - at_verifier))   # its mean idle gap
+        if kv_slots is not None and n > kv_slots and worth_moving(gap, 0.0, move) and share < 1.0:
+            parked = min(n, math.ceil((n - kv_slots) / (1.0 - share)))
+        else:
+            parked = 0
         rounds_per_s = (n - parked) / period + parked / period_parked
         k_new = min(float(n), rounds_per_s * pass_s)
         if abs(k_new - k) < 1e-5 * max(k, 1.0):
@@ -202,7 +213,7 @@ def _hybrid_fails(state: HybridState, n: int, kv_slots: int, host_slots: int, cf
         return "host link (PCIe)"
     if state.tpot_s > cfg.slo_tpot_s:
         # The link when its wait alone (with drafting) spends the SLO; else what grows with n: the pass's
-        # largest part, or restores that do not fit in the link wait.
+        # largest part, or the restores parked sessions wait for.
         if state.shares["link"] >= state.period_s * cfg.slo_tpot_s / state.tpot_s:
             return "link"
         return max(((k, v) for k, v in state.shares.items() if k != "link"), key=lambda kv: kv[1])[0]
@@ -347,7 +358,7 @@ def des_check(cells=CHECK_CELLS, setting: str = "greedy", gamma: int = 4, cfg: R
     """The mean-value model against the discrete-event simulation (netsim.fleet.simulation, the proxy's
     own links, jitter and loss) at the GPU's KV slots, one round at a time, nothing parked, the device
     host path: tokens/s and TPOT side by side. (The simulation has no window of rounds in flight, and
-    it restores parked KV on arrival, not ahead: those parts of the model are not checked here.)
+    the check parks nothing: those parts of the model are not checked here.)
     `sim_link` simulates another link than the model's (a control)."""
     from netsim.fleet.simulation import FleetConfig, simulate
     cfg = cfg or RegimeConfig()

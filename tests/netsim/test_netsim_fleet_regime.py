@@ -183,3 +183,19 @@ def test_the_mean_value_model_agrees_with_the_discrete_event_simulation():
     # Control: the simulation on 3g against the model on lte: the hybrid rows disagree by far more.
     (hybrid_row, _) = des_check(cell, duration_s=4.0, sim_link="3g")
     assert hybrid_row["sim_tokens_per_s"] < 0.7 * hybrid_row["model_tokens_per_s"]
+
+
+def test_a_parked_session_waits_for_its_restore_unless_it_is_prefetched():
+    # 8B at 8k on 3g: a restore of 1.07 GB takes ~21 ms, well inside a ~300 ms link wait. As the verifier
+    # restores (on arrival), the parked sessions' cycle is longer by the copy; prefetched, it is not.
+    cfg = RegimeConfig()
+    cost = _cost("8b-bf16", 8192, DEVICE, cfg)
+    kv = kv_sessions(cfg.memory_bytes, cost)
+    wait = link_wait_s("3g")
+    copy_s = cfg.offload.copy_s(cost.kv_bytes_per_token * 8192)
+    unparked = hybrid_state(kv, 4, 0.7, cost, wait, cfg, 1, kv)
+    shipped = hybrid_state(kv + 5, 4, 0.7, cost, wait, cfg, 1, kv)
+    ahead = hybrid_state(kv + 5, 4, 0.7, cost, wait, replace(cfg, prefetch=True), 1, kv)
+    assert shipped.parked > 0 and ahead.parked > 0
+    assert shipped.period_s == pytest.approx(unparked.period_s + copy_s, rel=0.05)
+    assert ahead.period_s == pytest.approx(unparked.period_s, rel=0.05)
