@@ -10,9 +10,11 @@ Python and numpy on one core; "batched-on-device", one call per pass where the l
 Where the table comes from (bench/fleet/host_path.json): bench/accept_maths.py measures per-pass
 maths against sessions and vocabulary; `HostPathTable.from_json` reads either rows that carry
 `fixed_s` and `per_round_s` directly, or measurement rows (`sessions`, `pass_s`) from which it fits the
-line per (path, device, setting, vocab) by least squares. Until that bench has run on a GPU node the
-table holds the figures issue 25 measured for the numpy path (one core of a 2-core Zen 4 EPYC VM) and
-an *estimate* for the batched device path (`source: "estimate"`; every report says so).
+line per (path, device, setting, vocab) by least squares. The bench's own names ("numpy", "torch";
+"top-k 50", "T 0.7 top-p 0.95") are read as this module's; its "floor" rows are not a host path and
+are skipped. Until that bench has run on a GPU node the table holds the figures measured for the
+numpy path on one core of a 2-core Zen 4 EPYC VM and an *estimate* for the batched device path
+(`source: "estimate"`; every report says so).
 
 The cloud-only stream's sampling is vLLM's own sampler, on the device in the engine step: charged
 by the "batched-on-device" row with one row per stream (`stream_rows`).
@@ -64,6 +66,20 @@ def _fit(rows: list[dict]) -> tuple[float, float]:
     return float(intercept), max(float(slope), 0.0)
 
 
+# bench/accept_maths.py's names for the same things: its columns (numpy, torch, floor) and settings.
+PATH_ALIASES = {"numpy": "numpy-per-session", "torch": "batched-on-device"}
+SETTING_ALIASES = {"top-k 50": "top-k", "T 0.7 top-p 0.95": "top-p"}
+
+
+def _normalise(row: dict) -> dict | None:
+    """A row with this module's path and setting names; None for a row that is not a host path (the
+    softmax floor)."""
+    path = PATH_ALIASES.get(row["path"], row["path"])
+    if path not in PATHS:
+        return None
+    return {**row, "path": path, "setting": SETTING_ALIASES.get(row["setting"], row["setting"])}
+
+
 class HostPathTable:
     """Host-path rows by (path, device, setting); `get` picks the row at the nearest vocabulary."""
 
@@ -73,7 +89,10 @@ class HostPathTable:
     @classmethod
     def from_json(cls, data: dict) -> "HostPathTable":
         rows, measured = [], {}
-        for r in data["rows"]:
+        for raw in data["rows"]:
+            r = _normalise(raw)
+            if r is None:
+                continue
             if "per_round_s" in r:
                 rows.append(HostPath(**{k: r[k] for k in HostPath.__dataclass_fields__ if k in r}))
             else:

@@ -60,6 +60,15 @@ def test_host_path_table_fits_measured_rows_and_scales_with_vocabulary():
         table.get("batched-on-device", "greedy")
 
 
+def test_host_path_table_reads_the_maths_bench_names():
+    rows = [{"path": path, "device": "cuda", "setting": "T 0.7 top-p 0.95", "vocab": 128_256, "sessions": s,
+             "pass_s": base + 0.0001 * s} for s in (1, 64, 256) for path, base in (("torch", 0.0003), ("floor", 0.0))]
+    table = HostPathTable.from_json({"rows": rows})
+    row = table.get("batched-on-device", "top-p", device="cuda")
+    assert row.fixed_s == pytest.approx(0.0003) and row.per_round_s == pytest.approx(0.0001)
+    assert len(table.rows) == 1   # the softmax floor is not a host path
+
+
 def test_the_shipped_table_marks_the_device_rows_as_estimates():
     table = HostPathTable.load()
     for setting in ("greedy", "top-k", "top-p"):
