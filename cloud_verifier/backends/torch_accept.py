@@ -29,9 +29,10 @@ What runs, per pass:
      inverse CDF with the round's last uniform, in float64.
 
 Where the numbers differ from spec_core's numpy kernels (the outcome distribution does not):
-  - exp runs in float32 (numpy: float64), sums and the sampled rows' CDF accumulate in float64; a
-    probability differs by about 1e-7 relative, so an accept test or a draw can differ only when
-    its uniform lies that close to the decision boundary;
+  - exp and the sum over a whole row (the normaliser) run in float32 (numpy: float64; a float64
+    sum costs ~10x on CPU torch), the top-p cumulative sums and the drawn rows' CDF in float64; a
+    probability differs by about 1e-6 relative at most, so an accept test or a draw can differ
+    only when its uniform lies that close to the decision boundary;
   - the top-p boundary token is decided on float64 sums of float32 exps: it can differ from
     numpy's when the mass before it is within ~1e-6 of top_p;
   - the uniforms are drawn up front (n + 1 a round), where the numpy kernels draw lazily (only for
@@ -77,20 +78,26 @@ class RowWarp:
     """Each row's processed distribution in summary: p(t) = [kept(t)] exp(s_t - top) / norm with
     s = logits / temperature; kept(t) = s_t > last_value or (s_t == last_value and t <= last_id).
     s is recomputed by the same float32 division wherever it is read, so kept() sees the very
-    values the boundary was taken from."""
+    values the boundary was taken from. Rows truncated to a few tokens (greedy, top-k, top-p) also
+    list them, so a draw from such a row never touches the vocabulary."""
 
     temperature: torch.Tensor  # [rows] float32 (1 for greedy rows)
-    top: torch.Tensor         # [rows] max of s
-    last_value: torch.Tensor  # [rows] s of the last kept token in the stable descending order
-    last_id: torch.Tensor     # [rows] its id (vocab when every tie at last_value is kept)
-    norm: torch.Tensor        # [rows] float64 sum of exp(s - top) over the kept tokens
+    top: torch.Tensor          # [rows] max of s
+    last_value: torch.Tensor   # [rows] s of the last kept token in the stable descending order
+    last_id: torch.Tensor      # [rows] its id (vocab when every tie at last_value is kept)
+    norm: torch.Tensor         # [rows] sum of exp(s - top) over the kept tokens (float64 tensor)
+    support: torch.Tensor      # [rows, m] the kept ids ascending, padded with vocab
+    support_len: torch.Tensor  # [rows] how many; 0: the row is not listed (read it whole)
 
     def probs_at(self, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """p at (rows[j], tokens[j])  # [m] float64."""
-        s = logits[rows, tokens].float() / self.temperature[rows]
+        """p at (rows[j], tokens[j])  # [m] (any shape, rows broadcast against tokens) float64;
+        a token id of vocab (padding) reads 0."""
+        rows = rows.expand_as(tokens)
+        vocab = logits.shape[1]
+        s = logits[rows, tokens.clamp(max=vocab - 1)].float() / self.temperature[rows]
         kept = (s > self.last_value[rows]) | ((s == self.last_value[rows]) & (tokens <= self.last_id[rows]))
         e = torch.exp(s - self.top[rows]).double()
-        return torch.where(kept, e / self.norm[rows], torch.zeros_like(e))
+        return torch.where(kept & (tokens < vocab), e / self.norm[rows], torch.zeros_like(e))
 
     def rows_probs(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Whole processed rows  # [len(rows), vocab] float64."""
@@ -101,111 +108,173 @@ class RowWarp:
         return torch.where(kept, e / self.norm[rows, None], torch.zeros_like(e))
 
 
+# A truncated row is listed (RowWarp.support) when it keeps at most this many tokens.
+_SUPPORT_CAP = 4096
+
+
+class _Warping:
+    """warp_rows' working state: the summary under construction, one settings group at a time."""
+
+    def __init__(self, logits: torch.Tensor, temperature: np.ndarray):
+        self.logits = logits
+        rows, self.vocab = logits.shape
+        dev = self.dev = logits.device
+        self.t = torch.as_tensor(temperature.astype(np.float32), device=dev)
+        self.top = torch.empty(rows, device=dev)
+        self.last_value = torch.full((rows,), -torch.inf, device=dev)
+        self.last_id = torch.full((rows,), self.vocab, dtype=torch.long, device=dev)
+        self.norm = torch.ones(rows, dtype=torch.float64, device=dev)
+        self.supports: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, ids, lens)
+
+    def rows(self, idx: np.ndarray, scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row indices, their s  # [len(idx), vocab] float32); scaled False: the raw logits
+        (greedy rows, temperature 1: the same numbers without a copy when the pass is all greedy)."""
+        r = torch.as_tensor(idx, device=self.dev)
+        sub = self.logits if len(idx) == self.logits.shape[0] else self.logits[r]
+        return r, (sub.float() / self.t[r, None] if scaled else sub.float())
+
+    def listed(self, r: torch.Tensor, ids: torch.Tensor, lens: torch.Tensor) -> None:
+        """Rows r keep ids[:, :lens] (any order); lens 0: not listed."""
+        lens = torch.where(lens <= min(ids.shape[1], _SUPPORT_CAP), lens, torch.zeros_like(lens))
+        pos = torch.arange(ids.shape[1], device=self.dev)[None, :]
+        ids = torch.where(pos < lens[:, None], ids, torch.full_like(ids, self.vocab)).sort(dim=-1).values
+        self.supports.append((r, ids[:, :max(1, min(ids.shape[1], _SUPPORT_CAP))], lens))
+
+    def done(self) -> RowWarp:
+        rows = self.logits.shape[0]
+        m = max([ids.shape[1] for _, ids, _ in self.supports] + [1])
+        support = torch.full((rows, m), self.vocab, dtype=torch.long, device=self.dev)
+        support_len = torch.zeros(rows, dtype=torch.long, device=self.dev)
+        for r, ids, lens in self.supports:
+            support[r, :ids.shape[1]] = ids
+            support_len[r] = lens
+        return RowWarp(self.t, self.top, self.last_value, self.last_id, self.norm, support, support_len)
+
+
 def warp_rows(logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> RowWarp:
     """RowWarp of every row  # logits: [rows, vocab]; settings per row: [rows] each (temperature 0:
     greedy; top_k 0 or >= vocab: off; top_p 1: off)."""
-    rows, vocab = logits.shape
-    dev = logits.device
+    vocab = logits.shape[1]
     greedy = temperature <= 0.0
-    t = torch.as_tensor(np.where(greedy, 1.0, temperature), dtype=torch.float32, device=dev)
-    s = logits.float() / t[:, None]              # [rows, vocab] (a copy; float32)
-    top, arg = s.max(dim=-1)
-    last_value = torch.full((rows,), -torch.inf, device=dev)
-    last_id = torch.full((rows,), vocab, dtype=torch.long, device=dev)
-    norm = torch.ones(rows, dtype=torch.float64, device=dev)
-
+    w = _Warping(logits, np.where(greedy, 1.0, temperature))
     k = np.where((top_k > 0) & (top_k < vocab) & ~greedy, top_k, 0).astype(np.int64)
     p = np.where((top_p > 0.0) & (top_p < 1.0) & ~greedy, top_p, 1.0)
-    plain = np.flatnonzero(~greedy & (k == 0) & (p >= 1.0))
-    by_k = np.flatnonzero(k > 0)
-    p_only = np.flatnonzero((k == 0) & (p < 1.0))
-
-    g = torch.as_tensor(np.flatnonzero(greedy), device=dev)
+    g = np.flatnonzero(greedy)
     if len(g):  # a point mass on the first argmax
-        last_value[g], last_id[g] = top[g], arg[g]
+        r, s = w.rows(g, scaled=False)
+        top, arg = s.max(dim=-1)
+        w.top[r], w.last_value[r], w.last_id[r] = top, top, arg
+        w.listed(r, arg[:, None], torch.ones_like(arg))
+    plain = np.flatnonzero(~greedy & (k == 0) & (p >= 1.0))
     if len(plain):
-        r = torch.as_tensor(plain, device=dev)
-        norm[r] = torch.exp(s[r] - top[r, None]).sum(dim=-1, dtype=torch.float64)
+        r, s = w.rows(plain)
+        top = s.max(dim=-1).values
+        w.top[r] = top
+        w.norm[r] = torch.exp(s - top[:, None]).sum(dim=-1).double()
+    by_k = np.flatnonzero(k > 0)
     if len(by_k):
-        _warp_top_k(s, top, by_k, k[by_k], p[by_k], last_value, last_id, norm)
+        _warp_top_k(w, by_k, k[by_k], p[by_k])
+    p_only = np.flatnonzero((k == 0) & (p < 1.0))
     if len(p_only):
-        _warp_top_p(s, top, p_only, p[p_only], last_value, last_id, norm)
-    return RowWarp(t, top, last_value, last_id, norm)
+        _warp_top_p(w, p_only, p[p_only])
+    return w.done()
 
 
 def _stable_desc(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids) ordered by value descending, ties by id ascending  # [rows, m] each."""
-    by_id = ids.argsort(dim=-1)
-    values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
-    order = values.argsort(dim=-1, descending=True, stable=True)
-    return values.gather(-1, order), ids.gather(-1, order)
+    """(values, ids) from topk (values descending) ordered with ties by id ascending  # [rows, m]
+    each. Without ties (float32 logits, mostly) topk's order is already that one."""
+    if values.shape[1] < 2:
+        return values, ids
+    tied = torch.nonzero((values[:, 1:] == values[:, :-1]).any(dim=-1))[:, 0]
+    if not len(tied):
+        return values, ids
+    v, i = values[tied], ids[tied]
+    by_id = i.argsort(dim=-1)
+    v, i = v.gather(-1, by_id), i.gather(-1, by_id)
+    order = v.argsort(dim=-1, descending=True, stable=True)
+    values, ids = values.clone(), ids.clone()
+    values[tied], ids[tied] = v.gather(-1, order), i.gather(-1, order)
+    return values, ids
 
 
 def _top_p_cut(values: torch.Tensor, ids: torch.Tensor, top: torch.Tensor, norm: torch.Tensor,
                valid: torch.Tensor, top_p: torch.Tensor):
     """Apply top-p to candidates in stable descending order  # values, ids, valid: [rows, m]; norm:
-    [rows] float64 mass of the set they are cut from. Returns (last value, last id, kept mass  #
-    [rows] each)."""
+    [rows] float64 mass of the set they are cut from. Returns (last value, last id, kept mass,
+    how many kept  # [rows] each)."""
     e = torch.where(valid, torch.exp(values - top[:, None]).double(), torch.zeros((), dtype=torch.float64,
                                                                                    device=values.device))
     cum = e.cumsum(dim=-1)
     keep = valid & ((cum - e) / norm[:, None] < top_p[:, None])
     n_keep = keep.sum(dim=-1).clamp(min=1)   # the top token is always kept
     last = (n_keep - 1)[:, None]
-    return values.gather(-1, last)[:, 0], ids.gather(-1, last)[:, 0], cum.gather(-1, last)[:, 0]
+    return values.gather(-1, last)[:, 0], ids.gather(-1, last)[:, 0], cum.gather(-1, last)[:, 0], n_keep
 
 
-def _warp_top_k(s, top, rows_np, k_np, p_np, last_value, last_id, norm) -> None:
+def _warp_top_k(w: _Warping, rows_np, k_np, p_np) -> None:
     """Rows with top-k (and maybe top-p after it)."""
-    dev = s.device
-    r = torch.as_tensor(rows_np, device=dev)
+    dev = w.dev
+    r, s = w.rows(rows_np)                               # [m, vocab]
     k = torch.as_tensor(k_np, device=dev)
-    sr = s[r]                                            # [m, vocab]
     kmax = int(k_np.max())
-    vals, _ = sr.topk(kmax, dim=-1)                      # sorted descending
+    vals, ids = s.topk(min(kmax + 1, w.vocab), dim=-1)   # sorted descending; one more to see ties
+    top = vals[:, 0]
     kth = vals.gather(-1, (k - 1)[:, None])[:, 0]        # the k-th largest scaled logit
-    n_kept = (sr >= kth[:, None]).sum(dim=-1)           # ties at the k-th value are kept too
+    # Ties at the k-th value are kept too: counted (over the row) only where the next value ties.
+    n_kept = k.clone()
+    tied = np.flatnonzero((vals.gather(-1, k[:, None])[:, 0] == kth).cpu().numpy())
+    if len(tied):
+        t_ = torch.as_tensor(tied, device=dev)
+        n_kept[t_] = (s[t_] >= kth[t_, None]).sum(dim=-1)
+    vals, ids = vals[:, :kmax], ids[:, :kmax]
     # Their mass from the top-k values alone: a token tied beyond the k-th has the k-th's value.
-    e = torch.exp(vals - top[r, None]).double()
+    e = torch.exp(vals - top[:, None]).double()
     e = torch.where(torch.arange(kmax, device=dev)[None, :] < k[:, None], e, torch.zeros((), dtype=e.dtype, device=dev))
-    mass = e.sum(dim=-1) + (n_kept - k) * torch.exp(kth - top[r]).double()
-    last_value[r], last_id[r], norm[r] = kth, s.shape[1], mass
+    mass = e.sum(dim=-1) + (n_kept - k) * torch.exp(kth - top).double()
+    w.top[r], w.last_value[r], w.last_id[r], w.norm[r] = top, kth, w.vocab, mass
     cut = np.flatnonzero(p_np < 1.0)
+    whole = np.flatnonzero(p_np >= 1.0)
+    if len(whole):
+        h = torch.as_tensor(whole, device=dev)
+        # Listed only without ties past the k-th (then the kept set is the top-k ids).
+        w.listed(r[h], ids[h], torch.where(n_kept[h] == k[h], k[h], torch.zeros_like(k[h])))
     if not len(cut):
         return
     c = torch.as_tensor(cut, device=dev)
     m = int(n_kept[c].max())                             # ties may make it more than k
-    cv, ci = sr[c].topk(m, dim=-1)
-    cv, ci = _stable_desc(cv, ci)
+    cv, ci = (vals[c], ids[c]) if m <= kmax else s[c].topk(m, dim=-1)
+    cv, ci = _stable_desc(cv[:, :m], ci[:, :m])
     valid = torch.arange(m, device=dev)[None, :] < n_kept[c, None]
-    lv, li, kept_mass = _top_p_cut(cv, ci, top[r[c]], mass[c], valid,
-                                      torch.as_tensor(p_np[cut], dtype=torch.float64, device=dev))
-    last_value[r[c]], last_id[r[c]], norm[r[c]] = lv, li, kept_mass
+    lv, li, kept_mass, n_keep = _top_p_cut(cv, ci, top[c], mass[c], valid,
+                                           torch.as_tensor(p_np[cut], dtype=torch.float64, device=dev))
+    w.last_value[r[c]], w.last_id[r[c]], w.norm[r[c]] = lv, li, kept_mass
+    w.listed(r[c], ci, n_keep)
 
 
-def _warp_top_p(s, top, rows_np, p_np, last_value, last_id, norm) -> None:
+def _warp_top_p(w: _Warping, rows_np, p_np) -> None:
     """Rows with top-p alone: the largest entries first, more only where they do not decide."""
-    dev = s.device
-    vocab = s.shape[1]
-    r = torch.as_tensor(rows_np, device=dev)
-    sr = s[r]
-    mass = torch.exp(sr - top[r, None]).sum(dim=-1, dtype=torch.float64)
+    dev, vocab = w.dev, w.vocab
+    r, s = w.rows(rows_np)
+    top = s.max(dim=-1).values
+    w.top[r] = top
+    mass = torch.exp(s - top[:, None]).sum(dim=-1).double()
     p = torch.as_tensor(p_np, dtype=torch.float64, device=dev)
     todo = torch.arange(len(rows_np), device=dev)
     m = min(vocab, _TOP_P_CANDIDATES)
     while len(todo):
-        cv, ci = sr[todo].topk(m, dim=-1)
+        cv, ci = (s if len(todo) == len(rows_np) else s[todo]).topk(m, dim=-1)
         cv, ci = _stable_desc(cv, ci)
         valid = torch.ones_like(cv, dtype=torch.bool)
-        lv, li, kept_mass = _top_p_cut(cv, ci, top[r[todo]], mass[todo], valid, p[todo])
+        lv, li, kept_mass, n_keep = _top_p_cut(cv, ci, top[todo], mass[todo], valid, p[todo])
         # Decided when the last kept value is above the smallest candidate: that candidate is not
         # kept, and every entry outside the candidates comes after it in the order. (topk may cut
         # inside a tie at the smallest candidate value, so a cut there is not trusted.)
         done = (cv[:, -1] < lv) | (m == vocab)
         d = todo[done]
-        last_value[r[d]], last_id[r[d]], norm[r[d]] = lv[done], li[done], kept_mass[done]
+        w.last_value[r[d]], w.last_id[r[d]], w.norm[r[d]] = lv[done], li[done], kept_mass[done]
+        w.listed(r[d], ci[done], n_keep[done])
         todo = todo[~done]
-        m = min(vocab, 4 * m)
+        m = min(vocab, 16 * m)
 
 
 class _Nodes:
@@ -349,41 +418,72 @@ def _tree_ends(logits, warp, rounds, trees, local) -> list[_End]:
 
 def _draw(logits, warp, rounds, ends, local) -> list[int]:
     """Each round's corrected or bonus token: its end row's p with the rejected children's q taken
-    out in turn (after_rejection), drawn by inverse CDF with the round's last uniform."""
+    out in turn (after_rejection), drawn by inverse CDF with the round's last uniform. Rows the
+    warping listed are drawn over their kept ids alone (p and so the residual are 0 elsewhere)."""
     dev = logits.device
-    vocab = logits.shape[1]
-    rows = torch.as_tensor(np.array([local[rd.first_row + end.node + 1] for rd, end in zip(rounds, ends)]), device=dev)
-    probs = warp.rows_probs(logits, rows)                  # [R, vocab] float64
-    steps = max(len(end.rejected) for end in ends)
-    for step in range(steps):
+    end_rows = torch.as_tensor(np.array([local[rd.first_row + end.node + 1] for rd, end in zip(rounds, ends)]),
+                               device=dev)
+    listed = (warp.support_len[end_rows] > 0).cpu().numpy()
+    tokens = np.empty(len(rounds), dtype=np.int64)
+    for part in (np.flatnonzero(listed), np.flatnonzero(~listed)):
+        if len(part):
+            tokens[part] = _draw_part(logits, warp, [rounds[j] for j in part], [ends[j] for j in part],
+                                      end_rows[torch.as_tensor(part, device=dev)], bool(listed[part[0]]))
+    return tokens.tolist()
+
+
+def _draw_part(logits, warp, rounds, ends, rows, listed: bool) -> np.ndarray:
+    """_draw for rounds whose end rows are all listed (over their ids) or all not (whole rows)."""
+    dev, vocab = logits.device, logits.shape[1]
+    if listed:
+        ids = warp.support[rows]                                          # [R, m] ascending, vocab-padded
+        probs = warp.probs_at(logits, rows[:, None], ids)                 # [R, m] float64
+    else:
+        ids = None
+        probs = warp.rows_probs(logits, rows)                             # [R, vocab] float64
+    for step in range(max(len(end.rejected) for end in ends)):
         live = [j for j, end in enumerate(ends) if len(end.rejected) > step]
-        q = torch.zeros((len(live), vocab), dtype=torch.float64, device=dev)
-        for k, j in enumerate(live):
-            rd, c = rounds[j], ends[j].rejected[step]
-            _add_q(q[k], None if rd.draft_probs is None else rd.draft_probs[c], rd.tree.tokens[c])
+        q_ids, q_w = _packed_q([(rounds[j], ends[j].rejected[step]) for j in live], dev)   # [L, kq] each
         live_t = torch.as_tensor(live, device=dev)
+        if ids is None:
+            pos, match = q_ids.clamp(min=0), q_ids >= 0
+        else:
+            row_ids = ids[live_t].contiguous()
+            pos = torch.searchsorted(row_ids, q_ids).clamp(max=row_ids.shape[1] - 1)
+            match = row_ids.gather(-1, pos) == q_ids
+        q = torch.zeros((len(live), probs.shape[1]), dtype=torch.float64, device=dev)
+        q.scatter_add_(1, pos, torch.where(match, q_w, torch.zeros_like(q_w)))
         residual = (probs[live_t] - q).clamp(min=0.0)
         total = residual.sum(dim=-1, keepdim=True)
         # A residual of rounding noise (p and q agree): p stays (spec_core.acceptance.after_rejection).
         probs[live_t] = torch.where(total > RESIDUAL_EPS, residual / total, probs[live_t])
     cdf = probs.cumsum(dim=-1)
     u = torch.as_tensor(np.array([rd.uniforms[-1] for rd in rounds]), dtype=torch.float64, device=dev)
-    target = (u * cdf[:, -1])[:, None]
-    idx = torch.searchsorted(cdf, target, right=True)[:, 0]
-    # u < 1 keeps target below the total; rounding may still land past the last nonzero entry.
-    last_nonzero = vocab - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
-    return torch.minimum(idx, last_nonzero).cpu().tolist()
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    # u < 1 keeps the target below the total; rounding may still land past the last nonzero entry.
+    last_nonzero = probs.shape[1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+    idx = torch.minimum(idx, last_nonzero)
+    out = idx if ids is None else ids.gather(-1, idx[:, None])[:, 0]
+    return out.cpu().numpy()
 
 
-def _add_q(out: torch.Tensor, q: EncodedQ | None, token: int) -> None:
-    """q as a float64 row into `out`  # [vocab] (a point mass when q is None)."""
-    if q is None:
-        out[token] = 1.0
-        return
-    if q.token_ids is None:
-        w = torch.as_tensor(np.asarray(q.weights, dtype=np.float64), device=out.device)
-        out[: len(w)] = w / w.sum()
-        return
-    w = torch.as_tensor(np.asarray(q.weights, dtype=np.float64), device=out.device)
-    ids = torch.as_tensor(q.token_ids.astype(np.int64), device=out.device)
-    out.index_put_((ids,), w / w.sum(), accumulate=True)   # q as the codec defines it: weights / sum
+def _packed_q(nodes, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q of each (round, node) as padded ids and float64 probabilities  # [len(nodes), kq] each;
+    ids -1 pad. A point mass is its own token with 1; q is the codec's weights / sum."""
+    id_rows, w_rows = [], []
+    for rd, c in nodes:
+        q = None if rd.draft_probs is None else rd.draft_probs[c]
+        if q is None:
+            id_rows.append(np.array([rd.tree.tokens[c]], dtype=np.int64))
+            w_rows.append(np.ones(1))
+            continue
+        weights = np.asarray(q.weights, dtype=np.float64)
+        ids = np.flatnonzero(weights) if q.token_ids is None else q.token_ids.astype(np.int64)
+        id_rows.append(ids)
+        w_rows.append((weights[ids] if q.token_ids is None else weights) / weights.sum())
+    kq = max(len(i) for i in id_rows)
+    q_ids = np.full((len(nodes), kq), -1, dtype=np.int64)
+    q_w = np.zeros((len(nodes), kq))
+    for k, (i, w_) in enumerate(zip(id_rows, w_rows)):
+        q_ids[k, :len(i)], q_w[k, :len(w_)] = i, w_
+    return torch.as_tensor(q_ids, device=dev), torch.as_tensor(q_w, device=dev)
