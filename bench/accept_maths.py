@@ -22,7 +22,8 @@ copy and the ids' way back (with torch.cuda.synchronize).
   .venv-vllm/bin/python bench/accept_maths.py --sessions 1 4 --vocabs 49152 --reps 1   # a short run
 
 Writes --out (markdown) with the machine line. Timing: the median of --reps passes (one untimed
-pass first); cells whose logits would exceed --max-gib are skipped and say so.
+pass first); cells whose logits would exceed --max-gib are skipped and say so, and with
+--cpu-max-gib the CPU columns of larger cells read "-".
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def time_it(fn, reps: int, sync=lambda: None) -> float:
     return statistics.median(times)
 
 
-def cell(logits: np.ndarray, sessions: int, gamma: int, s: SamplingSettings, reps: int, devices: list[str]) -> dict:
+def cell(logits: np.ndarray, sessions: int, gamma: int, s: SamplingSettings, reps: int, devices: list[str],
+         numpy_too: bool = True) -> dict:
     import torch
     from cloud_verifier.backends.torch_accept import PassRound, accept_pass, round_uniforms
     from spec_core.tree import DraftTree
@@ -80,7 +82,7 @@ def cell(logits: np.ndarray, sessions: int, gamma: int, s: SamplingSettings, rep
         for i in range(sessions):
             verify_round_on_logits(logits[i * rows:(i + 1) * rows], s, drafts[i], None, np.random.default_rng(i))
 
-    out = {"numpy": time_it(numpy_pass, reps)}
+    out = {"numpy": time_it(numpy_pass, reps)} if numpy_too else {}
     for dev in devices:
         t = torch.as_tensor(logits).to(dev)
         sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
@@ -105,6 +107,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--max-gib", type=float, default=2.0, help="skip cells whose logits are larger")
+    ap.add_argument("--cpu-max-gib", type=float, default=None,
+                    help="leave the CPU columns (numpy, torch cpu) out of cells whose logits are larger "
+                         "(a GPU check's time box)")
+    ap.add_argument("--devices", default=None, help="torch devices, comma-separated (default: cpu, and cuda if present)")
     ap.add_argument("--out", default="bench/accept_maths.md")
     args = ap.parse_args()
 
@@ -112,11 +118,14 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     machine = announce()
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    cpu_max = args.max_gib if args.cpu_max_gib is None else args.cpu_max_gib
     gpu = torch.cuda.get_device_name(0) if "cuda" in devices else "none"
+    pressure = machine.get("cpu_pressure_10s")
+    busy = f"load {machine.get('load_1min') or 0:.1f}" + (f", CPU pressure {pressure:.0%}" if pressure is not None else "")
     head = (f"Machine: {machine_summary(machine)}; torch {torch.__version__}, {torch.get_num_threads()} CPU "
-            f"threads; GPU: {gpu}. gamma {args.gamma}, q none, drafts = row argmax; ms per pass, median of "
-            f"{args.reps}.")
+            f"threads; GPU: {gpu}; {busy} at the start. gamma {args.gamma}, q none, drafts = row argmax; ms per "
+            f"pass, median of {args.reps}.")
     print(head, flush=True)
     cols = ["numpy"] + [f"{k} {d}" for d in devices for k in ("torch", "floor")]
     lines = ["| vocab | setting | sessions | " + " | ".join(cols) + " |", "|" + "---|" * (3 + len(cols))]
@@ -130,9 +139,12 @@ def main() -> None:
                         [f"skipped ({gib:.1f} GiB > --max-gib)"] + [""] * (len(cols) - 1)) + " |"
                 else:
                     logits = make_logits(sessions, args.gamma, vocab, seed=sessions)
-                    r = cell(logits, sessions, args.gamma, SETTINGS[name], args.reps, devices)
+                    cpu_too = gib <= cpu_max
+                    r = cell(logits, sessions, args.gamma, SETTINGS[name], args.reps,
+                             [d for d in devices if cpu_too or d != "cpu"], numpy_too=cpu_too)
                     del logits
-                    line = f"| {vocab} | {name} | {sessions} | " + " | ".join(f"{r[c] * 1e3:.1f}" for c in cols) + " |"
+                    line = f"| {vocab} | {name} | {sessions} | " + " | ".join(
+                        f"{r[c] * 1e3:.1f}" if c in r else "-" for c in cols) + " |"
                 lines.append(line)
                 print(line, flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
