@@ -53,7 +53,7 @@ from spec_core.warping import SamplingSettings
 
 # top-p without top-k first looks at this many of a row's largest entries (then doubles): on
 # peaked rows the kept set is far smaller, and a bounded topk is cheaper than sorting the row.
-_TOP_P_CANDIDATES = 1024
+_TOP_P_CANDIDATES = 64
 
 
 @dataclass(frozen=True)
@@ -136,9 +136,11 @@ class _Warping:
     def listed(self, r: torch.Tensor, ids: torch.Tensor, lens: torch.Tensor) -> None:
         """Rows r keep ids[:, :lens] (any order); lens 0: not listed."""
         lens = torch.where(lens <= min(ids.shape[1], _SUPPORT_CAP), lens, torch.zeros_like(lens))
-        pos = torch.arange(ids.shape[1], device=self.dev)[None, :]
+        width = max(1, int(lens.max())) if len(lens) else 1
+        ids = ids[:, :width]
+        pos = torch.arange(width, device=self.dev)[None, :]
         ids = torch.where(pos < lens[:, None], ids, torch.full_like(ids, self.vocab)).sort(dim=-1).values
-        self.supports.append((r, ids[:, :max(1, min(ids.shape[1], _SUPPORT_CAP))], lens))
+        self.supports.append((r, ids, lens))
 
     def done(self) -> RowWarp:
         rows = self.logits.shape[0]
