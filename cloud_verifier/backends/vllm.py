@@ -46,7 +46,20 @@ rounds with top-k (k <= TOP_K_ONE_REQUEST) take one request too, with `prompt_lo
 rows are raw, but the processed p (temperature, top-k, top-p) at a position depends on its top-k
 raw logits alone, so spec_core.warping on those k entries gives the processed row, y_i is drawn from
 it, and the bonus is vLLM's own sample. Sampled rounds without top-k keep the per-position
-requests: p(x) after temperature needs the whole row, which would cross into Python as vocab-sized lists.
+requests: p(x) after temperature needs the whole row, which would cross into Python as vocab-sized lists
+(vLLM sizes a request's prompt-logprob tensor by its whole prompt, so `prompt_logprobs=-1` would move
+context x vocab numbers a round). Trees with the same settings take one request per leaf (greedy: the
+argmax rows; top-k: the top-k rows, warped here, y drawn from them), rows another leaf of the round
+computed read from that leaf. `round_path` is the one place that says which path a round takes.
+
+What a round costs is r + gamma computed tokens, not gamma + 1: vLLM 0.32 keeps no request's KV
+between rounds other than through its prefix cache, which holds full blocks only. Its streaming-input
+sessions keep KV but only append (rejected drafts would stay), and sub-block prefix hits
+(`prefix_match_unit`) are refused for single-KV-group models; docs/vllm.md says what was weighed.
+
+Text and chat prompts (drafts from another tokenizer) go through the HF tokenizer of the model
+folder: `vocabulary()` (GetVocabulary) is built from it by `hf_vocabulary`, as llama_runtime builds it
+from a GGUF, and chat messages through its chat template.
 
 The target's distribution is vLLM's own: `sample_next` (the cloud-only Generate stream) samples
 with the same request parameters, so hybrid and cloud-only output have the same distribution.
@@ -506,9 +519,10 @@ class VllmBackend(Backend):
     def verify_tree(self, state, committed: Sequence[int], tree: DraftTree,
                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                     rng: np.random.Generator) -> BackendRound:
-        """The chain's mechanism per node: one request after the root and after every node
-        (prompt = committed + the node's path, prefix-cached, max_tokens = 1, a seed from the
-        session's generator) scores p on the children and their q supports
+        """Greedy and top-k trees: a request per leaf (_greedy_tree_scores, _top_k_tree_scores).
+        Otherwise the chain's per-position mechanism per node: one request after the root and after
+        every node (prompt = committed + the node's path, prefix-cached, max_tokens = 1, a seed from
+        the session's generator) scores p on the children and their q supports
         (`logprob_token_ids`) and samples y ~ p; a node whose children carry a dense q asks for
         its whole processed row instead. verify_tree_from_scores runs the rule (proof there)."""
         t0 = time.perf_counter()
