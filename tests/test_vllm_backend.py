@@ -490,15 +490,18 @@ def test_vocabulary_from_the_hf_tokenizer_equals_the_gguf_one(smollm2_vllm):
 
 
 @needs_vllm
-def test_text_and_chat_prompts_through_the_hf_tokenizer(smollm2_vllm):
-    from cloud_verifier.backends.base import NoChatTemplate  # noqa: F401  (the refusal a template-less model gives)
+def test_text_and_chat_prompts_through_the_hf_tokenizer_equal_llama_cpps(smollm2_vllm):
+    """The same prompt ids as the llama.cpp backend gives for the GGUF the folder came from: text with
+    the tokenizer's specials, chat messages through the (same) chat template, assistant turn opened."""
     from llama_runtime import GGUFModel, bundled_model_path
+    from llama_runtime.chat import render_messages
     g = GGUFModel(str(bundled_model_path()), vocab_only=True)
-    text = "The three primary colours are"
-    assert smollm2_vllm.prompt_ids(text, None) == g.tokenize(text)
-    ids = smollm2_vllm.prompt_ids(None, [{"role": "user", "content": "Name three fruits."}])
-    assert ids[0] == 1 and ids.count(1) == 3   # <|im_start|> system, user, assistant: the template's turns
-    assert ids[-3:] == g.tokenize("<|im_start|>assistant\n", add_special=False, parse_special=True)[-3:]
+    text = "The three primary colours are <|im_end|> naïve 🙂"
+    assert smollm2_vllm.prompt_ids(text, None) == g.tokenize(text, add_special=True, parse_special=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three fruits."}]
+    ids = smollm2_vllm.prompt_ids(None, messages)
+    assert ids == render_messages(g, messages)
+    assert ids.count(1) == 3   # <|im_start|>: system, user, and the assistant's opened turn
 
 
 @needs_vllm
