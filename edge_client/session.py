@@ -440,14 +440,16 @@ class _SessionLoop:
     async def close(self) -> None:
         """Settle background work, complete the stats, and close the session if it is unfinished."""
         await _settle(self.ahead_job, self.spec_task)
-        if self.stream is not None:
-            await self.stream.close()
         self._complete_stats()
-        # A finished session needs no Close: the server frees its KV cache when generation ends.
-        # One left early (the caller stopped reading, was cancelled, or a round failed) is closed
-        # now; shielded, so a cancelled caller still sends it.
-        if self.session_id and not self.finished:
-            await asyncio.shield(self.verifier.close_session(self.session_id))
+        try:
+            # A finished session needs no Close: the server frees its KV cache when generation ends.
+            # One left early (the caller stopped reading, was cancelled, or a round failed) is closed
+            # now; shielded, so a cancelled caller still sends it.
+            if self.session_id and not self.finished:
+                await asyncio.shield(self.verifier.close_session(self.session_id))
+        finally:
+            if self.stream is not None:   # after the Close: ending the stream may wait for the verifier
+                await self.stream.close()
 
     def _complete_stats(self) -> None:
         st = self.st

@@ -59,11 +59,21 @@ class RoundStream:
         tag = next(self._tags)
         fut = asyncio.get_running_loop().create_future()
         c.pending[tag] = fut
-        try:
+        written = False
+
+        async def round_trip() -> pb.VerifyReply:
+            nonlocal written
             async with c.writing:
                 await c.call.write(pb.StreamRound(tag=tag, request=req))
-            return await asyncio.wait_for(asyncio.shield(fut), self._deadline_s)
+            written = True
+            return await asyncio.shield(fut)
+        try:
+            # The deadline covers the write too: a call waiting for a verifier that went away (wait
+            # for ready) would otherwise hold the write forever.
+            return await asyncio.wait_for(round_trip(), self._deadline_s)
         except asyncio.TimeoutError:
+            if not written:
+                self._end(c)   # a write cut short leaves the call unusable: the retry opens a new one
             raise _status_error(grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
                                 f"no reply to round {req.round} on the stream within {self._deadline_s:g} s") from None
         except grpc.aio.AioRpcError:
@@ -114,16 +124,19 @@ class RoundStream:
         c, self._open_call = self._open_call, None
         if c is None or c.ended:
             return
-        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-            async with c.writing:
-                await c.call.done_writing()
-        # The verifier ends the stream once it has answered what it holds; rounds waiting there for a
-        # predecessor that will not come (the generation ended) would hold it up to its pipeline
-        # wait, and their answers are not needed: give it a moment, then cancel.
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(asyncio.shield(c.reader), CLOSE_WAIT_S)
-        c.call.cancel()
-        c.reader.cancel()
+        try:
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError,
+                                     asyncio.TimeoutError):
+                async with c.writing:
+                    await asyncio.wait_for(c.call.done_writing(), CLOSE_WAIT_S)
+            # The verifier ends the stream once it has answered what it holds; rounds waiting there
+            # for a predecessor that will not come (the generation ended) would hold it up to its
+            # pipeline wait, and their answers are not needed: give it a moment, then cancel.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(c.reader), CLOSE_WAIT_S)
+        finally:   # also when the closer is cancelled: the call does not outlive the session
+            c.call.cancel()
+            c.reader.cancel()
 
 
 async def verify_on_stream(verifier, stream: RoundStream, req: pb.VerifyRequest, st) -> pb.VerifyReply:

@@ -259,7 +259,10 @@ class WindowLoop(_SessionLoop):
         self.flight.clear()
 
     async def close(self) -> None:
-        await self._settle_all()
+        # Not awaited: a cancelled caller must still reach the session's Close (super().close()).
+        for f in self.flight:
+            f.task.cancel()
+        self.flight.clear()
         await super().close()
 
     def _complete_stats(self) -> None:
