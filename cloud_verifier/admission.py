@@ -11,7 +11,11 @@ metadata `retry-after-ms`, also in the message), instead of queueing without bou
   it waits, which bounds the queue and the memory it holds;
 - a new session is admitted only when a slot is free or an idle one can be evicted: sessions
   used within `evict_idle_after_s` are not evicted to make room (evicting busy sessions under
-  overload only makes every edge replay, and nobody finishes).
+  overload only makes every edge replay, and nobody finishes);
+- replays (opens that carry resumed tokens: edges whose verifier restarted or drained) go ahead
+  of new sessions: while one is being opened, a new session is refused with a short hint
+  (`ReplaysFirst`), so the edges that were mid-generation get the verifier's prefill first;
+- a draining verifier (SIGTERM) takes no new session (UNAVAILABLE, reason "draining").
 
 An edge that sees the hint waits at least that long, plus jitter, and retries the same request
 (rounds are idempotent), so the load spreads out and every edge finishes once it drops.
@@ -35,6 +39,9 @@ class ServerPolicy:
     max_inflight_rounds: int = 0          # Verify calls inside the server at once; 0 = 4 per session slot
     evict_idle_after_s: float = 0.0       # a session idle less than this is never evicted for a newcomer
     session_retry_after_s: float = 1.0    # hint when no session slot is free
+    drain_retry_after_s: float = 0.1      # hint to a new session refused by a draining verifier: by then
+                                          # its connection has moved to another replica (or a restart)
+    replay_first_retry_after_s: float = 0.25   # hint to a new session while replays are being admitted
 
 
 class Refused(Exception):
@@ -105,3 +112,25 @@ class InflightGate:
 
     def __exit__(self, *exc):
         self.inflight -= 1
+
+
+class ReplaysFirst:
+    """Opens that replay committed tokens go before new sessions: `admit(replay)` counts a replay
+    in until it is opened (`done`), and refuses a new session while any is pending."""
+
+    def __init__(self, retry_after_s: float):
+        self.retry_after_s = retry_after_s
+        self.pending = 0
+
+    def admit(self, replay: bool) -> bool:
+        """True: a replay, counted until `done`; False: a new session, admitted (none pending)."""
+        if replay:
+            self.pending += 1
+            return True
+        if self.pending:
+            raise Refused(f"{self.pending} sessions are being replayed here first (their verifier restarted)",
+                          self.retry_after_s, "replays_first")
+        return False
+
+    def done(self) -> None:
+        self.pending -= 1

@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_verifier import metrics
-from cloud_verifier.admission import InflightGate, Refused, RoundLimiter, ServerPolicy, RETRY_AFTER_KEY
+from cloud_verifier.admission import InflightGate, Refused, ReplaysFirst, RoundLimiter, ServerPolicy, RETRY_AFTER_KEY
 from cloud_verifier.auth import TokenFile
 from cloud_verifier.backends.base import Backend
 from cloud_verifier.engine import Limits, RequestError, VerifierEngine, quoted
@@ -130,6 +130,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.engine, self.policy = engine, policy
         self.rounds = RoundLimiter(policy.tenant_rounds_per_s, policy.tenant_burst)
         self.inflight = InflightGate(policy.max_inflight_rounds or 4 * engine.limits.max_sessions)
+        self.replays = ReplaysFirst(policy.replay_first_retry_after_s)
         self.draining = False
         self._opening: collections.defaultdict[str, list[bytes]] = collections.defaultdict(list)  # open keys admitted
 
@@ -172,25 +173,24 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def Verify(self, request, context):
         try:
             if self.draining:
-                # Rounds already inside finish; new ones go elsewhere: the edge retries, reaches a
-                # restarted or another replica, and replays its committed tokens there.
-                raise Refused("this verifier is draining (shutting down) and takes no new rounds; retry, a restarted "
-                              "or another replica will take the session", 0.5, "draining",
-                              code=grpc.StatusCode.UNAVAILABLE)
+                self._drained(request)
             self.rounds.admit(current_tenant.get())
             with self.inflight:
                 metrics.INFLIGHT.set(self.inflight.inflight)
-                tenant, opening = current_tenant.get(), None
+                tenant, opening, replay = current_tenant.get(), None, False
                 try:
                     # Content first: a malformed round is INVALID_ARGUMENT whatever the load.
                     valid = self.engine.validate(request)
                     if request.session_id:
                         self._check_owner(request.session_id)
                     elif self._admit_open(request.open):
+                        replay = self.replays.admit(bool(request.open.resume_token_ids))
                         opening = request.open.open_key
                         self._opening[tenant].append(opening)
                     return await self.engine.verify(valid)
                 finally:
+                    if replay:
+                        self.replays.done()
                     if opening is not None:
                         self._opening[tenant].remove(opening)
                         if not self._opening[tenant]:
@@ -200,6 +200,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await self._refuse(context, r)
         except RequestError as e:
             await self._fail(context, e)
+
+    def _drained(self, request) -> None:
+        """A round reaching a draining verifier. Rounds already inside finish; a round of a session
+        held here is answered NOT_FOUND "moved", which the edge answers at once by replay; a new
+        session is refused with a short hint. Either way the next call goes out on a new connection
+        (the server has sent GOAWAY and closed its port): to another replica, or the restart."""
+        if request.session_id and self.engine.sessions.peek(request.session_id) is not None:
+            raise RequestError(grpc.StatusCode.NOT_FOUND,
+                               f"session {quoted(request.session_id)} moved: this verifier is draining (shutting "
+                               "down); resend the round with `open` to replay the committed tokens on another replica")
+        raise Refused("this verifier is draining (shutting down) and takes no new sessions; retry, another replica "
+                      "or the restarted one will take it", self.policy.drain_retry_after_s, "draining",
+                      code=grpc.StatusCode.UNAVAILABLE)
 
     async def Close(self, request, context):
         try:
@@ -283,17 +296,21 @@ class VerifierServer:
         return self
 
     async def stop(self) -> None:
-        """Drain: health NOT_SERVING and no new rounds at once (UNAVAILABLE with a retry hint);
-        rounds in flight finish (up to grace_s); then the port closes. Edges replay their
-        sessions on the next verifier."""
+        """Drain, then exit. Health NOT_SERVING at once; a round of a session held here is answered
+        "moved" (NOT_FOUND: the edge replays at once) and a new session is refused with a short hint
+        (VerifierServicer._drained); the rounds in flight finish (up to grace_s); then grpc's own
+        graceful stop closes the port and sends GOAWAY, so the edges' next calls go out on a new
+        connection: to another replica they were given, or to the restart."""
         if self.server is None:
             return
         self.servicer.draining = True
         await self.health.enter_graceful_shutdown()
-        deadline = time.monotonic() + self.grace_s
+        t0 = time.monotonic()
+        deadline = t0 + self.grace_s
         while self.servicer.inflight.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await self.server.stop(max(0.0, deadline - time.monotonic()))
+        log.info("drained in %.2f s", time.monotonic() - t0)
         self.engine.sessions.clear()
         self.server = None
 
