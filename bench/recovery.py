@@ -3,10 +3,13 @@
 (SIGTERM: drain, then a fresh process on the same port). Each run is compared with a fault-free run
 of the same requests.
 
-    PYTHONPATH=$PWD python bench/recovery.py --edges 8 --synthetic --kill-at 3,8
-    PYTHONPATH=$PWD python bench/recovery.py --edges 64 --max-tokens 96 --kill-at 12,30 \
+    PYTHONPATH=$PWD python bench/recovery.py --edges 8 --synthetic --kill-at 0.3,0.6
+    PYTHONPATH=$PWD python bench/recovery.py --edges 64 --max-tokens 96 --kill-at 0.3,0.6 \
         --verifier-arg=--threads=1            # the bundled SmolLM2 target, prompt-lookup drafts
-    PYTHONPATH=$PWD python bench/recovery.py --edges 64 --rolling-at 10,25 --verifier-arg=--threads=1
+    PYTHONPATH=$PWD python bench/recovery.py --edges 64 --rolling-at 0.3,0.6 --verifier-arg=--threads=1
+
+Faults come when a share of all requested tokens is committed (0.3: 30 %), so that they hit the
+edges mid-generation however fast this machine is.
 
 Half the edges are greedy, half sample at T = 0.7 with a seed, so every output is reproducible and
 the fault run's outputs must equal the fault-free run's token for token. Printed per run: tokens
@@ -45,6 +48,7 @@ class EdgeTrace:
     edge: int
     greedy: bool
     commits: list[float] = field(default_factory=list)   # perf_counter time of each committed round
+    tokens: int = 0                                        # committed so far
     token_ids: list[int] = field(default_factory=list)
     replays: int = 0
     retries: int = 0
@@ -62,7 +66,8 @@ class EdgeTrace:
 @dataclass
 class Fault:
     kind: str                       # "kill" (SIGKILL + restart) or "drain" (SIGTERM of one replica + restart)
-    at_s: float                     # after the run's start
+    share: float                    # of all requested tokens committed when it comes
+    at_s: float | None = None       # after the run's start
     ready_s: float | None = None    # the restarted verifier printed its ready line (after the fault)
     first_commit_s: float | None = None   # the first commit by any edge after the fault
     all_commit_s: float | None = None     # every edge still generating at the fault has committed again
@@ -99,6 +104,10 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
     server = ",".join(r.address for r in replicas)
     t0 = time.perf_counter()
 
+    def committed(trace: EdgeTrace, tokens: int) -> None:
+        trace.commits.append(time.perf_counter())
+        trace.tokens += tokens
+
     async def edge(trace: EdgeTrace) -> None:
         cost = DraftCost()   # the emulated drafting time, slept before each round
         channel = open_channel(server, interceptors=[cost])
@@ -106,7 +115,7 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
                                     max_new_tokens=cfg.max_tokens, seed=1000 + trace.edge, ignore_eos=True)
         options = EdgeOptions(Transport(server, deadline_s=60), Speculation(gamma=cfg.gamma))
         client = EdgeClient(options, edges.drafter(cost, trace.edge), edges.tokenizer, channel=channel,
-                            on_round=lambda _: trace.commits.append(time.perf_counter()))
+                            on_round=lambda e: committed(trace, e.tokens))
         async with client:
             gen = client.generate(edges.prompt(trace.edge, 0), settings)
             try:
@@ -120,42 +129,45 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
                 st.backoff_s
         await channel.close()
 
-    async def inject(fault: Fault, k: int) -> None:
-        await asyncio.sleep(max(0.0, t0 + fault.at_s - time.perf_counter()))
-        fault.at_s = time.perf_counter() - t0
-        t_fault = time.perf_counter()
-        replica = replicas[k % len(replicas)]
-        await loop.run_in_executor(None, replica.kill if fault.kind == "kill" else replica.drain)
-        await asyncio.sleep(cfg.restart_delay)
-        await loop.run_in_executor(None, replica.start)
-        fault.ready_s = time.perf_counter() - t_fault
-        fault.t = t_fault   # type: ignore[attr-defined]
+    fault_times: dict[int, float] = {}
 
-    tasks = [asyncio.ensure_future(edge(t)) for t in traces]
-    injecting = [asyncio.ensure_future(inject(f, k)) for k, f in enumerate(faults)]
-    await asyncio.gather(*tasks)
-    for job in injecting:
-        if not job.done():
-            log.warning("a fault came after every edge finished: not injected")
-            job.cancel()
-    await asyncio.gather(*injecting, return_exceptions=True)
+    async def inject() -> None:
+        """The faults in turn: each when its share of the requested tokens is committed."""
+        for k, fault in enumerate(faults):
+            while sum(t.tokens for t in traces) < fault.share * cfg.edges * cfg.max_tokens:
+                await asyncio.sleep(0.01)
+            t_fault = fault_times[k] = time.perf_counter()
+            fault.at_s = t_fault - t0
+            replica = replicas[k % len(replicas)]
+            await loop.run_in_executor(None, replica.kill if fault.kind == "kill" else replica.drain)
+            await asyncio.sleep(cfg.restart_delay)
+            await loop.run_in_executor(None, replica.start)
+            fault.ready_s = time.perf_counter() - t_fault
+
+    injecting = asyncio.ensure_future(inject())
+    await asyncio.gather(*(edge(t) for t in traces))
+    if not injecting.done():
+        log.warning("the edges finished before every fault came: %d of %d injected", len(fault_times), len(faults))
+        injecting.cancel()
+    await asyncio.gather(injecting, return_exceptions=True)
     wall = time.perf_counter() - t0
-    for f in faults:
-        t = getattr(f, "t", None)
+    for k, f in enumerate(faults):
+        t = fault_times.get(k)
         if t is None:
             continue
-        hit = [tr for tr in traces if tr.commits and tr.commits[0] < t < tr.commits[-1]]
+        # Hit: every edge still generating when the fault came (whether or not it had committed yet).
+        hit = [tr for tr in traces if tr.commits and tr.commits[-1] > t]
         after = [tr.first_commit_after(t) for tr in hit]
         f.edges_hit = len(hit)
         f.first_commit_s = min((a - t for a in after if a), default=None)
         f.all_commit_s = max((a - t for a in after if a), default=None)
-        del f.t   # type: ignore[attr-defined]
-    return {"wall_s": wall, "traces": traces, "faults": faults}
+    return {"wall_s": wall, "traces": traces, "faults": faults, "t0": t0}
 
 
 def summary(result: dict, reference: dict | None, requested: int) -> dict:
     traces = result["traces"]
     gaps = [t.max_gap_s() for t in traces]
+    firsts = [t.commits[0] - result["t0"] for t in traces if t.commits]
     out = {
         "wall_s": round(result["wall_s"], 2),
         "tokens_lost": sum(requested - len(t.token_ids) for t in traces),
@@ -163,6 +175,8 @@ def summary(result: dict, reference: dict | None, requested: int) -> dict:
         "replays": sum(t.replays for t in traces), "retries": sum(t.retries for t in traces),
         "backoffs": sum(t.backoffs for t in traces), "backoff_s": round(sum(t.backoff_s for t in traces), 2),
         "max_gap_s": round(max(gaps), 2), "median_max_gap_s": round(statistics.median(gaps), 2),
+        "first_commit_s": {"median": round(statistics.median(firsts), 2), "max": round(max(firsts), 2)} if firsts else None,
+        "per_edge_commits_s": [[round(c - result["t0"], 3) for c in t.commits] for t in traces],
         "faults": [asdict(f) for f in result["faults"]],
     }
     if reference is not None:
@@ -179,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--synthetic", action="store_true", help="synthetic target and drafter (no model)")
-    p.add_argument("--kill-at", default="", help="seconds after the start to SIGKILL and restart the verifier (comma list)")
-    p.add_argument("--rolling-at", default="", help="seconds after the start to drain and restart replica 1, 2, 1, ... "
-                                                    "(two replicas; edges get both addresses)")
+    p.add_argument("--kill-at", default="", help="SIGKILL and restart the verifier when these shares of all requested "
+                                                 "tokens are committed (comma list, e.g. 0.3,0.6)")
+    p.add_argument("--rolling-at", default="", help="drain (SIGTERM) and restart replica 1, 2, 1, ... at these shares "
+                                                    "(two replicas; the edges get both addresses)")
     p.add_argument("--restart-delay", type=float, default=0.0,
                    help="seconds between a fault and the restart (a slow start, a node replaced)")
     p.add_argument("--verifier-arg", action="append", default=[], help="extra `cloud-verifier serve` argument")
@@ -216,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             if r.proc is not None and r.proc.poll() is None:
                 r.proc.terminate()
                 r.proc.wait(30)
-    print(json.dumps(report, indent=1))
+    brief = {k: ({kk: vv for kk, vv in v.items() if kk != "per_edge_commits_s"} if isinstance(v, dict) and k != "config"
+                 else v) for k, v in report.items()}
+    print(json.dumps(brief, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
