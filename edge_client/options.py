@@ -218,7 +218,7 @@ class Transport:
     server: str = DEFAULT_SERVER         # host:port
     deadline_s: float = 30.0             # allowed per RPC before it is retried
     max_retries: int = 8                 # retries of one round on UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED
-    max_replays: int = 8                 # replays of the committed sequence after NOT_FOUND / out of step
+    max_replays: int = 8                 # replays in a row (nothing committed between) after NOT_FOUND / out of step
     max_wait_s: float = 300.0            # waiting out refusals for load (retry hints), per round
 
     def __post_init__(self):

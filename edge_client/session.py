@@ -120,6 +120,7 @@ class _SessionLoop:
         self.committed = list(prompt_ids)
         self.prompt_len = len(self.committed)
         self.session_id, self.last_round = "", 0
+        self.replays_in_a_row, self.replayed_at = 0, -1   # for max_replays (_replay_after)
         self.gammas: list[int] = []
         self.nodes_sent = 0
         self.t0 = time.perf_counter()
@@ -197,15 +198,23 @@ class _SessionLoop:
             self.spec_task = asyncio.ensure_future(self.verifier.verify(spec_req, self.st))
 
     def _replay_after(self, e: EdgeError) -> bool:
-        """Whether to replay the committed tokens in a new session: the verifier lost ours (NOT_FOUND)
-        or is out of step with it (FAILED_PRECONDITION). A first round (it carries `open`) answered
-        NOT_FOUND opened a session that was evicted before its round ran: it is sent again, as a
-        replay; FAILED_PRECONDITION there is a refusal (e.g. the tokenizer) that replaying cannot fix."""
+        """Whether to replay the committed tokens in a new session: the verifier lost ours (NOT_FOUND:
+        a restart, an eviction, a draining verifier's "moved") or is out of step with it
+        (FAILED_PRECONDITION). A first round (it carries `open`) answered NOT_FOUND opened a session
+        that was evicted before its round ran: it is sent again, as a replay; FAILED_PRECONDITION
+        there is a refusal (e.g. the tokenizer) that replaying cannot fix. The replay is the next
+        round with `open`: the prompt, the committed tokens and that round's draft, nothing more.
+        `max_replays` bounds replays in a row with nothing committed between them (a verifier that
+        keeps losing the session), not a long generation's restarts and drains."""
         lost = e.code == grpc.StatusCode.NOT_FOUND or (
             e.code == grpc.StatusCode.FAILED_PRECONDITION and bool(self.session_id))
-        if lost and self.st.replays < self.c.transport.max_replays:
+        if len(self.committed) != self.replayed_at:
+            self.replays_in_a_row = 0   # the last replay got somewhere
+        if lost and self.replays_in_a_row < self.c.transport.max_replays:
             log.warning("replaying %d committed tokens: %s", len(self.committed) - self.prompt_len, e)
             self.st.replays += 1
+            self.replays_in_a_row += 1
+            self.replayed_at = len(self.committed)
             self.session_id, self.last_round = "", 0
             return True
         return False

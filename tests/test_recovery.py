@@ -202,3 +202,38 @@ async def test_rolling_restart_of_two_replicas_loses_no_token():
     gaps = [max(b - a for a, b in zip(c, c[1:])) for c in commits if len(c) > 1]
     print(f"\nrolling restart of 2 replicas under {EDGES} edges: sessions moved {held}, replays {sum(replays)}, "
           f"longest wait between commits {max(gaps) * 1000:.0f} ms (median edge {sorted(gaps)[len(gaps) // 2] * 1000:.0f} ms)")
+
+
+# --- the replay budget ---------------------------------------------------------------------------
+
+async def test_a_long_generation_survives_more_restarts_than_max_replays():
+    """max_replays bounds replays in a row; a generation that commits between losses goes on."""
+    server = VerifierServer(SyntheticBackend(vocab=VOCAB), "127.0.0.1", 0, Limits(), grace_s=1.0)
+    await server.start()
+    try:
+        # The verifier loses every session after each committed round (a restart between rounds).
+        client = EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2, max_replays=1),
+                            SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB),
+                            on_round=lambda _: server.engine.sessions.clear())
+        async with client:
+            gen = client.generate([0, 5, 6], SamplingSettings(temperature=0.0, max_new_tokens=30, ignore_eos=True))
+            ids = [t async for t in gen] and gen.stats.token_ids
+        assert len(ids) == 30 and gen.stats.replays >= 5
+    finally:
+        await server.stop()
+
+
+def test_replays_in_a_row_without_progress_are_bounded():
+    """The control: the same budget stops a verifier that loses the session before anything commits."""
+    from edge_client.session import _SessionLoop
+    from edge_client.stats import GenerationStats
+    from edge_client.transport import EdgeError
+    loop = _SessionLoop.__new__(_SessionLoop)
+    loop.c = type("Client", (), {"transport": edge_options("x:1", max_replays=3).transport})()
+    loop.st, loop.committed, loop.prompt_len = GenerationStats(), [0, 5, 6, 9], 3
+    loop.session_id, loop.last_round, loop.replays_in_a_row, loop.replayed_at = "s", 4, 0, -1
+    lost = EdgeError(grpc.StatusCode.NOT_FOUND, "session 's' is unknown here")
+    assert [loop._replay_after(lost) for _ in range(4)] == [True, True, True, False]
+    loop.committed.append(7)              # a round committed: the budget starts again
+    assert loop._replay_after(lost) is True
+    assert loop._replay_after(EdgeError(grpc.StatusCode.INVALID_ARGUMENT, "bad")) is False
