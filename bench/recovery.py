@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import statistics
 import sys
 import time
@@ -113,7 +114,7 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
         channel = open_channel(server, interceptors=[cost])
         settings = SamplingSettings(temperature=0.0 if trace.greedy else 0.7, top_p=1.0 if trace.greedy else 0.95,
                                     max_new_tokens=cfg.max_tokens, seed=1000 + trace.edge, ignore_eos=True)
-        options = EdgeOptions(Transport(server, deadline_s=60), Speculation(gamma=cfg.gamma))
+        options = EdgeOptions(Transport(server, deadline_s=cfg.deadline), Speculation(gamma=cfg.gamma))
         client = EdgeClient(options, edges.drafter(cost, trace.edge), edges.tokenizer, channel=channel,
                             on_round=lambda e: committed(trace, e.tokens))
         async with client:
@@ -200,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart-delay", type=float, default=0.0,
                    help="seconds between a fault and the restart (a slow start, a node replaced)")
     p.add_argument("--verifier-arg", action="append", default=[], help="extra `cloud-verifier serve` argument")
+    p.add_argument("--deadline", type=float, default=120.0, help="the edges' deadline per call (s), as netsim load's")
     p.add_argument("--draft-ms", type=float, default=2.0, help="emulated drafting cost per token (ms)")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -219,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in replicas:
         r.start()
     report = {"config": vars(args)}
+    # A SIGTERM (timeout, kill) stops the verifiers too: raised as KeyboardInterrupt, so `finally` runs.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         reference = asyncio.run(run(edges, args, replicas, []))
         report["fault_free"] = summary(reference, None, args.max_tokens)
