@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from spec_core.wire import RETRY_AFTER_KEY
+from spec_core.wire import MOVED_KEY, RETRY_AFTER_KEY
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,10 @@ class ServerPolicy:
     session_retry_after_s: float = 1.0    # hint when no session slot is free
     drain_retry_after_s: float = 0.1      # hint to a new session refused by a draining verifier: by then
                                           # its connection has moved to another replica (or a restart)
+    drain_sessions_per_s: float = 0.0     # a draining verifier hands back its sessions this many a second
+                                          # (the replica they go to prefills their replays as they come);
+                                          # 0: all at once
+    drain_timeout_s: float = 60.0         # ... and exits after this long even if some were never handed back
     replay_first_retry_after_s: float = 0.25   # hint to a new session while replays are being admitted
 
 
@@ -48,14 +52,15 @@ class Refused(Exception):
     """A request refused for load, not for what it says: retry after `retry_after_s`."""
 
     def __init__(self, message: str, retry_after_s: float, reason: str,
-                 code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED):
+                 code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED, moved: bool = False):
         self.retry_after_ms = max(1, math.ceil(retry_after_s * 1000))
         self.message = f"{message}; retry after {self.retry_after_ms} ms"
         self.code, self.reason = code, reason   # reason: the metric label
+        self.moved = moved                      # a draining verifier: another replica will take it now
         super().__init__(self.message)
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((RETRY_AFTER_KEY, str(self.retry_after_ms)),)
+        return ((RETRY_AFTER_KEY, str(self.retry_after_ms)),) + (((MOVED_KEY, "1"),) if self.moved else ())
 
 
 class TokenBucket:

@@ -21,7 +21,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_verifier import metrics
-from cloud_verifier.admission import InflightGate, Refused, ReplaysFirst, RoundLimiter, ServerPolicy, RETRY_AFTER_KEY
+from cloud_verifier.admission import (InflightGate, Refused, ReplaysFirst, RoundLimiter, ServerPolicy, TokenBucket,
+                                     RETRY_AFTER_KEY)
 from cloud_verifier.auth import TokenFile
 from cloud_verifier.backends.base import Backend
 from cloud_verifier.engine import Limits, RequestError, VerifierEngine, quoted
@@ -30,7 +31,7 @@ from cloud_verifier.sessions import current_tenant
 from spec_core import __version__
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
-from spec_core.wire import MESSAGE_SIZE_OPTIONS
+from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class _Moved(Exception):
+    """A draining verifier hands a session back: the edge replays it on another replica."""
+
+    def __init__(self, session_id: str):
+        self.message = (f"session {quoted(session_id)} moved: this verifier is draining (shutting down); resend the "
+                        "round with `open` to replay the committed tokens on another replica")
+        super().__init__(self.message)
+
+
 class VerifierServicer(pb_grpc.VerifierServicer):
     """protobuf <-> engine, plus what belongs to the call rather than the round: the tenant's
     right to the session it names, per-tenant limits, admission control, draining."""
@@ -132,6 +142,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.inflight = InflightGate(policy.max_inflight_rounds or 4 * engine.limits.max_sessions)
         self.replays = ReplaysFirst(policy.replay_first_retry_after_s)
         self.draining = False
+        self.moved: set[str] = set()             # sessions handed back while draining
+        self._handback: TokenBucket | None = None   # paces them (policy.drain_sessions_per_s)
         self._opening: collections.defaultdict[str, list[bytes]] = collections.defaultdict(list)  # open keys admitted
 
     async def _fail(self, context, e: RequestError):
@@ -196,23 +208,42 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         if not self._opening[tenant]:
                             del self._opening[tenant]
                     metrics.INFLIGHT.set(self.inflight.inflight - 1)
+        except _Moved as m:
+            metrics.ERRORS.labels(grpc.StatusCode.NOT_FOUND.name).inc()
+            await context.abort(grpc.StatusCode.NOT_FOUND, m.message, trailing_metadata=((MOVED_KEY, "1"),))
         except Refused as r:
             await self._refuse(context, r)
         except RequestError as e:
             await self._fail(context, e)
 
+    def drain(self) -> None:
+        """Take no new session from now on, and hand back the sessions held here, paced."""
+        self.draining = True
+        rate = self.policy.drain_sessions_per_s
+        self._handback = TokenBucket(rate, 1.0) if rate > 0 else None
+
+    def to_hand_back(self, idle_s: float = 2.0) -> int:
+        """Sessions still generating here, used within `idle_s`, that were not handed back yet (an
+        idle one is not waited for: its edge replays wherever it goes next)."""
+        now = time.monotonic()
+        return sum(1 for s in self.engine.sessions.sessions()
+                   if s.state is not None and s.id not in self.moved and now - s.last_used < idle_s)
+
     def _drained(self, request) -> None:
-        """A round reaching a draining verifier. Rounds already inside finish; a round of a session
-        held here is answered NOT_FOUND "moved", which the edge answers at once by replay; a new
-        session is refused with a short hint. Either way the next call goes out on a new connection
-        (the server has sent GOAWAY and closed its port): to another replica, or the restart."""
-        if request.session_id and self.engine.sessions.peek(request.session_id) is not None:
-            raise RequestError(grpc.StatusCode.NOT_FOUND,
-                               f"session {quoted(request.session_id)} moved: this verifier is draining (shutting "
-                               "down); resend the round with `open` to replay the committed tokens on another replica")
+        """A round reaching a draining verifier. A round of a session held here is answered
+        NOT_FOUND "moved" when its turn to leave has come (all at once, or
+        policy.drain_sessions_per_s, so that the replica they go to prefills their replays as it
+        can) and served here until then; the edge answers "moved" with a replay on the next replica
+        it knows. A new session is refused with a short hint. Both carry MOVED_KEY."""
+        sid = request.session_id
+        if sid and self.engine.sessions.peek(sid) is not None:
+            if sid not in self.moved and self._handback is not None and self._handback.take() > 0:
+                return   # not its turn: served here
+            self.moved.add(sid)
+            raise _Moved(sid)
         raise Refused("this verifier is draining (shutting down) and takes no new sessions; retry, another replica "
                       "or the restarted one will take it", self.policy.drain_retry_after_s, "draining",
-                      code=grpc.StatusCode.UNAVAILABLE)
+                      code=grpc.StatusCode.UNAVAILABLE, moved=True)
 
     async def Close(self, request, context):
         try:
@@ -296,21 +327,27 @@ class VerifierServer:
         return self
 
     async def stop(self) -> None:
-        """Drain, then exit. Health NOT_SERVING at once; a round of a session held here is answered
-        "moved" (NOT_FOUND: the edge replays at once) and a new session is refused with a short hint
+        """Drain, then exit. Health NOT_SERVING at once; new sessions are refused with a short hint,
+        and the sessions held here are handed back ("moved": the edge replays on another replica),
+        all at once or paced by policy.drain_sessions_per_s, within policy.drain_timeout_s
         (VerifierServicer._drained); the rounds in flight finish (up to grace_s); then grpc's own
         graceful stop closes the port and sends GOAWAY, so the edges' next calls go out on a new
         connection: to another replica they were given, or to the restart."""
         if self.server is None:
             return
-        self.servicer.draining = True
+        servicer = self.servicer
+        servicer.drain()
         await self.health.enter_graceful_shutdown()
         t0 = time.monotonic()
-        deadline = t0 + self.grace_s
-        while self.servicer.inflight.inflight and time.monotonic() < deadline:
+        if servicer._handback is not None:
+            handing_back = t0 + self.policy.drain_timeout_s
+            while servicer.to_hand_back() and time.monotonic() < handing_back:
+                await asyncio.sleep(0.02)
+        deadline = time.monotonic() + self.grace_s
+        while servicer.inflight.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await self.server.stop(max(0.0, deadline - time.monotonic()))
-        log.info("drained in %.2f s", time.monotonic() - t0)
+        log.info("drained in %.2f s (%d sessions handed back)", time.monotonic() - t0, len(servicer.moved))
         self.engine.sessions.clear()
         self.server = None
 

@@ -18,7 +18,7 @@ from edge_client.stats import CloudOnlyStats, GenerationStats
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
-from spec_core.wire import MESSAGE_SIZE_OPTIONS, RETRY_AFTER_KEY
+from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,19 @@ def channel_target(server: str) -> str:
         raise ValueError(f"the server list {server!r} mixes IPv4 and IPv6 addresses: gRPC takes one family per list")
     scheme = "ipv4" if families == {4} else "ipv6"
     return scheme + ":" + ",".join(a.replace("localhost:", "127.0.0.1:") for a in addresses)
+
+
+def replica_targets(server: str) -> list[str]:
+    """One channel's `server` per replica of a comma list, each listing every replica with its own
+    first (pick_first then prefers it, and still falls over to the others when it is gone); a single
+    address is itself."""
+    addresses = [a.strip() for a in server.split(",") if a.strip()]
+    return [",".join(addresses[k:] + addresses[:k]) for k in range(len(addresses))] or [server]
+
+
+def moved(e: grpc.aio.AioRpcError) -> bool:
+    """Whether a draining verifier answered: the session moved, or a new one is refused there."""
+    return any(key == MOVED_KEY for key, _ in e.trailing_metadata() or ())
 
 
 def retry_delay_s(attempt: int) -> float:
@@ -165,14 +178,29 @@ class Verifier:
         self.metadata = auth_metadata(self.token)
         self.channel = channel
         self._own_channel = channel is None
+        # Own channels: one per replica of a comma list (replica_targets); a draining replica's
+        # "moved" sends the calls to the next one. A shared channel stays the one channel.
+        self.channels: list[grpc.aio.Channel] = [] if channel is None else [channel]
         self.stub: pb_grpc.VerifierStub | None = None
         self.reached = False   # the verifier has answered once: from then on calls wait for it to come back
         self._background: set[asyncio.Task] = set()  # Close calls that outlive a cancelled generation
 
     async def open(self) -> None:
         if self.channel is None:
-            self.channel = open_channel(self.transport.server, **self.security.channel_kwargs())
+            self.channels = [open_channel(target, **self.security.channel_kwargs())
+                             for target in replica_targets(self.transport.server)]
+            self.channel = self.channels[0]
         self.stub = pb_grpc.VerifierStub(self.channel)
+
+    def _move_from(self, channel: grpc.aio.Channel) -> bool:
+        """The replica behind `channel` is draining: use the next replica's channel (once, however
+        many calls learn it). False when there is no other replica to go to."""
+        if len(self.channels) < 2:
+            return False
+        if self.channel is channel:
+            self.channel = self.channels[(self.channels.index(channel) + 1) % len(self.channels)]
+            self.stub = pb_grpc.VerifierStub(self.channel)
+        return True
 
     async def aclose(self) -> None:
         if self._background:
@@ -180,8 +208,9 @@ class Verifier:
             # the channel goes (else their sessions hold KV memory until the verifier's TTL).
             await asyncio.wait(list(self._background), timeout=self.transport.deadline_s)
         if self._own_channel and self.channel is not None:
-            await self.channel.close()
-            self.channel = None
+            for channel in self.channels:
+                await channel.close()
+            self.channel, self.channels = None, []
 
     async def server_info(self) -> pb.ServerInfo:
         info = await self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.transport.deadline_s,
@@ -241,12 +270,20 @@ class Verifier:
         attempts, waited_s = 0, 0.0
         max_retries = self.transport.max_retries if retries is None else retries
         while True:
+            channel = self.channel
             try:
                 answer = await attempt()
                 self.reached = True
                 return answer
             except grpc.aio.AioRpcError as e:
                 hint_s = retry_after_s(e)
+                if moved(e) and self._move_from(channel):
+                    # A draining replica: a session it handed back is replayed on the next replica
+                    # (the caller replays on NOT_FOUND); a refused new session goes there at once.
+                    log.info("%s: %s, moving to the next replica: %s", what, e.code().name, e.details())
+                    if e.code() != grpc.StatusCode.NOT_FOUND:
+                        continue
+                    raise EdgeError(e.code(), e.details() or "") from None
                 if hint_s is not None and e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) \
                         and waited_s < self.transport.max_wait_s:
                     # Refused for load: wait the hint plus up to as much again, drawn at random, so

@@ -27,7 +27,8 @@ from cloud_verifier.server import VerifierServer
 from edge_client import EdgeClient
 from edge_client.drafters import SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
-from edge_client.transport import CHANNEL_OPTIONS, RETRY_CAP_S, channel_target, retry_after_s, retry_delay_s
+from edge_client.transport import (CHANNEL_OPTIONS, RETRY_CAP_S, channel_target, moved, replica_targets, retry_after_s,
+                                   retry_delay_s)
 from helpers import edge_options
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
@@ -50,6 +51,13 @@ def test_a_comma_list_of_replicas_is_one_ip_address_list_target():
         channel_target("a.example:1,b.example:2")
     with pytest.raises(ValueError, match="mixes IPv4 and IPv6"):
         channel_target("127.0.0.1:1,[::1]:2")
+
+
+def test_each_replica_channel_prefers_its_own_replica():
+    assert replica_targets("127.0.0.1:1") == ["127.0.0.1:1"]
+    assert replica_targets("127.0.0.1:1,127.0.0.1:2,127.0.0.1:3") == [
+        "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", "127.0.0.1:2,127.0.0.1:3,127.0.0.1:1",
+        "127.0.0.1:3,127.0.0.1:1,127.0.0.1:2"]
 
 
 def test_reconnect_back_off_is_capped_at_a_second():
@@ -96,15 +104,20 @@ async def test_a_draining_verifier_moves_its_sessions_and_refuses_new_ones():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
             stub = pb_grpc.VerifierStub(ch)
             reply = await stub.Verify(open_req(b"a" * 16), timeout=5)
-            server.servicer.draining = True   # what stop() sets first
-            with pytest.raises(grpc.aio.AioRpcError) as moved:
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:   # the control: an ordinary NOT_FOUND
+                await stub.Verify(pb.VerifyRequest(session_id="nobody", round=2, committed_length=3), timeout=5)
+            assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and not moved(unknown.value)
+            server.servicer.drain()   # what stop() does first
+            with pytest.raises(grpc.aio.AioRpcError) as moved_:
                 await stub.Verify(pb.VerifyRequest(session_id=reply.session_id, round=2,
                                                    committed_length=reply.committed_length), timeout=5)
-            assert moved.value.code() == grpc.StatusCode.NOT_FOUND and "moved" in moved.value.details()
+            assert moved_.value.code() == grpc.StatusCode.NOT_FOUND and "moved" in moved_.value.details()
+            assert moved(moved_.value)   # the edge's cue to go to the next replica
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Verify(open_req(b"b" * 16), timeout=5)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
             assert retry_after_s(refused.value) == pytest.approx(ServerPolicy().drain_retry_after_s)
+            assert moved(refused.value)
     finally:
         await server.stop()
 
@@ -118,13 +131,14 @@ class Replicas:
     """Two in-process verifiers on fixed loopback ports; `restart(k)` drains replica k (its
     graceful stop: what SIGTERM runs) and starts a fresh one on the same port."""
 
-    def __init__(self):
+    def __init__(self, policy: ServerPolicy = ServerPolicy()):
         self.servers: list[VerifierServer] = []
+        self.policy = policy
 
     def _new(self, port: int) -> VerifierServer:
         # Slow enough passes (the batching backend, 3 ms each) that a drain finds rounds in flight.
         return VerifierServer(SyntheticBackend(vocab=VOCAB, step_ms=3.0, batching=True), "127.0.0.1", port,
-                              Limits(max_sessions=EDGES), grace_s=5.0)
+                              Limits(max_sessions=EDGES), grace_s=5.0, policy=self.policy)
 
     async def start(self) -> "Replicas":
         for _ in range(2):
@@ -135,13 +149,14 @@ class Replicas:
     def address(self) -> str:
         return ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
 
-    async def restart(self, k: int) -> int:
-        """Drain replica k and start it again; the sessions it held when draining began."""
+    async def restart(self, k: int) -> tuple[int, int]:
+        """Drain replica k and start it again; the sessions it held when draining began, and those
+        it handed back ("moved")."""
         old = self.servers[k]
         held = len(old.engine.sessions)
         await old.stop()
         self.servers[k] = await self._new(old.port).start()
-        return held
+        return held, len(old.servicer.moved)
 
     async def stop(self) -> None:
         for s in self.servers:
@@ -165,14 +180,15 @@ async def generate_all(address: str, progress: list[int] | None = None, commits:
     return await asyncio.gather(*(one(k) for k in range(EDGES)))
 
 
-async def test_rolling_restart_of_two_replicas_loses_no_token():
+@pytest.mark.parametrize("drain_sessions_per_s", [0.0, 40.0], ids=["all-at-once", "paced"])
+async def test_rolling_restart_of_two_replicas_loses_no_token(drain_sessions_per_s):
     reference = await Replicas().start()
     try:
         expected = [ids for ids, _ in await generate_all(reference.address)]
     finally:
         await reference.stop()
 
-    replicas = await Replicas().start()
+    replicas = await Replicas(ServerPolicy(drain_sessions_per_s=drain_sessions_per_s)).start()
     progress, commits = [0] * EDGES, [[] for _ in range(EDGES)]
     held = []
     try:
@@ -196,11 +212,15 @@ async def test_rolling_restart_of_two_replicas_loses_no_token():
     outputs = [ids for ids, _ in results]
     assert outputs == expected   # nothing lost, nothing committed twice, the same draws
     replays = [n for _, n in results]
-    # Both drains found sessions to move, and each cost an edge at most one replay.
-    assert all(h > 0 for h in held), held
+    # Both drains found sessions to move and handed them back ("moved"; all at once, some may
+    # have been cut by the port closing instead), and each cost an edge at most one replay.
+    assert all(h > 0 and m > 0 for h, m in held), held
+    if drain_sessions_per_s:
+        assert all(m >= h - 2 for h, m in held), held   # paced: handed back, not cut (a session may finish)
     assert sum(replays) >= 1 and max(replays) <= 2, replays
     gaps = [max(b - a for a, b in zip(c, c[1:])) for c in commits if len(c) > 1]
-    print(f"\nrolling restart of 2 replicas under {EDGES} edges: sessions moved {held}, replays {sum(replays)}, "
+    print(f"\nrolling restart of 2 replicas under {EDGES} edges, {drain_sessions_per_s:g} sessions/s handed back "
+          f"(0: at once): (held, moved) {held}, replays {sum(replays)}, "
           f"longest wait between commits {max(gaps) * 1000:.0f} ms (median edge {sorted(gaps)[len(gaps) // 2] * 1000:.0f} ms)")
 
 
