@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edge_client import EdgeClient  # noqa: E402
 from edge_client.options import EdgeOptions, Speculation, Transport  # noqa: E402
-from edge_client.transport import open_channel  # noqa: E402
 from hybridspec.launch import spawn_verifier  # noqa: E402
 from netsim.load import DraftCost, Edges, LoadConfig, free_port  # noqa: E402
 from spec_core.warping import SamplingSettings  # noqa: E402
@@ -110,12 +109,14 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
         trace.tokens += tokens
 
     async def edge(trace: EdgeTrace) -> None:
-        cost = DraftCost()   # the emulated drafting time, slept before each round
-        channel = open_channel(server, interceptors=[cost])
         settings = SamplingSettings(temperature=0.0 if trace.greedy else 0.7, top_p=1.0 if trace.greedy else 0.95,
                                     max_new_tokens=cfg.max_tokens, seed=1000 + trace.edge, ignore_eos=True)
         options = EdgeOptions(Transport(server, deadline_s=cfg.deadline), Speculation(gamma=cfg.gamma))
-        client = EdgeClient(options, edges.drafter(cost, trace.edge), edges.tokenizer, channel=channel,
+        # The drafter itself (prompt lookup, or the synthetic one), without an emulated drafting
+        # cost: that needs a shared channel with an interceptor, and the edge's own channels (one
+        # per replica) are what is measured.
+        drafter = edges.drafter(DraftCost(), trace.edge).inner
+        client = EdgeClient(options, drafter, edges.tokenizer,
                             on_round=lambda e: committed(trace, e.tokens))
         async with client:
             gen = client.generate(edges.prompt(trace.edge, 0), settings)
@@ -128,7 +129,6 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
             trace.token_ids = list(st.token_ids)
             trace.replays, trace.retries, trace.backoffs, trace.backoff_s = st.replays, st.retries, st.backoffs, \
                 st.backoff_s
-        await channel.close()
 
     fault_times: dict[int, float] = {}
 
@@ -202,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds between a fault and the restart (a slow start, a node replaced)")
     p.add_argument("--verifier-arg", action="append", default=[], help="extra `cloud-verifier serve` argument")
     p.add_argument("--deadline", type=float, default=120.0, help="the edges' deadline per call (s), as netsim load's")
-    p.add_argument("--draft-ms", type=float, default=2.0, help="emulated drafting cost per token (ms)")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -211,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     kills = [float(x) for x in args.kill_at.split(",") if x]
     rolls = [float(x) for x in args.rolling_at.split(",") if x]
     cfg = LoadConfig(edges=[args.edges], profiles=["lan"], modes=["hybrid"], duration_s=0, out=Path("."),
-                     synthetic=args.synthetic, drafter="lookup", draft_ms=args.draft_ms, max_tokens=args.max_tokens)
+                     synthetic=args.synthetic, drafter="lookup", max_tokens=args.max_tokens)
     edges = Edges(cfg)
     vargs = (["--backend", "synthetic", "--synthetic-vocab", "64", "--synthetic-step-ms", "20"] if args.synthetic
              else ["--n-ctx", "512", "--kv-tokens", str(max(8, args.edges) * 512)])
