@@ -235,6 +235,8 @@ class _SessionLoop:
             self.replays_in_a_row += 1
             self.replayed_at = len(self.committed)
             self.session_id, self.last_round = "", 0
+            if self.stream is not None:
+                self.stream.reset()   # the new session's rounds go on a new call, to where it opens
             return True
         return False
 

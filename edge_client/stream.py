@@ -78,9 +78,13 @@ class RoundStream:
     def follow(self, stub) -> None:
         """Open the next call on `stub`: the verifier's stub after it moved to another replica (a
         draining one handed the session back); a call still open on the old one is ended."""
-        if stub is self._stub:
-            return
-        self._stub = stub
+        if stub is not self._stub:
+            self._stub = stub
+            self.reset()
+
+    def reset(self) -> None:
+        """End the open call: the next round opens a new one. After a replay, the open call may still
+        be on the replica that lost the session (a draining one keeps its calls for its grace)."""
         if self._open_call is not None and not self._open_call.ended:
             self._end(self._open_call)
         self._open_call = None

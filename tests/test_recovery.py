@@ -252,6 +252,7 @@ def test_replays_in_a_row_without_progress_are_bounded():
     loop.c = type("Client", (), {"transport": edge_options("x:1", max_replays=3).transport})()
     loop.st, loop.committed, loop.prompt_len = GenerationStats(), [0, 5, 6, 9], 3
     loop.session_id, loop.last_round, loop.replays_in_a_row, loop.replayed_at = "s", 4, 0, -1
+    loop.stream = None
     lost = EdgeError(grpc.StatusCode.NOT_FOUND, "session 's' is unknown here")
     assert [loop._replay_after(lost) for _ in range(4)] == [True, True, True, False]
     loop.committed.append(7)              # a round committed: the budget starts again
