@@ -12,7 +12,7 @@
 #    on each device, and the softmax floor;
 # 3. many edges: hybrid against cloud-only at 64 and 256 edges on lte, synthetic edges (netsim load
 #    --synthetic: the synthetic verifier, drafting emulated per edge);
-# 4. what a round costs vLLM, from its own counters (bench/fleet_vllm_counters.py), every path;
+# 4. what a round costs vLLM, from its own counters (bench/fleet_vllm_counters.py), every setting and path;
 # 5. on a GPU: step 3 again with a vLLM verifier (SmolLM2 dequantized) and prompt-lookup edges
 #    (--drafter lookup, drafting emulated).
 # Every step is time-boxed by what is left of the budget (470 s; --short 170 s); a step that fails
@@ -93,8 +93,8 @@ fi
 # --- 4. vLLM's counters per round -------------------------------------------------------------------
 if has vllm; then
   if [ $SHORT = 1 ]; then
-    step "vLLM counters per round" 120 "$PY" bench/fleet_vllm_counters.py --gammas 2 --rounds 2 --context 40 \
-      --paths one-request,top-k --out "$(dirname "$RESULTS")/vllm_counters_short.json"
+    step "vLLM counters per round" 120 "$PY" bench/fleet_vllm_counters.py --gammas 2 --rounds 2 --context 40 --settings greedy,top-k \
+      --out "$(dirname "$RESULTS")/vllm_counters_short.json"
   else
     step "vLLM counters per round" 120 "$PY" bench/fleet_vllm_counters.py --gammas 4 \
       --vllm-arg gpu_memory_utilization=0.3 --vllm-arg enforce_eager=true \

@@ -39,5 +39,5 @@ def test_gpu_check_short_mode_runs_every_step(tmp_path):
                                                          for s in ("greedy", "top-k", "top-p")}
     assert "hybrid" in results and "cloud-only" in results
     assert (tmp_path / "load_short").is_dir()
-    assert "one-request" in results and (tmp_path / "vllm_counters_short.json").is_file()
+    assert "(shipped)" in results and (tmp_path / "vllm_counters_short.json").is_file()
     assert "0 step(s) failed" in results
