@@ -208,3 +208,20 @@ def test_a_parked_session_waits_for_its_restore_unless_it_is_prefetched():
     assert shipped.parked > 0 and ahead.parked > 0
     assert shipped.period_s == pytest.approx(unparked.period_s + copy_s, rel=0.05)
     assert ahead.period_s == pytest.approx(unparked.period_s, rel=0.05)
+
+
+def test_where_bandwidth_binds_cloud_only_the_hybrid_holds_more_sessions():
+    # 70B fp8 at 32k on lan: at TPOT <= 30 ms a decode step may read only 2 sessions' KV beside the
+    # weights; a hybrid round reads them once for gamma + 1 tokens and fills the 5 KV slots.
+    tight = RegimeConfig(slo_tpot_s=0.030)
+    cost = _cost("70b-fp8", 32768, DEVICE, tight)
+    kv, host = kv_sessions(tight.memory_bytes, cost), tight.offload.host_sessions(cost)
+    cloud = cloud_only(cost, kv, tight.slo_tpot_s)
+    hyb = hybrid(cost, 0.7, link_wait_s("lan"), tight, 4, kv, host)
+    assert cloud.binds == "HBM bandwidth" and cloud.sessions < kv
+    assert hyb.sessions >= 2 * cloud.sessions
+    # Control: at 150 ms the KV slots bind both, and the hybrid holds no more.
+    loose = RegimeConfig()
+    cloud_loose = cloud_only(cost, kv, loose.slo_tpot_s)
+    hyb_loose = hybrid(cost, 0.7, link_wait_s("lan"), loose, 4, kv, host)
+    assert cloud_loose.binds == "KV capacity" and hyb_loose.sessions == cloud_loose.sessions == kv
