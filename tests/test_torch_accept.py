@@ -280,3 +280,11 @@ def test_same_ids_as_the_numpy_kernels_away_from_boundaries(monkeypatch):
         assert numpy_outcome(block, rd, used) == res, (rd.settings, rd.tree, res)
         compared += 1
     assert compared >= 190, compared
+
+
+def test_bfloat16_logits_give_the_outcomes_of_their_float32_values():
+    """An engine's logits may be bf16: warping reads them as float32, so a pass over bf16 logits
+    decides as the same pass over those values in float32 (ties, common in bf16, included)."""
+    logits, rounds = random_rounds(3, 40)
+    low = logits.to(torch.bfloat16)
+    assert accept_pass(low, rounds) == accept_pass(low.float(), rounds)
