@@ -176,6 +176,7 @@ TOP_K_ONE_REQUEST = 1024
 
 class VllmBackend(Backend):
     batching = True  # vLLM's scheduler mixes the rounds of all sessions in flight
+    fuses = False    # its kernels work from scores: a hit continuation runs as a second request
     one_request = True  # greedy and top-k rounds: one request with prompt logprobs (False: gamma + 1 requests)
 
     def __init__(self, model: str, n_ctx: int = 2048, engine_args: dict | None = None):
