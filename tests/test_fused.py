@@ -1,0 +1,168 @@
+"""Fused continuations (spec_core.continuations.fuse_tree): round r + 1 verified in round r's pass.
+
+Statistics, as in tests/test_continuations.py (and tests/test_exactness_stats.py): the synthetic
+target over V = 5 tokens (order 1, exact probabilities) and its blurred draft; N = 6000 sequences
+of L = 3 tokens per setting from the prompt [0], against the exact probabilities of all 125
+sequences by a chi-square test (cells with expected count < 5 pooled); a setting passes if
+p > 1e-4. Seeds are fixed, so each test is deterministic. Each sequence: round r (a chain of 2
+drafts, or a tree of 4 nodes), and before it is verified continuations (chains of 2, or trees)
+drafted after up to K = 6 of its outcomes (tests/test_continuations.py's choice of outcomes); the
+backend's one entry (`Backend.verify_round` with continuations) verifies round r and, when round
+r commits a key, that continuation, in one pass; then plain rounds to L. The verifier's uniforms
+come from their own generator, never the edge's.
+
+Negative controls, each must fail at the same N: (1) a continuation run on the rows of another
+key of the same length (rows computed after a key other than what committed), its tokens
+committed after what really committed; (2) a continuation that reuses round r's uniforms.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+
+import numpy as np
+import pytest
+
+import cloud_verifier.backends.base as backend_base
+from cloud_verifier.backends.base import FusedContinuation
+from cloud_verifier.backends.synthetic import SyntheticBackend
+from helpers import HeldPasses
+from spec_core.continuations import Placement, fuse_tree, key_parent
+from spec_core.synthetic import synthetic_pair
+from spec_core.tree import ROOT, DraftTree
+from spec_core.verify import RoundResult, commit_round
+from spec_core.warping import SamplingSettings
+from test_continuations import FIXED, FLOAT, _draft, _outcomes, _verify
+from test_exactness_stats import L, N, P_MIN, V, chi_square_p, exact_sequence_probs
+
+# --- literal cases ----------------------------------------------------------------------------
+
+
+def test_keys_are_placed_after_the_outcome_they_assume():
+    chain = DraftTree.chain([3, 4])              # round r: drafts 3, 4
+    keys = [(5,), (3, 6), (3, 4, 7), (3, 4), (9, 9)]   # reject at 0; at 1; bonus; 4 is a child; no such path
+    conts = [DraftTree.chain([8]), DraftTree.chain([8, 8]), DraftTree((1, 2), (ROOT, ROOT)),
+             DraftTree.chain([1]), DraftTree.chain([1])]
+    fused = fuse_tree(chain, keys, conts)
+    assert fused.placements == (Placement(2, 3), Placement(4, 5), Placement(7, 8), None, None)
+    assert fused.tree.tokens == (3, 4, 5, 8, 6, 8, 8, 7, 1, 2)
+    assert fused.tree.parents == (-1, 0, -1, 2, 0, 4, 5, 1, 7, 7)
+    # Continuation 1 ([8, 8] after 3, 6): row after 6, then after its two nodes.
+    assert fused.continuation_rows(1, 2) == [5, 6, 7]
+    assert fused.tree.path_to(6) == [0, 4, 5, 6]   # 3, 6, 8, 8: its context is base + key + drafts
+
+
+def test_a_key_ending_in_a_tested_child_is_no_outcome():
+    tree = DraftTree((3, 5, 4), (ROOT, ROOT, 0))   # 3 and 5 at the root, 4 after 3
+    assert key_parent(tree, (5,)) is None          # a rejected 5 leaves no mass on 5
+    assert key_parent(tree, (3, 4)) is None
+    assert key_parent(tree, (6,)) == ROOT
+    assert key_parent(tree, (3, 6)) == 0
+    assert key_parent(tree, (3, 4, 1)) == 2
+    assert key_parent(tree, (5, 1)) == 1
+    assert key_parent(tree, ()) is None
+
+
+def test_continuations_that_do_not_fit_are_left_out_in_order():
+    fused = fuse_tree(DraftTree.chain([3]), [(4,), (3, 5), (3, 6)],
+                      [DraftTree.chain([1, 1]), DraftTree.chain([1, 1, 1]), DraftTree.chain([1])],
+                      fits=lambda t: len(t) <= 6)
+    assert fused.placements == (Placement(1, 2), None, Placement(4, 5))
+
+
+# --- statistics ---------------------------------------------------------------------------------
+
+K = 6
+
+
+def fused_sequence(backend, state, draft, s, first, then, qmode, rng, vrng, control: str = "",
+                   hits: list | None = None) -> tuple[int, ...]:
+    prompt = [0]
+    committed = list(prompt)
+
+    def commit(tokens) -> bool:
+        done = commit_round(tokens[:-1], RoundResult(len(tokens) - 1, tokens[-1]), frozenset(),
+                            remaining=L - (len(committed) - len(prompt)), context_left=10_000)
+        committed.extend(done.tokens)
+        return done.finish_reason.value == "not_finished"
+
+    round_r = _draft(draft, committed, s, first, rng, qmode)
+    keys = _outcomes(draft, round_r, s, rng)
+    conts = [_draft(draft, committed + list(k), s, then, rng, qmode) for k in keys]
+    fused = [FusedContinuation(tuple(k), c.tree, c.qs) for k, c in zip(keys, conts)]
+    before = copy.deepcopy(vrng)   # round r's uniforms, for the control that reuses them
+    next_rng = (lambda n: copy.deepcopy(before)) if control == "same uniforms" else (lambda n: vrng)
+    out = backend.verify_round(state, committed, round_r.tree, round_r.qs, s, vrng, fused, next_rng)
+    res = out.result
+    going = commit([round_r.tree.tokens[i] for i in res.path] + [res.next_token])
+    if hits is not None:
+        hits.append(out.following is not None)
+    if going and out.following is not None:
+        c, nxt = conts[out.following.index], out.following.result
+        commit([c.tree.tokens[i] for i in nxt.path] + [nxt.next_token])
+    while len(committed) - len(prompt) < L:
+        commit(_verify(backend.lm, _draft(draft, committed, s, "chain", rng, qmode), s, vrng))
+    return tuple(committed[len(prompt):])
+
+
+def _length_only(committed, base_length, keys):
+    """The control's matcher: any placed key of the committed length, not the one committed."""
+    tail = list(committed[base_length:])
+    wrong = [i for i, k in enumerate(keys) if len(k) == len(tail) and list(k) != tail]
+    right = [i for i, k in enumerate(keys) if list(k) == tail]
+    return (wrong or right or [None])[0]
+
+
+def _run(first, then, temperature, qmode, control="", n=N, sessions=1, batching=False, monkeypatch=None):
+    target, draft = synthetic_pair(vocab=V, seed=3, noise=1.5)
+    backend = SyntheticBackend(vocab=V, seed=3, batching=batching)
+    assert np.array_equal(backend.lm.logits([0, 2]), target.logits([0, 2]))
+    held = HeldPasses(backend.batcher, lambda _: sessions, max_wait_s=0.005) if batching else None
+    if control == "other key":
+        monkeypatch.setattr(backend_base, "pick_continuation", _length_only)
+    s = SamplingSettings(temperature=temperature)
+    counts: dict[tuple, int] = {}
+    hits: list[bool] = []
+    lock = threading.Lock()
+
+    def one(k: int):
+        rng, vrng = np.random.default_rng([7, k]), np.random.default_rng([11, k])
+        state = backend.new_state()
+        try:
+            for _ in range(n // sessions):
+                seq = fused_sequence(backend, state, draft, s, first, then, qmode, rng, vrng, control, hits)
+                with lock:
+                    counts[seq] = counts.get(seq, 0) + 1
+        finally:
+            backend.release(state)
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(sessions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    backend.close()
+    return chi_square_p(counts, exact_sequence_probs(target, [0], s), sum(counts.values())), hits, held
+
+
+@pytest.mark.parametrize("first, then, temperature, qmode", [
+    ("chain", "chain", 1.0, FLOAT), ("chain", "chain", 0.7, FIXED), ("chain", "tree", 1.0, FIXED),
+    ("tree", "chain", 1.0, FLOAT), ("tree", "tree", 0.7, FIXED)])
+def test_fused_rounds_follow_the_target(first, then, temperature, qmode):
+    p, hits, _ = _run(first, then, temperature, qmode)
+    assert p > P_MIN, f"chi-square p = {p:.2e} ({first} round, {then} continuations, T={temperature})"
+    assert sum(hits) > 0.2 * len(hits), f"continuations hit in {sum(hits)} of {len(hits)} sequences: too few to test"
+
+
+def test_fused_rounds_of_many_sessions_in_shared_batches_follow_the_target():
+    """8 sessions at once on the batching backend (each its own state and generators); passes wait
+    briefly for all 8, so fused trees of several sessions share passes."""
+    p, hits, held = _run("tree", "chain", 1.0, FLOAT, sessions=8, batching=True)
+    assert p > P_MIN, f"chi-square p = {p:.2e}"
+    assert sum(hits) > 0.2 * len(hits)
+    assert any(k > 1 for k in held.sessions_per_pass), "no pass held rounds of two sessions"
+
+
+@pytest.mark.parametrize("control", ["other key", "same uniforms"])
+def test_the_controls_fail(control, monkeypatch):
+    p, _, _ = _run("chain", "chain", 1.0, FLOAT, control=control, monkeypatch=monkeypatch)
+    assert p < P_MIN, f"the control {control!r} passed (p = {p:.2e}): the test has no power"
