@@ -166,3 +166,118 @@ def test_fused_rounds_of_many_sessions_in_shared_batches_follow_the_target():
 def test_the_controls_fail(control, monkeypatch):
     p, _, _ = _run("chain", "chain", 1.0, FLOAT, control=control, monkeypatch=monkeypatch)
     assert p < P_MIN, f"the control {control!r} passed (p = {p:.2e}): the test has no power"
+
+
+def test_a_backend_that_does_not_fuse_runs_the_hit_as_a_second_round():
+    """vLLM's way (Backend.fuses False): the same rule, the continuation on a pass of its own."""
+    class Unfused(SyntheticBackend):
+        fuses = False
+    backend = Unfused(vocab=V, seed=3)
+    _, draft = synthetic_pair(vocab=V, seed=3, noise=1.5)
+    rng, vrng = np.random.default_rng(1), np.random.default_rng(2)
+    s, hits, state = SamplingSettings(temperature=1.0), [], backend.new_state()
+    counts: dict[tuple, int] = {}
+    for _ in range(N):
+        seq = fused_sequence(backend, state, draft, s, "chain", "chain", FLOAT, rng, vrng, hits=hits)
+        counts[seq] = counts.get(seq, 0) + 1
+    p = chi_square_p(counts, exact_sequence_probs(backend.lm, [0], s), N)
+    assert p > P_MIN and sum(hits) > 0.2 * len(hits), (p, sum(hits))
+
+
+# --- the wire: one reply for both rounds, retries, evictions, bad input -------------------------
+
+import grpc  # noqa: E402
+
+from helpers import running_server, stub_for  # noqa: E402
+from spec_core.proto import verifier_pb2 as pb  # noqa: E402
+from test_faults import VOCAB, synthetic_greedy  # noqa: E402
+
+PROMPT = [0, 5, 6, 7]
+
+
+def _fused_open(g, **open_fields) -> pb.VerifyRequest:
+    """Round 1 with drafts g[0:2] (greedy, so it commits g[0:3]) and three continuations: one for
+    that outcome (drafts g[3:5]), one for a rejection at the first draft, one no outcome at all."""
+    return pb.VerifyRequest(round=1, committed_length=len(PROMPT), draft_token_ids=g[0:2], open=pb.OpenSession(
+        prompt_token_ids=PROMPT, open_key=b"f" * 16,
+        sampling=pb.SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True), **open_fields),
+        next_continuations=[pb.Continuation(assumed_tokens=[(g[0] + 1) % VOCAB], draft_token_ids=[3]),
+                            pb.Continuation(assumed_tokens=g[0:3], draft_token_ids=g[3:5]),
+                            pb.Continuation(assumed_tokens=[g[0], g[1]], draft_token_ids=[3])])
+
+
+async def test_one_reply_answers_both_rounds_and_a_retry_gets_it_again():
+    g = synthetic_greedy(PROMPT, 20)
+    async with running_server(SyntheticBackend(vocab=VOCAB)) as server:
+        async with stub_for(server) as stub:
+            req = _fused_open(g)
+            reply = await stub.Verify(req, timeout=5)
+            nxt = reply.next_round
+            assert (reply.round, reply.num_accepted, reply.next_token_id, reply.committed_length) == (1, 2, g[2], 7)
+            assert reply.HasField("next_round") and nxt.continuation == 2   # next_continuations[1]
+            assert (nxt.round, nxt.num_accepted, nxt.next_token_id, nxt.committed_length) == (2, 2, g[5], 10)
+            session = server.engine.sessions.get(reply.session_id)
+            assert session.tokens == PROMPT + g[:6] and session.round == 2
+            # The reply was lost: the retry gets both rounds again, after later rounds too.
+            assert await stub.Verify(req, timeout=5) == reply
+            r3 = await stub.Verify(pb.VerifyRequest(session_id=reply.session_id, round=3, committed_length=10,
+                                                    draft_token_ids=g[6:8]), timeout=5)
+            assert r3.committed_length == 13 and not r3.HasField("next_round")
+            assert await stub.Verify(req, timeout=5) == reply
+            with pytest.raises(grpc.aio.AioRpcError) as e:   # round 2 ran fused: no request names it
+                await stub.Verify(pb.VerifyRequest(session_id=reply.session_id, round=2, committed_length=7,
+                                                   draft_token_ids=g[3:5]), timeout=5)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "different drafts" in e.value.details()
+
+
+async def test_no_hit_leaves_the_next_round_free_and_an_evicted_session_replays():
+    g = synthetic_greedy(PROMPT, 20)
+    async with running_server(SyntheticBackend(vocab=VOCAB)) as server:
+        async with stub_for(server) as stub:
+            req = _fused_open(g)
+            del req.next_continuations[1]          # no continuation for what round 1 commits
+            reply = await stub.Verify(req, timeout=5)
+            assert reply.committed_length == 7 and not reply.HasField("next_round")
+            sid = reply.session_id
+            r2 = pb.VerifyRequest(session_id=sid, round=2, committed_length=7, draft_token_ids=g[3:5],
+                                  next_continuations=[pb.Continuation(assumed_tokens=g[3:6], draft_token_ids=[g[6]])])
+            server.engine.close(sid)               # evicted (or the verifier restarted)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Verify(r2, timeout=5)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            # The replay: round 1 of a new session with the committed tokens, fused as before.
+            replay = pb.VerifyRequest(round=1, committed_length=7, draft_token_ids=g[3:5],
+                                      next_continuations=r2.next_continuations, open=pb.OpenSession(
+                                          prompt_token_ids=PROMPT, resume_token_ids=g[:3], open_key=b"r" * 16,
+                                          sampling=req.open.sampling))
+            again = await stub.Verify(replay, timeout=5)
+            assert again.committed_length == 10 and again.next_round.committed_length == 12
+            assert server.engine.sessions.get(again.session_id).tokens == PROMPT + g[:8]
+
+
+async def test_the_last_round_cuts_and_ends_without_its_continuation():
+    g = synthetic_greedy(PROMPT, 20)
+    async with running_server(SyntheticBackend(vocab=VOCAB)) as server:
+        async with stub_for(server) as stub:
+            req = _fused_open(g)
+            req.open.sampling.max_new_tokens = 3   # round 1 commits exactly 3: LENGTH
+            reply = await stub.Verify(req, timeout=5)
+            assert reply.finish_reason == pb.LENGTH and not reply.HasField("next_round")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r.next_continuations.append(pb.Continuation(assumed_tokens=r.next_continuations[0].assumed_tokens)),
+     "next_continuations[3].assumed_tokens"),                                     # a key twice
+    (lambda r: r.next_continuations[0].draft_token_ids.append(VOCAB), "next_continuations[0].draft_token_ids"),
+    (lambda r: r.next_continuations.extend([pb.Continuation(assumed_tokens=[i, i]) for i in range(20)]),
+     "next_continuations; this server takes at most"),
+])
+async def test_bad_next_continuations_are_refused(change, message):
+    g = synthetic_greedy(PROMPT, 20)
+    async with running_server(SyntheticBackend(vocab=VOCAB)) as server:
+        async with stub_for(server) as stub:
+            req = _fused_open(g)
+            change(req)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Verify(req, timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details(), e.value.details()
