@@ -379,7 +379,7 @@ class VerifierEngine:
         if out.following is not None:
             i = index[out.following.index]
             c, fc = following[i], conts[i]
-            nxt = FollowingRun(i, _round_run(c, fc.tree, fc.fit, out.following.result, 0.0, 0.0))
+            nxt = FollowingRun(i, _round_run(c, fc.tree, fc.fit, out.following.result, out.queue_s, out.model_s))
         return _round_run(alt, own.tree, own.fit, out.result, out.queue_s, out.model_s)._replace(following=nxt)
 
     def _commit(self, session: Session, round_: int, run: RoundRun) -> Commit:

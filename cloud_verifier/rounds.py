@@ -57,7 +57,7 @@ class FollowingRun(NamedTuple):
     """A fused continuation whose key the round committed, verified on the same pass."""
 
     index: int              # into the round's next_continuations
-    run: RoundRun           # its own round (queue and model time: none of its own)
+    run: RoundRun           # its own round (queue and model time: the pass it shared with the round)
 
 
 @dataclass

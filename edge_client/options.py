@@ -107,6 +107,8 @@ class Speculation:
     slo_tpot_ms: float = 0.0             # the latency target stated to the verifier (0: none; its default)
     slo_ttft_ms: float = 0.0
     max_continuations: int = 8           # outcomes drafted for per round in flight (1: the one most likely guess)
+    fuse: bool = False                   # draft continuations before a round leaves, for its own target pass
+                                         # (VerifyRequest.next_continuations), when the cost model says they pay
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -323,6 +325,10 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     s.add_argument("--continuations", type=int, default=8, metavar="N",
                    help="with --proactive / --pipeline: draft the next round for up to N likely outcomes of the "
                         "round in flight (the cost model picks how many pay; 1 = only 'every draft accepted')")
+    s.add_argument("--fuse", action="store_true",
+                   help="draft the next round for the likely outcomes of a round before sending it, so that the "
+                        "verifier runs the one that comes true in the same target pass and answers both in one "
+                        "reply (only while the cost model says the saved round outweighs the drafting delay)")
     s.add_argument("--synthetic-vocab", type=int, default=64,
                    help="(--drafter synthetic) vocabulary size, as the synthetic verifier's --synthetic-vocab")
     s.add_argument("--synthetic-seed", type=int, default=0,
@@ -349,7 +355,7 @@ FLAGS = {"gamma": "--gamma", "max_gamma": "--max-gamma", "qmode": "--q", "tree":
          "max_tree_nodes": "--max-tree-nodes", "deadline_s": "--deadline", "max_retries": "--retries",
          "tls_cert": "--tls-cert/--tls-key", "slo_tpot_ms": "--slo-tpot-ms", "slo_ttft_ms": "--slo-ttft-ms",
          "max_continuations": "--continuations", "drafter": "--drafter", "target_vocab": "--target-vocab",
-         "strict_tokenizer": "--strict-tokenizer"}
+         "strict_tokenizer": "--strict-tokenizer", "fuse": "--fuse"}
 
 
 def _flag(option: str) -> str:
@@ -377,7 +383,8 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
             max_tree_nodes=args.max_tree_nodes, proactive=args.proactive, pipeline=args.pipeline,
             strict_tokenizer=getattr(args, "strict_tokenizer", False), target_vocab=getattr(args, "target_vocab", None),
             steer=getattr(args, "steer", True), slo_tpot_ms=getattr(args, "slo_tpot_ms", 0.0),
-            slo_ttft_ms=getattr(args, "slo_ttft_ms", 0.0), max_continuations=args.continuations))
+            slo_ttft_ms=getattr(args, "slo_ttft_ms", 0.0), max_continuations=args.continuations,
+            fuse=getattr(args, "fuse", False)))
         if hasattr(args, "drafter"):
             _as_flag(lambda: refuse_conflicts(spec, args.drafter, _drafter_class(args.drafter).supports_trees))
     transport = _as_flag(lambda: Transport(

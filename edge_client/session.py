@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, AsyncIterator, NamedTuple, Sequence
 import grpc
 import numpy as np
 
-from edge_client.continuations import ContinuationBudget, UplinkFit, choose_length, ranked_outcomes
+from edge_client.continuations import ContinuationBudget, FusedBudget, UplinkFit, choose_length, ranked_outcomes
 from edge_client.crossvocab import Chat, PromptPlan
 from edge_client.gamma import AdaptiveGamma, FixedGamma, RoundPlan, TreePolicy
 from edge_client.options import ADAPTIVE, Speculation
@@ -139,11 +139,15 @@ class _SessionLoop:
         """One round (and the pipelined one after it, when its base came true): its text."""
         remaining = self.settings.max_new_tokens - (len(self.committed) - self.prompt_len)
         prep = await self._next_draft(remaining)
+        fused = await self._fused_continuations(prep, remaining)
         req = self._request(prep, self.last_round + 1)
+        req.next_continuations.extend(self._continuation(g) for g in fused)
         t_round = time.perf_counter()
         reply_task = asyncio.ensure_future(self.verifier.verify(req, self.st) if self.session_id
                                            else self.verifier.open_round(req, self.st))
-        await self._work_during_round_trip(prep, remaining, reply_task, req.round)
+        self.ahead_job = self.spec_task = None
+        if not fused:   # a fused round's next round rides with it: nothing to draft during the trip
+            await self._work_during_round_trip(prep, remaining, reply_task, req.round)
         try:
             reply = await reply_task
         except EdgeError as e:
@@ -159,7 +163,9 @@ class _SessionLoop:
         new = self._apply(prep, reply, round_s)
         self.final = reply
         self.finished = reply.finish_reason != pb.NOT_FINISHED
-        if guesses and not self.finished:
+        if fused and reply.HasField("next_round") and not self.finished:
+            new += self._use_fused(fused, reply.next_round, round_s)
+        elif guesses and not self.finished:
             new += await self._use_guess(guesses, t_round)
         elif self.spec_task is not None:
             await _settle(None, self.spec_task)
@@ -178,7 +184,6 @@ class _SessionLoop:
         """Draft continuations, next rounds for this one's likely outcomes (proactive), and send them
         as one round before the reply when they are ready first (pipeline): alternative 0 in the
         request's own fields, the others in `continuations`."""
-        self.ahead_job = self.spec_task = None
         if not ((self.spec.proactive or self.spec.pipeline) and self.session_id and len(prep.tree)):
             return
         stop = threading.Event()  # the reply is here: stop drafting for outcomes, one is known
@@ -195,6 +200,32 @@ class _SessionLoop:
             self.st.continuations_sent += len(guesses)
             # Retried like any round: a lost reply is answered from the server's cache.
             self.spec_task = asyncio.ensure_future(self.verifier.verify(spec_req, self.st))
+
+    async def _fused_continuations(self, prep: "_Prepared", remaining: int) -> list[_Guess]:
+        """With `fuse`: continuations for this round's likely outcomes, drafted before it leaves, as
+        many as pay (edge_client.continuations.FusedBudget); none until the round trip is measured."""
+        pl = self.planner
+        if not (self.spec.fuse and self.session_id and len(prep.tree)) or pl.rtt_s is None:
+            return []
+        budget = FusedBudget(pl.predicted_round_s(prep.plan), self.uplink.seconds_per_byte())
+        fused = await self.c._in_drafter(self._draft_continuations, prep, remaining, budget, threading.Event())
+        self.st.fused_rounds += bool(fused)
+        self.st.continuations_sent += len(fused)
+        return fused
+
+    def _use_fused(self, fused: list[_Guess], nxt: pb.VerifyReply, round_s: float) -> list[int]:
+        """Commit round r + 1, answered with round r (its continuation ran in round r's pass)."""
+        i = nxt.continuation - 1
+        if not 0 <= i < len(fused) or fused[i].prep.base != self.committed:
+            raise EdgeError(grpc.StatusCode.INTERNAL, f"the verifier answered round {nxt.round} with continuation "
+                                                      f"{nxt.continuation}, not one drafted for what it committed")
+        new = self._apply(fused[i].prep, nxt, round_s)
+        self.st.server_model_s -= nxt.timings.model_ms / 1e3   # the pass it shared with round r, counted once
+        self.st.continuation_hits += 1
+        self.st.fused_hits += 1
+        self.final = nxt
+        self.finished = nxt.finish_reason != pb.NOT_FINISHED
+        return new
 
     def _replay_after(self, e: EdgeError) -> bool:
         """Whether to replay the committed tokens in a new session: the verifier lost ours (NOT_FOUND)
@@ -276,7 +307,7 @@ class _SessionLoop:
                                   rtt_s=pl.rtt_s or 0.0, fresh_draft_s=draft_s,
                                   s_per_byte=self.uplink.seconds_per_byte())
 
-    def _draft_continuations(self, prep: "_Prepared", remaining: int, budget: ContinuationBudget,
+    def _draft_continuations(self, prep: "_Prepared", remaining: int, budget: ContinuationBudget | FusedBudget,
                              stop: threading.Event) -> list[_Guess]:
         """Continuations for the round's likely outcomes, most probable first, while one more pays
         (edge_client.continuations) and the reply is not in. Empty when the round may end generation.
@@ -289,7 +320,7 @@ class _SessionLoop:
         out: list[_Guess] = []
         covered, spent, nodes, nbytes = 0.0, [prep.seconds], 0, self._request(prep, 0).q.ByteSize()
         outcomes = self._outcomes(prep, path)
-        if self.spec.pipeline and plan.shape is None and len(outcomes) > 1 and plan.gamma > 1:
+        if (self.spec.pipeline or budget.check_first) and plan.shape is None and len(outcomes) > 1 and plan.gamma > 1:
             # How long: as many outcomes covered as pay, times what a hit commits (edge_client.continuations).
             t_row = self.planner.t_row_s or prep.seconds / max(prep.rows, 1)
             gamma = choose_length(outcomes, self._alpha(), plan.gamma, t_row, nbytes / max(len(prep.tree), 1),
@@ -302,8 +333,8 @@ class _SessionLoop:
             tokens = list(outcome.tokens)
             if self.stop_ids & set(tokens) or len(tokens) + 1 >= remaining:
                 continue
-            if out and self.spec.pipeline and not budget.worth(outcome.prob, covered, time.perf_counter(),
-                                                               sum(spent) / len(spent), nbytes):
+            if (out or budget.check_first) and (self.spec.pipeline or budget.check_first) and \
+                    not budget.worth(outcome.prob, covered, time.perf_counter(), sum(spent) / len(spent), nbytes):
                 break
             t0 = time.perf_counter()
             nxt = self._prepare(prep.base + tokens, plan.within(remaining - len(tokens)))

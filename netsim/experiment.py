@@ -14,7 +14,10 @@ probable frontier nodes expanded per level), proactive-gN (fixed γ; the next ro
 during the round trip from the most likely outcome), pipeline-gN (that round is also sent
 before the reply; verified only on a committed base) and continuations-gN (the pipelined round
 carries next rounds for several likely outcomes, as many as the cost model says pay; the
-verifier runs the one whose base was committed: spec_core.continuations).
+verifier runs the one whose base was committed: spec_core.continuations), fused-gN (as
+continuations, and when the cost model says it pays the continuations leave with the round
+itself: the verifier runs the matching one in that round's pass and answers both in one reply;
+such a round counts no round trip and no pass of its own).
 """
 from __future__ import annotations
 
@@ -43,8 +46,8 @@ log = logging.getLogger(__name__)
 # Sampling per workload category: creative writing runs hot, structured output cold.
 TEMPERATURE = {"code": 0.2, "json": 0.2, "summarisation": 0.7, "translation": 0.7, "chat": 0.7, "creative": 1.0}
 ALL_MODES = ("edge-only", "cloud-only", "cloud-stepwise", "per-token", "hybrid", "adaptive", "tree", "proactive",
-             "pipeline", "continuations")
-PER_GAMMA_MODES = ("hybrid", "tree", "proactive", "pipeline", "continuations")  # one run per γ in --gammas (mode-gN)
+             "pipeline", "continuations", "fused")
+PER_GAMMA_MODES = ("hybrid", "tree", "proactive", "pipeline", "continuations", "fused")  # one run per γ in --gammas (mode-gN)
 
 
 @dataclass
@@ -215,7 +218,7 @@ class Runner:
             else:
                 g = {"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)
                 extra = {"proactive": {"proactive": True}, "pipeline": {"pipeline": True, "max_continuations": 1},
-                         "continuations": {"pipeline": True}}.get(mode, {})
+                         "continuations": {"pipeline": True}, "fused": {"pipeline": True, "fuse": True}}.get(mode, {})
                 if mode == "tree":
                     extra = {"tree": f"budget={4 * int(gamma)},depth={gamma},branching=2,width=2"}
                 options = EdgeOptions(Transport(f"127.0.0.1:{port}", deadline_s=120),
@@ -228,10 +231,11 @@ class Runner:
                     cross_rounds = getattr(client.drafter, "view", None) is not None   # drafted across vocabularies
                 st = gen.stats
                 tokens, wall, ttft = st.tokens, st.wall_s, st.ttft_s
-                rounds = st.rounds + st.retries + st.discarded_rounds
+                # A fused hit is a round answered with the one before: no round trip, no pass of its own.
+                rounds = st.rounds - st.fused_hits + st.retries + st.discarded_rounds
                 acc, alpha, tpr = st.acceptance_rate, st.alpha, st.tokens_per_round
                 theory = st.expected_tokens_per_round
-                passes, retries, replays = st.rounds, st.retries, st.replays
+                passes, retries, replays = st.rounds - st.fused_hits, st.retries, st.replays
             await asyncio.sleep(0.05)  # let the proxy account the last bytes
             up = (proxy.stats.bytes_up - before[0]) if proxy else 0
             down = (proxy.stats.bytes_down - before[1]) if proxy else 0

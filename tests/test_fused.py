@@ -281,3 +281,110 @@ async def test_bad_next_continuations_are_refused(change, message):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Verify(req, timeout=5)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details(), e.value.details()
+
+
+# --- end to end: the edge with --fuse over gRPC, one session and many -----------------------------
+# tests/test_continuations.py's transition test (counts of (previous, next) pairs at T = 1, V = 5,
+# one chi-square over 25 cells, p > 1e-4) with its control (a verifier that accepts every draft).
+
+from edge_client import EdgeClient  # noqa: E402
+from edge_client.drafters import SyntheticDrafter  # noqa: E402
+from edge_client.text import SyntheticTokenizer  # noqa: E402
+from helpers import edge_options  # noqa: E402
+from test_batching import AcceptEverything  # noqa: E402
+from test_continuations import transition_p  # noqa: E402
+
+
+class LosingReplies:
+    """Wraps the edge's stub: a reply (after the verifier committed its round) is lost with
+    probability `lose` and the same request sent again, as the edge's retry; the retry's reply must
+    be the lost one, fused next round included (`different` counts those that were not)."""
+
+    def __init__(self, stub, lose: float, rng: np.random.Generator):
+        self._stub, self.lose, self.rng = stub, lose, rng
+        self.lost = self.lost_fused = self.different = 0
+
+    async def Verify(self, req, **kw):
+        reply = await self._stub.Verify(req, **kw)
+        if not req.session_id or self.rng.random() >= self.lose:
+            return reply
+        self.lost += 1
+        self.lost_fused += reply.HasField("next_round")
+        again = await self._stub.Verify(req, **kw)   # NOT_FOUND when evicted meanwhile: the edge replays
+        self.different += again != reply
+        return again
+
+    def __getattr__(self, name):
+        return getattr(self._stub, name)
+
+
+async def _generate(backend, sessions: int, tokens: int, concurrency: int, lose: float = 0.0, evict_every: int = 0,
+                    **kw):
+    """`sessions` generations of `tokens` tokens from [0] with fused continuations: sequences, stats.
+    lose: share of replies lost after the verifier committed them (the edge retries); evict_every:
+    every that many rounds the verifier drops a session (the edge replays)."""
+    settings = SamplingSettings(temperature=1.0, max_new_tokens=tokens, ignore_eos=True)
+    out, stats, losing = [], [], None
+    sem = asyncio.Semaphore(concurrency)
+    async with running_server(backend, max_sessions=concurrency + 8, max_new_tokens_cap=tokens) as server:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2, qmode="float:0", fuse=True,
+                                           max_continuations=8, max_replays=10_000, **kw),
+                              SyntheticDrafter(V, seed=0, noise=1.0), SyntheticTokenizer(V)) as c:
+            if lose:
+                c._stub = losing = LosingReplies(c._stub, lose, np.random.default_rng(5))
+            if evict_every:
+                verify, calls = server.engine.verify, [0]
+
+                async def evicting(valid):
+                    calls[0] += 1
+                    if calls[0] % evict_every == 0 and valid.req.session_id:
+                        server.engine.close(valid.req.session_id)
+                    return await verify(valid)
+                server.engine.verify = evicting
+
+            async def one():
+                async with sem:
+                    gen = c.generate([0], settings)
+                    await gen.text()
+                    out.append([0] + gen.stats.token_ids)
+                    stats.append(gen.stats)
+            await asyncio.gather(*[one() for _ in range(sessions)])
+    return out, stats, losing
+
+
+import asyncio  # noqa: E402
+
+
+class AcceptEverythingUnfused(AcceptEverything):
+    """The control verifier: its biased kernel is `verify`, which a fusing backend's pass bypasses
+    (Backend.fuses: a backend that overrides the kernels runs a hit as a second round)."""
+    fuses = False
+
+
+@pytest.mark.parametrize("tree", ["off", "budget=4,depth=2,branching=2,width=2"])
+async def test_one_fused_session_follows_the_target(tree):
+    """One session of 3000 tokens (a 5 ms verifier pass: a fused round saves more than it costs)."""
+    seqs, stats, _ = await _generate(SyntheticBackend(vocab=V, seed=0, step_ms=5.0), 1, 3000, 1, tree=tree)
+    st = stats[0]
+    sent = st.rounds - st.fused_hits   # requests (a fused hit is answered with the round before)
+    assert st.tokens == 3000 and st.fused_rounds > 0.5 * sent and st.fused_hits > 0.2 * st.fused_rounds, st
+    p = transition_p(seqs)
+    bad, _, _ = await _generate(AcceptEverythingUnfused(vocab=V, seed=0, step_ms=5.0), 1, 3000, 1, tree="off")
+    p_control = transition_p(bad)
+    print(f"fused {st.fused_rounds} of {st.rounds} rounds, hits {st.fused_hits}; p = {p:.3g}, control {p_control:.3g}")
+    assert p > P_MIN
+    assert p_control < P_MIN
+
+
+async def test_fused_sessions_in_shared_batches_under_lost_replies_and_evictions_follow_the_target():
+    """48 sessions of 64 tokens, 16 at a time on a batching target whose passes wait for 8 rounds;
+    a third of the replies lost after commit (retried), and a session evicted every 25 rounds."""
+    backend = SyntheticBackend(vocab=V, seed=0, step_ms=2.0, batching=True)
+    held = HeldPasses(backend.batcher, lambda _: 8, max_wait_s=0.02)
+    seqs, stats, losing = await _generate(backend, 48, 64, 16, lose=0.3, evict_every=25)
+    backend.close()
+    assert sum(s.tokens for s in stats) == 48 * 64
+    assert losing.lost_fused > 50 and losing.different == 0, vars(losing)
+    assert sum(s.fused_hits for s in stats) > 100 and sum(s.replays for s in stats) > 0
+    assert any(k > 1 for k in held.sessions_per_pass), "no pass held rounds of two sessions"
+    assert transition_p(seqs) > P_MIN
