@@ -294,18 +294,22 @@ class VerifierEngine:
                                         valid.following if choice.index == 0 else [])
             done = self._commit(session, req.round, run)
             reply = self._reply(session, req, choice.index, run, done, t_start)
+            last = done
             if run.following is not None and done.finish_reason is FinishReason.NOT_FINISHED:
                 # Round r committed exactly this continuation's key (uncut): it is round r + 1.
                 nxt = run.following
-                done = self._commit(session, req.round + 1, nxt.run)
-                reply.next_round.CopyFrom(self._reply(session, req, nxt.index + 1, nxt.run, done, t_start,
+                last = self._commit(session, req.round + 1, nxt.run)
+                reply.next_round.CopyFrom(self._reply(session, req, nxt.index + 1, nxt.run, last, t_start,
                                                       req.round + 1))
                 session.replies.put(req.round + 1, fused_digest(req, nxt.index), reply.next_round)
-                metrics.observe_round(nxt.run.n_verified, done.num_accepted, 0.0, 0.0)
+                # Counted as a round, but no pass or time of its own (the histograms keep round r's).
+                metrics.ROUNDS.inc()
+                metrics.DRAFT_TOKENS.inc(nxt.run.n_verified)
+                metrics.ACCEPTED_TOKENS.inc(last.num_accepted)
             session.replies.put(req.round, digest, reply)
             session.round_done.set()
             session.round_done = asyncio.Event()
-            if done.finish_reason is not FinishReason.NOT_FINISHED:
+            if last.finish_reason is not FinishReason.NOT_FINISHED:
                 # Keep the (small) session for retries of this last round; free its KV cache now.
                 self.backend.release(session.state)
                 session.state = None
