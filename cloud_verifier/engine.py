@@ -115,6 +115,9 @@ class VerifierEngine:
         self.commits = CommitRate()   # tokens/s committed, all sessions and streams: the draft budget's load
         self.default_slo = (Slo(limits.slo_tpot_ms / 1e3, limits.slo_ttft_ms / 1e3)
                             if limits.slo_tpot_ms or limits.slo_ttft_ms else None)
+        # Pipelined rounds waiting for their predecessor, by (session id, round): the predecessor's
+        # pass takes in their alternatives (fused) when it starts after they arrived.
+        self._waiting: dict[tuple[str, int], ValidRound] = {}
 
     # --- validation --------------------------------------------------------------------------
 
@@ -264,7 +267,13 @@ class VerifierEngine:
         req = valid.req
         session, committed_length = await self._resolve_session(valid)
         if valid.alternatives[0].assumed:
-            await self._wait_for_round(session, req.round - 1)
+            key = (session.id, req.round)
+            self._waiting[key] = valid
+            try:
+                await self._wait_for_round(session, req.round - 1)
+            finally:
+                if self._waiting.get(key) is valid:
+                    del self._waiting[key]
         async with session.lock:
             if self.sessions.get(session.id) is not session or session.state is None and \
                     session.finish_reason == pb.NOT_FINISHED:
@@ -290,8 +299,11 @@ class VerifierEngine:
                                       finish_reason=session.finish_reason, base_mismatch=True)
             self._check_step(session, req.round, choice.committed_length)
             # Fused continuations were drafted after the outcomes of the round's own draft only.
+            # Without any, a pipelined round + 1 already waiting lends its alternatives.
+            following = valid.following if choice.index == 0 else []
+            lent = None if following else self._lent_round(session, req.round + 1)
             run = await self._run_round(session, choice.alternative, t_start,
-                                        valid.following if choice.index == 0 else [])
+                                        following or (lent.alternatives if lent is not None else []))
             done = self._commit(session, req.round, run)
             reply = self._reply(session, req, choice.index, run, done, t_start)
             last = done
@@ -299,9 +311,14 @@ class VerifierEngine:
                 # Round r committed exactly this continuation's key (uncut): it is round r + 1.
                 nxt = run.following
                 last = self._commit(session, req.round + 1, nxt.run)
-                reply.next_round.CopyFrom(self._reply(session, req, nxt.index + 1, nxt.run, last, t_start,
-                                                      req.round + 1))
-                session.replies.put(req.round + 1, fused_digest(req, nxt.index), reply.next_round)
+                if lent is None:
+                    reply.next_round.CopyFrom(self._reply(session, req, nxt.index + 1, nxt.run, last, t_start,
+                                                          req.round + 1))
+                    session.replies.put(req.round + 1, fused_digest(req, nxt.index), reply.next_round)
+                else:   # the waiting round finds its reply in the cache, as a retry would
+                    session.replies.put(req.round + 1, round_digest(lent.req),
+                                        self._reply(session, lent.req, nxt.index, nxt.run, last, t_start))
+                    metrics.PIPELINE_FUSED.inc()
                 # Counted as a round, but no pass or time of its own (the histograms keep round r's).
                 metrics.ROUNDS.inc()
                 metrics.DRAFT_TOKENS.inc(nxt.run.n_verified)
@@ -315,6 +332,15 @@ class VerifierEngine:
                 session.state = None
             metrics.observe_round(run.n_verified, done.num_accepted, run.model_s, time.perf_counter() - t_start)
             return reply
+
+    def _lent_round(self, session: Session, round_: int) -> ValidRound | None:
+        """A pipelined `round_` waiting for the round about to run, drafted from the committed
+        sequence that round starts from: its alternatives can share that round's pass."""
+        waiting = self._waiting.get((session.id, round_))
+        if waiting is None or waiting.req.committed_length - len(waiting.alternatives[0].assumed) != \
+                len(session.tokens):
+            return None
+        return waiting
 
     async def _resolve_session(self, valid: ValidRound) -> ResolvedSession:
         """The session a round names, or the one its `open` makes (or made: a retried first round)."""

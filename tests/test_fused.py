@@ -388,3 +388,51 @@ async def test_fused_sessions_in_shared_batches_under_lost_replies_and_evictions
     assert sum(s.fused_hits for s in stats) > 100 and sum(s.replays for s in stats) > 0
     assert any(k > 1 for k in held.sessions_per_pass), "no pass held rounds of two sessions"
     assert transition_p(seqs) > P_MIN
+
+
+class CountingPasses(SyntheticBackend):
+    """Counts the target passes rounds take (a chain's or a tree's)."""
+    passes = 0
+
+    def target_logits(self, *a, **kw):
+        self.passes += 1
+        return super().target_logits(*a, **kw)
+
+    def tree_logits(self, *a, **kw):
+        self.passes += 1
+        return super().tree_logits(*a, **kw)
+
+
+async def test_a_pipelined_round_waiting_when_its_predecessor_starts_shares_its_pass():
+    g = synthetic_greedy(PROMPT, 20)
+    backend = CountingPasses(vocab=VOCAB)
+    async with running_server(backend) as server:
+        async with stub_for(server) as stub:
+            first = await stub.Verify(pb.VerifyRequest(round=1, committed_length=4, open=pb.OpenSession(
+                prompt_token_ids=PROMPT, open_key=b"p" * 16,
+                sampling=pb.SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True))), timeout=5)
+            sid, before = first.session_id, backend.passes
+            r2 = pb.VerifyRequest(session_id=sid, round=2, committed_length=5, draft_token_ids=g[1:3])
+            # Round 3 arrives first (alternative 0 for a wrong outcome, continuations[0] for the true one).
+            r3 = pb.VerifyRequest(session_id=sid, round=3, committed_length=7, draft_token_ids=[5],
+                                  assumed_tokens=[g[1], (g[2] + 1) % VOCAB],
+                                  continuations=[pb.Continuation(assumed_tokens=g[1:4], draft_token_ids=g[4:6])])
+            t3 = asyncio.ensure_future(stub.Verify(r3, timeout=5))
+            while (sid, 3) not in server.engine._waiting:
+                await asyncio.sleep(0.001)
+            a2 = await stub.Verify(r2, timeout=5)
+            a3 = await t3
+            assert a2.committed_length == 8 and not a2.HasField("next_round")
+            assert (a3.continuation, a3.num_accepted, a3.next_token_id, a3.committed_length) == (1, 2, g[6], 11)
+            assert backend.passes == before + 1, "round 3 took a pass of its own"
+            assert await stub.Verify(r3, timeout=5) == a3   # its retry: the same reply
+            # A pipelined round for an outcome that did not come true waits, then is not verified.
+            r5 = pb.VerifyRequest(session_id=sid, round=5, committed_length=14, draft_token_ids=[5],
+                                  assumed_tokens=[g[7], g[8], (g[9] + 1) % VOCAB])
+            t5 = asyncio.ensure_future(stub.Verify(r5, timeout=5))
+            while (sid, 5) not in server.engine._waiting:
+                await asyncio.sleep(0.001)
+            a4 = await stub.Verify(pb.VerifyRequest(session_id=sid, round=4, committed_length=11,
+                                                    draft_token_ids=g[7:9]), timeout=5)
+            assert a4.committed_length == 14 and (await t5).base_mismatch
+            assert server.engine._waiting == {}
