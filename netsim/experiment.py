@@ -110,6 +110,8 @@ class Row:
     continuation_rounds: int = 0           # rounds during whose flight continuations were drafted
     continuations_sent: int = 0            # alternatives shipped in pipelined rounds
     continuation_hits: int = 0             # rounds whose outcome had a continuation (sent and kept, or reused)
+    fused_rounds: int = 0                  # rounds sent with continuations for their own pass (fused mode)
+    fused_hits: int = 0                    # rounds verified in the pass of the round before (no round trip)
 
 
 def load_workloads(categories: list[str], per_category: int) -> list[tuple[str, int, str]]:
@@ -250,6 +252,7 @@ class Runner:
                                                                              st.discarded_rounds)
             row.continuation_rounds, row.continuations_sent, row.continuation_hits = (
                 st.continuation_rounds, st.continuations_sent, st.continuation_hits)
+            row.fused_rounds, row.fused_hits = st.fused_rounds, st.fused_hits
         return row
 
     def _edge_only(self, profile, workload, index, prompt_ids, settings) -> Row:
