@@ -135,7 +135,7 @@ class Speculation:
 
     def timing_dependent(self) -> tuple[str, ...]:
         """The options whose choices follow measured timings (and the verifier's load), so that a
-        seed does not pin the output: adaptive γ, tree 'auto', and pipelined chains with
+        seed does not pin the output: adaptive γ, tree 'auto', and pipelined or fused chains with
         continuations for more than one outcome (their length is chosen by the cost model,
         edge_client.continuations.choose_length). All of these stay exact. With none of them the
         same seed gives the same ids, with or without proactive or pipelined rounds and whichever
@@ -147,7 +147,7 @@ class Speculation:
             out.append("gamma")
         if self.tree == "auto":
             out.append("tree")
-        if self.pipeline and self.max_continuations > 1 and self.tree == "off":
+        if (self.pipeline or self.fuse) and self.max_continuations > 1 and self.tree == "off":
             out.append("max_continuations")
         return tuple(out)
 

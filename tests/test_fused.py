@@ -436,3 +436,9 @@ async def test_a_pipelined_round_waiting_when_its_predecessor_starts_shares_its_
                                                     draft_token_ids=g[7:9]), timeout=5)
             assert a4.committed_length == 14 and (await t5).base_mismatch
             assert server.engine._waiting == {}
+
+
+def test_fused_chains_with_several_continuations_are_timing_dependent():
+    from edge_client.options import Speculation
+    assert Speculation(gamma=4, fuse=True, max_continuations=8).timing_dependent() == ("max_continuations",)
+    assert Speculation(gamma=4, fuse=True, max_continuations=1).timing_dependent() == ()
