@@ -442,3 +442,67 @@ def test_fused_chains_with_several_continuations_are_timing_dependent():
     from edge_client.options import Speculation
     assert Speculation(gamma=4, fuse=True, max_continuations=8).timing_dependent() == ("max_continuations",)
     assert Speculation(gamma=4, fuse=True, max_continuations=1).timing_dependent() == ()
+
+
+# --- a pipelined round waiting when its predecessor's pass starts: statistics over the wire ------
+# One unseeded session at T = 1 on the synthetic pair (V = 5): each step drafts round r (2 drafts,
+# q float) and continuations for up to K of its outcomes (test_continuations' ranking), sends them
+# as the pipelined round r + 1 FIRST and round r once r + 1 is waiting, so round r's pass takes in
+# r + 1's alternatives. 1500 tokens; the transition test (p > 1e-4); the control runs the
+# continuation on the rows of another key of the same length (it must fail).
+
+from spec_core.proto import qpayload  # noqa: E402
+
+
+async def _waiting_round_session(monkeypatch, control: bool, tokens: int = 1500):
+    if control:
+        monkeypatch.setattr(backend_base, "pick_continuation", _length_only)
+    _, draft = synthetic_pair(vocab=V, seed=0, noise=1.0)
+    s = SamplingSettings(temperature=1.0)
+    rng = np.random.default_rng(3)
+    backend = CountingPasses(vocab=V, seed=0)
+    merged = 0
+    async with running_server(backend, max_new_tokens_cap=tokens + 8) as server:
+        async with stub_for(server) as stub:
+            committed = [0]
+            first = await stub.Verify(pb.VerifyRequest(round=1, committed_length=1, open=pb.OpenSession(
+                prompt_token_ids=[0], open_key=b"w" * 16,
+                sampling=pb.SamplingParams(temperature=1.0, max_new_tokens=tokens, ignore_eos=True))), timeout=5)
+            sid, round_ = first.session_id, 2
+            committed.append(first.next_token_id)
+            while len(committed) - 1 < tokens - 8:
+                r = _draft(draft, committed, s, "chain", rng, FLOAT)
+                keys = _outcomes(draft, r, s, rng)
+                conts = [_draft(draft, committed + list(k), s, "chain", rng, FLOAT) for k in keys]
+                wire = [pb.Continuation(assumed_tokens=k, draft_token_ids=c.tree.tokens, q=qpayload.to_proto(c.qs))
+                        for k, c in zip(keys, conts)]
+                nxt = pb.VerifyRequest(session_id=sid, round=round_ + 1, committed_length=len(committed) + len(keys[0]),
+                                       draft_token_ids=wire[0].draft_token_ids, q=wire[0].q,
+                                       assumed_tokens=keys[0], continuations=wire[1:])
+                t_next = asyncio.ensure_future(stub.Verify(nxt, timeout=10))
+                while (sid, round_ + 1) not in server.engine._waiting:
+                    await asyncio.sleep(0)
+                passes = backend.passes
+                a = await stub.Verify(pb.VerifyRequest(session_id=sid, round=round_, committed_length=len(committed),
+                                                       draft_token_ids=r.tree.tokens, q=qpayload.to_proto(r.qs)),
+                                      timeout=10)
+                committed += list(r.tree.tokens[:a.num_accepted]) + [a.next_token_id]
+                b = await t_next
+                if b.base_mismatch:
+                    round_ += 1
+                    continue
+                merged += backend.passes == passes + 1
+                c = conts[b.continuation]
+                committed += list(c.tree.tokens[:b.num_accepted]) + [b.next_token_id]
+                assert b.committed_length == len(committed)
+                round_ += 2
+    return committed, merged
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["fused", "control"])
+async def test_pipelined_rounds_fused_into_the_pass_before_follow_the_target(control, monkeypatch):
+    seq, merged = await _waiting_round_session(monkeypatch, control)
+    p = transition_p([seq])
+    print(f"{merged} pipelined rounds verified in their predecessor's pass; p = {p:.3g}")
+    assert merged > 200
+    assert (p < P_MIN) if control else (p > P_MIN), p
