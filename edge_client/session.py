@@ -207,7 +207,9 @@ class _SessionLoop:
         pl = self.planner
         if not (self.spec.fuse and self.session_id and len(prep.tree)) or pl.rtt_s is None:
             return []
-        budget = FusedBudget(pl.predicted_round_s(prep.plan), self.uplink.seconds_per_byte())
+        per_node = max(pl.verify_line()[1], 0.0)
+        budget = FusedBudget(pl.predicted_round_s(prep.plan), self.uplink.seconds_per_byte(),
+                             per_node / pl.t_row_s if pl.t_row_s else 0.0)
         fused = await self.c._in_drafter(self._draft_continuations, prep, remaining, budget, threading.Event())
         self.st.fused_rounds += bool(fused)
         self.st.continuations_sent += len(fused)
