@@ -147,6 +147,7 @@ class Backend(abc.ABC):
     # host rows). A backend whose kernels work from scores (vLLM) says False.
     fuses: bool = True
     max_tree_leaves: int | None = None   # leaves one tree pass may hold (None: no limit here)
+    max_fused_nodes: int = MAX_FUSED_NODES   # nodes one fused pass may hold
 
     def _fused_round(self, state, committed: list[int], tree: DraftTree, draft_probs, settings: SamplingSettings,
                      rng: np.random.Generator, continuations: Sequence[FusedContinuation],
@@ -154,7 +155,7 @@ class Backend(abc.ABC):
         room = self.info.n_ctx - len(committed)   # a serial tree pass holds every node in the context
 
         def fits(t: DraftTree) -> bool:
-            return len(t) < min(room, MAX_FUSED_NODES) and \
+            return len(t) < min(room, self.max_fused_nodes) and \
                 (self.max_tree_leaves is None or len(t.leaves()) <= self.max_tree_leaves)
         fused = fuse_tree(tree, [c.key for c in continuations], [c.tree for c in continuations], fits)
         logits, queue_s, model_s = self.tree_logits(state, committed, fused.tree)   # [n_fused + 1, vocab]
