@@ -5,7 +5,9 @@ round (a chain is a tree with one path), turns them into p with spec_core.warpin
 chain or tree kernel of spec_core.verify / spec_core.tree, so exactness lives in one place
 (spec_core.acceptance). A backend that cannot return full logits cheaply (vLLM) overrides the
 kernels `verify` / `verify_tree` / `sample_next` and runs the same rule from scores
-(spec_core.verify.verify_from_scores, spec_core.tree.verify_tree_from_scores).
+(spec_core.verify.verify_from_scores, spec_core.tree.verify_tree_from_scores), and says `fuses = False`:
+a round's fused continuations (spec_core.continuations) otherwise share its pass through
+`tree_logits` and the host kernels, bypassing overridden `verify` / `verify_tree`.
 Methods are synchronous and called from a worker thread; a backend serialises its own model.
 """
 from __future__ import annotations
