@@ -160,11 +160,11 @@ class _SessionLoop:
         guesses = await self.ahead_job if self.ahead_job is not None else []  # the drafter is free again
         self.st.continuation_rounds += bool(guesses)
         self.uplink.observe(req.ByteSize(), round_s - reply.timings.total_ms / 1e3)
-        new = self._apply(prep, reply, round_s)
+        new = self._apply(prep, reply, round_s, _pass_nodes(prep, fused))
         self.final = reply
         self.finished = reply.finish_reason != pb.NOT_FINISHED
         if fused and reply.HasField("next_round") and not self.finished:
-            new += self._use_fused(fused, reply.next_round, round_s)
+            new += self._use_fused(fused, reply.next_round, round_s, _pass_nodes(prep, fused))
         elif guesses and not self.finished:
             new += await self._use_guess(guesses, t_round)
         elif self.spec_task is not None:
@@ -215,13 +215,13 @@ class _SessionLoop:
         self.st.continuations_sent += len(fused)
         return fused
 
-    def _use_fused(self, fused: list[_Guess], nxt: pb.VerifyReply, round_s: float) -> list[int]:
+    def _use_fused(self, fused: list[_Guess], nxt: pb.VerifyReply, round_s: float, pass_nodes: int) -> list[int]:
         """Commit round r + 1, answered with round r (its continuation ran in round r's pass)."""
         i = nxt.continuation - 1
         if not 0 <= i < len(fused) or fused[i].prep.base != self.committed:
             raise EdgeError(grpc.StatusCode.INTERNAL, f"the verifier answered round {nxt.round} with continuation "
                                                       f"{nxt.continuation}, not one drafted for what it committed")
-        new = self._apply(fused[i].prep, nxt, round_s)
+        new = self._apply(fused[i].prep, nxt, round_s, pass_nodes)
         self.st.server_model_s -= nxt.timings.model_ms / 1e3   # the pass it shared with round r, counted once
         self.st.continuation_hits += 1
         self.st.fused_hits += 1
@@ -399,8 +399,9 @@ class _SessionLoop:
 
     # --- replies --------------------------------------------------------------------------------
 
-    def _apply(self, prep: "_Prepared", reply: pb.VerifyReply, round_s: float) -> list[int]:
-        """Commit a reply's tokens (checked against the server's view) and learn from the round."""
+    def _apply(self, prep: "_Prepared", reply: pb.VerifyReply, round_s: float, pass_nodes: int = 0) -> list[int]:
+        """Commit a reply's tokens (checked against the server's view) and learn from the round.
+        pass_nodes: the nodes its target pass held when more than its own (a fused round's)."""
         kept = prep.kept_path(reply)
         new = [prep.tree.tokens[i] for i in kept] + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
         if not self.prompt_ids and reply.prompt_token_ids:
@@ -410,7 +411,7 @@ class _SessionLoop:
             raise EdgeError(grpc.StatusCode.INTERNAL, f"server committed {reply.committed_length} tokens, "
                                                       f"the edge {len(self.committed)}")
         self.session_id, self.last_round = reply.session_id, reply.round
-        self._learn(prep, reply, kept, round_s, len(new))
+        self._learn(prep, reply, kept, round_s, len(new), pass_nodes)
         return new
 
     def _prompt_known(self, ids: list[int]) -> None:
@@ -420,7 +421,8 @@ class _SessionLoop:
         self.prompt_len = len(ids)
         self.drafter.anchor_prompt(ids, self.plan.draft_ids)
 
-    def _learn(self, prep: "_Prepared", reply: pb.VerifyReply, kept: list[int], round_s: float, n_new: int) -> None:
+    def _learn(self, prep: "_Prepared", reply: pb.VerifyReply, kept: list[int], round_s: float, n_new: int,
+               pass_nodes: int = 0) -> None:
         """Count the round, and teach γ, the tree planner and the drafter what it cost and kept."""
         st, tree = self.st, prep.tree
         st.rounds += 1
@@ -441,7 +443,8 @@ class _SessionLoop:
             self.acceptance.observe(len(tree), reply.num_accepted, rejected)
             self.policy.observe(gamma=len(tree), num_accepted=reply.num_accepted, draft_s=prep.seconds,
                                 round_s=round_s, server_s=server_s, model_s=model_s, rejected=rejected)
-        self.planner.observe(prep.plan, nodes=len(tree), rows=prep.rows, tokens=n_new,
+        # The verifier's time is fitted over the nodes its pass held (a fused pass: all of them).
+        self.planner.observe(prep.plan, nodes=max(len(tree), pass_nodes), rows=prep.rows, tokens=n_new,
                              draft_s=prep.seconds, round_s=round_s, server_s=server_s, model_s=model_s)
         self.drafter.observe(self.committed, reply.num_accepted)
         if reply.HasField("budget") and self.spec.steer and self.spec.gamma == ADAPTIVE:
@@ -526,6 +529,12 @@ class _Prepared:
             raise EdgeError(grpc.StatusCode.INTERNAL, f"the verifier kept {n} nodes ({list(reply.kept_nodes)}), not a "
                                                       f"path from the root of this round's {len(self.tree)} draft nodes")
         return kept
+
+
+def _pass_nodes(prep: "_Prepared", fused: Sequence[_Guess]) -> int:
+    """Nodes of a fused round's target pass: its own, then per continuation its key's last token
+    and its drafts (spec_core.continuations.fuse_tree); 0 without continuations."""
+    return len(prep.tree) + sum(1 + len(g.prep.tree) for g in fused) if fused else 0
 
 
 async def _settle(job, spec_task):
