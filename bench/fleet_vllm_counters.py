@@ -1,18 +1,19 @@
 """What the vLLM backend computes per round and per tree, from vLLM's own counters (a benchmark).
 
-For each verification path of cloud_verifier/backends/vllm.py and each gamma, a session on a context
-of --context tokens runs --rounds steady-state rounds (random drafts, rejected at once, so the committed
-sequence grows by one a round and the tail after the last full KV block, r, walks through 1..block_size),
-and vLLM's own counters (vllm.v1.metrics.reader: requests, prompt tokens, prompt tokens served from the
-prefix cache, tokens computed, engine steps) are read before and after. Beside them: what
-netsim.fleet.costs.RoundWork charges for the same rounds (the exact r of each round), and the median
-time per round of each path, measured side by side in one run.
+For each sampling setting (greedy; T = 1 with top-k 20; T = 1 with top-p 0.9; plain T = 1; greedy trees;
+trees at T = 1, top-k 20), each verification path of cloud_verifier/backends/vllm.py that can run it, and
+each gamma, a session on a context of --context tokens runs --rounds steady-state rounds (random drafts,
+q = none, mostly rejected, so the committed sequence grows by about one a round and the tail after the
+last full KV block, r, walks through 1..block_size), and vLLM's own counters (vllm.v1.metrics.reader:
+requests, prompt tokens, prompt tokens served from the prefix cache, tokens computed, engine steps) are
+read before and after. The path the backend ships for the setting (`VllmBackend.round_path`) is marked
+"shipped": true. Beside them: what netsim.fleet.costs.RoundWork charges for the same rounds (the exact r
+of each round), and the median time per round, measured side by side in one run.
 
-  paths: per-position  gamma + 1 requests per round (sampled rounds; greedy ones before this change)
-         one-request   one request with prompt logprobs (greedy rounds now)
-         top-k         the same for a sampled round with top-k (T = 1, top-k 20)
-         tree          one request per node and the root (sampled trees; greedy ones before this change)
-         tree-leaves   one request per leaf with prompt logprobs (greedy trees now)
+  paths: per-position  gamma + 1 requests per round (sampled rounds without top-k)
+         one-request   one request with prompt logprobs (greedy rounds; sampled rounds with top-k)
+         tree          one request per node and the root (sampled trees)
+         tree-leaves   one request per leaf with prompt logprobs (greedy trees)
 
   .venv-vllm/bin/python bench/fleet_vllm_counters.py                 # SmolLM2-135M dequantized, CPU
   .venv-vllm/bin/python bench/fleet_vllm_counters.py --vllm-arg gpu_memory_utilization=0.3   # on a GPU
@@ -43,16 +44,40 @@ def tail_after_block(length: int, block: int) -> int:
     return length - ((length - 1) // block) * block
 
 
-def run_cell(backend, prompt: list[int], path: str, gamma: int, rounds: int, vocab: int, block: int,
-             seed: int) -> dict:
+# setting -> (SamplingSettings keyword arguments, tree?)
+SETTINGS = {"greedy": ({"temperature": 0.0}, False), "top-k": ({"temperature": 1.0, "top_k": 20}, False),
+            "top-p": ({"temperature": 1.0, "top_p": 0.9}, False), "sampled": ({"temperature": 1.0}, False),
+            "tree": ({"temperature": 0.0}, True), "tree-top-k": ({"temperature": 1.0, "top_k": 20}, True)}
+
+
+def paths_for(backend, setting: str) -> list[tuple[str, bool]]:
+    """(path, shipped) for every path the backend can take for this setting: with one_request on
+    (what it ships) and off (the per-position / per-node requests every round took before)."""
+    from spec_core.warping import SamplingSettings
+    kwargs, tree = SETTINGS[setting]
+    settings = SamplingSettings(**kwargs)
+    out = []
+    for one_request in (False, True):
+        backend.one_request = one_request
+        path = backend.round_path(settings, tree=tree)
+        if path not in [p for p, _ in out]:
+            out.append((path, one_request))
+    backend.one_request = True
+    shipped = backend.round_path(settings, tree=tree)
+    return [(p, p == shipped) for p, _ in out]
+
+
+def run_cell(backend, prompt: list[int], setting: str, path: str, shipped: bool, gamma: int, rounds: int,
+             vocab: int, block: int, seed: int) -> dict:
     from netsim.fleet.costs import RoundWork
     from spec_core.tree import DraftTree
     from spec_core.verify import commit_round
     from spec_core.warping import SamplingSettings
     rng = np.random.default_rng(seed)
-    greedy = SamplingSettings(temperature=0.0)
-    backend.one_request = path in ("one-request", "top-k", "tree-leaves")
-    settings = SamplingSettings(temperature=1.0, top_k=20) if path == "top-k" else greedy
+    kwargs, _ = SETTINGS[setting]
+    settings = SamplingSettings(**kwargs)
+    backend.one_request = path in ("one-request", "tree-leaves")
+    assert backend.round_path(settings, tree=path.startswith("tree")) == path
     committed = list(prompt)
     # A tree: two branches of `gamma` nodes each from the root (2·gamma nodes, 2 leaves).
     parents = tuple([-1] + list(range(gamma - 1)) + [-1] + list(range(gamma, 2 * gamma - 1))) if gamma else ()
@@ -65,7 +90,7 @@ def run_cell(backend, prompt: list[int], path: str, gamma: int, rounds: int, voc
         t0 = time.perf_counter()
         if path.startswith("tree"):
             tree = DraftTree(tuple(drafts + [int(t) for t in rng.integers(3, vocab, gamma)]), parents)
-            result, _, _ = backend.verify_tree(None, committed, tree, None, greedy, rng)
+            result, _, _ = backend.verify_tree(None, committed, tree, None, settings, rng)
             tokens = [tree.tokens[i] for i in result.path] + [result.next_token]
             r = tail_after_block(len(committed), block)
             depths = tree.depths()
@@ -76,7 +101,7 @@ def run_cell(backend, prompt: list[int], path: str, gamma: int, rounds: int, voc
         else:
             result, _, _ = backend.verify(None, committed, drafts, None, settings, rng)
             tokens = commit_round(drafts, result, frozenset(), remaining=10**9, context_left=10**9).tokens
-            work = RoundWork("one-request" if path == "top-k" else path, block).tokens(
+            work = RoundWork(path, block).tokens(
                 gamma, tail_after_block(len(committed), block))
         dt = time.perf_counter() - t0
         committed.extend(tokens)
@@ -86,7 +111,9 @@ def run_cell(backend, prompt: list[int], path: str, gamma: int, rounds: int, voc
     after = backend.engine_counters()
     d = after - before
     per = lambda x: x / rounds  # noqa: E731
-    return {"path": path, "gamma": gamma, "rounds": rounds, "block_size": block,
+    backend.one_request = True
+    return {"setting": setting, "path": path, "shipped": shipped, "gamma": gamma,
+            **({"nodes": 2 * gamma} if path.startswith("tree") else {}), "rounds": rounds, "block_size": block,
             "requests_per_round": per(d.requests), "prompt_tokens_per_round": per(d.prompt_tokens),
             "cached_tokens_per_round": per(d.cached_prompt_tokens),
             "computed_prompt_tokens_per_round": per(d.prompt_tokens - d.cached_prompt_tokens),
@@ -99,19 +126,23 @@ def run_cell(backend, prompt: list[int], path: str, gamma: int, rounds: int, voc
 def markdown(result: dict) -> str:
     lines = ["# What the vLLM backend computes per round (vLLM's own counters)", "",
              f"Machine: {result['machine']}. Model: {result['model']}; context {result['context']} tokens; "
-             f"{result['rounds']} steady-state rounds per cell (greedy, but T = 1 and top-k 20 on the top-k path); random drafts, rejected at once; KV block "
+             f"{result['rounds']} steady-state rounds per cell; random drafts (q = none), mostly rejected; KV block "
              f"{result['block_size']} tokens. Command: `{result['command']}`.", "",
-             "| path | γ | requests / round | prompt tokens computed / round (vLLM) | charged by RoundWork | "
-             "tokens computed / round (incl. sampled) | engine steps / round | prefix-cache hit share | "
-             "round median ms |", "|---|---|---|---|---|---|---|---|---|"]
+             "| setting | path | shipped | γ | requests / round | prompt tokens computed / round (vLLM) | "
+             "charged by RoundWork | tokens computed / round (incl. sampled) | engine steps / round | "
+             "prefix-cache hit share | round median ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in result["cells"]:
         hit = "–" if c["prefix_cache_hit_share"] is None else f"{100 * c['prefix_cache_hit_share']:.0f}%"
-        lines.append(f"| {c['path']} | {c['gamma']} | {c['requests_per_round']:.2f} | "
+        lines.append(f"| {c['setting']} | {c['path']} | {'**yes**' if c['shipped'] else ''} | {c['gamma']} | "
+                     f"{c['requests_per_round']:.2f} | "
                      f"{c['computed_prompt_tokens_per_round']:.1f} | {c['predicted_prompt_tokens_per_round']:.1f} | "
                      f"{c['computed_tokens_per_round']:.1f} | {c['engine_steps_per_round']:.2f} | {hit} | "
                      f"{c['round_median_s'] * 1e3:.1f} |")
-    lines += ["", "tree, tree-leaves: two branches of γ nodes from the root (2γ nodes); one request per node and one "
-              "for the root, or one request per leaf.",
+    lines += ["", "Settings: greedy; top-k: T = 1, top-k 20; top-p: T = 1, top-p 0.9; sampled: T = 1; tree: greedy; "
+              "tree-top-k: T = 1, top-k 20. Trees: two branches of γ nodes from the root (2γ nodes, 2 leaves); "
+              "path tree: one request per node and one for the root; tree-leaves: one request per leaf.",
+              "Sampled rounds may add a request for a full processed row (the residual after a rejection whose "
+              "free proposal failed); it is counted.",
               "Charged by RoundWork: netsim.fleet.costs.RoundWork(path, block).tokens(γ, r) with each round's own r "
               "(the committed tokens after the last full block), which the fleet's GPU model charges.", ""]
     return "\n".join(lines)
@@ -122,7 +153,7 @@ def main() -> int:
     ap.add_argument("--gammas", default="1,4,8")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=None, help="steady-state rounds per cell (default: the block size)")
-    ap.add_argument("--paths", default="per-position,one-request,top-k,tree,tree-leaves")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"some of {','.join(SETTINGS)}")
     ap.add_argument("--vllm-model", default=None, help="HF folder (default: the bundled SmolLM2 dequantized)")
     ap.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", default=str(ROOT / "bench" / "fleet" / "vllm_counters.json"))
@@ -144,12 +175,15 @@ def main() -> int:
     rounds = args.rounds or block
     cells = []
     try:
-        for seed, (path, gamma) in enumerate((p, g) for g in gammas for p in args.paths.split(",")):
+        plan = [(s, p, shipped, g) for g in gammas for s in args.settings.split(",")
+                for p, shipped in paths_for(backend, s)]
+        for seed, (setting, path, shipped, gamma) in enumerate(plan):
             # A context of its own per cell (a different first token), so no cell reads another's cache.
             cell_prompt = [int(3 + seed)] + prompt[1:]
-            c = run_cell(backend, cell_prompt, path, gamma, rounds, backend.info.n_vocab, block, seed)
+            c = run_cell(backend, cell_prompt, setting, path, shipped, gamma, rounds, backend.info.n_vocab, block, seed)
             cells.append(c)
-            print(f"{path:12s} gamma={gamma}: {c['requests_per_round']:.2f} requests, "
+            print(f"{setting:10s} {path:12s}{' (shipped)' if shipped else ''} gamma={gamma}: "
+                  f"{c['requests_per_round']:.2f} requests, "
                   f"{c['computed_prompt_tokens_per_round']:.1f} prompt tokens computed / round "
                   f"(RoundWork {c['predicted_prompt_tokens_per_round']:.1f}), {c['engine_steps_per_round']:.2f} steps, "
                   f"median {c['round_median_s'] * 1e3:.1f} ms", flush=True)

@@ -269,10 +269,15 @@ def test_first_token_through_tree_verify_follows_the_processed_target(backend, t
             counts[tree.tokens[result.path[0]] if result.path else result.next_token] += 1
         return counts
 
+    before = backend.one_request_rounds, backend.one_request_fallbacks
     with ThreadPoolExecutor(STAT_THREADS) as pool:
         counts = sum(pool.map(run, range(STAT_THREADS)))
     p = chi_square_p(counts, target)
     assert p > P_MIN, f"chi-square p = {p:.2e}"
+    # top-k 20: a request per leaf with prompt logprobs (the fallback only where 8 concurrent rounds on one
+    # context found each other's rows cached)
+    rounds = backend.one_request_rounds - before[0]
+    assert rounds >= STAT_N and backend.one_request_fallbacks - before[1] < rounds
 
 
 @needs_vllm
@@ -389,6 +394,47 @@ def test_greedy_round_whose_rows_another_session_cached_falls_back_to_the_same_a
 
 
 @needs_vllm
+def test_sampled_trees_with_top_k_take_a_request_per_leaf(backend):
+    from spec_core.tree import DraftTree
+    rng = np.random.default_rng(93)
+    committed = [1] + [int(x) for x in rng.integers(3, 299, 30)]
+    tree = DraftTree(tuple(int(x) for x in rng.integers(3, 299, 5)), (-1, 0, 1, -1, 3))   # 2 leaves, 5 nodes
+    s = SamplingSettings(temperature=1.3, top_k=20, top_p=0.9)
+    assert backend.round_path(s, tree=True) == "tree-leaves"
+    before = backend.engine_counters()
+    backend.verify_tree(None, committed, tree, None, s, rng)
+    assert (backend.engine_counters() - before).requests == 2
+
+
+@needs_vllm
+@pytest.mark.parametrize("settings", [SamplingSettings(temperature=0.0),
+                                      SamplingSettings(temperature=1.0, top_k=1)], ids=["greedy", "top-k-1"])
+def test_rejected_drafts_do_not_reach_the_next_round(backend, settings):
+    """A round whose drafts are all wrong, then a round that drafts the target's own greedy continuation
+    (from full rows of the committed sequence alone): every draft is accepted and the bonus is the
+    argmax, so nothing of the rejected drafts reached the rows of the second round. Top-k 1 is greedy
+    through the sampled path (its processed rows are point masses)."""
+    rng = np.random.default_rng(95)
+    committed = [1] + [int(x) for x in rng.integers(3, 299, 45)]
+
+    def greedy_continuation(prefix, n):
+        out = []
+        for _ in range(n):
+            row = backend.target_logits(None, prefix + out, 1)[0][0]
+            out.append(int(np.argmax(row)))
+        return out
+
+    truth = greedy_continuation(committed, 4)
+    wrong = [t + 1 if t + 1 < 299 else 3 for t in truth[:3]]
+    first, _, _ = backend.verify(None, committed, wrong, None, settings, rng)
+    assert first.num_accepted == 0 and first.next_token == truth[0]
+    committed = committed + [first.next_token]
+    second, _, _ = backend.verify(None, committed, truth[1:4], None, settings, rng)
+    assert second.num_accepted == 3
+    assert second.next_token == greedy_continuation(committed + truth[1:4], 1)[0]
+
+
+@needs_vllm
 def test_sampled_rounds_take_one_request_with_top_k_and_one_per_position_without(backend):
     rng = np.random.default_rng(91)
     committed = [1] + [int(x) for x in rng.integers(3, 299, 30)]
@@ -400,3 +446,90 @@ def test_sampled_rounds_take_one_request_with_top_k_and_one_per_position_without
         counts.append((backend.engine_counters() - before).requests)
     # a full-row fallback may add one request to the per-position round
     assert counts[0] == 1 and counts[1] in (4, 5)
+
+
+# --- drafts from another tokenizer: SmolLM2 on vLLM, a Gemma 3 draft ------------------------------
+
+N_CROSS = 24
+
+
+@pytest.fixture(scope="module")
+def smollm2_vllm():
+    """The bundled SmolLM2-135M dequantized (hybridspec.testing.vllm_model) on vLLM."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    from cloud_verifier.backends.vllm import VllmBackend
+    from hybridspec.testing.vllm_model import smollm2_folder
+    extra = json.loads(os.environ.get("HYBRIDSPEC_VLLM_ARGS", "{}"))
+    b = VllmBackend(str(smollm2_folder()), n_ctx=1024, engine_args={"dtype": "float32", **extra})
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf():
+    from llama_runtime import bundled_model_path
+    try:
+        return str(bundled_model_path("gemma", assemble=False))
+    except FileNotFoundError as e:
+        pytest.skip(f"{e} (scripts/setup.sh --with gemma fetches it)")
+
+
+@needs_vllm
+def test_vocabulary_from_the_hf_tokenizer_equals_the_gguf_one(smollm2_vllm):
+    """GetVocabulary's source: the HF tokenizer's bytes and special ids equal llama.cpp's reading of
+    the GGUF the folder was converted from (end-of-generation ids: the backend's own, see
+    hf_tokenizer_facts)."""
+    from llama_runtime import GGUFModel, bundled_model_path
+    hf = smollm2_vllm.vocabulary()
+    gguf = GGUFModel(str(bundled_model_path()), vocab_only=True).vocabulary
+    assert hf.n_vocab == gguf.n_vocab == 49152 and hf.fingerprint == gguf.fingerprint
+    assert hf.token_bytes == gguf.token_bytes
+    assert hf.special_ids == gguf.special_ids and hf.byte_ids == gguf.byte_ids
+    assert hf.eog_ids == smollm2_vllm.info.eos_token_ids
+
+
+@needs_vllm
+def test_text_and_chat_prompts_through_the_hf_tokenizer_equal_llama_cpps(smollm2_vllm):
+    """The same prompt ids as the llama.cpp backend gives for the GGUF the folder came from: text with
+    the tokenizer's specials, chat messages through the (same) chat template, assistant turn opened."""
+    from llama_runtime import GGUFModel, bundled_model_path
+    from llama_runtime.chat import render_messages
+    g = GGUFModel(str(bundled_model_path()), vocab_only=True)
+    text = "The three primary colours are <|im_end|> naïve 🙂"
+    assert smollm2_vllm.prompt_ids(text, None) == g.tokenize(text, add_special=True, parse_special=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three fruits."}]
+    ids = smollm2_vllm.prompt_ids(None, messages)
+    assert ids == render_messages(g, messages)
+    assert ids.count(1) == 3   # <|im_start|>: system, user, and the assistant's opened turn
+
+
+@needs_vllm
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+async def test_gemma_draft_across_tokenizers_gives_the_same_greedy_ids_as_a_smollm2_draft(
+        smollm2_vllm, gemma_gguf, chat):
+    """A vLLM verifier on SmolLM2 serves a Gemma 3 270M draft (262,144 tokens against 49,152) across
+    tokenizers: its greedy ids equal those of the same-tokenizer SmolLM2 draft (both the target's
+    greedy continuation; a flip is tolerated only at a near-tie of the target's top two)."""
+    from edge_client import EdgeClient, crossvocab
+    from edge_client.drafters import CrossVocabDrafter, GGUFDrafter
+    from helpers import edge_options, running_server
+    from llama_runtime import bundled_model_path
+    prompt = crossvocab.Chat.of("Name three fruits.") if chat else "The three primary colours are"
+    runs = {}
+    for name, path in (("same", str(bundled_model_path())), ("cross", gemma_gguf)):
+        drafter = GGUFDrafter(path, n_threads=1, n_ctx=1024)
+        try:
+            async with running_server(smollm2_vllm) as server:
+                async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=4, deadline_s=120), drafter,
+                                      drafter.model) as c:
+                    gen = c.generate(prompt, SamplingSettings(temperature=0.0, max_new_tokens=N_CROSS, ignore_eos=True))
+                    await gen.text()
+                    assert isinstance(c.drafter, CrossVocabDrafter) == (name == "cross")
+            runs[name] = gen
+        finally:
+            drafter.close()
+    same, cross = runs["same"], runs["cross"]
+    assert cross.prompt_ids == same.prompt_ids   # the verifier's tokenization (HF tokenizer / chat template)
+    assert cross.stats.accepted > 0 and len(cross.stats.token_ids) == N_CROSS
+    _check_same_or_near_tie(smollm2_vllm, same.prompt_ids, cross.stats.token_ids, same.stats.token_ids)

@@ -46,7 +46,20 @@ rounds with top-k (k <= TOP_K_ONE_REQUEST) take one request too, with `prompt_lo
 rows are raw, but the processed p (temperature, top-k, top-p) at a position depends on its top-k
 raw logits alone, so spec_core.warping on those k entries gives the processed row, y_i is drawn from
 it, and the bonus is vLLM's own sample. Sampled rounds without top-k keep the per-position
-requests: p(x) after temperature needs the whole row, which would cross into Python as vocab-sized lists.
+requests: p(x) after temperature needs the whole row, which would cross into Python as vocab-sized lists
+(vLLM sizes a request's prompt-logprob tensor by its whole prompt, so `prompt_logprobs=-1` would move
+context x vocab numbers a round). Trees with the same settings take one request per leaf (greedy: the
+argmax rows; top-k: the top-k rows, warped here, y drawn from them), rows another leaf of the round
+computed read from that leaf. `round_path` is the one place that says which path a round takes.
+
+What a round costs is r + gamma computed tokens, not gamma + 1: vLLM 0.32 keeps no request's KV
+between rounds other than through its prefix cache, which holds full blocks only. Its streaming-input
+sessions keep KV but only append (rejected drafts would stay), and sub-block prefix hits
+(`prefix_match_unit`) are refused for single-KV-group models; docs/vllm.md says what was weighed.
+
+Text and chat prompts (drafts from another tokenizer) go through the HF tokenizer of the model
+folder: `vocabulary()` (GetVocabulary) is built from it by `hf_vocabulary`, as llama_runtime builds it
+from a GGUF, and chat messages through its chat template.
 
 The target's distribution is vLLM's own: `sample_next` (the cloud-only Generate stream) samples
 with the same request parameters, so hybrid and cloud-only output have the same distribution.
@@ -61,6 +74,7 @@ concurrent sessions are batched by vLLM's scheduler. Scripts that construct it n
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -72,7 +86,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from cloud_verifier.backends.base import Backend, BackendInfo, BackendRound, BackendSample
+from cloud_verifier.backends.base import Backend, BackendInfo, BackendRound, BackendSample, NoChatTemplate
+from spec_core.crossvocab import Vocabulary
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import ROOT, DraftTree, NodeScore, tree_tokens_needed, verify_tree_from_scores
@@ -140,6 +155,35 @@ def hf_tokenizer_facts(folder: str) -> tuple[str, int, frozenset[int]]:
     return tokenizer_fingerprint(texts, bos, eos), n, frozenset(eog)
 
 
+def hf_vocabulary(tok, fingerprint: str, eog: frozenset[int]) -> Vocabulary:
+    """The vocabulary of an HF tokenizer (GetVocabulary: drafting across tokenizers) in
+    spec_core.crossvocab's terms, as llama_runtime reads it from a GGUF: each token's bytes in text,
+    special tokens (HF's added tokens marked special) standing for nothing, byte-fallback tokens
+    ('<0x41>') as the byte they stand for. Byte-level BPE vocabularies (GPT-2's 'Ġhello') map
+    characters back to bytes; SentencePiece ones ('▁hello') read '▁' as a space."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    n = len(tok)
+    texts = tok.convert_ids_to_tokens(list(range(n)))
+    special = frozenset(i for i, t in tok.added_tokens_decoder.items() if t.special and i < n)
+    decoder = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
+    byte_level = type(decoder).__name__ == "ByteLevel" or "ByteLevel" in repr(decoder)
+    unbyte = {c: b for b, c in bytes_to_unicode().items()}
+    token_bytes, byte_ids = [], set()
+    for i, text in enumerate(texts):
+        text = text or ""
+        if i in special:
+            token_bytes.append(b"")
+        elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            token_bytes.append(bytes([int(text[3:5], 16)]))
+            byte_ids.add(i)
+        elif byte_level and all(c in unbyte for c in text):
+            token_bytes.append(bytes(unbyte[c] for c in text))
+        else:   # SentencePiece pieces, and added (non-special) tokens of a byte-level vocabulary
+            token_bytes.append(text.replace("\u2581", " ").encode("utf-8"))
+    return Vocabulary(tuple(token_bytes), special_ids=special, eog_ids=eog, fingerprint=fingerprint,
+                      byte_ids=frozenset(byte_ids))
+
+
 class EngineCounters(NamedTuple):
     """vLLM's own counters (its Prometheus metrics in this process, vllm.v1.metrics.reader), summed over
     label values. Differences of two readings give what a stretch of work cost the engine."""
@@ -176,6 +220,7 @@ TOP_K_ONE_REQUEST = 1024
 
 class VllmBackend(Backend):
     batching = True  # vLLM's scheduler mixes the rounds of all sessions in flight
+    has_vocabulary = True  # from the HF tokenizer: GetVocabulary, text and chat prompts
     fuses = False    # its kernels work from scores: a hit continuation runs as a second request
     one_request = True  # greedy and top-k rounds: one request with prompt logprobs (False: gamma + 1 requests)
 
@@ -195,6 +240,7 @@ class VllmBackend(Backend):
         self.engine_args = args
         tokenizer_dir = str(args.get("tokenizer") or model)
         fingerprint, n_tok, eog = hf_tokenizer_facts(tokenizer_dir)
+        self._tokenizer_dir = tokenizer_dir
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
@@ -262,14 +308,24 @@ class VllmBackend(Backend):
     def new_state(self) -> dict:
         return {}  # vLLM's prefix cache is the per-session state
 
+    def round_path(self, settings: SamplingSettings, tree: bool = False) -> str:
+        """The path a steady-state round with these settings takes: "one-request" (greedy, or top-k up
+        to TOP_K_ONE_REQUEST), "per-position" (gamma + 1 requests), "tree-leaves" (the same settings
+        in trees: a request per leaf) or "tree" (a request per node and the root). The one place that decides;
+        bench/fleet_vllm_counters.py marks this path as the one shipped."""
+        rows_from_prompt = self.one_request and (settings.greedy or 0 < settings.top_k <= TOP_K_ONE_REQUEST)
+        if tree:
+            return "tree-leaves" if rows_from_prompt else "tree"
+        return "one-request" if rows_from_prompt else "per-position"
+
     def verify(self, state, committed: Sequence[int], draft_tokens: Sequence[int],
                draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                rng: np.random.Generator) -> BackendRound:
         t0 = time.perf_counter()
         gamma = len(draft_tokens)
         committed, drafts = list(committed), [int(x) for x in draft_tokens]
-        if (self.one_request and committed and not settings.greedy and 0 < settings.top_k <= TOP_K_ONE_REQUEST
-                and gamma > 0):
+        one_request = self.round_path(settings) == "one-request" and committed and gamma > 0
+        if one_request and not settings.greedy:
             got = self._top_k_scores(committed, drafts, settings, rng)
             if got is not None:
                 scores, rows = got
@@ -280,7 +336,7 @@ class VllmBackend(Backend):
                     return rows[i]
                 result, _ = verify_from_scores(drafts, draft_probs, scores, local_row, rng)
                 return BackendRound(result, 0.0, time.perf_counter() - t0)
-        if settings.greedy and self.one_request and committed:
+        if one_request and settings.greedy:
             scores = self._greedy_scores(committed, drafts)
             if scores is not None:
                 def point_mass(i: int) -> np.ndarray:  # greedy p: all its mass on the argmax
@@ -408,17 +464,83 @@ class VllmBackend(Backend):
         scores.append(PositionScore(int(out.outputs[0].token_ids[0]), float("nan"), None))
         return scores, rows
 
+    def _top_k_tree_scores(self, committed: list[int], tree: DraftTree,
+                           draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
+                           rng: np.random.Generator) -> tuple[list[NodeScore], dict[int, np.ndarray]] | None:
+        """Sampled trees with top-k: the chain's top-k mechanism (_top_k_scores) per leaf. One request
+        per leaf (prompt = committed + the leaf's path, `prompt_logprobs=top_k`, read after the prefix
+        cache) gives the top-k raw row after the root and after every node on the path, warped here
+        into the processed row; y is drawn from it, except after a leaf, where vLLM's own sample is the
+        bonus. Rows a leaf's request found cached (an earlier leaf of this round filled the block) are
+        read from the leaf that computed them. Returns (scores indexed as verify_tree's, processed rows
+        by node  # each [vocab]), or None when a row is nowhere (another session's identical tokens)."""
+        leaves = tree.leaves()
+        paths = [tree.path_to(leaf) for leaf in leaves]
+        seeds = rng.integers(0, 2**62, size=len(paths))
+        requests = [(committed + [tree.tokens[i] for i in path],
+                     self._params(settings, int(seed), prompt_logprobs=settings.top_k, skip_reading_prefix_cache=False))
+                    for path, seed in zip(paths, seeds)]
+        outs = self._run(self._batch(requests))
+        n = len(committed)
+        raw: dict[int, np.ndarray] = {}   # node (ROOT for the root) -> its top-k raw row  # [vocab]
+        bonus: dict[int, int] = {}        # leaf -> vLLM's sample after it
+        for k in sorted(range(len(paths)), key=lambda k: outs[k].num_cached_tokens or 0):
+            path, out = paths[k], outs[k]
+            cached = out.num_cached_tokens or 0
+            for j, node in enumerate([ROOT] + path[:-1]):
+                if node in raw:
+                    continue
+                if n + j <= cached:
+                    with self._stats_lock:
+                        self.one_request_rounds += 1
+                        self.one_request_fallbacks += 1
+                    return None
+                row = np.full(self.info.n_vocab, -np.inf, dtype=np.float32)
+                for t, lp in out.prompt_logprobs[n + j].items():
+                    if lp.rank <= settings.top_k and t < self.info.n_vocab:   # the top-k (the prompt token may rank lower)
+                        row[t] = lp.logprob
+                raw[node] = row
+            bonus[path[-1]] = int(out.outputs[0].token_ids[0])
+        with self._stats_lock:
+            self.one_request_rounds += 1
+        inner = [node for node in [ROOT] + list(range(len(tree))) if node in raw]
+        processed = processed_probs(np.stack([raw[node] for node in inner]), settings.temperature, settings.top_k,
+                                    settings.top_p)   # [inner nodes, vocab]
+        rows = dict(zip(inner, processed))
+        scores = []
+        for node in [ROOT] + list(range(len(tree))):
+            if node in bonus:   # a leaf: y is the bonus token, no probability is read
+                scores.append(NodeScore(bonus[node], float("nan"), {}))
+                continue
+            row = rows[node]
+            y = sample(row, rng)
+            scores.append(NodeScore(y, float(row[y]), _row_scores(row, tree, draft_probs, node)))
+        return scores, rows
+
     def verify_tree(self, state, committed: Sequence[int], tree: DraftTree,
                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                     rng: np.random.Generator) -> BackendRound:
-        """The chain's mechanism per node: one request after the root and after every node
-        (prompt = committed + the node's path, prefix-cached, max_tokens = 1, a seed from the
-        session's generator) scores p on the children and their q supports
+        """Greedy and top-k trees: a request per leaf (_greedy_tree_scores, _top_k_tree_scores).
+        Otherwise the chain's per-position mechanism per node: one request after the root and after
+        every node (prompt = committed + the node's path, prefix-cached, max_tokens = 1, a seed from
+        the session's generator) scores p on the children and their q supports
         (`logprob_token_ids`) and samples y ~ p; a node whose children carry a dense q asks for
         its whole processed row instead. verify_tree_from_scores runs the rule (proof there)."""
         t0 = time.perf_counter()
         committed = list(committed)
-        if settings.greedy and self.one_request and committed and len(tree):
+        leaves = self.round_path(settings, tree=True) == "tree-leaves" and committed and len(tree)
+        if leaves and not settings.greedy:
+            got = self._top_k_tree_scores(committed, tree, draft_probs, settings, rng)
+            if got is not None:
+                scores, rows = got
+
+                def local_row(node: int) -> np.ndarray:
+                    with self._stats_lock:
+                        self.local_full_rows += 1
+                    return rows[node]
+                result, _ = verify_tree_from_scores(tree, draft_probs, scores, local_row, rng)
+                return BackendRound(result, 0.0, time.perf_counter() - t0)
+        if leaves and settings.greedy:
             scores = self._greedy_tree_scores(committed, tree, draft_probs)
             if scores is not None:
                 def point_mass(node: int) -> np.ndarray:  # greedy p: all its mass on the argmax
@@ -458,7 +580,7 @@ class VllmBackend(Backend):
             for (k, _, _, _), out in zip(full_reqs, outs):
                 row = _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
                 y = int(out.outputs[0].token_ids[0])
-                scores[k] = NodeScore(y, float(row[y]), {int(t): float(row[t]) for t in np.flatnonzero(row)})
+                scores[k] = NodeScore(y, float(row[y]), _row_scores(row, tree, draft_probs, nodes[k]))
 
         def full_row(node: int) -> np.ndarray:
             with self._stats_lock:
@@ -491,6 +613,45 @@ class VllmBackend(Backend):
         outs = self._run(self._batch(requests, kind="full"))
         logprobs = np.stack([_flat_logprobs(o.outputs[0].logprobs, 0, self.info.n_vocab) for o in outs])
         return logprobs, 0.0, time.perf_counter() - t0
+
+    # --- text prompts (edges whose draft has another tokenizer) -------------------------------------
+
+    @functools.cached_property
+    def _tokenizer(self):
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(self._tokenizer_dir)
+
+    @functools.cached_property
+    def _vocabulary(self) -> Vocabulary:
+        return hf_vocabulary(self._tokenizer, self.info.fingerprint, self.info.eos_token_ids)
+
+    def vocabulary(self) -> Vocabulary:
+        return self._vocabulary
+
+    def chat_prompts(self) -> bool:
+        return bool(self._tokenizer.chat_template)
+
+    def prompt_ids(self, text, messages) -> list[int]:
+        """Text: the HF tokenizer's ids with its special tokens (BOS as the model wants) and special
+        tokens in the text parsed. Messages: the tokenizer's chat template with the assistant turn
+        opened, then tokenized with special tokens parsed, BOS put first when the tokenizer adds one
+        and the template did not (as llama_runtime.chat.render_messages does for GGUF targets)."""
+        tok = self._tokenizer
+        if messages is None:
+            return list(tok(text, add_special_tokens=True)["input_ids"])
+        import jinja2
+        if not self.chat_prompts():
+            raise NoChatTemplate(f"{self.info.model} has no chat template in its tokenizer; send prompt_text instead")
+        try:
+            rendered = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template refused these messages: {e}") from None
+        ids = list(tok(rendered, add_special_tokens=False)["input_ids"])
+        bos = tok.bos_token_id
+        adds_bos = bos is not None and tok("", add_special_tokens=True)["input_ids"][:1] == [bos]
+        if adds_bos and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
 
     def forward_tokens(self) -> int:
         return self._forwarded
@@ -560,6 +721,16 @@ def _score(out, draft: int | None, greedy: bool) -> PositionScore:
         return PositionScore(y, float("nan"), None)  # the bonus needs no probabilities
     lp = comp.logprobs[0]
     return PositionScore(y, math.exp(lp[y].logprob), math.exp(lp[draft].logprob))
+
+
+def _row_scores(row: np.ndarray, tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
+                node: int) -> dict[int, float]:
+    """p(t) from a processed row  # [vocab] for every token the tree rule may read after `node`: the
+    row's support, and the children and their q supports, which may lie outside it (p = 0)."""
+    probs = {int(t): float(row[t]) for t in np.flatnonzero(row)}
+    for t in tree_tokens_needed(tree, draft_probs, node) or [tree.tokens[c] for c in tree.children().get(node, [])]:
+        probs.setdefault(int(t), 0.0)
+    return probs
 
 
 def _flat_logprobs(flat, position: int, vocab: int) -> np.ndarray:
