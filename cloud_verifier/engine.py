@@ -61,6 +61,13 @@ class Limits:
     slo_ttft_ms: float = 0.0       # a batching backend with schedule "slack" orders work by it
     max_continuations: int = MAX_CONTINUATIONS            # alternatives beyond a pipelined round's own draft
     max_continuation_nodes: int = MAX_CONTINUATION_NODES  # draft tokens (nodes) over all of them
+    max_window: int = 4            # rounds of one session in flight at once (ServerInfo.max_window)
+
+    @property
+    def max_assumed(self) -> int:
+        """Most assumed_tokens of one alternative: the outcomes of the max_window - 1 unanswered
+        rounds before it, each at most max_gamma + 1 tokens."""
+        return max(1, self.max_window - 1) * (self.max_gamma + 1)
 
 
 MAX_SLO_MS = 3_600_000.0
@@ -247,8 +254,9 @@ class VerifierEngine:
         if not req.session_id and not req.HasField("open"):
             raise _bad("session_id is empty and `open` is missing: the first round must carry `open`")
         assumed = list(req.assumed_tokens)
-        if len(assumed) > self.limits.max_gamma + 1:
-            raise _bad(f"assumed_tokens has {len(assumed)} ids; at most max_gamma + 1 = {self.limits.max_gamma + 1}")
+        if len(assumed) > self.limits.max_assumed:
+            raise _bad(f"assumed_tokens has {len(assumed)} ids; at most (max_window - 1) x (max_gamma + 1) = "
+                       f"{self.limits.max_assumed}")
         self._check_ids(assumed, "assumed_tokens")
         alternatives = self._continuations(req, _alternative(assumed, drafts, tree, qs))
         return ValidRound(req, alternatives, None if req.session_id else self._valid_open(req))
@@ -465,9 +473,9 @@ class VerifierEngine:
         for i, c in enumerate(conts):
             what = f"continuations[{i}]."
             assumed, drafts = list(c.assumed_tokens), list(c.draft_token_ids)
-            if not assumed or len(assumed) > self.limits.max_gamma + 1:
-                raise _bad(f"{what}assumed_tokens has {len(assumed)} ids; it needs 1 to max_gamma + 1 = "
-                           f"{self.limits.max_gamma + 1}")
+            if not assumed or len(assumed) > self.limits.max_assumed:
+                raise _bad(f"{what}assumed_tokens has {len(assumed)} ids; it needs 1 to (max_window - 1) x "
+                           f"(max_gamma + 1) = {self.limits.max_assumed}")
             self._check_ids(assumed, f"{what}assumed_tokens")
             if tuple(assumed) in keys:
                 raise _bad(f"{what}assumed_tokens {assumed} repeats another alternative's: each outcome once")
@@ -654,7 +662,8 @@ class VerifierEngine:
                              chat_prompts=self.backend.has_vocabulary and self.backend.chat_prompts(),
                              draft_budgets=self.limits.steer and self.backend.pass_cost() is not None,
                              slo=(pb.SessionSlo(tpot_ms=self.limits.slo_tpot_ms, ttft_ms=self.limits.slo_ttft_ms)
-                                  if self.default_slo is not None else None))
+                                  if self.default_slo is not None else None),
+                             verify_stream=True, max_window=self.limits.max_window)
 
 
 # Backend calls block their worker thread while a batching backend gathers a pass: every session

@@ -147,6 +147,27 @@ class CallGuard(grpc.aio.ServerInterceptor):
                     with contextlib.suppress(ValueError):
                         current_tenant.reset(reset)
             return grpc.unary_stream_rpc_method_handler(stream, deserialize, handler.response_serializer)
+        if handler.stream_stream is not None:
+            inner_bidi = handler.stream_stream
+
+            async def bidi(request_iterator, context):
+                async def requests():
+                    async for request in request_iterator:
+                        if isinstance(request, Undecodable):   # the stream has no tag to answer it by
+                            await self._refuse_undecodable(context, method, request)
+                        yield request
+                reset = current_tenant.set(tenant)   # tasks the handler starts inherit it
+                try:
+                    async for item in inner_bidi(requests(), context):
+                        yield item
+                except grpc.aio.AbortError:
+                    raise
+                except Exception:  # noqa: BLE001
+                    await self._internal(context, method)
+                finally:
+                    with contextlib.suppress(ValueError):
+                        current_tenant.reset(reset)
+            return grpc.stream_stream_rpc_method_handler(bidi, deserialize, handler.response_serializer)
         return handler  # client-streaming methods: none in this service
 
 
@@ -160,6 +181,8 @@ def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: st
         yield  # pragma: no cover - makes this an async generator
 
     identity = lambda raw: raw  # noqa: E731
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, identity, handler.response_serializer)
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(refuse_stream, identity, handler.response_serializer)
     return grpc.unary_unary_rpc_method_handler(refuse, identity, handler.response_serializer)

@@ -137,8 +137,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         metrics.ERRORS.labels(e.code.name).inc()
         if e.retry_after_s is None:
             await context.abort(e.code, e.message)
-        ms = max(1, math.ceil(e.retry_after_s * 1000))
-        await context.abort(e.code, f"{e.message} (retry after {ms} ms)", trailing_metadata=((RETRY_AFTER_KEY, str(ms)),))
+        err = _stream_error(e.code, e.message, e.retry_after_s)
+        await context.abort(e.code, err.message, trailing_metadata=((RETRY_AFTER_KEY, str(err.retry_after_ms)),))
 
     async def _refuse(self, context, r: Refused):
         metrics.REFUSED.labels(r.reason).inc()
@@ -171,35 +171,87 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def Verify(self, request, context):
         try:
-            if self.draining:
-                # Rounds already inside finish; new ones go elsewhere: the edge retries, reaches a
-                # restarted or another replica, and replays its committed tokens there.
-                raise Refused("this verifier is draining (shutting down) and takes no new rounds; retry, a restarted "
-                              "or another replica will take the session", 0.5, "draining",
-                              code=grpc.StatusCode.UNAVAILABLE)
-            self.rounds.admit(current_tenant.get())
-            with self.inflight:
-                metrics.INFLIGHT.set(self.inflight.inflight)
-                tenant, opening = current_tenant.get(), None
-                try:
-                    # Content first: a malformed round is INVALID_ARGUMENT whatever the load.
-                    valid = self.engine.validate(request)
-                    if request.session_id:
-                        self._check_owner(request.session_id)
-                    elif self._admit_open(request.open):
-                        opening = request.open.open_key
-                        self._opening[tenant].append(opening)
-                    return await self.engine.verify(valid)
-                finally:
-                    if opening is not None:
-                        self._opening[tenant].remove(opening)
-                        if not self._opening[tenant]:
-                            del self._opening[tenant]
-                    metrics.INFLIGHT.set(self.inflight.inflight - 1)
+            return await self._verify_round(request)
         except Refused as r:
             await self._refuse(context, r)
         except RequestError as e:
             await self._fail(context, e)
+
+    async def _verify_round(self, request: pb.VerifyRequest) -> pb.VerifyReply:
+        """One round, as Verify and VerifyStream both run it; Refused / RequestError for its status."""
+        if self.draining:
+            # Rounds already inside finish; new ones go elsewhere: the edge retries, reaches a
+            # restarted or another replica, and replays its committed tokens there.
+            raise Refused("this verifier is draining (shutting down) and takes no new rounds; retry, a restarted "
+                          "or another replica will take the session", 0.5, "draining",
+                          code=grpc.StatusCode.UNAVAILABLE)
+        self.rounds.admit(current_tenant.get())
+        with self.inflight:
+            metrics.INFLIGHT.set(self.inflight.inflight)
+            tenant, opening = current_tenant.get(), None
+            try:
+                # Content first: a malformed round is INVALID_ARGUMENT whatever the load.
+                valid = self.engine.validate(request)
+                if request.session_id:
+                    self._check_owner(request.session_id)
+                elif self._admit_open(request.open):
+                    opening = request.open.open_key
+                    self._opening[tenant].append(opening)
+                return await self.engine.verify(valid)
+            finally:
+                if opening is not None:
+                    self._opening[tenant].remove(opening)
+                    if not self._opening[tenant]:
+                        del self._opening[tenant]
+                metrics.INFLIGHT.set(self.inflight.inflight - 1)
+
+    async def VerifyStream(self, request_iterator, context):
+        """A session's rounds over one stream: each goes through `_verify_round`, as a unary Verify
+        would, concurrently (a pipelined round waits for its predecessor inside the engine, so the
+        rounds of a window must not wait for each other here), and is answered as soon as it is done,
+        its status in the reply (StreamError). The stream ends when the client has sent its last
+        round and every round is answered."""
+        replies: asyncio.Queue[pb.StreamReply | None] = asyncio.Queue()
+        rounds: set[asyncio.Task] = set()
+
+        async def answer(msg: pb.StreamRound) -> None:
+            try:
+                reply = pb.StreamReply(tag=msg.tag, reply=await self._verify_round(msg.request))
+            except Refused as r:
+                metrics.REFUSED.labels(r.reason).inc()
+                metrics.ERRORS.labels(r.code.name).inc()
+                reply = pb.StreamReply(tag=msg.tag, error=pb.StreamError(code=r.code.value[0], message=r.message,
+                                                                         retry_after_ms=r.retry_after_ms))
+            except RequestError as e:
+                metrics.ERRORS.labels(e.code.name).inc()
+                reply = pb.StreamReply(tag=msg.tag, error=_stream_error(e.code, e.message, e.retry_after_s))
+            except Exception:  # noqa: BLE001 - a bug: this round INTERNAL (as the guard answers Verify), the rest go on
+                metrics.ERRORS.labels(grpc.StatusCode.INTERNAL.name).inc()
+                log.exception("unexpected error in a VerifyStream round")
+                reply = pb.StreamReply(tag=msg.tag, error=_stream_error(
+                    grpc.StatusCode.INTERNAL, "internal error in VerifyStream (logged by the server)", None))
+            await replies.put(reply)
+
+        async def read() -> None:
+            try:
+                async for msg in request_iterator:
+                    task = asyncio.ensure_future(answer(msg))
+                    rounds.add(task)
+                    task.add_done_callback(rounds.discard)
+                if rounds:
+                    await asyncio.wait(set(rounds))
+            finally:
+                await replies.put(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+            await reader   # a failure reading the requests ends the stream with it
+        finally:
+            # The client went away (or the call was cancelled): rounds already inside the engine
+            # finish there (their replies are cached for a retry); nothing more is read.
+            reader.cancel()
 
     async def Close(self, request, context):
         try:
@@ -232,6 +284,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await self._refuse(context, r)
         except RequestError as e:
             await self._fail(context, e)
+
+
+def _stream_error(code: grpc.StatusCode, message: str, retry_after_s: float | None) -> pb.StreamError:
+    """A round's status as a message: VerifyStream's per-round error, and the wording (with the retry
+    hint in ms) unary Verify aborts with."""
+    if retry_after_s is None:
+        return pb.StreamError(code=code.value[0], message=message)
+    ms = max(1, math.ceil(retry_after_s * 1000))
+    return pb.StreamError(code=code.value[0], message=f"{message} (retry after {ms} ms)", retry_after_ms=ms)
 
 
 class VerifierServer:

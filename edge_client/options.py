@@ -81,11 +81,14 @@ class ServerLimits:
     max_gamma: int | None = None           # largest chain (and tree depth)
     max_tree_nodes: int | None = None      # 0: chains only
     max_tree_branching: int | None = None  # children of one node
+    max_window: int | None = None          # rounds of a session in flight at once (None: not stated)
+    verify_stream: bool = False            # it answers VerifyStream
 
     @classmethod
     def from_info(cls, info) -> "ServerLimits":
         # In ServerInfo 0 means "not stated" for γ and branching, "chains only" for tree nodes.
-        return cls(info.max_gamma or None, info.max_tree_nodes, info.max_tree_branching or None)
+        return cls(info.max_gamma or None, info.max_tree_nodes, info.max_tree_branching or None,
+                   info.max_window or None, info.verify_stream)
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ class Speculation:
     slo_tpot_ms: float = 0.0             # the latency target stated to the verifier (0: none; its default)
     slo_ttft_ms: float = 0.0
     max_continuations: int = 8           # outcomes drafted for per round in flight (1: the one most likely guess)
+    window: int = 1                      # most rounds in flight at once (1: none; 2+: a window, pipeline
+                                         # implied; the cost model picks the depth, edge_client.window)
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -118,6 +123,9 @@ class Speculation:
             if not (isinstance(value, (int, float)) and 0 <= value <= 3_600_000):
                 raise OptionError(name, f"must be a number of milliseconds in [0, 3600000], got {value!r}")
         _at_least("max_continuations", self.max_continuations, 1)
+        _at_least("window", self.window, 1)
+        if self.window > 1 and not self.pipeline:
+            set_("pipeline", True)   # a window sends rounds before the replies: pipelined rounds
         if isinstance(self.qmode, str):
             try:
                 set_("qmode", QMode.parse(self.qmode))
@@ -166,6 +174,11 @@ class Speculation:
                 log.warning("gamma %d is above the verifier's limit; drafting %d", self.gamma, limits.max_gamma)
                 out = dataclasses.replace(out, gamma=limits.max_gamma)
             out = dataclasses.replace(out, max_gamma=min(out.max_gamma, limits.max_gamma))
+        if self.window > 2 and (limits.max_window or 2) < self.window:
+            # A verifier that does not state a window takes one pipelined round behind another.
+            log.warning("a window of %d rounds is above the verifier's limit; keeping %d in flight", self.window,
+                        limits.max_window or 2)
+            out = dataclasses.replace(out, window=limits.max_window or 2)
         if self.tree == "off":
             return out
         if limits.max_tree_nodes == 0:
@@ -187,8 +200,8 @@ class Speculation:
 def refuse_conflicts(spec: Speculation, drafter: str | None = None, drafter_builds_trees: bool = True) -> None:
     """The one place two options are refused together: OptionConflict naming both and why, before
     any model loads or the first round. Every other combination of the speculation options (chain,
-    tree or auto; proactive, pipeline, continuations; q none, fixed or float; greedy or sampled;
-    same vocabulary or across) runs: tests/test_option_matrix.py checks that it does.
+    tree or auto; proactive, pipeline, continuations, a window of rounds in flight; q none, fixed or
+    float; greedy or sampled; same vocabulary or across) runs: tests/test_option_matrix.py checks it.
     `drafter` (its name, e.g. 'lookup') and whether it builds trees: checked when given."""
     if drafter is not None and spec.tree != "off" and not drafter_builds_trees:
         raise OptionConflict(f"tree={_shown(spec.tree)}", f"drafter={drafter}",
@@ -220,6 +233,8 @@ class Transport:
     max_retries: int = 8                 # retries of one round on UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED
     max_replays: int = 8                 # replays of the committed sequence after NOT_FOUND / out of step
     max_wait_s: float = 300.0            # waiting out refusals for load (retry hints), per round
+    stream: bool = True                  # a session's rounds after the first on one VerifyStream call when
+                                         # the verifier offers it (ServerInfo.verify_stream); else unary Verify
 
     def __post_init__(self):
         if not self.deadline_s > 0:
@@ -281,6 +296,8 @@ def add_edge_options(p: argparse.ArgumentParser, *, server: bool = True, draftin
     n.add_argument("--deadline", type=float, default=30.0, help="seconds allowed per RPC before it is retried")
     if drafting:
         n.add_argument("--retries", type=int, default=8, help="retries of one round on UNAVAILABLE / DEADLINE_EXCEEDED")
+        n.add_argument("--no-stream", action="store_false", dest="stream",
+                       help="send every round as a unary Verify call, even to a verifier that offers VerifyStream")
     if security:
         _add_security(p)
 
@@ -315,6 +332,10 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     s.add_argument("--pipeline", action="store_true",
                    help="also send that next round before the reply (verified only if its base was committed, "
                         "discarded and counted otherwise)")
+    s.add_argument("--window", type=int, default=1, metavar="K",
+                   help="keep up to K rounds in flight (implies --pipeline): round r + 2 travels while r and r + 1 "
+                        "are unanswered, each keyed by the outcomes it assumes; the cost model picks the depth "
+                        "from the measured round trip, verifier, drafting and uplink times (1 = off)")
     s.add_argument("--no-steer", action="store_false", dest="steer",
                    help="with --gamma adaptive / --tree auto, ignore the verifier's draft budget")
     s.add_argument("--slo-tpot-ms", type=float, default=0.0,
@@ -349,7 +370,7 @@ FLAGS = {"gamma": "--gamma", "max_gamma": "--max-gamma", "qmode": "--q", "tree":
          "max_tree_nodes": "--max-tree-nodes", "deadline_s": "--deadline", "max_retries": "--retries",
          "tls_cert": "--tls-cert/--tls-key", "slo_tpot_ms": "--slo-tpot-ms", "slo_ttft_ms": "--slo-ttft-ms",
          "max_continuations": "--continuations", "drafter": "--drafter", "target_vocab": "--target-vocab",
-         "strict_tokenizer": "--strict-tokenizer"}
+         "strict_tokenizer": "--strict-tokenizer", "window": "--window"}
 
 
 def _flag(option: str) -> str:
@@ -377,12 +398,13 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
             max_tree_nodes=args.max_tree_nodes, proactive=args.proactive, pipeline=args.pipeline,
             strict_tokenizer=getattr(args, "strict_tokenizer", False), target_vocab=getattr(args, "target_vocab", None),
             steer=getattr(args, "steer", True), slo_tpot_ms=getattr(args, "slo_tpot_ms", 0.0),
-            slo_ttft_ms=getattr(args, "slo_ttft_ms", 0.0), max_continuations=args.continuations))
+            slo_ttft_ms=getattr(args, "slo_ttft_ms", 0.0), max_continuations=args.continuations,
+            window=getattr(args, "window", 1)))
         if hasattr(args, "drafter"):
             _as_flag(lambda: refuse_conflicts(spec, args.drafter, _drafter_class(args.drafter).supports_trees))
     transport = _as_flag(lambda: Transport(
         server=getattr(args, "server", ""), deadline_s=args.deadline,
-        max_retries=getattr(args, "retries", Transport.max_retries)))
+        max_retries=getattr(args, "retries", Transport.max_retries), stream=getattr(args, "stream", True)))
     security = Security()
     if hasattr(args, "token_file"):
         token = args.token

@@ -23,6 +23,7 @@ from edge_client.options import ADAPTIVE, Speculation
 from edge_client.pairing import Pairing, plan_prompt
 from edge_client.protocols import GammaPolicy
 from edge_client.stats import GenerationStats, RoundEvent
+from edge_client.stream import RoundStream, verify_on_stream
 from edge_client.transport import EdgeError, sampling_proto
 from spec_core import qcodec
 from spec_core.continuations import MAX_CONTINUATION_NODES, MAX_CONTINUATIONS, Outcome
@@ -71,7 +72,11 @@ class Generation:
         spec = await client._speculation(self.stats)  # within the verifier's limits
         pairing = await client._pair(self.stats)      # decided once per client, before its first round
         plan = await plan_prompt(pairing, self._prompt, client._in_drafter)
-        loop = _SessionLoop(client, spec, plan.ids, self.settings, self.stats, pairing, plan)
+        loop_class = _SessionLoop
+        if spec.window > 1:
+            from edge_client.window import WindowLoop   # it builds on this module's loop
+            loop_class = WindowLoop
+        loop = loop_class(client, spec, plan.ids, self.settings, self.stats, pairing, plan)
         try:
             while not loop.finished:
                 piece = await loop.step()
@@ -132,6 +137,20 @@ class _SessionLoop:
         self.spec_task: asyncio.Future | None = None  # the pipelined round, sent before the reply
         self.view0 = self.drafter.retokenization()   # across tokenizers: the draft view's counters so far
         self.uplink = UplinkFit()  # the uplink's time per request byte, for the continuations' cost
+        # Rounds after the first on one VerifyStream call when the verifier offers it (edge_client.stream).
+        info = self.verifier.known_info() if self.verifier is not None else None
+        self.stream = RoundStream(self.verifier.stub, self.verifier.metadata, client.transport.deadline_s) \
+            if info is not None and info.verify_stream and client.transport.stream else None
+
+    def _send(self, req: pb.VerifyRequest):
+        """A round's reply, retried and waited out as every call is (Verifier.call): the round that
+        opens a session as unary Verify (a cancelled open is closed there), later rounds on the stream
+        when there is one."""
+        if not req.session_id:
+            return self.verifier.open_round(req, self.st)
+        if self.stream is None:
+            return self.verifier.verify(req, self.st)
+        return verify_on_stream(self.verifier, self.stream, req, self.st)
 
     # --- one round ----------------------------------------------------------------------------
 
@@ -141,8 +160,7 @@ class _SessionLoop:
         prep = await self._next_draft(remaining)
         req = self._request(prep, self.last_round + 1)
         t_round = time.perf_counter()
-        reply_task = asyncio.ensure_future(self.verifier.verify(req, self.st) if self.session_id
-                                           else self.verifier.open_round(req, self.st))
+        reply_task = asyncio.ensure_future(self._send(req))
         await self._work_during_round_trip(prep, remaining, reply_task, req.round)
         try:
             reply = await reply_task
@@ -194,7 +212,7 @@ class _SessionLoop:
             spec_req.continuations.extend(self._continuation(g) for g in guesses[1:])
             self.st.continuations_sent += len(guesses)
             # Retried like any round: a lost reply is answered from the server's cache.
-            self.spec_task = asyncio.ensure_future(self.verifier.verify(spec_req, self.st))
+            self.spec_task = asyncio.ensure_future(self._send(spec_req))
 
     def _replay_after(self, e: EdgeError) -> bool:
         """Whether to replay the committed tokens in a new session: the verifier lost ours (NOT_FOUND)
@@ -422,6 +440,8 @@ class _SessionLoop:
     async def close(self) -> None:
         """Settle background work, complete the stats, and close the session if it is unfinished."""
         await _settle(self.ahead_job, self.spec_task)
+        if self.stream is not None:
+            await self.stream.close()
         self._complete_stats()
         # A finished session needs no Close: the server frees its KV cache when generation ends.
         # One left early (the caller stopped reading, was cancelled, or a round failed) is closed

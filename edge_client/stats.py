@@ -43,6 +43,7 @@ class GenerationStats:
     continuation_rounds: int = 0    # rounds during whose flight continuations were drafted
     continuations_sent: int = 0     # alternatives shipped in pipelined rounds (each drafted for one outcome)
     continuation_hits: int = 0      # rounds whose outcome a continuation had been drafted for (sent or reused)
+    window_depth: float = 0.0       # a window (Speculation.window > 1): mean rounds in flight when one was sent
     token_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:

@@ -186,12 +186,13 @@ def _add_experiment_command(subparsers) -> None:
         "experiment", help="run every mode over link profiles and workloads, write results and a report",
         description="Start a verifier, put each profile's link between it and the edge, and measure "
                     "edge-only, cloud-only, cloud-stepwise (γ = 0), per-token, hybrid (fixed γ), adaptive γ, "
-                    "token trees, proactive drafting and pipelined rounds on each workload.")
+                    "token trees, proactive drafting, pipelined rounds, continuations and a window of rounds in flight "
+                    "on each workload.")
     parser.add_argument("--profiles", default="lan,lte,3g,edge-lossy,geo-sat", help="comma-separated profile names")
     parser.add_argument("--modes", default="all", help="all, or a comma-separated subset of " + ", ".join(
         ("edge-only", "cloud-only", "cloud-stepwise", "per-token", "hybrid", "adaptive", "tree", "proactive",
-         "pipeline", "continuations")) + " (hybrid, tree, proactive, pipeline and continuations run once per γ in "
-        "--gammas)")
+         "pipeline", "continuations", "window")) + " (hybrid, tree, proactive, pipeline, continuations and window run "
+        "once per γ in --gammas)")
     parser.add_argument("--workloads", default="all",
                         help="all, or a subset of code,json,summarisation,translation,chat,creative")
     parser.add_argument("--prompts-per-workload", type=int, default=1, help="prompts run from each workload")

@@ -14,7 +14,9 @@ probable frontier nodes expanded per level), proactive-gN (fixed γ; the next ro
 during the round trip from the most likely outcome), pipeline-gN (that round is also sent
 before the reply; verified only on a committed base) and continuations-gN (the pipelined round
 carries next rounds for several likely outcomes, as many as the cost model says pay; the
-verifier runs the one whose base was committed: spec_core.continuations).
+verifier runs the one whose base was committed: spec_core.continuations) and window-gN (up to
+WINDOW rounds in flight over VerifyStream, round r + 2 travelling while r and r + 1 are unanswered,
+each keyed by the outcomes it assumes; the cost model picks the depth: edge_client.window).
 """
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ log = logging.getLogger(__name__)
 # Sampling per workload category: creative writing runs hot, structured output cold.
 TEMPERATURE = {"code": 0.2, "json": 0.2, "summarisation": 0.7, "translation": 0.7, "chat": 0.7, "creative": 1.0}
 ALL_MODES = ("edge-only", "cloud-only", "cloud-stepwise", "per-token", "hybrid", "adaptive", "tree", "proactive",
-             "pipeline", "continuations")
-PER_GAMMA_MODES = ("hybrid", "tree", "proactive", "pipeline", "continuations")  # one run per γ in --gammas (mode-gN)
+             "pipeline", "continuations", "window")
+PER_GAMMA_MODES = ("hybrid", "tree", "proactive", "pipeline", "continuations", "window")
+WINDOW = 4   # the window mode's most rounds in flight (the verifier's default max_window)  # one run per γ in --gammas (mode-gN)
 
 
 @dataclass
@@ -106,6 +109,7 @@ class Row:
     rolled_back_per_round: float | None = None  # two tokenizers: draft tokens re-tokenized per round (DraftView)
     continuation_rounds: int = 0           # rounds during whose flight continuations were drafted
     continuations_sent: int = 0            # alternatives shipped in pipelined rounds
+    window_depth: float | None = None      # window mode: mean rounds in flight when one was sent
     continuation_hits: int = 0             # rounds whose outcome had a continuation (sent and kept, or reused)
 
 
@@ -215,7 +219,7 @@ class Runner:
             else:
                 g = {"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)
                 extra = {"proactive": {"proactive": True}, "pipeline": {"pipeline": True, "max_continuations": 1},
-                         "continuations": {"pipeline": True}}.get(mode, {})
+                         "continuations": {"pipeline": True}, "window": {"window": WINDOW}}.get(mode, {})
                 if mode == "tree":
                     extra = {"tree": f"budget={4 * int(gamma)},depth={gamma},branching=2,width=2"}
                 options = EdgeOptions(Transport(f"127.0.0.1:{port}", deadline_s=120),
@@ -246,6 +250,7 @@ class Runner:
                                                                              st.discarded_rounds)
             row.continuation_rounds, row.continuations_sent, row.continuation_hits = (
                 st.continuation_rounds, st.continuations_sent, st.continuation_hits)
+            row.window_depth = st.window_depth or None
         return row
 
     def _edge_only(self, profile, workload, index, prompt_ids, settings) -> Row:
@@ -390,6 +395,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             "continuation_hits": sum(r.get("continuation_hits", 0) for r in rs),
             "continuation_hit_rate": (sum(r.get("continuation_hits", 0) for r in rs)
                                       / max(sum(r.get("continuation_rounds", 0) for r in rs), 1)),
+            "rounds_in_flight": _mean([r.get("window_depth") for r in rs]),
         })
     return out
 

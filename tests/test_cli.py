@@ -38,8 +38,9 @@ def test_generate_streams_text_and_ends_with_json(verifier, tiny_models):
     assert "\n".join(text) == stats["text"]
 
 
-@pytest.mark.parametrize("extra", [["--tree", "auto", "--proactive"], ["--tree", "budget=8,depth=3", "--pipeline"]],
-                         ids=["tree-auto-proactive", "tree-shape-pipeline"])
+@pytest.mark.parametrize("extra", [["--tree", "auto", "--proactive"], ["--tree", "budget=8,depth=3", "--pipeline"],
+                                   ["--tree", "budget=8,depth=3", "--window", "3"]],
+                         ids=["tree-auto-proactive", "tree-shape-pipeline", "tree-shape-window"])
 def test_generate_with_trees_and_rounds_in_flight(verifier, tiny_models, extra):
     r = subprocess.run([sys.executable, "-m", "edge_client", "generate", "--server", verifier,
                         "--draft", str(tiny_models["draft"]), "--prompt", "hello world", "--max-tokens", "24",
@@ -49,7 +50,7 @@ def test_generate_with_trees_and_rounds_in_flight(verifier, tiny_models, extra):
     stats = json.loads(r.stdout.rstrip("\n").split("\n")[-1])
     assert stats["tokens"] == 24 and stats["tree_rounds"] > 0 and stats["nodes_per_round"] > 1
     for key in ("reused_drafts", "discarded_rounds", "pipelined_rounds", "plans", "continuations_sent",
-                "continuation_hits"):
+                "continuation_hits", "window_depth"):
         assert key in stats
 
 

@@ -57,8 +57,9 @@ def _unavailable():
 async def test_lost_replies_are_retried_without_double_commit(temperature):
     backend = SyntheticBackend(vocab=VOCAB)
     async with VerifierServer(backend, "127.0.0.1", 0, Limits()) as server:
-        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=4), SyntheticDrafter(VOCAB, noise=1.0),
-                              SyntheticTokenizer(VOCAB)) as c:
+        # stream=False: the faults are injected into unary Verify (the stream's own: tests/test_window.py)
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=4, stream=False),
+                              SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB)) as c:
             c._stub = LosingReplies(c._stub)
             gen = c.generate("5 6 7", SamplingSettings(temperature=temperature, max_new_tokens=N, ignore_eos=True,
                                                        seed=3))

@@ -97,7 +97,7 @@ class LosingCommittedReplies:
 async def _lossy_session(old_server: bool = False):
     settings = SamplingSettings(temperature=1.0, max_new_tokens=N_TOKENS, ignore_eos=True)   # unseeded
     async with running_server(SyntheticBackend(vocab=V, seed=0, n_ctx=N_TOKENS + 8), max_new_tokens_cap=N_TOKENS) as server:
-        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=1, qmode="float:0", pipeline=True,
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=1, qmode="float:0", pipeline=True, stream=False,
                                            max_continuations=1, max_replays=10_000),
                               SyntheticDrafter(V, seed=0, noise=NOISE), SyntheticTokenizer(V)) as c:
             c._stub = stub = LosingCommittedReplies(c._stub, LOSE, np.random.default_rng(), old_server)

@@ -4,13 +4,16 @@ One verifier and the n edges assigned to it are simulated (edges are spread even
 verifier's edges do not interact with another's, so V verifiers for N edges behave like one
 verifier with N/V edges). The parts, one job each:
 
-  costs        what a forward pass costs (a line for a CPU backend, a roofline for a GPU)
+  costs        what a forward pass costs (a line for a CPU backend, a roofline for a GPU and its host path)
+  hostpath     the acceptance maths per pass, from a measured table (bench/fleet/host_path.json)
   links        an edge's connection: the proxy's own link model, draw for draw
   policies     the verifier's policies, the shipped functions themselves: batch order, draft budget,
                KV victim, SLO verdict (a test fails if the fleet writes its own)
   simulation   the event loop: edges, links, the verifier's passes (planned as the Batcher plans them)
   calibration  the simulator's parameters from a `netsim load` run (`Calibration`)
   report       each load run checked against its calibration; verifiers per N edges at an SLO
+  gpu          capacity and goodput per GPU for each path of the vLLM backend; SpecEdge's set-up
+  regime       the regime map: hybrid / cloud-only per GPU across target, context, link and α, what binds
 """
 from netsim.fleet.calibration import (LLAMA_CPP_UBATCH, SYNTHETIC_UBATCH, Calibration, alpha_from_tokens_per_round,
                                       calibrate_from_load, cpu_per_unit, fleet_config, load_batching,

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+from netsim.fleet.hostpath import HostPath
 
 
 @dataclass(frozen=True)
@@ -12,20 +15,42 @@ class LinearCost:
     per_token_s: float
     name: str = "linear"
 
-    def pass_s(self, tokens: int, sessions: int) -> float:
+    def pass_s(self, tokens: int, sessions: int, hybrid: bool = True) -> float:
         return self.fixed_s + self.per_token_s * tokens
 
     def describe(self) -> str:
         return f"{self.name}: {self.fixed_s * 1e3:.2f} ms + {self.per_token_s * 1e3:.3f} ms/token"
 
 
+class PassParts(NamedTuple):
+    """What a pass's time is made of: the roofline's two terms and the host path after it (seconds)."""
+    memory_s: float    # weights and the sessions' KV read at the achieved HBM bandwidth
+    compute_s: float   # the tokens' FLOPs (weights and attention over the context) at the achieved rate
+    host_s: float      # the acceptance maths after the pass (hybrid rounds) or the sampler (streams)
+    overhead_s: float  # anything else per pass
+
+    @property
+    def total_s(self) -> float:
+        return max(self.memory_s, self.compute_s) + self.host_s + self.overhead_s
+
+    def binds(self) -> str:
+        """The largest part: "compute", "HBM bandwidth" or "host path"."""
+        gpu = ("compute", self.compute_s) if self.compute_s >= self.memory_s else ("HBM bandwidth", self.memory_s)
+        return max((gpu, ("host path", self.host_s)), key=lambda kv: kv[1])[0]
+
+
 @dataclass(frozen=True)
 class RooflineCost:
     """A GPU pass: the slower of reading the weights and the sessions' KV cache at the achieved
-    memory bandwidth, and the FLOPs of `tokens` at the achieved compute rate; plus a launch floor.
+    memory bandwidth, and the FLOPs of `tokens` at the achieved compute rate; then the host path.
 
     pass_s = max((model_bytes + sessions·context·kv_bytes_per_token) / (bw·bw_eff),
-                 2·params·tokens / (flops·flops_eff)) + overhead_s
+                 (2·params + attention_flops_per_context_token·context)·tokens / (flops·flops_eff))
+             + host(rounds) + overhead_s
+
+    The host path is what we run after the pass, from the measured table (netsim.fleet.hostpath):
+    `host` for a pass of hybrid rounds (each session in the pass one round), `stream_host` for a pass
+    of cloud-only streams (vLLM's sampler). Without them (None) a pass costs its roofline alone.
     """
 
     params: float                  # model parameters
@@ -33,37 +58,56 @@ class RooflineCost:
     kv_bytes_per_token: float      # KV cache bytes per token of context (all layers, K and V)
     context_tokens: int            # mean context per session
     hbm_bytes_per_s: float         # peak memory bandwidth
-    flops_per_s: float             # peak dense bf16 FLOP/s
+    flops_per_s: float             # peak dense FLOP/s at the weights' precision
     bw_efficiency: float = 0.7     # achieved / peak bandwidth (our assumption)
     flops_efficiency: float = 0.5  # achieved / peak FLOPs (our assumption)
-    overhead_s: float = 0.0005     # kernel launches, sampling, scheduling per pass (our assumption)
+    overhead_s: float = 0.0        # anything else per pass (none charged: the host path is measured)
+    attention_flops_per_context_token: float = 0.0   # per query token: 4·layers·hidden (QK^T and AV)
+    host: HostPath | None = None          # the hybrid rounds' acceptance maths per pass
+    stream_host: HostPath | None = None   # the cloud-only streams' sampling per pass
     name: str = "roofline"
 
-    def pass_s(self, tokens: int, sessions: int) -> float:
+    def parts(self, tokens: int, sessions: int, hybrid: bool = True) -> PassParts:
         memory_s = (self.model_bytes + sessions * self.context_tokens * self.kv_bytes_per_token) / (
             self.hbm_bytes_per_s * self.bw_efficiency)
-        compute_s = 2.0 * self.params * tokens / (self.flops_per_s * self.flops_efficiency)
-        return max(memory_s, compute_s) + self.overhead_s
+        flops_per_token = 2.0 * self.params + self.attention_flops_per_context_token * self.context_tokens
+        compute_s = flops_per_token * tokens / (self.flops_per_s * self.flops_efficiency)
+        host = self.host if hybrid else self.stream_host
+        return PassParts(memory_s, compute_s, host.pass_s(sessions) if host else 0.0, self.overhead_s)
+
+    def pass_s(self, tokens: int, sessions: int, hybrid: bool = True) -> float:
+        return self.parts(tokens, sessions, hybrid).total_s
 
     def describe(self) -> str:
+        host = f"; {self.host.describe()}" if self.host else ""
         return (f"{self.name}: {self.params / 1e9:g}B params, {self.model_bytes / 1e9:g} GB weights, "
                 f"{self.kv_bytes_per_token / 1e3:g} kB KV/token x {self.context_tokens} tokens/session, "
                 f"{self.hbm_bytes_per_s / 1e12:g} TB/s x {self.bw_efficiency:g}, "
-                f"{self.flops_per_s / 1e12:g} TFLOP/s x {self.flops_efficiency:g}, +{self.overhead_s * 1e3:g} ms")
+                f"{self.flops_per_s / 1e12:g} TFLOP/s x {self.flops_efficiency:g}"
+                + (f", +{self.overhead_s * 1e3:g} ms" if self.overhead_s else "") + host)
 
 
-# Llama-3.1-8B in bf16 (config.json: 32 layers, 8 KV heads of 128 dims; 8.03e9 parameters):
-# KV per token = 2 (K, V) x 32 x 8 x 128 x 2 bytes = 131 kB.
+# Llama-3.1-8B in bf16 (config.json: 32 layers, 8 KV heads of 128 dims, hidden 4096; 8.03e9 parameters):
+# KV per token = 2 (K, V) x 32 x 8 x 128 x 2 bytes = 131 kB; attention 4 x 32 x 4096 FLOPs per query
+# token per context token.
 LLAMA_8B = dict(params=8.03e9, model_bytes=16.06e9, kv_bytes_per_token=131_072)
+LLAMA_8B_ATTENTION = 4 * 32 * 4096
+# Llama-3.1-70B in fp8 (config.json: 80 layers, 8 KV heads of 128 dims, hidden 8192; 70.6e9 parameters),
+# weights one byte each, KV cache in bf16 (vLLM's kv_cache_dtype "auto"): 2 x 80 x 8 x 128 x 2 = 328 kB.
+LLAMA_70B_FP8 = dict(params=70.6e9, model_bytes=70.6e9, kv_bytes_per_token=327_680)
+LLAMA_70B_ATTENTION = 4 * 80 * 8192
 # NVIDIA H100 SXM5 datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16 (1979 with sparsity).
 H100 = dict(hbm_bytes_per_s=3.35e12, flops_per_s=989e12)
 # NVIDIA H200 datasheet: 4.8 TB/s HBM3e, 141 GB, same compute as the H100 SXM.
 H200 = dict(hbm_bytes_per_s=4.8e12, flops_per_s=989e12)
+H200_MEMORY = 141e9
+H200_FP8_FLOPS = 1979e12   # dense FP8 (3958 with sparsity)
 
 
-def gpu_cost(gpu: dict = H200, context_tokens: int = 1024) -> RooflineCost:
-    return RooflineCost(**LLAMA_8B, **gpu, context_tokens=context_tokens, name="H200, Llama-3.1-8B bf16"
-                        if gpu is H200 else "H100, Llama-3.1-8B bf16")
+def gpu_cost(gpu: dict = H200, context_tokens: int = 1024, host: HostPath | None = None,
+             stream_host: HostPath | None = None) -> RooflineCost:
+    return RooflineCost(**LLAMA_8B, **gpu, context_tokens=context_tokens, host=host, stream_host=stream_host,
+                        name="H200, Llama-3.1-8B bf16" if gpu is H200 else "H100, Llama-3.1-8B bf16")
 
 
 def kv_sessions(gpu_memory_bytes: float, cost: RooflineCost, usable: float = 0.9) -> int:

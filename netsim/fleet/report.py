@@ -15,6 +15,7 @@ import numpy as np
 
 from netsim.fleet.calibration import Calibration, calibrate_from_load, fleet_config, load_schedule, run_alpha
 from netsim.fleet.costs import H100, H200, LinearCost, gpu_cost, kv_sessions
+from netsim.fleet.hostpath import HostPathTable, stream_rows
 from netsim.fleet.simulation import FleetConfig, simulate
 from spec_core.slo import run_meets_slo
 
@@ -132,10 +133,13 @@ def run_fleet(load_results: list[dict], *, slo_s: float, totals: list[int], prof
               cpu_per_token_s: float, gpu: str, cpu_cost: LinearCost | None = None, cpu_ubatch: int | None = None,
               gpu_alpha: float, gpu_draft_s: float, gpu_context: int, gpu_overhead_s: float,
               capacity_duration_s: float = 12.0, progress=None, slo_ttft_s: float | None = None,
-              gpu_cases: list | None = None, gpu_duration_s: float = 6.0, specedge: dict | None = None) -> dict:
+              gpu_cases: list | None = None, gpu_duration_s: float = 6.0, specedge: dict | None = None,
+              host_path: str = "numpy-per-session", host_setting: str = "greedy") -> dict:
     """Calibrate on each load result and check against it; then the capacity table, whose serial rows take
     the first serial calibration's parameters and whose batched rows (and the GPU case's edges) the first
-    batched one's (either falls back to the first calibration)."""
+    batched one's (either falls back to the first calibration). The GPU's host path per pass is the
+    measured table's row (netsim.fleet.hostpath): `host_path` for the hybrid's rounds at `host_setting`,
+    vLLM's sampler on the device for cloud-only streams."""
     calibrations, checks = [], []
     for load in load_results:
         params = calibrate_from_load(load, per_token_s=cpu_per_token_s)
@@ -157,7 +161,10 @@ def run_fleet(load_results: list[dict], *, slo_s: float, totals: list[int], prof
                        max_batch_tokens=params.max_batch_tokens if cpu_ubatch is None else cpu_ubatch)
     cpu_serial, cpu_batched = cpu_scenario(calibrations[serial]), cpu_scenario(calibrations[batched])
     gpu_spec, memory = (H200, 141e9) if gpu == "h200" else (H100, 80e9)
-    gpu_model = gpu_cost(gpu_spec, gpu_context)
+    table = HostPathTable.load()
+    device_row = table.get("batched-on-device", host_setting)
+    gpu_model = gpu_cost(gpu_spec, gpu_context, host=table.get(host_path, host_setting),
+                         stream_host=stream_rows(device_row, calibrations[batched].gamma))
     # The GPU verifier's CPU per round is our assumption and nothing else is left of the Python
     # server's time; a GPU engine keeps its streams in its batch (their next token is in the next
     # step, the streaming runs beside the GPU). The edges keep their calibrated figures.

@@ -16,7 +16,8 @@ is filled in arrival order; a request is answered after the pass that holds its 
 no pass waits for a batch to fill. `packing="slack"` is the Batcher's `--schedule slack`
 (`spec_core.batchplan.least_slack_first`, each request's deadline from the SLO as the engine sets
 it). `packing="fcfs"` takes whole requests in arrival order up to `max_batch_tokens` (a vLLM-like
-scheduler: the GPU case). A pass over T tokens for S sessions costs `cost.pass_s(T, S)`. The
+scheduler: the GPU case). A pass over T tokens for S sessions costs `cost.pass_s(T, S, hybrid)` (a GPU's host path differs: the
+rounds' acceptance maths or the streams' sampler). The
 verifier's policies (batch order, draft budget, KV victim, SLO verdict) are the shipped functions,
 through netsim.fleet.policies.
 
@@ -327,7 +328,7 @@ class _Simulation:
             job = self.waiting.pop(0)   # the model's lock: measured closer to first come than to random
             plan = [Take(job, job.tokens)]
         tokens = sum(take.tokens for take in plan)
-        duration = cfg.cost.pass_s(tokens, len(plan))
+        duration = cfg.cost.pass_s(tokens, len(plan), self.hybrid)
         if self.in_window(t):
             self.passes += 1
             self.target_tokens += tokens

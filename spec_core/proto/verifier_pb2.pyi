@@ -146,6 +146,34 @@ class Continuation(_message.Message):
     q: QPayload
     def __init__(self, assumed_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[QPayload, _Mapping]] = ...) -> None: ...
 
+class StreamRound(_message.Message):
+    __slots__ = ("tag", "request")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    request: VerifyRequest
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "message", "retry_after_ms")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    retry_after_ms: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+
+class StreamReply(_message.Message):
+    __slots__ = ("tag", "reply", "error")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    reply: VerifyReply
+    error: StreamError
+    def __init__(self, tag: _Optional[int] = ..., reply: _Optional[_Union[VerifyReply, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
 class ServerTimings(_message.Message):
     __slots__ = ("model_ms", "queue_ms", "total_ms")
     MODEL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -225,7 +253,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("backend", "model", "n_vocab", "n_ctx", "tokenizer_fingerprint", "max_gamma", "max_sessions", "eos_token_ids", "version", "max_tree_nodes", "max_tree_branching", "batching", "text_prompts", "chat_prompts", "draft_budgets", "slo")
+    __slots__ = ("backend", "model", "n_vocab", "n_ctx", "tokenizer_fingerprint", "max_gamma", "max_sessions", "eos_token_ids", "version", "max_tree_nodes", "max_tree_branching", "batching", "text_prompts", "chat_prompts", "draft_budgets", "slo", "verify_stream", "max_window")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     N_VOCAB_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +270,8 @@ class ServerInfo(_message.Message):
     CHAT_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_BUDGETS_FIELD_NUMBER: _ClassVar[int]
     SLO_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STREAM_FIELD_NUMBER: _ClassVar[int]
+    MAX_WINDOW_FIELD_NUMBER: _ClassVar[int]
     backend: str
     model: str
     n_vocab: int
@@ -258,7 +288,9 @@ class ServerInfo(_message.Message):
     chat_prompts: bool
     draft_budgets: bool
     slo: SessionSlo
-    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_branching: _Optional[int] = ..., batching: _Optional[bool] = ..., text_prompts: _Optional[bool] = ..., chat_prompts: _Optional[bool] = ..., draft_budgets: _Optional[bool] = ..., slo: _Optional[_Union[SessionSlo, _Mapping]] = ...) -> None: ...
+    verify_stream: bool
+    max_window: int
+    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_branching: _Optional[int] = ..., batching: _Optional[bool] = ..., text_prompts: _Optional[bool] = ..., chat_prompts: _Optional[bool] = ..., draft_budgets: _Optional[bool] = ..., slo: _Optional[_Union[SessionSlo, _Mapping]] = ..., verify_stream: _Optional[bool] = ..., max_window: _Optional[int] = ...) -> None: ...
 
 class VocabularyRequest(_message.Message):
     __slots__ = ("fingerprint",)

@@ -39,6 +39,11 @@ class VerifierStub:
                 request_serializer=hybridspec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=hybridspec_dot_v1_dot_verifier__pb2.VerifyReply.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/hybridspec.v1.Verifier/VerifyStream',
+                request_serializer=hybridspec_dot_v1_dot_verifier__pb2.StreamRound.SerializeToString,
+                response_deserializer=hybridspec_dot_v1_dot_verifier__pb2.StreamReply.FromString,
+                _registered_method=True)
         self.Close = channel.unary_unary(
                 '/hybridspec.v1.Verifier/Close',
                 request_serializer=hybridspec_dot_v1_dot_verifier__pb2.CloseRequest.SerializeToString,
@@ -71,6 +76,20 @@ class VerifierServicer:
         Errors: INVALID_ARGUMENT (malformed fields), FAILED_PRECONDITION (tokenizer mismatch,
         committed length or round out of step), NOT_FOUND (unknown session: replay with `open`),
         RESOURCE_EXHAUSTED (gamma or context above the server's limits), UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyStream(self, request_iterator, context):
+        """One session's rounds over one bidirectional stream (ServerInfo.verify_stream says the server
+        has it): each StreamRound is verified exactly as Verify verifies its request (the same checks,
+        waits, reply cache and statuses), concurrently, and answered by a StreamReply with the same tag
+        as soon as it is done, so replies may come out of order. A round's error is its StreamReply's
+        `error` (the status unary Verify would end with); the stream itself ends with a status only for
+        what concerns the call (UNAUTHENTICATED, an undecodable message). A broken stream loses only
+        unanswered replies: resend those rounds (on a new stream or with Verify), as after a lost reply.
+        Clients that keep rounds in flight (a window, edge_client.window) use it; Verify stays.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,6 +135,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=hybridspec_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
                     response_serializer=hybridspec_dot_v1_dot_verifier__pb2.VerifyReply.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
+                    request_deserializer=hybridspec_dot_v1_dot_verifier__pb2.StreamRound.FromString,
+                    response_serializer=hybridspec_dot_v1_dot_verifier__pb2.StreamReply.SerializeToString,
             ),
             'Close': grpc.unary_unary_rpc_method_handler(
                     servicer.Close,
@@ -165,6 +189,33 @@ class Verifier:
             '/hybridspec.v1.Verifier/Verify',
             hybridspec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
             hybridspec_dot_v1_dot_verifier__pb2.VerifyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hybridspec.v1.Verifier/VerifyStream',
+            hybridspec_dot_v1_dot_verifier__pb2.StreamRound.SerializeToString,
+            hybridspec_dot_v1_dot_verifier__pb2.StreamReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -71,10 +71,10 @@ def test_calibration_recovers_the_parameters_of_a_load_run():
 
 def test_gpu_roofline_figures():
     cost = gpu_cost(H200, context_tokens=1024)
-    # Memory-bound at small batches: 16.06 GB / (4.8 TB/s · 0.7) = 4.78 ms, + 0.5 ms overhead.
-    assert cost.pass_s(1, 0) == pytest.approx(16.06e9 / (4.8e12 * 0.7) + 0.0005)
+    # Memory-bound at small batches: 16.06 GB / (4.8 TB/s · 0.7) = 4.78 ms (no host path given: none charged).
+    assert cost.pass_s(1, 0) == pytest.approx(16.06e9 / (4.8e12 * 0.7))
     # Compute-bound for big batches: 2 · 8.03e9 · 4096 / (989e12 · 0.5) = 133 ms.
-    assert cost.pass_s(4096, 0) == pytest.approx(2 * 8.03e9 * 4096 / (989e12 * 0.5) + 0.0005)
+    assert cost.pass_s(4096, 0) == pytest.approx(2 * 8.03e9 * 4096 / (989e12 * 0.5))
     # (141 GB · 0.9 − 16.06 GB) / (131 kB · 1024 tokens) = 825 sessions.
     assert kv_sessions(141e9, cost) == 825
 
@@ -493,3 +493,19 @@ def test_the_simulation_calls_the_shipped_policies(monkeypatch):
     simulate(_gpu_like(4, packing="slack", duration_s=2.0))
     assert all(calls.get(name, 0) > 0 for name in ("draft_budget", "fair_share", "least_slack_first",
                                                     "choose_victim", "meets_slo")), calls
+
+
+def test_the_gpu_pass_charges_the_host_path_per_round_in_the_simulation():
+    # 64 edges on lte against an 8B roofline: the shipped numpy maths (10 ms a round here, to stand out)
+    # is paid once per round of every pass, so each pass is longer and the edges commit less.
+    from netsim.fleet.hostpath import HostPath
+    slow = HostPath("numpy-per-session", "cpu", "greedy", 128_256, 0.0, 0.010)
+    bare = gpu_cost(H200, context_tokens=1024)
+    charged = gpu_cost(H200, context_tokens=1024, host=slow)
+    without = simulate(_gpu_like(64, cost=bare, duration_s=4.0))
+    with_host = simulate(_gpu_like(64, cost=charged, duration_s=4.0))
+    assert with_host["committed_tokens_per_s"] < 0.8 * without["committed_tokens_per_s"]
+    # Control: cloud-only streams pay `stream_host` (vLLM's sampler), not the rounds' maths.
+    cloud_bare = simulate(_gpu_like(64, mode="cloud-only", cost=bare, duration_s=4.0))
+    cloud_charged = simulate(_gpu_like(64, mode="cloud-only", cost=charged, duration_s=4.0))
+    assert cloud_charged["committed_tokens_per_s"] == pytest.approx(cloud_bare["committed_tokens_per_s"])
