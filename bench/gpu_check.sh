@@ -20,7 +20,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SHORT=0
-[ "${1:-}" = "--short" ] && SHORT=1
+for arg in "$@"; do
+  case "$arg" in
+    --short) SHORT=1 ;;
+    *) echo "usage: bash bench/gpu_check.sh [--short]  (unknown argument: $arg)" >&2; exit 2 ;;
+  esac
+done
 RESULTS=${OUT:-.}/gpu_results.txt
 BUDGET=$([ $SHORT = 1 ] && echo 170 || echo 470)
 START=$(date +%s)
