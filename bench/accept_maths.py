@@ -21,13 +21,15 @@ copy and the ids' way back (with torch.cuda.synchronize).
   .venv-vllm/bin/python bench/accept_maths.py                       # the full table (torch is in .venv-vllm)
   .venv-vllm/bin/python bench/accept_maths.py --sessions 1 4 --vocabs 49152 --reps 1   # a short run
 
-Writes --out (markdown) with the machine line. Timing: the median of --reps passes (one untimed
+Writes --out (markdown) with the machine line, and beside it the same figures as JSON rows (path,
+device, setting, vocab, sessions, pass_s) that netsim.fleet.hostpath reads as its host-path table. Timing: the median of --reps passes (one untimed
 pass first); cells whose logits would exceed --max-gib are skipped and say so, and with
 --cpu-max-gib the CPU columns of larger cells read "-".
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -129,6 +131,7 @@ def main() -> None:
     print(head, flush=True)
     cols = ["numpy"] + [f"{k} {d}" for d in devices for k in ("torch", "floor")]
     lines = ["| vocab | setting | sessions | " + " | ".join(cols) + " |", "|" + "---|" * (3 + len(cols))]
+    rows = []   # for netsim.fleet.hostpath: one measurement per (column, cell)
     print(lines[0], flush=True)
     for vocab in args.vocabs:
         for name in args.settings:
@@ -145,6 +148,10 @@ def main() -> None:
                     del logits
                     line = f"| {vocab} | {name} | {sessions} | " + " | ".join(
                         f"{r[c] * 1e3:.1f}" if c in r else "-" for c in cols) + " |"
+                    for c, seconds in r.items():
+                        path, _, device = c.partition(" ")
+                        rows.append({"path": path, "device": device or "cpu", "setting": name, "vocab": vocab,
+                                     "sessions": sessions, "gamma": args.gamma, "pass_s": seconds})
                 lines.append(line)
                 print(line, flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +159,9 @@ def main() -> None:
         "# The acceptance maths per pass (bench/accept_maths.py)\n\n"
         f"`{' '.join([Path(sys.executable).name, 'bench/accept_maths.py'] + sys.argv[1:])}`\n\n{head}\n\n"
         + "\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    # The same figures as rows that netsim.fleet.hostpath.HostPathTable reads (its host-path table).
+    Path(args.out).with_suffix(".json").write_text(json.dumps({"machine": head, "rows": rows}, indent=1))
+    print(f"wrote {args.out}, {Path(args.out).with_suffix('.json')}")
 
 
 if __name__ == "__main__":

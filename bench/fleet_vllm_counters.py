@@ -154,6 +154,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=None, help="steady-state rounds per cell (default: the block size)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"some of {','.join(SETTINGS)}")
+    ap.add_argument("--paths", default=None,
+                    help="only cells of these paths (per-position, one-request, tree, tree-leaves); 'top-k', the "
+                         "name earlier versions gave it, is the top-k setting's one-request cell")
     ap.add_argument("--vllm-model", default=None, help="HF folder (default: the bundled SmolLM2 dequantized)")
     ap.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", default=str(ROOT / "bench" / "fleet" / "vllm_counters.json"))
@@ -175,8 +178,10 @@ def main() -> int:
     rounds = args.rounds or block
     cells = []
     try:
+        wanted = set(args.paths.split(",")) if args.paths else None
         plan = [(s, p, shipped, g) for g in gammas for s in args.settings.split(",")
-                for p, shipped in paths_for(backend, s)]
+                for p, shipped in paths_for(backend, s)
+                if wanted is None or p in wanted or (s, p) == ("top-k", "one-request") and "top-k" in wanted]
         for seed, (setting, path, shipped, gamma) in enumerate(plan):
             # A context of its own per cell (a different first token), so no cell reads another's cache.
             cell_prompt = [int(3 + seed)] + prompt[1:]

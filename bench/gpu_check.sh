@@ -12,15 +12,20 @@
 #    on each device, and the softmax floor;
 # 3. many edges: hybrid against cloud-only at 64 and 256 edges on lte, synthetic edges (netsim load
 #    --synthetic: the synthetic verifier, drafting emulated per edge);
-# 4. what a round costs vLLM, from its own counters (bench/fleet_vllm_counters.py), every path;
-# 5. on a GPU: step 3 again with a vLLM verifier (SmolLM2 dequantized) and prompt-lookup edges
-#    (--drafter lookup, drafting emulated).
+# 4. what a round costs vLLM, from its own counters (bench/fleet_vllm_counters.py), every setting and path;
+# 5. on a GPU: step 3 again with a vLLM verifier (SmolLM2 dequantized, started here) and
+#    prompt-lookup edges (--drafter lookup, drafting emulated).
 # Every step is time-boxed by what is left of the budget (470 s; --short 170 s); a step that fails
 # or runs out of time is reported and the script goes on. Exit status: the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SHORT=0
-[ "${1:-}" = "--short" ] && SHORT=1
+for arg in "$@"; do
+  case "$arg" in
+    --short) SHORT=1 ;;
+    *) echo "usage: bash bench/gpu_check.sh [--short]  (unknown argument: $arg)" >&2; exit 2 ;;
+  esac
+done
 RESULTS=${OUT:-.}/gpu_results.txt
 BUDGET=$([ $SHORT = 1 ] && echo 170 || echo 470)
 START=$(date +%s)
@@ -93,8 +98,8 @@ fi
 # --- 4. vLLM's counters per round -------------------------------------------------------------------
 if has vllm; then
   if [ $SHORT = 1 ]; then
-    step "vLLM counters per round" 120 "$PY" bench/fleet_vllm_counters.py --gammas 2 --rounds 2 --context 40 \
-      --paths one-request,top-k --out "$(dirname "$RESULTS")/vllm_counters_short.json"
+    step "vLLM counters per round" 120 "$PY" bench/fleet_vllm_counters.py --gammas 2 --rounds 2 --context 40 --settings greedy,top-k \
+      --out "$(dirname "$RESULTS")/vllm_counters_short.json"
   else
     step "vLLM counters per round" 120 "$PY" bench/fleet_vllm_counters.py --gammas 4 \
       --vllm-arg gpu_memory_utilization=0.3 --vllm-arg enforce_eager=true \
@@ -105,11 +110,31 @@ else
 fi
 
 # --- 5. many edges with the vLLM verifier (a GPU only: its start and 2 x 2 runs do not fit --short) ---
-if [ $SHORT = 0 ] && [ "$CUDA" = 1 ] && has vllm; then
+# The verifier runs here, in its own process group, and netsim load talks to it (--server): vLLM's
+# shutdown can outlast netsim's wait for a verifier it started. VLLM_LOAD=1 runs this step without
+# CUDA too (VLLM_LOAD_EDGES=2: a CPU check of the step itself).
+if [ $SHORT = 0 ] && { [ "$CUDA" = 1 ] || [ "${VLLM_LOAD:-0}" = 1 ]; } && has vllm; then
   FOLDER=$("$PY" -c "from hybridspec.testing.vllm_model import smollm2_folder; print(smollm2_folder())" 2>/dev/null | tail -1)
-  step "many edges, vLLM verifier (lte)" 200 "$PY" -m netsim load --drafter lookup --edges 64,256 --profile lte \
-    --mode hybrid,cloud-only --duration 8 --warmup 2 --verifier-arg=--backend=vllm --verifier-arg=--model="$FOLDER" \
-    --verifier-arg=--vllm-arg=gpu_memory_utilization=0.5 --out "$(dirname "$RESULTS")/load_vllm_lte"
+  free_port() { "$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+  PORT=$(free_port); MPORT=$(free_port)
+  EXTRA=(); [ "$CUDA" = 1 ] && EXTRA=(--vllm-arg gpu_memory_utilization=0.5)
+  setsid "$PY" -m cloud_verifier serve --backend vllm --model "$FOLDER" --port "$PORT" --metrics-port "$MPORT" \
+    --n-ctx 512 --max-sessions 256 "${EXTRA[@]}" > "$(dirname "$RESULTS")/vllm_verifier.log" 2>&1 &
+  VPID=$!
+  ready() { "$PY" -c "import socket; socket.create_connection(('127.0.0.1', $PORT), 1)" 2>/dev/null; }
+  while ! ready && kill -0 "$VPID" 2>/dev/null && [ "$(left)" -gt 30 ]; do sleep 2; done
+  if ready; then
+    say "vLLM verifier ready on port $PORT (elapsed $(elapsed) s)"
+    step "many edges, vLLM verifier (lte)" 200 "$PY" -m netsim load --server "127.0.0.1:$PORT" \
+      --metrics-url "http://127.0.0.1:$MPORT/metrics" --drafter lookup --edges "${VLLM_LOAD_EDGES:-64,256}" \
+      --profile lte --mode hybrid,cloud-only --duration 8 --warmup 2 --out "$(dirname "$RESULTS")/load_vllm_lte"
+  else
+    say "FAILED: the vLLM verifier did not start (elapsed $(elapsed) s):"; tail -5 "$(dirname "$RESULTS")/vllm_verifier.log" | tee -a "$RESULTS"
+    FAILED=$((FAILED + 1))
+  fi
+  kill -TERM -- "-$VPID" 2>/dev/null
+  for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 "$VPID" 2>/dev/null || break; sleep 2; done
+  kill -KILL -- "-$VPID" 2>/dev/null
 fi
 say "done in $(elapsed) s, $FAILED step(s) failed"
 exit "$FAILED"

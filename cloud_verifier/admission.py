@@ -11,7 +11,11 @@ metadata `retry-after-ms`, also in the message), instead of queueing without bou
   it waits, which bounds the queue and the memory it holds;
 - a new session is admitted only when a slot is free or an idle one can be evicted: sessions
   used within `evict_idle_after_s` are not evicted to make room (evicting busy sessions under
-  overload only makes every edge replay, and nobody finishes).
+  overload only makes every edge replay, and nobody finishes);
+- replays (opens that carry resumed tokens: edges whose verifier restarted or drained) go ahead
+  of new sessions: while one is being opened, a new session is refused with a short hint
+  (`ReplaysFirst`), so the edges that were mid-generation get the verifier's prefill first;
+- a draining verifier (SIGTERM) takes no new session (UNAVAILABLE, reason "draining").
 
 An edge that sees the hint waits at least that long, plus jitter, and retries the same request
 (rounds are idempotent), so the load spreads out and every edge finishes once it drops.
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from spec_core.wire import RETRY_AFTER_KEY
+from spec_core.wire import MOVED_KEY, RETRY_AFTER_KEY
 
 
 @dataclass(frozen=True)
@@ -35,20 +39,28 @@ class ServerPolicy:
     max_inflight_rounds: int = 0          # Verify calls inside the server at once; 0 = 4 per session slot
     evict_idle_after_s: float = 0.0       # a session idle less than this is never evicted for a newcomer
     session_retry_after_s: float = 1.0    # hint when no session slot is free
+    drain_retry_after_s: float = 0.1      # hint to a new session refused by a draining verifier: by then
+                                          # its connection has moved to another replica (or a restart)
+    drain_sessions_per_s: float = 8.0     # a draining verifier hands back its sessions this many a second
+                                          # (the replica they go to prefills their replays as they come);
+                                          # 0: all at once
+    drain_timeout_s: float = 60.0         # ... and exits after this long even if some were never handed back
+    replay_first_retry_after_s: float = 0.25   # hint to a new session while replays are being admitted
 
 
 class Refused(Exception):
     """A request refused for load, not for what it says: retry after `retry_after_s`."""
 
     def __init__(self, message: str, retry_after_s: float, reason: str,
-                 code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED):
+                 code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED, moved: bool = False):
         self.retry_after_ms = max(1, math.ceil(retry_after_s * 1000))
         self.message = f"{message}; retry after {self.retry_after_ms} ms"
         self.code, self.reason = code, reason   # reason: the metric label
+        self.moved = moved                      # a draining verifier: another replica will take it now
         super().__init__(self.message)
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((RETRY_AFTER_KEY, str(self.retry_after_ms)),)
+        return ((RETRY_AFTER_KEY, str(self.retry_after_ms)),) + (((MOVED_KEY, "1"),) if self.moved else ())
 
 
 class TokenBucket:
@@ -105,3 +117,25 @@ class InflightGate:
 
     def __exit__(self, *exc):
         self.inflight -= 1
+
+
+class ReplaysFirst:
+    """Opens that replay committed tokens go before new sessions: `admit(replay)` counts a replay
+    in until it is opened (`done`), and refuses a new session while any is pending."""
+
+    def __init__(self, retry_after_s: float):
+        self.retry_after_s = retry_after_s
+        self.pending = 0
+
+    def admit(self, replay: bool) -> bool:
+        """True: a replay, counted until `done`; False: a new session, admitted (none pending)."""
+        if replay:
+            self.pending += 1
+            return True
+        if self.pending:
+            raise Refused(f"{self.pending} sessions are being replayed here first (their verifier restarted)",
+                          self.retry_after_s, "replays_first")
+        return False
+
+    def done(self) -> None:
+        self.pending -= 1

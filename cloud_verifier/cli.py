@@ -8,6 +8,7 @@ import sys
 
 
 def _add_serve(sub) -> None:
+    from cloud_verifier.admission import ServerPolicy   # its defaults are the options' defaults
     p = sub.add_parser("serve", help="serve the Verifier gRPC service",
                        description="Serve a target model. The embedded default is a GGUF file on llama.cpp (CPU).")
     p.add_argument("--model", help="llama.cpp: a GGUF file, or a bundled model's name: smollm2 (default, "
@@ -86,6 +87,11 @@ def _add_serve(sub) -> None:
                    help="seconds a session must be idle before a new session may evict it; until then newcomers "
                         "get RESOURCE_EXHAUSTED with a retry hint")
     s.add_argument("--grace", type=float, default=5.0, help="seconds for rounds in flight to finish on SIGTERM")
+    s.add_argument("--drain-rate", type=float, default=ServerPolicy.drain_sessions_per_s,
+                   help="on SIGTERM, hand sessions back to their edges (which replay them on another replica) this "
+                        "many a second, so the replica they go to prefills them as it can; 0: all at once")
+    s.add_argument("--drain-timeout", type=float, default=ServerPolicy.drain_timeout_s,
+                   help="on SIGTERM, exit after this many seconds even if sessions are still to be handed back")
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
 
 
@@ -151,7 +157,8 @@ def security_from_args(args):
         raise SystemExit(f"cloud-verifier: {e}") from None
     policy = ServerPolicy(tenant_max_sessions=args.tenant_max_sessions, tenant_rounds_per_s=args.tenant_rounds_per_s,
                           tenant_burst=args.tenant_burst, max_inflight_rounds=args.max_inflight_rounds,
-                          evict_idle_after_s=args.evict_idle_after)
+                          evict_idle_after_s=args.evict_idle_after, drain_sessions_per_s=args.drain_rate,
+                          drain_timeout_s=args.drain_timeout)
     return tls, tokens, policy
 
 

@@ -21,7 +21,10 @@ import grpc
 import numpy as np
 
 from cloud_verifier import metrics
-from cloud_verifier.backends.base import Backend, BackendRound, NoChatTemplate, NoFreeState, StateLost
+from cloud_verifier.backends.base import (Backend, BackendRound, FusedContinuation, NoChatTemplate, NoFreeState,
+                                          StateLost)
+from cloud_verifier.rounds import (Alternative, Choice, FollowingRun, RoundRun, ValidRound, alternative, fused_digest,
+                                   round_digest)
 from cloud_verifier.sessions import Session, SessionStore, Slo
 from spec_core import qcodec
 from spec_core.crossvocab import pack_token_bytes
@@ -119,6 +122,9 @@ class VerifierEngine:
         self.commits = CommitRate()   # tokens/s committed, all sessions and streams: the draft budget's load
         self.default_slo = (Slo(limits.slo_tpot_ms / 1e3, limits.slo_ttft_ms / 1e3)
                             if limits.slo_tpot_ms or limits.slo_ttft_ms else None)
+        # Pipelined rounds waiting for their predecessor, by (session id, round): the predecessor's
+        # pass takes in their alternatives (fused) when it starts after they arrived.
+        self._waiting: dict[tuple[str, int], ValidRound] = {}
 
     # --- validation --------------------------------------------------------------------------
 
@@ -235,7 +241,7 @@ class VerifierEngine:
 
     # --- one round ----------------------------------------------------------------------------
 
-    def validate(self, req: pb.VerifyRequest) -> "ValidRound":
+    def validate(self, req: pb.VerifyRequest) -> ValidRound:
         """Everything a round can be refused for without its session: checked before a session is
         created, admitted or touched (a malformed open is INVALID_ARGUMENT even when every slot is full)."""
         drafts = list(req.draft_token_ids)
@@ -258,24 +264,31 @@ class VerifierEngine:
             raise _bad(f"assumed_tokens has {len(assumed)} ids; at most (max_window - 1) x (max_gamma + 1) = "
                        f"{self.limits.max_assumed}")
         self._check_ids(assumed, "assumed_tokens")
-        alternatives = self._continuations(req, _alternative(assumed, drafts, tree, qs))
-        return ValidRound(req, alternatives, None if req.session_id else self._valid_open(req))
+        alternatives = self._continuations(req, alternative(assumed, drafts, tree, qs))
+        following = self._alternatives(req.next_continuations, "next_continuations", set())
+        return ValidRound(req, alternatives, None if req.session_id else self._valid_open(req), following)
 
-    async def verify(self, valid: "ValidRound") -> pb.VerifyReply:
+    async def verify(self, valid: ValidRound) -> pb.VerifyReply:
         """One round of a validated request (`validate`): resolve the session, choose the
         alternative, run the round, commit, reply. A retry of a committed round gets its reply."""
         t_start = time.perf_counter()
         req = valid.req
         session, committed_length = await self._resolve_session(valid)
         if valid.alternatives[0].assumed:
-            await self._wait_for_round(session, req.round - 1)
+            key = (session.id, req.round)
+            self._waiting[key] = valid
+            try:
+                await self._wait_for_round(session, req.round - 1)
+            finally:
+                if self._waiting.get(key) is valid:
+                    del self._waiting[key]
         async with session.lock:
             if self.sessions.get(session.id) is not session or session.state is None and \
                     session.finish_reason == pb.NOT_FINISHED:
                 # Evicted or closed while this round waited for the lock.
                 raise RequestError(grpc.StatusCode.NOT_FOUND,
                                    f"session {quoted(session.id)} was evicted: resend the round with `open` to replay")
-            digest = _round_digest(req)
+            digest = round_digest(req)
             cached = session.replies.get(req.round)
             if cached is not None:
                 # A retry of a committed round gets that round's reply, whatever committed after it
@@ -293,20 +306,51 @@ class VerifierEngine:
                 return pb.VerifyReply(session_id=session.id, round=req.round, committed_length=len(session.tokens),
                                       finish_reason=session.finish_reason, base_mismatch=True)
             self._check_step(session, req.round, choice.committed_length)
-            run = await self._run_round(session, choice.alternative, t_start)
+            # Fused continuations were drafted after the outcomes of the round's own draft only.
+            # Without any, a pipelined round + 1 already waiting lends its alternatives.
+            following = valid.following if choice.index == 0 else []
+            lent = None if following else self._lent_round(session, req.round + 1)
+            run = await self._run_round(session, choice.alternative, t_start,
+                                        following or (lent.alternatives if lent is not None else []))
             done = self._commit(session, req.round, run)
-            reply = self._reply(session, valid, choice, run, done, t_start)
+            reply = self._reply(session, req, choice.index, run, done, t_start)
+            last = done
+            if run.following is not None and done.finish_reason is FinishReason.NOT_FINISHED:
+                # Round r committed exactly this continuation's key (uncut): it is round r + 1.
+                nxt = run.following
+                last = self._commit(session, req.round + 1, nxt.run)
+                if lent is None:
+                    reply.next_round.CopyFrom(self._reply(session, req, nxt.index + 1, nxt.run, last, t_start,
+                                                          req.round + 1))
+                    session.replies.put(req.round + 1, fused_digest(req, nxt.index), reply.next_round)
+                else:   # the waiting round finds its reply in the cache, as a retry would
+                    session.replies.put(req.round + 1, round_digest(lent.req),
+                                        self._reply(session, lent.req, nxt.index, nxt.run, last, t_start))
+                    metrics.PIPELINE_FUSED.inc()
+                # Counted as a round, but no pass or time of its own (the histograms keep round r's).
+                metrics.ROUNDS.inc()
+                metrics.DRAFT_TOKENS.inc(nxt.run.n_verified)
+                metrics.ACCEPTED_TOKENS.inc(last.num_accepted)
             session.replies.put(req.round, digest, reply)
             session.round_done.set()
             session.round_done = asyncio.Event()
-            if done.finish_reason is not FinishReason.NOT_FINISHED:
+            if last.finish_reason is not FinishReason.NOT_FINISHED:
                 # Keep the (small) session for retries of this last round; free its KV cache now.
                 self.backend.release(session.state)
                 session.state = None
             metrics.observe_round(run.n_verified, done.num_accepted, run.model_s, time.perf_counter() - t_start)
             return reply
 
-    async def _resolve_session(self, valid: "ValidRound") -> "ResolvedSession":
+    def _lent_round(self, session: Session, round_: int) -> ValidRound | None:
+        """A pipelined `round_` waiting for the round about to run, drafted from the committed
+        sequence that round starts from: its alternatives can share that round's pass."""
+        waiting = self._waiting.get((session.id, round_))
+        if waiting is None or waiting.req.committed_length - len(waiting.alternatives[0].assumed) != \
+                len(session.tokens):
+            return None
+        return waiting
+
+    async def _resolve_session(self, valid: ValidRound) -> ResolvedSession:
         """The session a round names, or the one its `open` makes (or made: a retried first round)."""
         req = valid.req
         if req.session_id:
@@ -320,7 +364,7 @@ class VerifierEngine:
         # A text open: the edge counted only what follows the prompt it could not tokenize (see the .proto).
         return ResolvedSession(session, req.committed_length + (session.prompt_len if _text_open(req.open) else 0))
 
-    def _choose(self, session: Session, valid: "ValidRound", committed_length: int) -> "Choice":
+    def _choose(self, session: Session, valid: ValidRound, committed_length: int) -> Choice:
         """The alternative this round runs: its own draft, or for a pipelined round the one drafted
         after what the last round committed (alternative None: none was)."""
         req, alternatives = valid.req, valid.alternatives
@@ -351,27 +395,32 @@ class VerifierEngine:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"generation already finished ({pb.FinishReason.Name(session.finish_reason)})")
 
-    async def _run_round(self, session: Session, alt: "_Alternative", t_start: float) -> "RoundRun":
-        """Verify one alternative's draft against the session's committed sequence."""
+    async def _run_round(self, session: Session, alt: Alternative, t_start: float,
+                         following: Sequence[Alternative] = ()) -> RoundRun:
+        """Verify one alternative's draft against the session's committed sequence, and with
+        `following` (fused continuations) the one whose key it commits, in the same pass."""
         # Near the end of the context window verify only the drafts that fit: a prefix of the
         # draft is still a valid draft, and the target alone would stop there too (CONTEXT).
         room = self.info.n_ctx - len(session.tokens) - 1
         if room < 0:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the context window is full")
-        tree, qs = alt.tree, alt.qs
         self.backend.set_deadline(session.state, session.due(t_start))
-        # Cut like a chain: whole levels past the room, then nodes in index order (a chain: its first drafts).
-        fit = prune_to_fit(tree, room)
-        if len(fit) < len(tree):
-            tree, qs = tree.subtree(fit), ([qs[i] for i in fit] if qs is not None else None)
-        out = await self._backend_round(session, self.backend.verify_round, session.state, session.tokens, tree, qs,
-                                        session.settings, _round_rng(session))
-        path = out.result.path
-        return RoundRun([tree.tokens[i] for i in path], out.result.next_token,
-                        [fit[i] for i in path] if alt.sent_as_tree else [], len(tree), not alt.sent_as_tree,
-                        out.queue_s, out.model_s)
+        own = _fit(alt, room)
+        conts = [_fit(c, self.info.n_ctx - len(session.tokens) - len(c.assumed) - 1) for c in following]
+        fused = [FusedContinuation(tuple(c.assumed), fc.tree, fc.qs) for c, fc in zip(following, conts)
+                 if fc is not None]
+        index = [i for i, fc in enumerate(conts) if fc is not None]
+        out = await self._backend_round(session, self.backend.verify_round, session.state, session.tokens, own.tree,
+                                        own.qs, session.settings, _round_rng(session), fused,
+                                        functools.partial(_round_rng, session))
+        nxt = None
+        if out.following is not None:
+            i = index[out.following.index]
+            c, fc = following[i], conts[i]
+            nxt = FollowingRun(i, _round_run(c, fc.tree, fc.fit, out.following.result, out.queue_s, out.model_s))
+        return _round_run(alt, own.tree, own.fit, out.result, out.queue_s, out.model_s)._replace(following=nxt)
 
-    def _commit(self, session: Session, round_: int, run: "RoundRun") -> Commit:
+    def _commit(self, session: Session, round_: int, run: RoundRun) -> Commit:
         """Append what the round keeps (cut at a stop token, the length or the context) to the session."""
         done = commit_round(run.kept, RoundResult(len(run.kept), run.next_token), session.stop_ids,
                             remaining=session.settings.max_new_tokens - session.generated,
@@ -390,23 +439,23 @@ class VerifierEngine:
         session.last_used = time.monotonic()
         return done
 
-    def _reply(self, session: Session, valid: "ValidRound", choice: "Choice", run: "RoundRun", done: Commit,
-               t_start: float) -> pb.VerifyReply:
-        req = valid.req
+    def _reply(self, session: Session, req: pb.VerifyRequest, index: int, run: RoundRun, done: Commit,
+               t_start: float, round_: int | None = None) -> pb.VerifyReply:
+        """The reply to `req`'s round (or to `round_`, a fused continuation of it: alternative `index`)."""
         reply = pb.VerifyReply(
-            session_id=session.id, round=req.round, num_accepted=done.num_accepted,
+            session_id=session.id, round=round_ or req.round, num_accepted=done.num_accepted,
             committed_length=len(session.tokens), finish_reason=session.finish_reason,
             timings=pb.ServerTimings(model_ms=run.model_s * 1e3, queue_ms=run.queue_s * 1e3,
                                      total_ms=(time.perf_counter() - t_start) * 1e3))
         if done.has_next_token:
             reply.next_token_id = done.tokens[-1]
-        if req.HasField("open") and _text_open(req.open):
+        if round_ is None and req.HasField("open") and _text_open(req.open):
             reply.prompt_token_ids.extend(session.tokens[: session.prompt_len])
         reply.kept_nodes.extend(run.kept_nodes[: done.num_accepted])
         budget = self._budget(session, time.perf_counter())
         if budget is not None:
             reply.budget.CopyFrom(budget)
-        reply.continuation = choice.index
+        reply.continuation = index
         return reply
 
     def _budget(self, session: Session, now: float) -> pb.DraftBudget | None:
@@ -456,22 +505,25 @@ class VerifierEngine:
         except TreeError as e:
             raise _bad(f"{what}{e}") from None
 
-    def _continuations(self, req: pb.VerifyRequest, own: "_Alternative") -> list["_Alternative"]:
+    def _continuations(self, req: pb.VerifyRequest, own: Alternative) -> list[Alternative]:
         """A pipelined round's alternatives, validated: its own draft (0), then `continuations`."""
-        conts = req.continuations
-        if not conts:
+        if not req.continuations:
             return [own]
         if not own.assumed:
             raise _bad("continuations ride on a pipelined round: set assumed_tokens (alternative 0's key) too")
+        return [own] + self._alternatives(req.continuations, "continuations", {tuple(own.assumed)})
+
+    def _alternatives(self, conts, field: str, keys: set) -> list[Alternative]:
+        """`continuations` or `next_continuations`, validated (keys distinct, also from `keys`)."""
         if len(conts) > self.limits.max_continuations:
-            raise _bad(f"{len(conts)} continuations; this server takes at most {self.limits.max_continuations}")
+            raise _bad(f"{len(conts)} {field}; this server takes at most {self.limits.max_continuations}")
         nodes = sum(len(c.draft_token_ids) for c in conts)
         if nodes > self.limits.max_continuation_nodes:
-            raise _bad(f"the continuations carry {nodes} draft tokens in all; this server takes at most "
+            raise _bad(f"the {field} carry {nodes} draft tokens in all; this server takes at most "
                        f"{self.limits.max_continuation_nodes}")
-        out, keys = [own], {tuple(own.assumed)}
+        out = []
         for i, c in enumerate(conts):
-            what = f"continuations[{i}]."
+            what = f"{field}[{i}]."
             assumed, drafts = list(c.assumed_tokens), list(c.draft_token_ids)
             if not assumed or len(assumed) > self.limits.max_assumed:
                 raise _bad(f"{what}assumed_tokens has {len(assumed)} ids; it needs 1 to (max_window - 1) x "
@@ -489,7 +541,7 @@ class VerifierEngine:
                 qs = qpayload.from_proto(c.q, drafts, self.info.n_vocab)
             except qcodec.QError as e:
                 raise _bad(f"{what}{e}") from None
-            out.append(_alternative(assumed, drafts, tree, qs))
+            out.append(alternative(assumed, drafts, tree, qs))
         return out
 
     def _reopen(self, req: pb.VerifyRequest) -> Session | None:
@@ -685,34 +737,44 @@ async def run_in_thread(fn, *args):
         raise
 
 
-def _round_rng(session: Session) -> np.random.Generator:
+def _round_rng(session: Session, length: int | None = None) -> np.random.Generator:
     """With a user seed, each round draws from a stream keyed by the committed length it starts
-    from, so a session replayed after an eviction or restart draws exactly what the lost session
-    would have (same seed, same text); streams of different rounds never overlap. Without a seed
-    the session's own generator goes on."""
+    from (`length`, default the session's now: a fused continuation's round starts later), so a
+    session replayed after an eviction or restart draws exactly what the lost session would have
+    (same seed, same text); streams of different rounds never overlap. Without a seed the
+    session's own generator goes on (a fused continuation draws after the round before it)."""
     if session.settings.seed is None:
         return session.rng
-    return seeded_rng(session.settings.seed, VERIFIER_STREAM, len(session.tokens))
+    return seeded_rng(session.settings.seed, VERIFIER_STREAM, len(session.tokens) if length is None else length)
+
+
+class _Fit(NamedTuple):
+    """An alternative's draft cut to the context room it has."""
+
+    tree: DraftTree
+    qs: list | None
+    fit: list[int]      # the kept nodes' indices in the tree as sent
+
+
+def _fit(alt: Alternative, room: int) -> "_Fit | None":
+    """A draft cut to `room` more tokens, as its own round cuts it (None: no room at all). Whole
+    levels past the room, then nodes in index order (a chain: its first drafts)."""
+    if room < 0:
+        return None
+    fit = prune_to_fit(alt.tree, room)
+    if len(fit) == len(alt.tree):
+        return _Fit(alt.tree, alt.qs, fit)
+    return _Fit(alt.tree.subtree(fit), [alt.qs[i] for i in fit] if alt.qs is not None else None, fit)
+
+
+def _round_run(alt: Alternative, tree: DraftTree, fit: list[int], result, queue_s: float, model_s: float) -> RoundRun:
+    path = result.path
+    return RoundRun([tree.tokens[i] for i in path], result.next_token, [fit[i] for i in path] if alt.sent_as_tree
+                    else [], len(tree), not alt.sent_as_tree, queue_s, model_s)
 
 
 def _text_open(o: pb.OpenSession) -> bool:
     return bool(o.prompt_text) or len(o.prompt_messages) > 0
-
-
-@dataclass
-class _Alternative:
-    """One draft of a round, keyed by the tokens it assumes the round before commits (a pipelined
-    round's; empty for an ordinary round)."""
-
-    assumed: list[int]
-    tree: DraftTree         # a chain is a tree with one path
-    qs: list | None         # [n] the q each node was drawn from, or None: point masses
-    sent_as_tree: bool      # it came with draft_parents (its reply names the kept nodes)
-
-
-def _alternative(assumed: list[int], drafts: list[int], tree: DraftTree | None, qs: list | None) -> _Alternative:
-    """The one round type from the wire's two shapes: drafts alone (a chain) or drafts + parents."""
-    return _Alternative(assumed, tree if tree is not None else DraftTree.chain(drafts), qs, tree is not None)
 
 
 @dataclass
@@ -732,47 +794,5 @@ class ResolvedSession(NamedTuple):
     committed_length: int   # the round's committed length as the server counts it (text opens add the prompt)
 
 
-class Choice(NamedTuple):
-    """The alternative a round runs (None: a pipelined round whose base was not committed)."""
-
-    index: int                           # 0: the round's own draft; i: continuations[i - 1]
-    alternative: "_Alternative | None"
-    committed_length: int                # what it assumes committed before it
-
-
-class RoundRun(NamedTuple):
-    """A round verified by the backend: what it kept, and where its time went."""
-
-    kept: list[int]         # the accepted drafts' tokens (the kept path), root first
-    next_token: int         # the corrected or bonus token
-    kept_nodes: list[int]   # the kept nodes as indices in the tree as sent; [] for a chain sent as one
-    n_verified: int         # draft tokens (chain) or nodes (tree) the target checked
-    chain: bool             # sent as a chain (its acceptance feeds the session's α)
-    queue_s: float
-    model_s: float
-
-
-@dataclass
-class ValidRound:
-    """A VerifyRequest that passed `VerifierEngine.validate`."""
-
-    req: pb.VerifyRequest
-    alternatives: list[_Alternative]   # 0: the round's own draft; then its continuations
-    open: ValidOpen | None             # the first round's `open` (None when the round names a session)
-
-
 def _open_digest(o: pb.OpenSession) -> bytes:
     return hashlib.sha256(o.SerializeToString(deterministic=True)).digest()
-
-
-def _round_digest(req: pb.VerifyRequest) -> bytes:
-    """What makes a retry the same round: committed length, drafts and q (not the session id)."""
-    h = hashlib.sha256()
-    h.update(f"{req.round}:{req.committed_length}:".encode())
-    h.update(np.asarray(req.draft_token_ids, dtype=np.uint32).tobytes())
-    h.update(b"parents:" + np.asarray(req.draft_parents, dtype=np.int32).tobytes())
-    h.update(b"assumed:" + np.asarray(req.assumed_tokens, dtype=np.uint32).tobytes())
-    h.update(req.q.SerializeToString(deterministic=True))
-    for c in req.continuations:
-        h.update(b"continuation:" + c.SerializeToString(deterministic=True))
-    return h.digest()

@@ -11,6 +11,8 @@ ROUNDS = Counter("hybridspec_verify_rounds", "Verify rounds completed")
 DRAFT_TOKENS = Counter("hybridspec_draft_tokens", "Draft tokens received for verification")
 ACCEPTED_TOKENS = Counter("hybridspec_accepted_tokens", "Draft tokens accepted")
 PIPELINE_DISCARDS = Counter("hybridspec_pipeline_discards", "Pipelined rounds not verified: their base was not committed")
+PIPELINE_FUSED = Counter("hybridspec_pipeline_fused", "Pipelined rounds verified in their predecessor's pass "
+                         "(they were waiting when it started)")
 RETRIES = Counter("hybridspec_verify_retries", "Repeated rounds answered from the reply cache")
 ERRORS = Counter("hybridspec_request_errors", "Requests refused, by gRPC status code", ["code"])
 SESSIONS = Gauge("hybridspec_sessions", "Sessions held")

@@ -21,7 +21,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_verifier import metrics
-from cloud_verifier.admission import InflightGate, Refused, RoundLimiter, ServerPolicy, RETRY_AFTER_KEY
+from cloud_verifier.admission import (InflightGate, Refused, ReplaysFirst, RoundLimiter, ServerPolicy, TokenBucket,
+                                     RETRY_AFTER_KEY)
 from cloud_verifier.auth import TokenFile
 from cloud_verifier.backends.base import Backend
 from cloud_verifier.engine import Limits, RequestError, VerifierEngine, quoted
@@ -30,7 +31,7 @@ from cloud_verifier.sessions import current_tenant
 from spec_core import __version__
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
-from spec_core.wire import MESSAGE_SIZE_OPTIONS
+from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class _Moved(Exception):
+    """A draining verifier hands a session back: the edge replays it on another replica."""
+
+    def __init__(self, session_id: str):
+        self.message = (f"session {quoted(session_id)} moved: this verifier is draining (shutting down); resend the "
+                        "round with `open` to replay the committed tokens on another replica")
+        super().__init__(self.message)
+
+
 class VerifierServicer(pb_grpc.VerifierServicer):
     """protobuf <-> engine, plus what belongs to the call rather than the round: the tenant's
     right to the session it names, per-tenant limits, admission control, draining."""
@@ -130,7 +140,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.engine, self.policy = engine, policy
         self.rounds = RoundLimiter(policy.tenant_rounds_per_s, policy.tenant_burst)
         self.inflight = InflightGate(policy.max_inflight_rounds or 4 * engine.limits.max_sessions)
+        self.replays = ReplaysFirst(policy.replay_first_retry_after_s)
         self.draining = False
+        self.moved: set[str] = set()             # sessions handed back while draining
+        self._handback: TokenBucket | None = None   # paces them (policy.drain_sessions_per_s)
         self._opening: collections.defaultdict[str, list[bytes]] = collections.defaultdict(list)  # open keys admitted
 
     async def _fail(self, context, e: RequestError):
@@ -172,33 +185,63 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def Verify(self, request, context):
         try:
             return await self._verify_round(request)
+        except _Moved as m:
+            metrics.ERRORS.labels(grpc.StatusCode.NOT_FOUND.name).inc()
+            await context.abort(grpc.StatusCode.NOT_FOUND, m.message, trailing_metadata=((MOVED_KEY, "1"),))
         except Refused as r:
             await self._refuse(context, r)
         except RequestError as e:
             await self._fail(context, e)
 
+    def drain(self) -> None:
+        """Take no new session from now on, and hand back the sessions held here, paced."""
+        self.draining = True
+        rate = self.policy.drain_sessions_per_s
+        self._handback = TokenBucket(rate, 1.0) if rate > 0 else None
+
+    def to_hand_back(self, idle_s: float = 2.0) -> int:
+        """Sessions still generating here, used within `idle_s`, that were not handed back yet (an
+        idle one is not waited for: its edge replays wherever it goes next)."""
+        now = time.monotonic()
+        return sum(1 for s in self.engine.sessions.sessions()
+                   if s.state is not None and s.id not in self.moved and now - s.last_used < idle_s)
+
+    def _drained(self, request) -> None:
+        """A round reaching a draining verifier. A round of a session held here is answered
+        NOT_FOUND "moved" when its turn to leave has come (all at once, or
+        policy.drain_sessions_per_s, so that the replica they go to prefills their replays as it
+        can) and served here until then; the edge answers "moved" with a replay on the next replica
+        it knows. A new session is refused with a short hint. Both carry MOVED_KEY."""
+        sid = request.session_id
+        if sid and self.engine.sessions.peek(sid) is not None:
+            if sid not in self.moved and self._handback is not None and self._handback.take() > 0:
+                return   # not its turn: served here
+            self.moved.add(sid)
+            raise _Moved(sid)
+        raise Refused("this verifier is draining (shutting down) and takes no new sessions; retry, another replica "
+                      "or the restarted one will take it", self.policy.drain_retry_after_s, "draining",
+                      code=grpc.StatusCode.UNAVAILABLE, moved=True)
     async def _verify_round(self, request: pb.VerifyRequest) -> pb.VerifyReply:
-        """One round, as Verify and VerifyStream both run it; Refused / RequestError for its status."""
+        """One round, as Verify and VerifyStream both run it; Refused / RequestError / _Moved for its status."""
         if self.draining:
-            # Rounds already inside finish; new ones go elsewhere: the edge retries, reaches a
-            # restarted or another replica, and replays its committed tokens there.
-            raise Refused("this verifier is draining (shutting down) and takes no new rounds; retry, a restarted "
-                          "or another replica will take the session", 0.5, "draining",
-                          code=grpc.StatusCode.UNAVAILABLE)
+            self._drained(request)
         self.rounds.admit(current_tenant.get())
         with self.inflight:
             metrics.INFLIGHT.set(self.inflight.inflight)
-            tenant, opening = current_tenant.get(), None
+            tenant, opening, replay = current_tenant.get(), None, False
             try:
                 # Content first: a malformed round is INVALID_ARGUMENT whatever the load.
                 valid = self.engine.validate(request)
                 if request.session_id:
                     self._check_owner(request.session_id)
                 elif self._admit_open(request.open):
+                    replay = self.replays.admit(bool(request.open.resume_token_ids))
                     opening = request.open.open_key
                     self._opening[tenant].append(opening)
                 return await self.engine.verify(valid)
             finally:
+                if replay:
+                    self.replays.done()
                 if opening is not None:
                     self._opening[tenant].remove(opening)
                     if not self._opening[tenant]:
@@ -217,6 +260,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         async def answer(msg: pb.StreamRound) -> None:
             try:
                 reply = pb.StreamReply(tag=msg.tag, reply=await self._verify_round(msg.request))
+            except _Moved as m:   # a stream's error has no metadata: the edge reads StreamError.moved
+                metrics.ERRORS.labels(grpc.StatusCode.NOT_FOUND.name).inc()
+                reply = pb.StreamReply(tag=msg.tag, error=_stream_error(grpc.StatusCode.NOT_FOUND, m.message, None))
             except Refused as r:
                 metrics.REFUSED.labels(r.reason).inc()
                 metrics.ERRORS.labels(r.code.name).inc()
@@ -344,17 +390,27 @@ class VerifierServer:
         return self
 
     async def stop(self) -> None:
-        """Drain: health NOT_SERVING and no new rounds at once (UNAVAILABLE with a retry hint);
-        rounds in flight finish (up to grace_s); then the port closes. Edges replay their
-        sessions on the next verifier."""
+        """Drain, then exit. Health NOT_SERVING at once; new sessions are refused with a short hint,
+        and the sessions held here are handed back ("moved": the edge replays on another replica),
+        all at once or paced by policy.drain_sessions_per_s, within policy.drain_timeout_s
+        (VerifierServicer._drained); the rounds in flight finish (up to grace_s); then grpc's own
+        graceful stop closes the port and sends GOAWAY, so the edges' next calls go out on a new
+        connection: to another replica they were given, or to the restart."""
         if self.server is None:
             return
-        self.servicer.draining = True
+        servicer = self.servicer
+        servicer.drain()
         await self.health.enter_graceful_shutdown()
+        t0 = time.monotonic()
+        if servicer._handback is not None:
+            handing_back = t0 + self.policy.drain_timeout_s
+            while servicer.to_hand_back() and time.monotonic() < handing_back:
+                await asyncio.sleep(0.02)
         deadline = time.monotonic() + self.grace_s
-        while self.servicer.inflight.inflight and time.monotonic() < deadline:
+        while servicer.inflight.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await self.server.stop(max(0.0, deadline - time.monotonic()))
+        log.info("drained in %.2f s (%d sessions handed back)", time.monotonic() - t0, len(servicer.moved))
         self.engine.sessions.clear()
         self.server = None
 

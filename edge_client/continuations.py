@@ -79,6 +79,7 @@ class ContinuationBudget:
     rtt_s: float
     fresh_draft_s: float
     s_per_byte: float
+    check_first: bool = False   # the first continuation is drafted in any case (the reply is awaited anyway)
 
     def saving_s(self, t_send: float) -> float:
         """What a hit saves against drafting afresh after the reply, if the round leaves at t_send."""
@@ -92,6 +93,26 @@ class ContinuationBudget:
             return self.saving_s(now + cost) > 0.0
         after, before = self.saving_s(now + cost), self.saving_s(now)
         return worth_drafting(prob, covered, before, before - after) if before > 0 else False
+
+
+@dataclass
+class FusedBudget:
+    """When drafting one more continuation before round r leaves pays (fused: verified in round r's
+    own pass). Unlike continuations drafted during the round trip, this drafting delays round r
+    itself, hit or miss: a continuation pays when its chance of being the outcome times what a hit
+    saves (round r + 1's fresh draft, its round trip and its pass: `gain_s`) exceeds what it adds
+    to round r: its drafting, its upload, and the verifier's time for its nodes (one node per
+    draft row: `verify_per_draft` = the verifier's seconds per node / the draft's per row). The same
+    `worth` signature as ContinuationBudget, so the session's drafting loop and `choose_length`
+    take either."""
+
+    gain_s: float
+    s_per_byte: float
+    verify_per_draft: float = 0.0
+    check_first: bool = True   # the first continuation must pay too (ContinuationBudget drafts it anyway)
+
+    def worth(self, prob: float, covered: float, now: float, draft_s: float, nbytes: int) -> bool:
+        return prob * self.gain_s > draft_s * (1.0 + self.verify_per_draft) + nbytes * self.s_per_byte
 
 
 def choose_length(outcomes: Sequence[Outcome], alpha: float, max_gamma: int, t_row_s: float, bytes_per_token: float,

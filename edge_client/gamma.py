@@ -173,11 +173,15 @@ class TreePolicy:
     def _take(self, plan: RoundPlan) -> RoundPlan:
         return plan
 
+    def verify_line(self) -> tuple[float, float]:
+        """(base_s, per_node_s): the verifier's time for a round over the nodes it carried, fitted."""
+        return fit_line(self._verify_points)
+
     def predicted_round_s(self, plan: RoundPlan) -> float:
         nodes = plan.gamma if plan.shape is None else plan.shape.budget
         # A tree expands `width` nodes per level (the root once); a chain one row per token.
         rows = plan.gamma if plan.shape is None else 1 + (plan.shape.depth - 1) * plan.shape.width
-        base, per_node = fit_line(self._verify_points)   # verifier time over nodes
+        base, per_node = self.verify_line()
         return rows * (self.t_row_s or 0.0) + (self.rtt_s or 0.0) + base + nodes * per_node
 
     def predicted_rate(self, plan: RoundPlan) -> float:

@@ -110,6 +110,8 @@ class Speculation:
     slo_tpot_ms: float = 0.0             # the latency target stated to the verifier (0: none; its default)
     slo_ttft_ms: float = 0.0
     max_continuations: int = 8           # outcomes drafted for per round in flight (1: the one most likely guess)
+    fuse: bool = False                   # draft continuations before a round leaves, for its own target pass
+                                         # (VerifyRequest.next_continuations), when the cost model says they pay
     window: int = 1                      # most rounds in flight at once (1: none; 2+: a window, pipeline
                                          # implied; the cost model picks the depth, edge_client.window)
 
@@ -141,7 +143,7 @@ class Speculation:
 
     def timing_dependent(self) -> tuple[str, ...]:
         """The options whose choices follow measured timings (and the verifier's load), so that a
-        seed does not pin the output: adaptive γ, tree 'auto', and pipelined chains with
+        seed does not pin the output: adaptive γ, tree 'auto', and pipelined or fused chains with
         continuations for more than one outcome (their length is chosen by the cost model,
         edge_client.continuations.choose_length). All of these stay exact. With none of them the
         same seed gives the same ids, with or without proactive or pipelined rounds and whichever
@@ -153,7 +155,7 @@ class Speculation:
             out.append("gamma")
         if self.tree == "auto":
             out.append("tree")
-        if self.pipeline and self.max_continuations > 1 and self.tree == "off":
+        if (self.pipeline or self.fuse) and self.max_continuations > 1 and self.tree == "off":
             out.append("max_continuations")
         return tuple(out)
 
@@ -207,6 +209,10 @@ def refuse_conflicts(spec: Speculation, drafter: str | None = None, drafter_buil
         raise OptionConflict(f"tree={_shown(spec.tree)}", f"drafter={drafter}",
                              f"the {drafter} drafter proposes chains only (it has no model to rank a tree's "
                              "branches); use tree 'off', or a model drafter (gguf, synthetic) for trees")
+    if spec.fuse and spec.window > 1:
+        raise OptionConflict("fuse", f"window={spec.window}",
+                             "a window sends the next rounds as rounds in flight (the verifier fuses one that waits "
+                             "into its predecessor's pass by itself); --fuse sends them with the round: use one")
     if spec.strict_tokenizer and spec.target_vocab:
         raise OptionConflict("target_vocab", "strict_tokenizer",
                              "the target's vocabulary is only read to draft across vocabularies, which the strict "
@@ -231,7 +237,7 @@ class Transport:
     server: str = DEFAULT_SERVER         # host:port
     deadline_s: float = 30.0             # allowed per RPC before it is retried
     max_retries: int = 8                 # retries of one round on UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED
-    max_replays: int = 8                 # replays of the committed sequence after NOT_FOUND / out of step
+    max_replays: int = 8                 # replays in a row (nothing committed between) after NOT_FOUND / out of step
     max_wait_s: float = 300.0            # waiting out refusals for load (retry hints), per round
     stream: bool = True                  # a session's rounds after the first on one VerifyStream call when
                                          # the verifier offers it (ServerInfo.verify_stream); else unary Verify
@@ -344,6 +350,10 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     s.add_argument("--continuations", type=int, default=8, metavar="N",
                    help="with --proactive / --pipeline: draft the next round for up to N likely outcomes of the "
                         "round in flight (the cost model picks how many pay; 1 = only 'every draft accepted')")
+    s.add_argument("--fuse", action="store_true",
+                   help="draft the next round for the likely outcomes of a round before sending it, so that the "
+                        "verifier runs the one that comes true in the same target pass and answers both in one "
+                        "reply (only while the cost model says the saved round outweighs the drafting delay)")
     s.add_argument("--synthetic-vocab", type=int, default=64,
                    help="(--drafter synthetic) vocabulary size, as the synthetic verifier's --synthetic-vocab")
     s.add_argument("--synthetic-seed", type=int, default=0,
@@ -370,7 +380,7 @@ FLAGS = {"gamma": "--gamma", "max_gamma": "--max-gamma", "qmode": "--q", "tree":
          "max_tree_nodes": "--max-tree-nodes", "deadline_s": "--deadline", "max_retries": "--retries",
          "tls_cert": "--tls-cert/--tls-key", "slo_tpot_ms": "--slo-tpot-ms", "slo_ttft_ms": "--slo-ttft-ms",
          "max_continuations": "--continuations", "drafter": "--drafter", "target_vocab": "--target-vocab",
-         "strict_tokenizer": "--strict-tokenizer", "window": "--window"}
+         "strict_tokenizer": "--strict-tokenizer", "window": "--window", "fuse": "--fuse"}
 
 
 def _flag(option: str) -> str:
@@ -399,7 +409,7 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
             strict_tokenizer=getattr(args, "strict_tokenizer", False), target_vocab=getattr(args, "target_vocab", None),
             steer=getattr(args, "steer", True), slo_tpot_ms=getattr(args, "slo_tpot_ms", 0.0),
             slo_ttft_ms=getattr(args, "slo_ttft_ms", 0.0), max_continuations=args.continuations,
-            window=getattr(args, "window", 1)))
+            window=getattr(args, "window", 1), fuse=getattr(args, "fuse", False)))
         if hasattr(args, "drafter"):
             _as_flag(lambda: refuse_conflicts(spec, args.drafter, _drafter_class(args.drafter).supports_trees))
     transport = _as_flag(lambda: Transport(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, AsyncIterator, NamedTuple, Sequence
 import grpc
 import numpy as np
 
-from edge_client.continuations import ContinuationBudget, UplinkFit, choose_length, ranked_outcomes
+from edge_client.continuations import ContinuationBudget, FusedBudget, UplinkFit, choose_length, ranked_outcomes
 from edge_client.crossvocab import Chat, PromptPlan
 from edge_client.gamma import AdaptiveGamma, FixedGamma, RoundPlan, TreePolicy
 from edge_client.options import ADAPTIVE, Speculation
@@ -125,6 +125,7 @@ class _SessionLoop:
         self.committed = list(prompt_ids)
         self.prompt_len = len(self.committed)
         self.session_id, self.last_round = "", 0
+        self.replays_in_a_row, self.replayed_at = 0, -1   # for max_replays (_replay_after)
         self.gammas: list[int] = []
         self.nodes_sent = 0
         self.t0 = time.perf_counter()
@@ -150,6 +151,7 @@ class _SessionLoop:
             return self.verifier.open_round(req, self.st)
         if self.stream is None:
             return self.verifier.verify(req, self.st)
+        self.stream.follow(self.verifier.stub)   # the replica the session was (re)opened on
         return verify_on_stream(self.verifier, self.stream, req, self.st)
 
     # --- one round ----------------------------------------------------------------------------
@@ -158,10 +160,14 @@ class _SessionLoop:
         """One round (and the pipelined one after it, when its base came true): its text."""
         remaining = self.settings.max_new_tokens - (len(self.committed) - self.prompt_len)
         prep = await self._next_draft(remaining)
+        fused = await self._fused_continuations(prep, remaining)
         req = self._request(prep, self.last_round + 1)
+        req.next_continuations.extend(self._continuation(g) for g in fused)
         t_round = time.perf_counter()
         reply_task = asyncio.ensure_future(self._send(req))
-        await self._work_during_round_trip(prep, remaining, reply_task, req.round)
+        self.ahead_job = self.spec_task = None
+        if not fused:   # a fused round's next round rides with it: nothing to draft during the trip
+            await self._work_during_round_trip(prep, remaining, reply_task, req.round)
         try:
             reply = await reply_task
         except EdgeError as e:
@@ -174,10 +180,12 @@ class _SessionLoop:
         guesses = await self.ahead_job if self.ahead_job is not None else []  # the drafter is free again
         self.st.continuation_rounds += bool(guesses)
         self.uplink.observe(req.ByteSize(), round_s - reply.timings.total_ms / 1e3)
-        new = self._apply(prep, reply, round_s)
+        new = self._apply(prep, reply, round_s, _pass_nodes(prep, fused))
         self.final = reply
         self.finished = reply.finish_reason != pb.NOT_FINISHED
-        if guesses and not self.finished:
+        if fused and reply.HasField("next_round") and not self.finished:
+            new += self._use_fused(fused, reply.next_round, round_s, _pass_nodes(prep, fused))
+        elif guesses and not self.finished:
             new += await self._use_guess(guesses, t_round)
         elif self.spec_task is not None:
             await _settle(None, self.spec_task)
@@ -196,7 +204,6 @@ class _SessionLoop:
         """Draft continuations, next rounds for this one's likely outcomes (proactive), and send them
         as one round before the reply when they are ready first (pipeline): alternative 0 in the
         request's own fields, the others in `continuations`."""
-        self.ahead_job = self.spec_task = None
         if not ((self.spec.proactive or self.spec.pipeline) and self.session_id and len(prep.tree)):
             return
         stop = threading.Event()  # the reply is here: stop drafting for outcomes, one is known
@@ -214,17 +221,55 @@ class _SessionLoop:
             # Retried like any round: a lost reply is answered from the server's cache.
             self.spec_task = asyncio.ensure_future(self._send(spec_req))
 
+    async def _fused_continuations(self, prep: "_Prepared", remaining: int) -> list[_Guess]:
+        """With `fuse`: continuations for this round's likely outcomes, drafted before it leaves, as
+        many as pay (edge_client.continuations.FusedBudget); none until the round trip is measured."""
+        pl = self.planner
+        if not (self.spec.fuse and self.session_id and len(prep.tree)) or pl.rtt_s is None:
+            return []
+        per_node = max(pl.verify_line()[1], 0.0)
+        budget = FusedBudget(pl.predicted_round_s(prep.plan), self.uplink.seconds_per_byte(),
+                             per_node / pl.t_row_s if pl.t_row_s else 0.0)
+        fused = await self.c._in_drafter(self._draft_continuations, prep, remaining, budget, threading.Event())
+        self.st.fused_rounds += bool(fused)
+        self.st.continuations_sent += len(fused)
+        return fused
+
+    def _use_fused(self, fused: list[_Guess], nxt: pb.VerifyReply, round_s: float, pass_nodes: int) -> list[int]:
+        """Commit round r + 1, answered with round r (its continuation ran in round r's pass)."""
+        i = nxt.continuation - 1
+        if not 0 <= i < len(fused) or fused[i].prep.base != self.committed:
+            raise EdgeError(grpc.StatusCode.INTERNAL, f"the verifier answered round {nxt.round} with continuation "
+                                                      f"{nxt.continuation}, not one drafted for what it committed")
+        new = self._apply(fused[i].prep, nxt, round_s, pass_nodes)
+        self.st.server_model_s -= nxt.timings.model_ms / 1e3   # the pass it shared with round r, counted once
+        self.st.continuation_hits += 1
+        self.st.fused_hits += 1
+        self.final = nxt
+        self.finished = nxt.finish_reason != pb.NOT_FINISHED
+        return new
+
     def _replay_after(self, e: EdgeError) -> bool:
-        """Whether to replay the committed tokens in a new session: the verifier lost ours (NOT_FOUND)
-        or is out of step with it (FAILED_PRECONDITION). A first round (it carries `open`) answered
-        NOT_FOUND opened a session that was evicted before its round ran: it is sent again, as a
-        replay; FAILED_PRECONDITION there is a refusal (e.g. the tokenizer) that replaying cannot fix."""
+        """Whether to replay the committed tokens in a new session: the verifier lost ours (NOT_FOUND:
+        a restart, an eviction, a draining verifier's "moved") or is out of step with it
+        (FAILED_PRECONDITION). A first round (it carries `open`) answered NOT_FOUND opened a session
+        that was evicted before its round ran: it is sent again, as a replay; FAILED_PRECONDITION
+        there is a refusal (e.g. the tokenizer) that replaying cannot fix. The replay is the next
+        round with `open`: the prompt, the committed tokens and that round's draft, nothing more.
+        `max_replays` bounds replays in a row with nothing committed between them (a verifier that
+        keeps losing the session), not a long generation's restarts and drains."""
         lost = e.code == grpc.StatusCode.NOT_FOUND or (
             e.code == grpc.StatusCode.FAILED_PRECONDITION and bool(self.session_id))
-        if lost and self.st.replays < self.c.transport.max_replays:
+        if len(self.committed) != self.replayed_at:
+            self.replays_in_a_row = 0   # the last replay got somewhere
+        if lost and self.replays_in_a_row < self.c.transport.max_replays:
             log.warning("replaying %d committed tokens: %s", len(self.committed) - self.prompt_len, e)
             self.st.replays += 1
+            self.replays_in_a_row += 1
+            self.replayed_at = len(self.committed)
             self.session_id, self.last_round = "", 0
+            if self.stream is not None:
+                self.stream.reset()   # the new session's rounds go on a new call, to where it opens
             return True
         return False
 
@@ -294,7 +339,7 @@ class _SessionLoop:
                                   rtt_s=pl.rtt_s or 0.0, fresh_draft_s=draft_s,
                                   s_per_byte=self.uplink.seconds_per_byte())
 
-    def _draft_continuations(self, prep: "_Prepared", remaining: int, budget: ContinuationBudget,
+    def _draft_continuations(self, prep: "_Prepared", remaining: int, budget: ContinuationBudget | FusedBudget,
                              stop: threading.Event) -> list[_Guess]:
         """Continuations for the round's likely outcomes, most probable first, while one more pays
         (edge_client.continuations) and the reply is not in. Empty when the round may end generation.
@@ -307,7 +352,7 @@ class _SessionLoop:
         out: list[_Guess] = []
         covered, spent, nodes, nbytes = 0.0, [prep.seconds], 0, self._request(prep, 0).q.ByteSize()
         outcomes = self._outcomes(prep, path)
-        if self.spec.pipeline and plan.shape is None and len(outcomes) > 1 and plan.gamma > 1:
+        if (self.spec.pipeline or budget.check_first) and plan.shape is None and len(outcomes) > 1 and plan.gamma > 1:
             # How long: as many outcomes covered as pay, times what a hit commits (edge_client.continuations).
             t_row = self.planner.t_row_s or prep.seconds / max(prep.rows, 1)
             gamma = choose_length(outcomes, self._alpha(), plan.gamma, t_row, nbytes / max(len(prep.tree), 1),
@@ -320,8 +365,8 @@ class _SessionLoop:
             tokens = list(outcome.tokens)
             if self.stop_ids & set(tokens) or len(tokens) + 1 >= remaining:
                 continue
-            if out and self.spec.pipeline and not budget.worth(outcome.prob, covered, time.perf_counter(),
-                                                               sum(spent) / len(spent), nbytes):
+            if (out or budget.check_first) and (self.spec.pipeline or budget.check_first) and \
+                    not budget.worth(outcome.prob, covered, time.perf_counter(), sum(spent) / len(spent), nbytes):
                 break
             t0 = time.perf_counter()
             nxt = self._prepare(prep.base + tokens, plan.within(remaining - len(tokens)))
@@ -384,8 +429,9 @@ class _SessionLoop:
 
     # --- replies --------------------------------------------------------------------------------
 
-    def _apply(self, prep: "_Prepared", reply: pb.VerifyReply, round_s: float) -> list[int]:
-        """Commit a reply's tokens (checked against the server's view) and learn from the round."""
+    def _apply(self, prep: "_Prepared", reply: pb.VerifyReply, round_s: float, pass_nodes: int = 0) -> list[int]:
+        """Commit a reply's tokens (checked against the server's view) and learn from the round.
+        pass_nodes: the nodes its target pass held when more than its own (a fused round's)."""
         kept = prep.kept_path(reply)
         new = [prep.tree.tokens[i] for i in kept] + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
         if not self.prompt_ids and reply.prompt_token_ids:
@@ -395,7 +441,7 @@ class _SessionLoop:
             raise EdgeError(grpc.StatusCode.INTERNAL, f"server committed {reply.committed_length} tokens, "
                                                       f"the edge {len(self.committed)}")
         self.session_id, self.last_round = reply.session_id, reply.round
-        self._learn(prep, reply, kept, round_s, len(new))
+        self._learn(prep, reply, kept, round_s, len(new), pass_nodes)
         return new
 
     def _prompt_known(self, ids: list[int]) -> None:
@@ -405,7 +451,8 @@ class _SessionLoop:
         self.prompt_len = len(ids)
         self.drafter.anchor_prompt(ids, self.plan.draft_ids)
 
-    def _learn(self, prep: "_Prepared", reply: pb.VerifyReply, kept: list[int], round_s: float, n_new: int) -> None:
+    def _learn(self, prep: "_Prepared", reply: pb.VerifyReply, kept: list[int], round_s: float, n_new: int,
+               pass_nodes: int = 0) -> None:
         """Count the round, and teach γ, the tree planner and the drafter what it cost and kept."""
         st, tree = self.st, prep.tree
         st.rounds += 1
@@ -426,7 +473,8 @@ class _SessionLoop:
             self.acceptance.observe(len(tree), reply.num_accepted, rejected)
             self.policy.observe(gamma=len(tree), num_accepted=reply.num_accepted, draft_s=prep.seconds,
                                 round_s=round_s, server_s=server_s, model_s=model_s, rejected=rejected)
-        self.planner.observe(prep.plan, nodes=len(tree), rows=prep.rows, tokens=n_new,
+        # The verifier's time is fitted over the nodes its pass held (a fused pass: all of them).
+        self.planner.observe(prep.plan, nodes=max(len(tree), pass_nodes), rows=prep.rows, tokens=n_new,
                              draft_s=prep.seconds, round_s=round_s, server_s=server_s, model_s=model_s)
         self.drafter.observe(self.committed, reply.num_accepted)
         if reply.HasField("budget") and self.spec.steer and self.spec.gamma == ADAPTIVE:
@@ -515,6 +563,12 @@ class _Prepared:
             raise EdgeError(grpc.StatusCode.INTERNAL, f"the verifier kept {n} nodes ({list(reply.kept_nodes)}), not a "
                                                       f"path from the root of this round's {len(self.tree)} draft nodes")
         return kept
+
+
+def _pass_nodes(prep: "_Prepared", fused: Sequence[_Guess]) -> int:
+    """Nodes of a fused round's target pass: its own, then per continuation its key's last token
+    and its drafts (spec_core.continuations.fuse_tree); 0 without continuations."""
+    return len(prep.tree) + sum(1 + len(g.prep.tree) for g in fused) if fused else 0
 
 
 async def _settle(job, spec_task):

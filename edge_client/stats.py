@@ -44,6 +44,8 @@ class GenerationStats:
     continuations_sent: int = 0     # alternatives shipped in pipelined rounds (each drafted for one outcome)
     continuation_hits: int = 0      # rounds whose outcome a continuation had been drafted for (sent or reused)
     window_depth: float = 0.0       # a window (Speculation.window > 1): mean rounds in flight when one was sent
+    fused_rounds: int = 0           # rounds sent with continuations for their own pass (--fuse)
+    fused_hits: int = 0             # rounds verified in the pass of the round before (no pass of their own)
     token_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:

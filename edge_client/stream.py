@@ -85,6 +85,20 @@ class RoundStream:
         finally:
             c.pending.pop(tag, None)
 
+    def follow(self, stub) -> None:
+        """Open the next call on `stub`: the verifier's stub after it moved to another replica (a
+        draining one handed the session back); a call still open on the old one is ended."""
+        if stub is not self._stub:
+            self._stub = stub
+            self.reset()
+
+    def reset(self) -> None:
+        """End the open call: the next round opens a new one. After a replay, the open call may still
+        be on the replica that lost the session (a draining one keeps its calls for its grace)."""
+        if self._open_call is not None and not self._open_call.ended:
+            self._end(self._open_call)
+        self._open_call = None
+
     def _open(self, wait_for_ready: bool) -> _Call:
         if self._open_call is None or self._open_call.ended:
             c = _Call(self._stub.VerifyStream(metadata=self._metadata, wait_for_ready=wait_for_ready))

@@ -3,6 +3,7 @@ back-off rules, the errors it raises (EdgeError), and the wire form of the sampl
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import random
 import time
@@ -17,7 +18,7 @@ from edge_client.stats import CloudOnlyStats, GenerationStats
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
-from spec_core.wire import MESSAGE_SIZE_OPTIONS, RETRY_AFTER_KEY
+from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,60 @@ CHANNEL_OPTIONS = [
     *MESSAGE_SIZE_OPTIONS,
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.enable_retries", 0),  # we retry ourselves, idempotently
+    # After a verifier goes away, calls wait (wait_for_ready) on the channel's reconnect timer.
+    # gRPC's default grows it from 1 s by 1.6x up to 120 s, so an edge found a restarted verifier
+    # up to a minute late (docs/operations.md has the measurement); a verifier is one known
+    # address, and a connect attempt to a closed port costs a refused SYN: try every 0.1-1 s.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    # Several addresses (replicas): keep one connection, to the first that answers, and move to
+    # the next when it goes (a drained or dead replica); round robin would spread one session's
+    # rounds over replicas that do not hold it.
+    ("grpc.lb_policy_name", "pick_first"),
 ]
+RETRY_BASE_S, RETRY_CAP_S = 0.05, 1.0   # a lost call's retry: full-jitter exponential back-off, capped
+
+
+def channel_target(server: str) -> str:
+    """The gRPC target for `server`: one host:port (a DNS name with several records gives every
+    address to pick_first), or a comma list of IP host:port addresses, the replicas to move between
+    ("127.0.0.1:50051,127.0.0.1:50052" becomes gRPC's "ipv4:" address list)."""
+    addresses = [a.strip() for a in server.split(",") if a.strip()]
+    if len(addresses) <= 1:
+        return server.strip()
+    hosts = [a.rpartition(":")[0].strip("[]") for a in addresses]
+    families = set()
+    for address, host in zip(addresses, hosts):
+        try:
+            families.add(ipaddress.ip_address("127.0.0.1" if host == "localhost" else host).version)
+        except ValueError:
+            raise ValueError(f"{address!r} in the server list {server!r} is not an IP address and port: a list "
+                             "takes IP addresses (several names: give one DNS name with a record per replica)") from None
+    if len(families) > 1:
+        raise ValueError(f"the server list {server!r} mixes IPv4 and IPv6 addresses: gRPC takes one family per list")
+    scheme = "ipv4" if families == {4} else "ipv6"
+    return scheme + ":" + ",".join(a.replace("localhost:", "127.0.0.1:") for a in addresses)
+
+
+def replica_targets(server: str) -> list[str]:
+    """One channel's `server` per replica of a comma list, each listing every replica with its own
+    first (pick_first then prefers it, and still falls over to the others when it is gone); a single
+    address is itself."""
+    addresses = [a.strip() for a in server.split(",") if a.strip()]
+    return [",".join(addresses[k:] + addresses[:k]) for k in range(len(addresses))] or [server]
+
+
+def moved(e: grpc.aio.AioRpcError) -> bool:
+    """Whether a draining verifier answered: the session moved, or a new one is refused there."""
+    return any(key == MOVED_KEY for key, _ in e.trailing_metadata() or ())
+
+
+def retry_delay_s(attempt: int) -> float:
+    """The wait before retry number `attempt` (from 1) of a lost call: uniform in [0, cap] with the
+    cap doubling from RETRY_BASE_S to RETRY_CAP_S ("full jitter"), so edges that lost a verifier
+    together do not come back together."""
+    return random.uniform(0.0, min(RETRY_CAP_S, RETRY_BASE_S * 2 ** attempt))
 
 
 def _pem(value: str | bytes | None) -> bytes | None:
@@ -45,20 +99,21 @@ def _pem(value: str | bytes | None) -> bytes | None:
 
 def open_channel(server: str, *, tls: bool = False, tls_ca: str | bytes | None = None,
                  tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
-                 tls_server_name: str | None = None, options=()) -> grpc.aio.Channel:
-    """A channel to a verifier: plain text, or TLS (mutual with a client cert and key).
-    tls_ca: CA bundle to trust (None: the system's roots); tls_server_name: the name to check the
+                 tls_server_name: str | None = None, options=(), interceptors=None) -> grpc.aio.Channel:
+    """A channel to a verifier (`server`: host:port, or a comma list of replicas: channel_target):
+    plain text, or TLS (mutual with a client cert and key). tls_ca: CA bundle to trust (None: the system's roots); tls_server_name: the name to check the
     server's certificate against when it differs from the address (e.g. through a proxy)."""
     options = list(CHANNEL_OPTIONS) + list(options)
+    server = channel_target(server)
     if not (tls or tls_ca or tls_cert or tls_key):
-        return grpc.aio.insecure_channel(server, options=options)
+        return grpc.aio.insecure_channel(server, options=options, interceptors=interceptors)
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("tls_cert and tls_key go together (a client certificate for mutual TLS)")
     creds = grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca), private_key=_pem(tls_key),
                                          certificate_chain=_pem(tls_cert))
     if tls_server_name:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
-    return grpc.aio.secure_channel(server, creds, options=options)
+    return grpc.aio.secure_channel(server, creds, options=options, interceptors=interceptors)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -123,14 +178,29 @@ class Verifier:
         self.metadata = auth_metadata(self.token)
         self.channel = channel
         self._own_channel = channel is None
+        # Own channels: one per replica of a comma list (replica_targets); a draining replica's
+        # "moved" sends the calls to the next one. A shared channel stays the one channel.
+        self.channels: list[grpc.aio.Channel] = [] if channel is None else [channel]
         self.stub: pb_grpc.VerifierStub | None = None
         self.reached = False   # the verifier has answered once: from then on calls wait for it to come back
         self._background: set[asyncio.Task] = set()  # Close calls that outlive a cancelled generation
 
     async def open(self) -> None:
         if self.channel is None:
-            self.channel = open_channel(self.transport.server, **self.security.channel_kwargs())
+            self.channels = [open_channel(target, **self.security.channel_kwargs())
+                             for target in replica_targets(self.transport.server)]
+            self.channel = self.channels[0]
         self.stub = pb_grpc.VerifierStub(self.channel)
+
+    def _move_from(self, channel: grpc.aio.Channel) -> bool:
+        """The replica behind `channel` is draining: use the next replica's channel (once, however
+        many calls learn it). False when there is no other replica to go to."""
+        if len(self.channels) < 2:
+            return False
+        if self.channel is channel:
+            self.channel = self.channels[(self.channels.index(channel) + 1) % len(self.channels)]
+            self.stub = pb_grpc.VerifierStub(self.channel)
+        return True
 
     async def aclose(self) -> None:
         if self._background:
@@ -138,8 +208,9 @@ class Verifier:
             # the channel goes (else their sessions hold KV memory until the verifier's TTL).
             await asyncio.wait(list(self._background), timeout=self.transport.deadline_s)
         if self._own_channel and self.channel is not None:
-            await self.channel.close()
-            self.channel = None
+            for channel in self.channels:
+                await channel.close()
+            self.channel, self.channels = None, []
 
     async def server_info(self) -> pb.ServerInfo:
         info = await self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.transport.deadline_s,
@@ -194,17 +265,25 @@ class Verifier:
     async def call(self, attempt: Callable[[], Awaitable], st: GenerationStats, what: str,
                    retries: int | None = None):
         """`attempt()`, one RPC, until it answers: a refusal for load (a retry hint) is waited out,
-        UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED are retried with backoff; anything else, or
+        UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED are retried after retry_delay_s; anything else, or
         running out of patience, raises EdgeError."""
-        delay, attempts, waited_s = 0.05, 0, 0.0
+        attempts, waited_s = 0, 0.0
         max_retries = self.transport.max_retries if retries is None else retries
         while True:
+            channel = self.channel
             try:
                 answer = await attempt()
                 self.reached = True
                 return answer
             except grpc.aio.AioRpcError as e:
                 hint_s = retry_after_s(e)
+                if moved(e) and self._move_from(channel):
+                    # A draining replica: a session it handed back is replayed on the next replica
+                    # (the caller replays on NOT_FOUND); a refused new session goes there at once.
+                    log.info("%s: %s, moving to the next replica: %s", what, e.code().name, e.details())
+                    if e.code() != grpc.StatusCode.NOT_FOUND:
+                        continue
+                    raise EdgeError(e.code(), e.details() or "") from None
                 if hint_s is not None and e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) \
                         and waited_s < self.transport.max_wait_s:
                     # Refused for load: wait the hint plus up to as much again, drawn at random, so
@@ -220,9 +299,9 @@ class Verifier:
                 if e.code() in RETRYABLE and attempts < max_retries:
                     attempts += 1
                     st.retries += 1
+                    delay = retry_delay_s(attempts)
                     log.info("%s: %s, retrying in %.2fs", what, e.code().name, delay)
                     await asyncio.sleep(delay)
-                    delay = min(delay * 2, 2.0)
                     continue
                 raise EdgeError(e.code(), e.details() or "", retry_after_s=hint_s) from None
 

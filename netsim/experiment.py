@@ -14,9 +14,12 @@ probable frontier nodes expanded per level), proactive-gN (fixed γ; the next ro
 during the round trip from the most likely outcome), pipeline-gN (that round is also sent
 before the reply; verified only on a committed base) and continuations-gN (the pipelined round
 carries next rounds for several likely outcomes, as many as the cost model says pay; the
-verifier runs the one whose base was committed: spec_core.continuations) and window-gN (up to
+verifier runs the one whose base was committed: spec_core.continuations), window-gN (up to
 WINDOW rounds in flight over VerifyStream, round r + 2 travelling while r and r + 1 are unanswered,
-each keyed by the outcomes it assumes; the cost model picks the depth: edge_client.window).
+each keyed by the outcomes it assumes; the cost model picks the depth: edge_client.window) and
+fused-gN (as continuations, and when the cost model says it pays the continuations leave with the
+round itself: the verifier runs the matching one in that round's pass and answers both in one
+reply; such a round counts no round trip and no pass of its own).
 """
 from __future__ import annotations
 
@@ -45,8 +48,8 @@ log = logging.getLogger(__name__)
 # Sampling per workload category: creative writing runs hot, structured output cold.
 TEMPERATURE = {"code": 0.2, "json": 0.2, "summarisation": 0.7, "translation": 0.7, "chat": 0.7, "creative": 1.0}
 ALL_MODES = ("edge-only", "cloud-only", "cloud-stepwise", "per-token", "hybrid", "adaptive", "tree", "proactive",
-             "pipeline", "continuations", "window")
-PER_GAMMA_MODES = ("hybrid", "tree", "proactive", "pipeline", "continuations", "window")
+             "pipeline", "continuations", "window", "fused")
+PER_GAMMA_MODES = ("hybrid", "tree", "proactive", "pipeline", "continuations", "window", "fused")
 WINDOW = 4   # the window mode's most rounds in flight (the verifier's default max_window)  # one run per γ in --gammas (mode-gN)
 
 
@@ -111,6 +114,8 @@ class Row:
     continuations_sent: int = 0            # alternatives shipped in pipelined rounds
     window_depth: float | None = None      # window mode: mean rounds in flight when one was sent
     continuation_hits: int = 0             # rounds whose outcome had a continuation (sent and kept, or reused)
+    fused_rounds: int = 0                  # rounds sent with continuations for their own pass (fused mode)
+    fused_hits: int = 0                    # rounds verified in the pass of the round before (no round trip)
 
 
 def load_workloads(categories: list[str], per_category: int) -> list[tuple[str, int, str]]:
@@ -219,7 +224,8 @@ class Runner:
             else:
                 g = {"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)
                 extra = {"proactive": {"proactive": True}, "pipeline": {"pipeline": True, "max_continuations": 1},
-                         "continuations": {"pipeline": True}, "window": {"window": WINDOW}}.get(mode, {})
+                         "continuations": {"pipeline": True}, "window": {"window": WINDOW},
+                         "fused": {"pipeline": True, "fuse": True}}.get(mode, {})
                 if mode == "tree":
                     extra = {"tree": f"budget={4 * int(gamma)},depth={gamma},branching=2,width=2"}
                 options = EdgeOptions(Transport(f"127.0.0.1:{port}", deadline_s=120),
@@ -232,10 +238,11 @@ class Runner:
                     cross_rounds = getattr(client.drafter, "view", None) is not None   # drafted across vocabularies
                 st = gen.stats
                 tokens, wall, ttft = st.tokens, st.wall_s, st.ttft_s
-                rounds = st.rounds + st.retries + st.discarded_rounds
+                # A fused hit is a round answered with the one before: no round trip, no pass of its own.
+                rounds = st.rounds - st.fused_hits + st.retries + st.discarded_rounds
                 acc, alpha, tpr = st.acceptance_rate, st.alpha, st.tokens_per_round
                 theory = st.expected_tokens_per_round
-                passes, retries, replays = st.rounds, st.retries, st.replays
+                passes, retries, replays = st.rounds - st.fused_hits, st.retries, st.replays
             await asyncio.sleep(0.05)  # let the proxy account the last bytes
             up = (proxy.stats.bytes_up - before[0]) if proxy else 0
             down = (proxy.stats.bytes_down - before[1]) if proxy else 0
@@ -251,6 +258,7 @@ class Runner:
             row.continuation_rounds, row.continuations_sent, row.continuation_hits = (
                 st.continuation_rounds, st.continuations_sent, st.continuation_hits)
             row.window_depth = st.window_depth or None
+            row.fused_rounds, row.fused_hits = st.fused_rounds, st.fused_hits
         return row
 
     def _edge_only(self, profile, workload, index, prompt_ids, settings) -> Row:

@@ -10,6 +10,10 @@ from __future__ import annotations
 # before retrying, as a decimal string. The verifier sets it (cloud_verifier.admission); the edge obeys it.
 RETRY_AFTER_KEY = "retry-after-ms"
 
+# Trailing metadata of a draining verifier's answer (a session "moved", a new session refused): the
+# edge that knows other replicas goes to the next one at once. The value says nothing ("1").
+MOVED_KEY = "hybridspec-moved"
+
 # The largest gRPC message either end sends or receives (gRPC's default is 4 MiB): a long prompt's
 # replay, a wide tree with float q, a vocabulary.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024

@@ -292,7 +292,9 @@ async def test_overload_is_refused_early_with_bounded_memory_and_every_edge_fini
 @pytest.mark.timing
 async def test_sigterm_drains_and_edges_move_on_by_replay():
     n_tokens = 120
-    verifier = Verifier(["--synthetic-step-ms", "20", "--grace", "5"])
+    # Every session handed back at once (a paced drain lets a session that ends soon finish here
+    # instead: tests/test_recovery.py runs that), so each edge mid-generation replays exactly once.
+    verifier = Verifier(["--synthetic-step-ms", "20", "--grace", "5", "--drain-rate", "0"])
     edges = [Edge(k, f"127.0.0.1:{verifier.port}", n_tokens, deadline_s=5, max_retries=40) for k in range(4)]
     tasks = [asyncio.create_task(e.run()) for e in edges]
     try:

@@ -8,6 +8,7 @@ failure into a skip that says so).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -31,7 +32,12 @@ def test_gpu_check_short_mode_runs_every_step(tmp_path):
     # Each step printed its figures: the maths table, the load report's modes, vLLM's counters.
     assert "| 49152 | greedy | 4 |" in results
     assert (tmp_path / "accept_maths_short.md").is_file()
+    # ... and as rows the fleet model's host-path table reads (numpy and torch rows; floor skipped).
+    from netsim.fleet.hostpath import HostPathTable
+    table = HostPathTable.from_json(json.loads((tmp_path / "accept_maths_short.json").read_text()))
+    assert {(r.path, r.setting) for r in table.rows} == {(p, s) for p in ("numpy-per-session", "batched-on-device")
+                                                         for s in ("greedy", "top-k", "top-p")}
     assert "hybrid" in results and "cloud-only" in results
     assert (tmp_path / "load_short").is_dir()
-    assert "one-request" in results and (tmp_path / "vllm_counters_short.json").is_file()
+    assert "(shipped)" in results and (tmp_path / "vllm_counters_short.json").is_file()
     assert "0 step(s) failed" in results

@@ -249,7 +249,7 @@ def numpy_outcome(logits_np, rd: PassRound, uniforms_in_order) -> TreeResult:
     return verify_tree(p, rd.tree, rd.draft_probs, rng)
 
 
-def tested_order(rd: PassRound, result: TreeResult) -> list[int]:
+def nodes_tested(rd: PassRound, result: TreeResult) -> list[int]:
     """The nodes whose accept test ran, in order, for this outcome."""
     kids = rd.tree.children()
     order, node = [], ROOT
@@ -271,7 +271,7 @@ def test_same_ids_as_the_numpy_kernels_away_from_boundaries(monkeypatch):
     compared = 0
     for rd, res in zip(rounds, results):
         block = logits[rd.first_row:rd.first_row + len(rd.tree) + 1].numpy()
-        used = [rd.uniforms[c] for c in tested_order(rd, res)] + [rd.uniforms[-1]]
+        used = [rd.uniforms[c] for c in nodes_tested(rd, res)] + [rd.uniforms[-1]]
         nudged = {tuple(numpy_outcome(block, rd, np.clip(np.array(used) + d, 0, 1 - 1e-12)).path) +
                   (numpy_outcome(block, rd, np.clip(np.array(used) + d, 0, 1 - 1e-12)).next_token,)
                   for d in (-1e-6, 0.0, 1e-6)}
@@ -280,3 +280,11 @@ def test_same_ids_as_the_numpy_kernels_away_from_boundaries(monkeypatch):
         assert numpy_outcome(block, rd, used) == res, (rd.settings, rd.tree, res)
         compared += 1
     assert compared >= 190, compared
+
+
+def test_bfloat16_logits_give_the_outcomes_of_their_float32_values():
+    """An engine's logits may be bf16: warping reads them as float32, so a pass over bf16 logits
+    decides as the same pass over those values in float32 (ties, common in bf16, included)."""
+    logits, rounds = random_rounds(3, 40)
+    low = logits.to(torch.bfloat16)
+    assert accept_pass(low, rounds) == accept_pass(low.float(), rounds)

@@ -5,22 +5,42 @@ round (a chain is a tree with one path), turns them into p with spec_core.warpin
 chain or tree kernel of spec_core.verify / spec_core.tree, so exactness lives in one place
 (spec_core.acceptance). A backend that cannot return full logits cheaply (vLLM) overrides the
 kernels `verify` / `verify_tree` / `sample_next` and runs the same rule from scores
-(spec_core.verify.verify_from_scores, spec_core.tree.verify_tree_from_scores).
+(spec_core.verify.verify_from_scores, spec_core.tree.verify_tree_from_scores), and says `fuses = False`:
+a round's fused continuations (spec_core.continuations) otherwise share its pass through
+`tree_logits` and the host kernels, bypassing overridden `verify` / `verify_tree`.
 Methods are synchronous and called from a worker thread; a backend serialises its own model.
 """
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from spec_core.continuations import fuse_tree, pick_continuation
 from spec_core.crossvocab import Vocabulary
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import DraftTree, TreeResult, verify_tree
 from spec_core.verify import RoundResult, verify_round_on_logits
 from spec_core.warping import SamplingSettings, processed_probs, sample
+
+
+# Nodes of one fused pass at most: a round's tree and its continuations (Limits: 64 + 16 keys +
+# 256), below the llama.cpp backend's tree batch (n_batch, 512 by default).
+MAX_FUSED_NODES = 400
+
+
+def rule_on_logits(logits: np.ndarray, tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
+                   settings: SamplingSettings, rng: np.random.Generator) -> TreeResult:
+    """The round rule on raw target rows  # logits: [n + 1, vocab], row 0 after the committed
+    sequence, row i + 1 after node i. A chain takes the chain kernel (rows warped as the round
+    reaches them), as `verify` does, so it draws exactly what an unfused round draws."""
+    if tree.is_chain:
+        r = verify_round_on_logits(logits, settings, list(tree.tokens), draft_probs, rng)
+        return TreeResult(list(range(r.num_accepted)), r.next_token)
+    return verify_tree(processed_probs(logits, settings.temperature, settings.top_k, settings.top_p), tree,
+                       draft_probs, rng)
 
 
 @dataclass(frozen=True)
@@ -33,12 +53,28 @@ class BackendInfo:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
 
+class FusedContinuation(NamedTuple):
+    """A next round drafted after one outcome of this round (spec_core.continuations)."""
+
+    key: tuple[int, ...]               # what it assumes this round commits (kept path + one token)
+    tree: DraftTree                    # its draft (a chain: one path), already cut to its context room
+    draft_probs: Sequence[EncodedQ | None] | None   # [n] or None: point masses
+
+
+class ContinuationRun(NamedTuple):
+    """The continuation whose key this round committed, verified on the same pass's rows."""
+
+    index: int                         # into the continuations given
+    result: TreeResult
+
+
 class BackendRound(NamedTuple):
     """A verified round and where its time went."""
 
     result: RoundResult | TreeResult   # a chain's (verify) or a tree's (verify_tree)
     queue_s: float                     # waiting for the model (its lock, or a batched pass)
     model_s: float                     # in the model
+    following: ContinuationRun | None = None   # the next round, when a continuation hit
 
 
 class BackendSample(NamedTuple):
@@ -86,17 +122,76 @@ class Backend(abc.ABC):
 
     def verify_round(self, state: object, committed: Sequence[int], tree: DraftTree,
                      draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
-                     rng: np.random.Generator) -> BackendRound:
+                     rng: np.random.Generator, continuations: Sequence[FusedContinuation] = (),
+                     next_rng: Callable[[int], np.random.Generator] | None = None) -> BackendRound:
         """The one entry the engine calls for every round: a draft tree (a chain is a tree with one
         path) after `committed`, each node with the q it was drawn from  # draft_probs: [n] or None.
         Returns BackendRound(TreeResult(kept path, corrected or bonus token), queue_s, model_s).
         A chain takes the chain kernel (`verify`: p warped only as far as the round reads it, one
         row per draft); anything else the tree kernel (`verify_tree`). Both run the same rule
-        (spec_core.acceptance); backends override the kernels, not this."""
+        (spec_core.acceptance); backends override the kernels, not this.
+
+        With `continuations` (the next round drafted after outcomes of this one): when this round
+        commits exactly one's key, that one is verified too, with next_rng(committed length after
+        this round) for its draws (never `rng`), and returned as `following`. A backend that
+        `fuses` evaluates them in this round's pass (spec_core.continuations.fuse_tree); one that
+        does not runs the one that hit as a second round right after."""
+        if continuations:
+            assert next_rng is not None
+            run = self._fused_round if self.fuses else self._round_then_continuation
+            return run(state, list(committed), tree, draft_probs, settings, rng, continuations, next_rng)
         if not tree.is_chain:
             return self.verify_tree(state, committed, tree, draft_probs, settings, rng)
         out = self.verify(state, committed, list(tree.tokens), draft_probs, settings, rng)
         return out._replace(result=TreeResult(list(range(out.result.num_accepted)), out.result.next_token))
+
+    # True: continuations share this round's pass (tree_logits on the fused tree and the rules on
+    # host rows). A backend whose kernels work from scores (vLLM) says False.
+    fuses: bool = True
+    max_tree_leaves: int | None = None   # leaves one tree pass may hold (None: no limit here)
+    max_fused_nodes: int = MAX_FUSED_NODES   # nodes one fused pass may hold
+
+    def _fused_round(self, state, committed: list[int], tree: DraftTree, draft_probs, settings: SamplingSettings,
+                     rng: np.random.Generator, continuations: Sequence[FusedContinuation],
+                     next_rng: Callable[[int], np.random.Generator]) -> BackendRound:
+        room = self.info.n_ctx - len(committed)   # a serial tree pass holds every node in the context
+
+        def fits(t: DraftTree) -> bool:
+            return len(t) < min(room, self.max_fused_nodes) and \
+                (self.max_tree_leaves is None or len(t.leaves()) <= self.max_tree_leaves)
+        fused = fuse_tree(tree, [c.key for c in continuations], [c.tree for c in continuations], fits)
+        logits, queue_s, model_s = self.tree_logits(state, committed, fused.tree)   # [n_fused + 1, vocab]
+        result = rule_on_logits(logits[: len(tree) + 1], tree, draft_probs, settings, rng)
+        kept = [tree.tokens[i] for i in result.path] + [result.next_token]
+        placed = [c.key if at is not None else () for c, at in zip(continuations, fused.placements)]
+        hit = pick_continuation(kept, 0, placed)
+        path = list(result.path)
+        following = None
+        if hit is not None:
+            c, at = continuations[hit], fused.placements[hit]
+            rows = logits[fused.continuation_rows(hit, len(c.tree))]
+            nxt = rule_on_logits(rows, c.tree, c.draft_probs, settings, next_rng(len(committed) + len(c.key)))
+            following = ContinuationRun(hit, nxt)
+            path += [at.key_node] + [at.offset + i for i in nxt.path]
+        self.keep_tree_path(state, committed, fused.tree, path)
+        return BackendRound(result, queue_s, model_s, following)
+
+    def _round_then_continuation(self, state, committed: list[int], tree: DraftTree, draft_probs,
+                                 settings: SamplingSettings, rng: np.random.Generator,
+                                 continuations: Sequence[FusedContinuation],
+                                 next_rng: Callable[[int], np.random.Generator]) -> BackendRound:
+        out = self.verify_round(state, committed, tree, draft_probs, settings, rng)
+        kept = [tree.tokens[i] for i in out.result.path] + [out.result.next_token]
+        hit = pick_continuation(kept, 0, [c.key for c in continuations])
+        if hit is None:
+            return out
+        c = continuations[hit]
+        base = committed + list(c.key)
+        if len(base) + 1 > self.info.n_ctx:
+            return out
+        nxt = self.verify_round(state, base, c.tree, c.draft_probs, settings, next_rng(len(base)))
+        return BackendRound(out.result, out.queue_s + nxt.queue_s, out.model_s + nxt.model_s,
+                            ContinuationRun(hit, nxt.result))
 
     def verify(self, state: object, committed: Sequence[int], draft_tokens: Sequence[int],
                draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,

@@ -59,6 +59,8 @@ class LlamaCppBackend(Backend):
         # Serial mode: sequence 0 + a scratch id per tree leaf. Batching: a pool of as many tree
         # ids, lent to each tree round for its leaves.
         self.n_seq_max = max_tree_leaves + 1
+        self.max_tree_leaves = max_tree_leaves   # a fused round's tree too (Backend._fused_round)
+        self.max_fused_nodes = min(self.max_fused_nodes, n_batch - 1)   # a serial tree pass is one batch
         self.kv: SharedKV | None = None
         # Serial: the model in turns, prompts a chunk a turn (by default one decode of the context).
         self.turns = Turns(prefill_chunk or (self.model.invariant_ubatch if invariant else n_batch))

@@ -26,7 +26,13 @@ What runs, per pass:
      supports: a few numbers per node cross, never a row.
   3. one draw per round from the row it ended at: that row's p, minus each rejected child's q in
      turn (spec_core.acceptance.after_rejection: p kept when the residual is rounding noise), by
-     inverse CDF with the round's last uniform, in float64.
+     inverse CDF with the round's last uniform, in float64, in ascending token order as
+     spec_core.warping.sample; over the row's kept tokens alone where the warping listed them
+     (greedy, top-k, top-p rows keeping at most _SUPPORT_CAP tokens: p and so the residual are 0
+     elsewhere), else over the whole row.
+
+torch is imported here at the top: only code that runs where torch is installed (the vLLM
+environment, a GPU node) imports this module; spec_core and the main environment never do.
 
 Where the numbers differ from spec_core's numpy kernels (the outcome distribution does not):
   - exp and the sum over a whole row (the normaliser) run in float32 (numpy: float64; a float64
@@ -51,7 +57,7 @@ from spec_core.qcodec import EncodedQ
 from spec_core.tree import ROOT, DraftTree, TreeResult, tree_tokens_needed
 from spec_core.warping import SamplingSettings
 
-# top-p without top-k first looks at this many of a row's largest entries (then doubles): on
+# top-p without top-k first looks at this many of a row's largest entries (then 16x as many): on
 # peaked rows the kept set is far smaller, and a bounded topk is cheaper than sorting the row.
 _TOP_P_CANDIDATES = 64
 

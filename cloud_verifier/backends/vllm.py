@@ -221,6 +221,7 @@ TOP_K_ONE_REQUEST = 1024
 class VllmBackend(Backend):
     batching = True  # vLLM's scheduler mixes the rounds of all sessions in flight
     has_vocabulary = True  # from the HF tokenizer: GetVocabulary, text and chat prompts
+    fuses = False    # its kernels work from scores: a hit continuation runs as a second request
     one_request = True  # greedy and top-k rounds: one request with prompt logprobs (False: gamma + 1 requests)
 
     def __init__(self, model: str, n_ctx: int = 2048, engine_args: dict | None = None):
@@ -725,9 +726,16 @@ def _score(out, draft: int | None, greedy: bool) -> PositionScore:
 def _row_scores(row: np.ndarray, tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
                 node: int) -> dict[int, float]:
     """p(t) from a processed row  # [vocab] for every token the tree rule may read after `node`: the
-    row's support, and the children and their q supports, which may lie outside it (p = 0)."""
+    row's support, and the children and their q supports (dense ones too), which may lie outside it
+    (p = 0)."""
     probs = {int(t): float(row[t]) for t in np.flatnonzero(row)}
-    for t in tree_tokens_needed(tree, draft_probs, node) or [tree.tokens[c] for c in tree.children().get(node, [])]:
+    need = set()
+    for c in tree.children().get(node, []):
+        q = None if draft_probs is None else draft_probs[c]
+        need.add(tree.tokens[c])
+        if q is not None:
+            need.update(q.token_ids if q.token_ids is not None else np.flatnonzero(q.weights))
+    for t in need:
         probs.setdefault(int(t), 0.0)
     return probs
 

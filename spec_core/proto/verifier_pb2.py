@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chybridspec/v1/verifier.proto\x12\rhybridspec.v1\"\xa3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\xba\x02\n\x0bOpenSession\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x18\n\x10resume_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.hybridspec.v1.SamplingParams\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x10\n\x08open_key\x18\x05 \x01(\x0c\x12\x13\n\x0bprompt_text\x18\x06 \x01(\t\x12\x33\n\x0fprompt_messages\x18\x07 \x03(\x0b\x32\x1a.hybridspec.v1.ChatMessage\x12#\n\x1b\x64raft_tokenizer_fingerprint\x18\n \x01(\t\x12&\n\x03slo\x18\x08 \x01(\x0b\x32\x19.hybridspec.v1.SessionSlo\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\".\n\nSessionSlo\x12\x0f\n\x07tpot_ms\x18\x01 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x02\"G\n\x0b\x44raftBudget\x12\x11\n\tmax_gamma\x18\x01 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x02 \x01(\r\x12\r\n\x05price\x18\x03 \x01(\x02\">\n\tDraftDist\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07weights\x18\x02 \x03(\r\x12\r\n\x05probs\x18\x03 \x03(\x02\"\xa7\x01\n\x08QPayload\x12.\n\x06\x66ormat\x18\x01 \x01(\x0e\x32\x1e.hybridspec.v1.QPayload.Format\x12\x12\n\nscale_bits\x18\x02 \x01(\r\x12+\n\tpositions\x18\x03 \x03(\x0b\x32\x18.hybridspec.v1.DraftDist\"*\n\x06\x46ormat\x12\x08\n\x04NONE\x10\x00\x12\t\n\x05\x46IXED\x10\x01\x12\x0b\n\x07\x46LOAT32\x10\x02\"\x96\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12(\n\x04open\x18\x04 \x01(\x0b\x32\x1a.hybridspec.v1.OpenSession\x12\x17\n\x0f\x64raft_token_ids\x18\x05 \x03(\r\x12\"\n\x01q\x18\x06 \x01(\x0b\x32\x17.hybridspec.v1.QPayload\x12\x15\n\rdraft_parents\x18\x07 \x03(\x11\x12\x16\n\x0e\x61ssumed_tokens\x18\x08 \x03(\r\x12\x32\n\rcontinuations\x18\t \x03(\x0b\x32\x1b.hybridspec.v1.Continuation\"z\n\x0c\x43ontinuation\x12\x16\n\x0e\x61ssumed_tokens\x18\x01 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12\x15\n\rdraft_parents\x18\x03 \x03(\x11\x12\"\n\x01q\x18\x04 \x01(\x0b\x32\x17.hybridspec.v1.QPayload\"I\n\x0bStreamRound\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12-\n\x07request\x18\x02 \x01(\x0b\x32\x1c.hybridspec.v1.VerifyRequest\"D\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"p\n\x0bStreamReply\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12)\n\x05reply\x18\x02 \x01(\x0b\x32\x1a.hybridspec.v1.VerifyReply\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.hybridspec.v1.StreamError\"E\n\rServerTimings\x12\x10\n\x08model_ms\x18\x01 \x01(\x02\x12\x10\n\x08queue_ms\x18\x02 \x01(\x02\x12\x10\n\x08total_ms\x18\x03 \x01(\x02\"\xf8\x02\n\x0bVerifyReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x1a\n\rnext_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\r\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.hybridspec.v1.FinishReason\x12-\n\x07timings\x18\x07 \x01(\x0b\x32\x1c.hybridspec.v1.ServerTimings\x12\x12\n\nkept_nodes\x18\x08 \x03(\r\x12\x15\n\rbase_mismatch\x18\t \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\r\x12*\n\x06\x62udget\x18\r \x01(\x0b\x32\x1a.hybridspec.v1.DraftBudget\x12\x14\n\x0c\x63ontinuation\x18\n \x01(\rB\x10\n\x0e_next_token_id\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x1c\n\nCloseReply\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\xa6\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12/\n\x08sampling\x18\x02 \x01(\x0b\x32\x1d.hybridspec.v1.SamplingParams\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x33\n\x0fprompt_messages\x18\x04 \x03(\x0b\x32\x1a.hybridspec.v1.ChatMessage\"\x82\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.hybridspec.v1.FinishReason\x12\x10\n\x08model_ms\x18\x03 \x01(\x02\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\"\x13\n\x11ServerInfoRequest\"\x98\x03\n\nServerInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07n_vocab\x18\x03 \x01(\r\x12\r\n\x05n_ctx\x18\x04 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x11\n\tmax_gamma\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x0f\n\x07version\x18\t \x01(\t\x12\x16\n\x0emax_tree_nodes\x18\n \x01(\r\x12\x1a\n\x12max_tree_branching\x18\x0b \x01(\r\x12\x10\n\x08\x62\x61tching\x18\x0c \x01(\x08\x12\x14\n\x0ctext_prompts\x18\r \x01(\x08\x12\x14\n\x0c\x63hat_prompts\x18\x0e \x01(\x08\x12\x15\n\rdraft_budgets\x18\x0f \x01(\x08\x12&\n\x03slo\x18\x10 \x01(\x0b\x32\x19.hybridspec.v1.SessionSlo\x12\x15\n\rverify_stream\x18\x1e \x01(\x08\x12\x12\n\nmax_window\x18\x1f \x01(\r\"(\n\x11VocabularyRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"\x96\x01\n\nVocabulary\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0f\n\x07n_vocab\x18\x02 \x01(\r\x12\x18\n\x10token_bytes_zlib\x18\x03 \x01(\x0c\x12\x19\n\x11special_token_ids\x18\x04 \x03(\r\x12\x15\n\reog_token_ids\x18\x05 \x03(\r\x12\x16\n\x0e\x62yte_token_ids\x18\x06 \x03(\r*C\n\x0c\x46inishReason\x12\x10\n\x0cNOT_FINISHED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\x0b\n\x07\x43ONTEXT\x10\x03\x32\xc3\x03\n\x08Verifier\x12\x42\n\x06Verify\x12\x1c.hybridspec.v1.VerifyRequest\x1a\x1a.hybridspec.v1.VerifyReply\x12J\n\x0cVerifyStream\x12\x1a.hybridspec.v1.StreamRound\x1a\x1a.hybridspec.v1.StreamReply(\x01\x30\x01\x12?\n\x05\x43lose\x12\x1b.hybridspec.v1.CloseRequest\x1a\x19.hybridspec.v1.CloseReply\x12J\n\x08Generate\x12\x1e.hybridspec.v1.GenerateRequest\x1a\x1c.hybridspec.v1.GenerateChunk0\x01\x12L\n\rGetServerInfo\x12 .hybridspec.v1.ServerInfoRequest\x1a\x19.hybridspec.v1.ServerInfo\x12L\n\rGetVocabulary\x12 .hybridspec.v1.VocabularyRequest\x1a\x19.hybridspec.v1.Vocabularyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chybridspec/v1/verifier.proto\x12\rhybridspec.v1\"\xa3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\xba\x02\n\x0bOpenSession\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x18\n\x10resume_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.hybridspec.v1.SamplingParams\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x10\n\x08open_key\x18\x05 \x01(\x0c\x12\x13\n\x0bprompt_text\x18\x06 \x01(\t\x12\x33\n\x0fprompt_messages\x18\x07 \x03(\x0b\x32\x1a.hybridspec.v1.ChatMessage\x12#\n\x1b\x64raft_tokenizer_fingerprint\x18\n \x01(\t\x12&\n\x03slo\x18\x08 \x01(\x0b\x32\x19.hybridspec.v1.SessionSlo\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\".\n\nSessionSlo\x12\x0f\n\x07tpot_ms\x18\x01 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x02\"G\n\x0b\x44raftBudget\x12\x11\n\tmax_gamma\x18\x01 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x02 \x01(\r\x12\r\n\x05price\x18\x03 \x01(\x02\">\n\tDraftDist\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07weights\x18\x02 \x03(\r\x12\r\n\x05probs\x18\x03 \x03(\x02\"\xa7\x01\n\x08QPayload\x12.\n\x06\x66ormat\x18\x01 \x01(\x0e\x32\x1e.hybridspec.v1.QPayload.Format\x12\x12\n\nscale_bits\x18\x02 \x01(\r\x12+\n\tpositions\x18\x03 \x03(\x0b\x32\x18.hybridspec.v1.DraftDist\"*\n\x06\x46ormat\x12\x08\n\x04NONE\x10\x00\x12\t\n\x05\x46IXED\x10\x01\x12\x0b\n\x07\x46LOAT32\x10\x02\"\xcf\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12(\n\x04open\x18\x04 \x01(\x0b\x32\x1a.hybridspec.v1.OpenSession\x12\x17\n\x0f\x64raft_token_ids\x18\x05 \x03(\r\x12\"\n\x01q\x18\x06 \x01(\x0b\x32\x17.hybridspec.v1.QPayload\x12\x15\n\rdraft_parents\x18\x07 \x03(\x11\x12\x16\n\x0e\x61ssumed_tokens\x18\x08 \x03(\r\x12\x32\n\rcontinuations\x18\t \x03(\x0b\x32\x1b.hybridspec.v1.Continuation\x12\x37\n\x12next_continuations\x18\x14 \x03(\x0b\x32\x1b.hybridspec.v1.Continuation\"z\n\x0c\x43ontinuation\x12\x16\n\x0e\x61ssumed_tokens\x18\x01 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12\x15\n\rdraft_parents\x18\x03 \x03(\x11\x12\"\n\x01q\x18\x04 \x01(\x0b\x32\x17.hybridspec.v1.QPayload\"I\n\x0bStreamRound\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12-\n\x07request\x18\x02 \x01(\x0b\x32\x1c.hybridspec.v1.VerifyRequest\"D\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"p\n\x0bStreamReply\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12)\n\x05reply\x18\x02 \x01(\x0b\x32\x1a.hybridspec.v1.VerifyReply\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.hybridspec.v1.StreamError\"E\n\rServerTimings\x12\x10\n\x08model_ms\x18\x01 \x01(\x02\x12\x10\n\x08queue_ms\x18\x02 \x01(\x02\x12\x10\n\x08total_ms\x18\x03 \x01(\x02\"\xa8\x03\n\x0bVerifyReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x1a\n\rnext_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\r\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.hybridspec.v1.FinishReason\x12-\n\x07timings\x18\x07 \x01(\x0b\x32\x1c.hybridspec.v1.ServerTimings\x12\x12\n\nkept_nodes\x18\x08 \x03(\r\x12\x15\n\rbase_mismatch\x18\t \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\r\x12*\n\x06\x62udget\x18\r \x01(\x0b\x32\x1a.hybridspec.v1.DraftBudget\x12\x14\n\x0c\x63ontinuation\x18\n \x01(\r\x12.\n\nnext_round\x18\x14 \x01(\x0b\x32\x1a.hybridspec.v1.VerifyReplyB\x10\n\x0e_next_token_id\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x1c\n\nCloseReply\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\xa6\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12/\n\x08sampling\x18\x02 \x01(\x0b\x32\x1d.hybridspec.v1.SamplingParams\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x33\n\x0fprompt_messages\x18\x04 \x03(\x0b\x32\x1a.hybridspec.v1.ChatMessage\"\x82\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.hybridspec.v1.FinishReason\x12\x10\n\x08model_ms\x18\x03 \x01(\x02\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\"\x13\n\x11ServerInfoRequest\"\x98\x03\n\nServerInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07n_vocab\x18\x03 \x01(\r\x12\r\n\x05n_ctx\x18\x04 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x11\n\tmax_gamma\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x0f\n\x07version\x18\t \x01(\t\x12\x16\n\x0emax_tree_nodes\x18\n \x01(\r\x12\x1a\n\x12max_tree_branching\x18\x0b \x01(\r\x12\x10\n\x08\x62\x61tching\x18\x0c \x01(\x08\x12\x14\n\x0ctext_prompts\x18\r \x01(\x08\x12\x14\n\x0c\x63hat_prompts\x18\x0e \x01(\x08\x12\x15\n\rdraft_budgets\x18\x0f \x01(\x08\x12&\n\x03slo\x18\x10 \x01(\x0b\x32\x19.hybridspec.v1.SessionSlo\x12\x15\n\rverify_stream\x18\x1e \x01(\x08\x12\x12\n\nmax_window\x18\x1f \x01(\r\"(\n\x11VocabularyRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"\x96\x01\n\nVocabulary\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0f\n\x07n_vocab\x18\x02 \x01(\r\x12\x18\n\x10token_bytes_zlib\x18\x03 \x01(\x0c\x12\x19\n\x11special_token_ids\x18\x04 \x03(\r\x12\x15\n\reog_token_ids\x18\x05 \x03(\r\x12\x16\n\x0e\x62yte_token_ids\x18\x06 \x03(\r*C\n\x0c\x46inishReason\x12\x10\n\x0cNOT_FINISHED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\x0b\n\x07\x43ONTEXT\x10\x03\x32\xc3\x03\n\x08Verifier\x12\x42\n\x06Verify\x12\x1c.hybridspec.v1.VerifyRequest\x1a\x1a.hybridspec.v1.VerifyReply\x12J\n\x0cVerifyStream\x12\x1a.hybridspec.v1.StreamRound\x1a\x1a.hybridspec.v1.StreamReply(\x01\x30\x01\x12?\n\x05\x43lose\x12\x1b.hybridspec.v1.CloseRequest\x1a\x19.hybridspec.v1.CloseReply\x12J\n\x08Generate\x12\x1e.hybridspec.v1.GenerateRequest\x1a\x1c.hybridspec.v1.GenerateChunk0\x01\x12L\n\rGetServerInfo\x12 .hybridspec.v1.ServerInfoRequest\x1a\x19.hybridspec.v1.ServerInfo\x12L\n\rGetVocabulary\x12 .hybridspec.v1.VocabularyRequest\x1a\x19.hybridspec.v1.Vocabularyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hybridspec.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=3040
-  _globals['_FINISHREASON']._serialized_end=3107
+  _globals['_FINISHREASON']._serialized_start=3145
+  _globals['_FINISHREASON']._serialized_end=3212
   _globals['_SAMPLINGPARAMS']._serialized_start=48
   _globals['_SAMPLINGPARAMS']._serialized_end=211
   _globals['_OPENSESSION']._serialized_start=214
@@ -50,35 +50,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_QPAYLOAD_FORMAT']._serialized_start=887
   _globals['_QPAYLOAD_FORMAT']._serialized_end=929
   _globals['_VERIFYREQUEST']._serialized_start=932
-  _globals['_VERIFYREQUEST']._serialized_end=1210
-  _globals['_CONTINUATION']._serialized_start=1212
-  _globals['_CONTINUATION']._serialized_end=1334
-  _globals['_STREAMROUND']._serialized_start=1336
-  _globals['_STREAMROUND']._serialized_end=1409
-  _globals['_STREAMERROR']._serialized_start=1411
-  _globals['_STREAMERROR']._serialized_end=1479
-  _globals['_STREAMREPLY']._serialized_start=1481
-  _globals['_STREAMREPLY']._serialized_end=1593
-  _globals['_SERVERTIMINGS']._serialized_start=1595
-  _globals['_SERVERTIMINGS']._serialized_end=1664
-  _globals['_VERIFYREPLY']._serialized_start=1667
-  _globals['_VERIFYREPLY']._serialized_end=2043
-  _globals['_CLOSEREQUEST']._serialized_start=2045
-  _globals['_CLOSEREQUEST']._serialized_end=2079
-  _globals['_CLOSEREPLY']._serialized_start=2081
-  _globals['_CLOSEREPLY']._serialized_end=2109
-  _globals['_GENERATEREQUEST']._serialized_start=2112
-  _globals['_GENERATEREQUEST']._serialized_end=2278
-  _globals['_GENERATECHUNK']._serialized_start=2281
-  _globals['_GENERATECHUNK']._serialized_end=2411
-  _globals['_SERVERINFOREQUEST']._serialized_start=2413
-  _globals['_SERVERINFOREQUEST']._serialized_end=2432
-  _globals['_SERVERINFO']._serialized_start=2435
-  _globals['_SERVERINFO']._serialized_end=2843
-  _globals['_VOCABULARYREQUEST']._serialized_start=2845
-  _globals['_VOCABULARYREQUEST']._serialized_end=2885
-  _globals['_VOCABULARY']._serialized_start=2888
-  _globals['_VOCABULARY']._serialized_end=3038
-  _globals['_VERIFIER']._serialized_start=3110
-  _globals['_VERIFIER']._serialized_end=3561
+  _globals['_VERIFYREQUEST']._serialized_end=1267
+  _globals['_CONTINUATION']._serialized_start=1269
+  _globals['_CONTINUATION']._serialized_end=1391
+  _globals['_STREAMROUND']._serialized_start=1393
+  _globals['_STREAMROUND']._serialized_end=1466
+  _globals['_STREAMERROR']._serialized_start=1468
+  _globals['_STREAMERROR']._serialized_end=1536
+  _globals['_STREAMREPLY']._serialized_start=1538
+  _globals['_STREAMREPLY']._serialized_end=1650
+  _globals['_SERVERTIMINGS']._serialized_start=1652
+  _globals['_SERVERTIMINGS']._serialized_end=1721
+  _globals['_VERIFYREPLY']._serialized_start=1724
+  _globals['_VERIFYREPLY']._serialized_end=2148
+  _globals['_CLOSEREQUEST']._serialized_start=2150
+  _globals['_CLOSEREQUEST']._serialized_end=2184
+  _globals['_CLOSEREPLY']._serialized_start=2186
+  _globals['_CLOSEREPLY']._serialized_end=2214
+  _globals['_GENERATEREQUEST']._serialized_start=2217
+  _globals['_GENERATEREQUEST']._serialized_end=2383
+  _globals['_GENERATECHUNK']._serialized_start=2386
+  _globals['_GENERATECHUNK']._serialized_end=2516
+  _globals['_SERVERINFOREQUEST']._serialized_start=2518
+  _globals['_SERVERINFOREQUEST']._serialized_end=2537
+  _globals['_SERVERINFO']._serialized_start=2540
+  _globals['_SERVERINFO']._serialized_end=2948
+  _globals['_VOCABULARYREQUEST']._serialized_start=2950
+  _globals['_VOCABULARYREQUEST']._serialized_end=2990
+  _globals['_VOCABULARY']._serialized_start=2993
+  _globals['_VOCABULARY']._serialized_end=3143
+  _globals['_VERIFIER']._serialized_start=3215
+  _globals['_VERIFIER']._serialized_end=3666
 # @@protoc_insertion_point(module_scope)

@@ -113,7 +113,7 @@ class QPayload(_message.Message):
     def __init__(self, format: _Optional[_Union[QPayload.Format, str]] = ..., scale_bits: _Optional[int] = ..., positions: _Optional[_Iterable[_Union[DraftDist, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "round", "committed_length", "open", "draft_token_ids", "q", "draft_parents", "assumed_tokens", "continuations")
+    __slots__ = ("session_id", "round", "committed_length", "open", "draft_token_ids", "q", "draft_parents", "assumed_tokens", "continuations", "next_continuations")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class VerifyRequest(_message.Message):
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     committed_length: int
@@ -132,7 +133,8 @@ class VerifyRequest(_message.Message):
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     assumed_tokens: _containers.RepeatedScalarFieldContainer[int]
     continuations: _containers.RepeatedCompositeFieldContainer[Continuation]
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_length: _Optional[int] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[QPayload, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., continuations: _Optional[_Iterable[_Union[Continuation, _Mapping]]] = ...) -> None: ...
+    next_continuations: _containers.RepeatedCompositeFieldContainer[Continuation]
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_length: _Optional[int] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[QPayload, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., continuations: _Optional[_Iterable[_Union[Continuation, _Mapping]]] = ..., next_continuations: _Optional[_Iterable[_Union[Continuation, _Mapping]]] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("assumed_tokens", "draft_token_ids", "draft_parents", "q")
@@ -185,7 +187,7 @@ class ServerTimings(_message.Message):
     def __init__(self, model_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("session_id", "round", "num_accepted", "next_token_id", "committed_length", "finish_reason", "timings", "kept_nodes", "base_mismatch", "prompt_token_ids", "budget", "continuation")
+    __slots__ = ("session_id", "round", "num_accepted", "next_token_id", "committed_length", "finish_reason", "timings", "kept_nodes", "base_mismatch", "prompt_token_ids", "budget", "continuation", "next_round")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +200,7 @@ class VerifyReply(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     num_accepted: int
@@ -210,7 +213,8 @@ class VerifyReply(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     budget: DraftBudget
     continuation: int
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., kept_nodes: _Optional[_Iterable[int]] = ..., base_mismatch: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[DraftBudget, _Mapping]] = ..., continuation: _Optional[int] = ...) -> None: ...
+    next_round: VerifyReply
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., kept_nodes: _Optional[_Iterable[int]] = ..., base_mismatch: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[_Union[DraftBudget, _Mapping]] = ..., continuation: _Optional[int] = ..., next_round: _Optional[_Union[VerifyReply, _Mapping]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,246 @@
+"""Recovery after verifier faults, measured: N edges generate against a verifier that is killed
+(SIGKILL) and restarted on the same port, or against two replicas restarted one after the other
+(SIGTERM: drain, then a fresh process on the same port). Each run is compared with a fault-free run
+of the same requests.
+
+    PYTHONPATH=$PWD python bench/recovery.py --edges 8 --synthetic --kill-at 0.3,0.6
+    PYTHONPATH=$PWD python bench/recovery.py --edges 64 --max-tokens 96 --kill-at 0.3,0.6 \
+        --verifier-arg=--threads=1            # the bundled SmolLM2 target, prompt-lookup drafts
+    PYTHONPATH=$PWD python bench/recovery.py --edges 64 --rolling-at 0.3,0.6 --verifier-arg=--threads=1
+
+Faults come when a share of all requested tokens is committed (0.3: 30 %), so that they hit the
+edges mid-generation however fast this machine is.
+
+Half the edges are greedy, half sample at T = 0.7 with a seed, so every output is reproducible and
+the fault run's outputs must equal the fault-free run's token for token. Printed per run: tokens
+lost (requested minus committed), outputs equal, wall time, the edges' replays, retries and
+back-offs; per fault: when the verifier was ready again, when the first edge and when every edge
+hit by it committed again (seconds after the fault); per edge: the longest gap between two commits.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from edge_client import EdgeClient  # noqa: E402
+from edge_client.options import EdgeOptions, Speculation, Transport  # noqa: E402
+from hybridspec.launch import spawn_verifier  # noqa: E402
+from netsim.load import DraftCost, Edges, LoadConfig, free_port  # noqa: E402
+from spec_core.warping import SamplingSettings  # noqa: E402
+
+log = logging.getLogger("recovery")
+
+
+@dataclass
+class EdgeTrace:
+    """One edge's generation: when each round committed, and how it got there."""
+
+    edge: int
+    greedy: bool
+    commits: list[float] = field(default_factory=list)   # perf_counter time of each committed round
+    tokens: int = 0                                        # committed so far
+    token_ids: list[int] = field(default_factory=list)
+    replays: int = 0
+    retries: int = 0
+    backoffs: int = 0
+    backoff_s: float = 0.0
+    error: str | None = None
+
+    def first_commit_after(self, t: float) -> float | None:
+        return next((c for c in self.commits if c > t), None)
+
+    def max_gap_s(self) -> float:
+        return max((b - a for a, b in zip(self.commits, self.commits[1:])), default=0.0)
+
+
+@dataclass
+class Fault:
+    kind: str                       # "kill" (SIGKILL + restart) or "drain" (SIGTERM of one replica + restart)
+    share: float                    # of all requested tokens committed when it comes
+    at_s: float | None = None       # after the run's start
+    ready_s: float | None = None    # the restarted verifier printed its ready line (after the fault)
+    first_commit_s: float | None = None   # the first commit by any edge after the fault
+    all_commit_s: float | None = None     # every edge still generating at the fault has committed again
+    edges_hit: int = 0
+
+
+class Replica:
+    """A verifier process on a fixed port, restartable."""
+
+    def __init__(self, args: list[str]):
+        self.port = free_port()
+        self.args = args
+        self.proc = None
+
+    def start(self) -> None:
+        self.proc = spawn_verifier([*self.args, "--port", str(self.port)]).proc
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+
+    def drain(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], faults: list[Fault]) -> dict:
+    loop = asyncio.get_running_loop()
+    traces = [EdgeTrace(i, greedy=i % 2 == 0) for i in range(cfg.edges)]
+    server = ",".join(r.address for r in replicas)
+    t0 = time.perf_counter()
+
+    def committed(trace: EdgeTrace, tokens: int) -> None:
+        trace.commits.append(time.perf_counter())
+        trace.tokens += tokens
+
+    async def edge(trace: EdgeTrace) -> None:
+        settings = SamplingSettings(temperature=0.0 if trace.greedy else 0.7, top_p=1.0 if trace.greedy else 0.95,
+                                    max_new_tokens=cfg.max_tokens, seed=1000 + trace.edge, ignore_eos=True)
+        options = EdgeOptions(Transport(server, deadline_s=cfg.deadline), Speculation(gamma=cfg.gamma))
+        # The drafter itself (prompt lookup, or the synthetic one), without an emulated drafting
+        # cost: that needs a shared channel with an interceptor, and the edge's own channels (one
+        # per replica) are what is measured.
+        drafter = edges.drafter(DraftCost(), trace.edge).inner
+        client = EdgeClient(options, drafter, edges.tokenizer,
+                            on_round=lambda e: committed(trace, e.tokens))
+        async with client:
+            gen = client.generate(edges.prompt(trace.edge, 0), settings)
+            try:
+                async for _ in gen:
+                    pass
+            except Exception as e:   # noqa: BLE001 - recorded: a fault run must show none
+                trace.error = f"{type(e).__name__}: {e}"
+            st = gen.stats
+            trace.token_ids = list(st.token_ids)
+            trace.replays, trace.retries, trace.backoffs, trace.backoff_s = st.replays, st.retries, st.backoffs, \
+                st.backoff_s
+
+    fault_times: dict[int, float] = {}
+
+    async def inject() -> None:
+        """The faults in turn: each when its share of the requested tokens is committed."""
+        for k, fault in enumerate(faults):
+            while sum(t.tokens for t in traces) < fault.share * cfg.edges * cfg.max_tokens:
+                await asyncio.sleep(0.01)
+            t_fault = fault_times[k] = time.perf_counter()
+            fault.at_s = t_fault - t0
+            replica = replicas[k % len(replicas)]
+            await loop.run_in_executor(None, replica.kill if fault.kind == "kill" else replica.drain)
+            await asyncio.sleep(cfg.restart_delay)
+            await loop.run_in_executor(None, replica.start)
+            fault.ready_s = time.perf_counter() - t_fault
+
+    injecting = asyncio.ensure_future(inject())
+    await asyncio.gather(*(edge(t) for t in traces))
+    if not injecting.done():
+        log.warning("the edges finished before every fault came: %d of %d injected", len(fault_times), len(faults))
+        injecting.cancel()
+    await asyncio.gather(injecting, return_exceptions=True)
+    wall = time.perf_counter() - t0
+    for k, f in enumerate(faults):
+        t = fault_times.get(k)
+        if t is None:
+            continue
+        # Hit: every edge still generating when the fault came (whether or not it had committed yet).
+        hit = [tr for tr in traces if tr.commits and tr.commits[-1] > t]
+        after = [tr.first_commit_after(t) for tr in hit]
+        f.edges_hit = len(hit)
+        f.first_commit_s = min((a - t for a in after if a), default=None)
+        f.all_commit_s = max((a - t for a in after if a), default=None)
+    return {"wall_s": wall, "traces": traces, "faults": faults, "t0": t0}
+
+
+def summary(result: dict, reference: dict | None, requested: int) -> dict:
+    traces = result["traces"]
+    gaps = [t.max_gap_s() for t in traces]
+    firsts = [t.commits[0] - result["t0"] for t in traces if t.commits]
+    out = {
+        "wall_s": round(result["wall_s"], 2),
+        "tokens_lost": sum(requested - len(t.token_ids) for t in traces),
+        "errors": sum(t.error is not None for t in traces),
+        "replays": sum(t.replays for t in traces), "retries": sum(t.retries for t in traces),
+        "backoffs": sum(t.backoffs for t in traces), "backoff_s": round(sum(t.backoff_s for t in traces), 2),
+        "max_gap_s": round(max(gaps), 2), "median_max_gap_s": round(statistics.median(gaps), 2),
+        "first_commit_s": {"median": round(statistics.median(firsts), 2), "max": round(max(firsts), 2)} if firsts else None,
+        "per_edge_commits_s": [[round(c - result["t0"], 3) for c in t.commits] for t in traces],
+        "faults": [asdict(f) for f in result["faults"]],
+    }
+    if reference is not None:
+        out["outputs_equal"] = sum(a.token_ids == b.token_ids for a, b in zip(traces, reference["traces"]))
+    first_error = next((t.error for t in traces if t.error), None)
+    if first_error:
+        out["first_error"] = first_error
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--edges", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--synthetic", action="store_true", help="synthetic target and drafter (no model)")
+    p.add_argument("--kill-at", default="", help="SIGKILL and restart the verifier when these shares of all requested "
+                                                 "tokens are committed (comma list, e.g. 0.3,0.6)")
+    p.add_argument("--rolling-at", default="", help="drain (SIGTERM) and restart replica 1, 2, 1, ... at these shares "
+                                                    "(two replicas; the edges get both addresses)")
+    p.add_argument("--restart-delay", type=float, default=0.0,
+                   help="seconds between a fault and the restart (a slow start, a node replaced)")
+    p.add_argument("--verifier-arg", action="append", default=[], help="extra `cloud-verifier serve` argument")
+    p.add_argument("--deadline", type=float, default=120.0, help="the edges' deadline per call (s), as netsim load's")
+    p.add_argument("--json", help="write the figures here")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
+    kills = [float(x) for x in args.kill_at.split(",") if x]
+    rolls = [float(x) for x in args.rolling_at.split(",") if x]
+    cfg = LoadConfig(edges=[args.edges], profiles=["lan"], modes=["hybrid"], duration_s=0, out=Path("."),
+                     synthetic=args.synthetic, drafter="lookup", max_tokens=args.max_tokens)
+    edges = Edges(cfg)
+    vargs = (["--backend", "synthetic", "--synthetic-vocab", "64", "--synthetic-step-ms", "20"] if args.synthetic
+             else ["--n-ctx", "512", "--kv-tokens", str(max(8, args.edges) * 512)])
+    vargs += ["--max-sessions", str(max(8, args.edges)), *args.verifier_arg]
+    n_replicas = 2 if rolls else 1
+    replicas = [Replica(vargs) for _ in range(n_replicas)]
+    for r in replicas:
+        r.start()
+    report = {"config": vars(args)}
+    # A SIGTERM (timeout, kill) stops the verifiers too: raised as KeyboardInterrupt, so `finally` runs.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        reference = asyncio.run(run(edges, args, replicas, []))
+        report["fault_free"] = summary(reference, None, args.max_tokens)
+        faults = [Fault("kill", t) for t in kills] or [Fault("drain", t) for t in rolls]
+        if faults:
+            faulty = asyncio.run(run(edges, args, replicas, faults))
+            report["faults"] = summary(faulty, reference, args.max_tokens)
+    finally:
+        for r in replicas:
+            if r.proc is not None and r.proc.poll() is None:
+                r.proc.terminate()
+                r.proc.wait(30)
+    brief = {k: ({kk: vv for kk, vv in v.items() if kk != "per_edge_commits_s"} if isinstance(v, dict) and k != "config"
+                 else v) for k, v in report.items()}
+    print(json.dumps(brief, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
