@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 CLOSE_WAIT_S = 1.0   # how long closing waits for the verifier to end the stream on its own
 
 
+# What grpc aio reports when an operation on a call fails in gRPC core (a broken connection
+# under a streaming call), as status INTERNAL; a verifier's own errors come in StreamError.
+_CORE_FAILURE = "Internal error from Core"
+
+
 def _status_error(code: int, message: str, retry_after_ms: int = 0) -> grpc.aio.AioRpcError:
     """A round's StreamError as the AioRpcError unary Verify would raise (Verifier.call reads both)."""
     status = next((s for s in grpc.StatusCode if s.value[0] == code), grpc.StatusCode.UNKNOWN)
@@ -76,8 +81,16 @@ class RoundStream:
                 self._end(c)   # a write cut short leaves the call unusable: the retry opens a new one
             raise _status_error(grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
                                 f"no reply to round {req.round} on the stream within {self._deadline_s:g} s") from None
-        except grpc.aio.AioRpcError:
-            raise
+        except grpc.aio.AioRpcError as e:
+            if written or e.code() != grpc.StatusCode.INTERNAL:
+                raise   # the verifier's status for the whole call (a refused token, ...), or the round's
+            # The write failed: the connection under the call broke (grpc aio reports a failed
+            # send as INTERNAL "Internal error from Core", not UNAVAILABLE). The round may or may
+            # not have reached the verifier; either way its retry is answered once (the reply cache).
+            self._end(c)
+            raise _status_error(grpc.StatusCode.UNAVAILABLE.value[0],
+                                f"the round stream broke while sending round {req.round}: "
+                                f"{e.code().name} {e.details()}") from None
         except (grpc.aio.UsageError, asyncio.InvalidStateError, ConnectionError) as e:
             # The call ended under us before the round was written: it is unanswered.
             self._end(c)
@@ -120,6 +133,9 @@ class RoundStream:
                     fut.set_result(msg.reply)
         except grpc.aio.AioRpcError as e:
             error = e
+            if e.code() == grpc.StatusCode.INTERNAL and e.details() == _CORE_FAILURE:
+                # The transport failed under the call (not a verifier's answer: those come per round).
+                error = _status_error(grpc.StatusCode.UNAVAILABLE.value[0], f"the round stream broke: {e.details()}")
         except asyncio.CancelledError:
             pass
         if error is None:

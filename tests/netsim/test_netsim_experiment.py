@@ -18,7 +18,7 @@ def test_experiment_writes_results_report_and_plots(tmp_path):
     result = json.loads((out / "results.json").read_text())
     rows = result["rows"]
     modes = {row["mode"] for row in rows}
-    per_gamma = {f"{m}-g{g}" for m in ("hybrid", "tree", "proactive", "pipeline", "continuations", "window")
+    per_gamma = {f"{m}-g{g}" for m in ("hybrid", "tree", "proactive", "pipeline", "continuations", "fused", "window")
                  for g in (2, 4)}
     assert modes == {"edge-only", "cloud-only", "cloud-stepwise", "per-token", "adaptive"} | per_gamma
     assert len(rows) == 2 * 17 * 2
