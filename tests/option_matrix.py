@@ -42,7 +42,7 @@ TREE = "budget=6,depth=3,branching=2,width=2"
 
 VOCABS = ("same", "cross")
 SHAPES = ("chain", "tree", "auto")
-WORKS = ("none", "proactive", "pipeline", "continuations", "window")
+WORKS = ("none", "proactive", "pipeline", "continuations", "window", "fused")
 QS = ("none", "fixed", "float")
 SAMPLINGS = ("greedy", "top-k", "top-p")
 BATCHINGS = ("batched", "serial", "kv-park")   # kv-park: batching with KV parking on
@@ -75,7 +75,8 @@ class Combo:
         out.update({"none": {}, "proactive": {"proactive": True, "max_continuations": 1},
                     "pipeline": {"pipeline": True, "max_continuations": 1},
                     "continuations": {"pipeline": True, "max_continuations": 8},
-                    "window": {"window": 3, "max_continuations": 8}}[self.work])
+                    "window": {"window": 3, "max_continuations": 8},
+                    "fused": {"fuse": True, "max_continuations": 8}}[self.work])
         return out
 
     def settings(self, max_new_tokens: int, seed: int | None = None) -> SamplingSettings:
@@ -85,12 +86,12 @@ class Combo:
 
 
 def all_combos():
-    """The synthetic matrix (810 combinations)."""
+    """The synthetic matrix (972 combinations)."""
     return [Combo(*c) for c in itertools.product(VOCABS, SHAPES, WORKS, QS, SAMPLINGS, BATCHINGS)]
 
 
 def llama_combos():
-    """The llama.cpp matrix (405 combinations: one vocabulary, three verifier modes)."""
+    """The llama.cpp matrix (486 combinations: one vocabulary, three verifier modes)."""
     return [Combo("same", *c, backend="llama.cpp")
             for c in itertools.product(SHAPES, WORKS, QS, SAMPLINGS, BATCHINGS)]
 

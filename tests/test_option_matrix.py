@@ -4,7 +4,7 @@ the first round with a message that names the two options that conflict and why.
 The matrix (tests/option_matrix.py): same vocabulary or across × chain / tree / auto × no work
 during the round trip / proactive / pipeline / continuations × q none / fixed / float × greedy /
 top-k / top-p × the verifier batching, serial, or batching with KV parking, on a synthetic pair
-(810 combinations); and on llama.cpp (tiny GGUF models, one vocabulary: 405 combinations).
+(972 combinations); and on llama.cpp (tiny GGUF models, one vocabulary: 486 combinations).
 
 Checked per combination:
 - greedy: the ids equal the verifier's own cloud-only stream (Generate) for the same prompt ids
@@ -192,7 +192,7 @@ def test_negative_control_a_wrong_q_fails_the_chi_square():
 
 # --- the whole matrix (documented command) --------------------------------------------------------------
 
-# Collected only when asked (an empty parameter set is one skip, not 810 of them).
+# Collected only when asked (an empty parameter set is one skip, not 972 of them).
 @pytest.mark.skipif(not WHOLE, reason="the whole matrix: HYBRIDSPEC_MATRIX=all (about an hour on 2 cores)")
 @pytest.mark.parametrize("combo", all_combos() if WHOLE else [], ids=str)
 def test_whole_matrix(combo):
