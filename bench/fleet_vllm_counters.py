@@ -90,7 +90,7 @@ def run_cell(backend, prompt: list[int], setting: str, path: str, shipped: bool,
         t0 = time.perf_counter()
         if path.startswith("tree"):
             tree = DraftTree(tuple(drafts + [int(t) for t in rng.integers(3, vocab, gamma)]), parents)
-            result, _, _ = backend.verify_tree(None, committed, tree, None, settings, rng)
+            result = backend.verify_tree(None, committed, tree, None, settings, rng).result
             tokens = [tree.tokens[i] for i in result.path] + [result.next_token]
             r = tail_after_block(len(committed), block)
             depths = tree.depths()
@@ -99,7 +99,7 @@ def run_cell(backend, prompt: list[int], setting: str, path: str, shipped: bool,
             else:                # a request per leaf
                 work = sum(r + depths[leaf] for leaf in tree.leaves())
         else:
-            result, _, _ = backend.verify(None, committed, drafts, None, settings, rng)
+            result = backend.verify(None, committed, drafts, None, settings, rng).result
             tokens = commit_round(drafts, result, frozenset(), remaining=10**9, context_left=10**9).tokens
             work = RoundWork(path, block).tokens(
                 gamma, tail_after_block(len(committed), block))

@@ -55,7 +55,7 @@ def run_rounds(backend, prompt: list[int], gamma: int, rounds: int, vocab: int, 
             drafts = [int(t) for t in rng.integers(3, vocab, gamma)]
             f0 = backend.forward_tokens() if hasattr(backend, "_forwarded") else 0
             t0 = time.perf_counter()
-            result, _, _ = backend.verify(state, committed, drafts, None, settings, rng)
+            result = backend.verify(state, committed, drafts, None, settings, rng).result
             dt = time.perf_counter() - t0
             done = commit_round(drafts, result, frozenset(), remaining=10**9, context_left=10**9)
             committed.extend(done.tokens)

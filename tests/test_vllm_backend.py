@@ -267,7 +267,7 @@ def test_first_token_through_tree_verify_follows_the_processed_target(backend, t
                 tree, qs = DraftTree((x1,), (-1,)), [q1]
             else:
                 tree, qs = DraftTree((x1, q2.sample(rng)), (-1, -1)), [q1, q2]
-            result, _, _ = backend.verify_tree(None, ctx, tree, qs, s, rng)
+            result = backend.verify_tree(None, ctx, tree, qs, s, rng).result
             counts[tree.tokens[result.path[0]] if result.path else result.next_token] += 1
         return counts
 
@@ -333,7 +333,7 @@ def test_first_token_through_verify_follows_the_processed_target(backend, tiny, 
             q = make_q(qkind, draft)
             x = q.sample(rng) if q is not None else point
             qs = None if q is None else [q, q]
-            result, _, _ = backend.verify(None, ctx, [x, x], qs, s, rng)
+            result = backend.verify(None, ctx, [x, x], qs, s, rng).result
             counts[x if result.num_accepted >= 1 else result.next_token] += 1
         return counts, 0
 
@@ -369,7 +369,7 @@ def test_engine_counters_count_what_a_greedy_round_computes(backend, one_request
         for counted in (False, True):
             drafts = [int(x) for x in rng.integers(3, 299, 3)]
             before = backend.engine_counters()
-            result, _, _ = backend.verify(None, committed, drafts, None, greedy, rng)
+            result = backend.verify(None, committed, drafts, None, greedy, rng).result
             d = backend.engine_counters() - before
             r = len(committed) - ((len(committed) - 1) // block) * block
             committed += commit_round(drafts, result, frozenset(), remaining=99, context_left=99).tokens
@@ -391,9 +391,9 @@ def test_greedy_round_whose_rows_another_session_cached_falls_back_to_the_same_a
     drafts = [int(x) for x in rng.integers(3, 299, 4)]
     greedy = SamplingSettings(temperature=0.0)
     before = backend.one_request_fallbacks
-    first, _, _ = backend.verify(None, committed, drafts, None, greedy, np.random.default_rng(0))
+    first = backend.verify(None, committed, drafts, None, greedy, np.random.default_rng(0)).result
     assert backend.one_request_fallbacks == before              # its own rows: no fallback
-    second, _, _ = backend.verify(None, committed, drafts, None, greedy, np.random.default_rng(0))
+    second = backend.verify(None, committed, drafts, None, greedy, np.random.default_rng(0)).result
     assert backend.one_request_fallbacks == before + 1
     assert (first.num_accepted, first.next_token) == (second.num_accepted, second.next_token)
 
@@ -431,10 +431,10 @@ def test_rejected_drafts_do_not_reach_the_next_round(backend, settings):
 
     truth = greedy_continuation(committed, 4)
     wrong = [t + 1 if t + 1 < 299 else 3 for t in truth[:3]]
-    first, _, _ = backend.verify(None, committed, wrong, None, settings, rng)
+    first = backend.verify(None, committed, wrong, None, settings, rng).result
     assert first.num_accepted == 0 and first.next_token == truth[0]
     committed = committed + [first.next_token]
-    second, _, _ = backend.verify(None, committed, truth[1:4], None, settings, rng)
+    second = backend.verify(None, committed, truth[1:4], None, settings, rng).result
     assert second.num_accepted == 3
     assert second.next_token == greedy_continuation(committed + truth[1:4], 1)[0]
 
