@@ -135,17 +135,8 @@ class CallGuard(grpc.aio.ServerInterceptor):
             async def stream(request, context):
                 if isinstance(request, Undecodable):
                     await self._refuse_undecodable(context, method, request)
-                reset = current_tenant.set(tenant)
-                try:
-                    async for item in inner_stream(request, context):
-                        yield item
-                except grpc.aio.AbortError:
-                    raise
-                except Exception:  # noqa: BLE001
-                    await self._internal(context, method)
-                finally:
-                    with contextlib.suppress(ValueError):
-                        current_tenant.reset(reset)
+                async for item in self._as_tenant(tenant, inner_stream(request, context), context, method):
+                    yield item
             return grpc.unary_stream_rpc_method_handler(stream, deserialize, handler.response_serializer)
         if handler.stream_stream is not None:
             inner_bidi = handler.stream_stream
@@ -156,19 +147,25 @@ class CallGuard(grpc.aio.ServerInterceptor):
                         if isinstance(request, Undecodable):   # the stream has no tag to answer it by
                             await self._refuse_undecodable(context, method, request)
                         yield request
-                reset = current_tenant.set(tenant)   # tasks the handler starts inherit it
-                try:
-                    async for item in inner_bidi(requests(), context):
-                        yield item
-                except grpc.aio.AbortError:
-                    raise
-                except Exception:  # noqa: BLE001
-                    await self._internal(context, method)
-                finally:
-                    with contextlib.suppress(ValueError):
-                        current_tenant.reset(reset)
+                async for item in self._as_tenant(tenant, inner_bidi(requests(), context), context, method):
+                    yield item
             return grpc.stream_stream_rpc_method_handler(bidi, deserialize, handler.response_serializer)
         return handler  # client-streaming methods: none in this service
+
+    async def _as_tenant(self, tenant, replies, context, method):
+        """A streaming handler's replies, run as `tenant` (tasks the handler starts inherit it); an
+        unexpected error ends the call INTERNAL with a log line, an abort passes through."""
+        reset = current_tenant.set(tenant)
+        try:
+            async for item in replies:
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # noqa: BLE001
+            await self._internal(context, method)
+        finally:
+            with contextlib.suppress(ValueError):
+                current_tenant.reset(reset)
 
 
 def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):
