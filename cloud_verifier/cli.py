@@ -44,6 +44,15 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-park-order", choices=["next-use", "lru"], default="next-use",
                    help="(with --kv-park on) which idle session to park: the one whose next round is expected "
                         "last (default), or the least recently used")
+    p.add_argument("--kv-store", metavar="DIR",
+                   help="(llama.cpp, batching on) checkpoint every session's KV cells in this folder (e.g. "
+                        "/dev/shm/hybridspec-kv, shared by the replicas of one node), so that after a restart or a "
+                        "drain a replayed session's cells are restored instead of prefilled (docs/operations.md)")
+    p.add_argument("--kv-store-every", type=float, default=2.0,
+                   help="(with --kv-store) seconds between two checkpoints of a session (default 2)")
+    p.add_argument("--kv-store-bytes", type=int, default=1 << 30,
+                   help="(with --kv-store) most bytes of checkpoints in the folder; a checkpoint that would go "
+                        "over is dropped (default 1 GiB)")
     p.add_argument("--batch-window-ms", type=float, default=0.0,
                    help="(batching on) when idle, wait this long after a round arrives for others "
                         "to join its pass (default 0: take what is queued)")
@@ -100,6 +109,9 @@ def backend_from_args(args):
     if args.kv_park == "on" and args.backend == "vllm":
         raise SystemExit("cloud-verifier: --kv-park on is for the llama.cpp and synthetic backends: vLLM manages "
                          "its own KV cache (its preemption and swap settings go in --vllm-arg)")
+    if args.kv_store and (args.backend != "llama.cpp" or args.batching != "on"):
+        raise SystemExit("cloud-verifier: --kv-store is for the llama.cpp backend with --batching on (its shared KV "
+                         "cache is what is checkpointed)")
     if args.kv_park == "on" and args.batching != "on":
         raise SystemExit("cloud-verifier: --kv-park on needs --batching on: the serial verifier has no shared KV cache")
     if args.backend == "synthetic":
@@ -122,7 +134,9 @@ def backend_from_args(args):
                             batching=args.batching == "on", kv_tokens=args.kv_tokens,
                             batch_window_ms=args.batch_window_ms, schedule=args.schedule,
                             prefill_chunk=args.prefill_chunk, kv_park=args.kv_park == "on",
-                            kv_park_bytes=args.kv_park_bytes, kv_park_order=args.kv_park_order)
+                            kv_park_bytes=args.kv_park_bytes, kv_park_order=args.kv_park_order,
+                            kv_store=args.kv_store, kv_store_every_s=args.kv_store_every,
+                            kv_store_bytes=args.kv_store_bytes, kv_store_max_age_s=args.session_ttl)
     except (ModelMissing, ModelUnloadable) as e:
         raise SystemExit(f"cloud-verifier: {e}") from None
 

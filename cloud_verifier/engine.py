@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import hashlib
 import logging
@@ -728,7 +729,8 @@ async def run_in_thread(fn, *args):
     """Run a backend call in a worker thread. If the RPC is cancelled (client gone, deadline), wait
     for the thread to finish before giving up the caller's locks and state: freeing a KV cache
     that a thread is still decoding into crashes the process."""
-    fut = asyncio.get_running_loop().run_in_executor(_WORKERS, functools.partial(fn, *args))
+    fut = asyncio.get_running_loop().run_in_executor(   # in the call's context: the backend reads its tenant
+        _WORKERS, contextvars.copy_context().run, functools.partial(fn, *args))
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:

@@ -97,6 +97,16 @@ KV_RESTORE_WAIT_SECONDS = Counter("hybridspec_kv_restore_wait_seconds",
 KV_PARK_FAILURES = Counter("hybridspec_kv_park_failures",
                            "Park or restore failures (the session is evaluated again, or replays: no_place)", ["stage"])
 KV_PARKED = Gauge("hybridspec_kv_parked", "Parked sessions and their bytes in host memory now", ["what"])
+KV_CHECKPOINTS = Counter("hybridspec_kv_checkpoints",
+                         "Session KV checkpoints in the --kv-store: written, or dropped (full: over --kv-store-bytes; "
+                         "failed: the write failed)", ["event"])
+KV_CHECKPOINT_BYTES = Counter("hybridspec_kv_checkpoint_bytes", "Bytes of session KV checkpoints written")
+KV_CHECKPOINT_RESTORES = Counter("hybridspec_kv_checkpoint_restores",
+                                 "Replays that looked in the --kv-store: restored, or fell back to a plain re-prefill "
+                                 "(none: no checkpoint of this tenant holds a prefix; refused: torn, corrupt or "
+                                 "mismatched file; failed: llama.cpp refused the cells)", ["outcome"])
+KV_CHECKPOINT_TOKENS = Counter("hybridspec_kv_checkpoint_restored_tokens",
+                               "Tokens whose cells came from the --kv-store instead of a prefill")
 
 
 def observe_idle_gap(idle_s: float, parked_s: float) -> None:

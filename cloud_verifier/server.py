@@ -25,7 +25,7 @@ from cloud_verifier.admission import (InflightGate, Refused, ReplaysFirst, Round
                                      RETRY_AFTER_KEY)
 from cloud_verifier.auth import TokenFile
 from cloud_verifier.backends.base import Backend
-from cloud_verifier.engine import Limits, RequestError, VerifierEngine, quoted
+from cloud_verifier.engine import Limits, RequestError, VerifierEngine, quoted, run_in_thread
 from cloud_verifier.guard import CallGuard
 from cloud_verifier.sessions import current_tenant
 from spec_core import __version__
@@ -143,6 +143,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.replays = ReplaysFirst(policy.replay_first_retry_after_s)
         self.draining = False
         self.moved: set[str] = set()             # sessions handed back while draining
+        self._saving: dict[str, asyncio.Future] = {}   # their KV checkpoints being written
         self._handback: TokenBucket | None = None   # paces them (policy.drain_sessions_per_s)
         self._opening: collections.defaultdict[str, list[bytes]] = collections.defaultdict(list)  # open keys admitted
 
@@ -206,25 +207,39 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return sum(1 for s in self.engine.sessions.sessions()
                    if s.state is not None and s.id not in self.moved and now - s.last_used < idle_s)
 
-    def _drained(self, request) -> None:
+    async def _drained(self, request) -> None:
         """A round reaching a draining verifier. A round of a session held here is answered
         NOT_FOUND "moved" when its turn to leave has come (all at once, or
         policy.drain_sessions_per_s, so that the replica they go to prefills their replays as it
         can) and served here until then; the edge answers "moved" with a replay on the next replica
-        it knows. A new session is refused with a short hint. Both carry MOVED_KEY."""
+        it knows. Before that answer the session's KV checkpoint is written (with --kv-store), so
+        that the replica restores its cells instead of prefilling them. A new session is refused
+        with a short hint. Both carry MOVED_KEY."""
         sid = request.session_id
-        if sid and self.engine.sessions.peek(sid) is not None:
+        session = self.engine.sessions.peek(sid) if sid else None
+        if session is not None:
             if sid not in self.moved and self._handback is not None and self._handback.take() > 0:
                 return   # not its turn: served here
-            self.moved.add(sid)
+            if sid not in self.moved:
+                self.moved.add(sid)
+                if session.state is not None:
+                    self._saving[sid] = asyncio.ensure_future(self._checkpoint(session.state))
+            if sid in self._saving:   # every round of the session waits for it (pipelined ones too)
+                await asyncio.shield(self._saving[sid])
             raise _Moved(sid)
         raise Refused("this verifier is draining (shutting down) and takes no new sessions; retry, another replica "
                       "or the restarted one will take it", self.policy.drain_retry_after_s, "draining",
                       code=grpc.StatusCode.UNAVAILABLE, moved=True)
+    async def _checkpoint(self, state) -> None:
+        try:
+            await run_in_thread(self.engine.backend.checkpoint, state)
+        except Exception:  # noqa: BLE001 - without it the replica prefills the replay: slower, not wrong
+            log.exception("writing a handed-back session's KV checkpoint failed")
+
     async def _verify_round(self, request: pb.VerifyRequest) -> pb.VerifyReply:
         """One round, as Verify and VerifyStream both run it; Refused / RequestError / _Moved for its status."""
         if self.draining:
-            self._drained(request)
+            await self._drained(request)
         self.rounds.admit(current_tenant.get())
         with self.inflight:
             metrics.INFLIGHT.set(self.inflight.inflight)
@@ -402,6 +417,12 @@ class VerifierServer:
         servicer.drain()
         await self.health.enter_graceful_shutdown()
         t0 = time.monotonic()
+        # Every session's cells to the KV store (with --kv-store), idle ones too: an idle session's
+        # edge is not waited for and replays wherever it goes next.
+        try:
+            await run_in_thread(self.engine.backend.checkpoint_all)
+        except Exception:  # noqa: BLE001 - the sessions' replays prefill instead
+            log.exception("writing the sessions' KV checkpoints failed")
         if servicer._handback is not None:
             handing_back = t0 + self.policy.drain_timeout_s
             while servicer.to_hand_back() and time.monotonic() < handing_back:

@@ -245,15 +245,25 @@ class SharedKV:
             self.parked.add(seq)
         return ParkedSeq(list(tokens), data)
 
+    def snapshot(self, seq: int) -> "ParkedSeq":
+        """A copy of `seq`'s cells and the tokens they hold, leaving them in place (a checkpoint,
+        cloud_verifier.backends.kvstore). Between passes only."""
+        tokens = self.held[seq]
+        if seq in self.parked or not tokens:
+            return ParkedSeq([], np.empty(0, dtype=np.uint8))
+        return ParkedSeq(list(tokens), self._seq_bytes(seq))
+
     def restore(self, seq: int, parked: "ParkedSeq") -> bool:
-        """Put parked cells back into `seq` (parked); False when no place is free. The cells land
+        """Put parked cells back into `seq` (parked, or holding nothing yet: a checkpoint loaded
+        into a new sequence); False when no place is free. The cells land
         above every used cell, in the order they were saved (position order), as a compaction
         puts them back: every row is what it would have been without the move. RuntimeError when
         llama.cpp refuses the bytes: `seq` then has its place and holds nothing."""
-        if seq not in self.parked:
-            raise ValueError(f"sequence {seq} is not parked")
-        if self.free_places <= 0:
-            return False
+        if seq in self.parked:
+            if self.free_places <= 0:
+                return False
+        elif self.held.get(seq) != []:
+            raise ValueError(f"sequence {seq} is neither parked nor empty")
         n = len(parked.tokens)
         if self._holes or self._top + n + self.n_ubatch + 1 > self.n_cells:
             if self._trees:

@@ -273,3 +273,11 @@ class Backend(abc.ABC):
         (NoFreeState): the engine evicts only such an idle session. False e.g. for a session whose
         KV cells are parked in host memory (cloud_verifier.backends.kvpark) while no place is free."""
         return True
+
+    def checkpoint(self, state: object) -> None:
+        """Write `state`'s KV checkpoint to the session KV store now, and keep it when the state is
+        released (a drain hands the session to a replica that restores it). A backend without a
+        store (`--kv-store`) does nothing."""
+
+    def checkpoint_all(self) -> None:
+        """`checkpoint` every live session (a drain begins): their files stay after release."""

@@ -104,6 +104,7 @@ class Batcher:
         self._waiting: list[_Request] = []    # prepared later: the packer was busy (tree ids)
         self._active: list[_Request] = []
         self._releases: list[int] = []
+        self._chores: list[Callable[[], None]] = []   # run between passes (`between`)
         self._model_lock = threading.Lock()   # a pass or a release, never both
         self._closed = False
         self.passes = 0
@@ -150,6 +151,13 @@ class Batcher:
             self._deadlines.pop(seq, None)
             self._cond.notify()
 
+    def between(self, chore: Callable[[], None]) -> None:
+        """Run `chore` on the batcher thread before the next pass (the model is free then);
+        returns at once. A chore that raises is logged; chores left at close are dropped."""
+        with self._cond:
+            self._chores.append(chore)
+            self._cond.notify()
+
     def acquire(self, take: Callable[[], object]):
         """Run `take` (e.g. allocate a sequence) between passes, after queued releases."""
         with self._model_lock:
@@ -175,7 +183,7 @@ class Batcher:
     def _take_arrivals(self) -> list[_Request]:
         with self._cond:
             while (not self._queue and not self._active and not self._waiting and not self._releases
-                   and not self._closed):
+                   and not self._chores and not self._closed):
                 self._cond.wait()
             if self.window_s > 0 and not self._active and self._queue and not self._closed:
                 deadline = self._queue[0].t_submit + self.window_s
@@ -196,6 +204,7 @@ class Batcher:
                 return
             with self._model_lock:
                 self._apply_releases()
+                self._run_chores()
                 pending, self._waiting = self._waiting + new, []
                 for req in pending:
                     try:
@@ -211,6 +220,15 @@ class Batcher:
                     self._maintain()
                 if self._active:
                     self._step()
+
+    def _run_chores(self) -> None:
+        with self._cond:
+            chores, self._chores = self._chores, []
+        for chore in chores:
+            try:
+                chore()
+            except Exception:  # noqa: BLE001 - a chore (a checkpoint) is never worth a pass
+                log.exception("a chore between passes failed")
 
     def _maintain(self) -> None:
         """Let the packer tidy up between passes; start over the requests that lost their state."""

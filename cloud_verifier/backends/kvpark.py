@@ -74,6 +74,12 @@ class SeqState:
     parked_at: float | None = None
     round_t0: float = 0.0             # when its current round arrived
     mean_gap_s: float | None = None   # its mean idle gap, the forecast of its next round
+    # The session KV store (cloud_verifier.backends.kvstore), with --kv-store:
+    tenant: str = ""                  # whose session it is (checkpoints are looked up per tenant)
+    ckpt_key: str | None = None       # its checkpoint file's key, once it has one
+    ckpt_at: float = 0.0              # when its last checkpoint was taken (monotonic)
+    ckpt_looked: bool = False         # its first round looked for a checkpoint to restore
+    ckpt_queued: bool = False         # a checkpoint is waiting for the batcher
 
 
 class SeqBook:

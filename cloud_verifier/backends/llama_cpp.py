@@ -20,7 +20,9 @@ through the batcher like any other tokens, on tree sequence ids lent for the rou
 With batching, `cloud_verifier.backends.kvpark.SeqBook` keeps each session's place in the cache,
 counts the time its KV sits idle between rounds, and with `kv_park` parks idle sessions' cells
 in host memory (at most `kv_park_bytes`) when the cache is short: the cache then holds more
-sessions than it has places for (`max_states`).
+sessions than it has places for (`max_states`). With `kv_store` (a folder) every session's cells
+are checkpointed there, and a replay restores the longest stored prefix of its tokens instead of
+prefilling it (cloud_verifier.backends.kvstore; docs/operations.md).
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ from cloud_verifier.backends.base import Backend, BackendInfo, NoChatTemplate, N
 from cloud_verifier.backends.batcher import Batcher, BatchStep
 from cloud_verifier.backends.kvpark import (DEFAULT_KV_PARK_BYTES, DEFAULT_KV_SESSIONS, PlacePacker, SeqBook, SeqState,
                                             check_park_options)
+from cloud_verifier.backends.kvstore import (DEFAULT_EVERY_S, DEFAULT_STORE_BYTES, Checkpoints, KVStore,
+                                             store_fingerprint)
 from cloud_verifier.backends.turns import Turns
 from llama_runtime import GGUFModel, KVContext, SharedKV, kv_bytes_per_token
 from spec_core.kvpark import parked_capacity
@@ -47,8 +51,12 @@ class LlamaCppBackend(Backend):
                  batching: bool = False, kv_tokens: int | None = None, batch_window_ms: float = 0.0,
                  invariant: bool = True, max_tree_leaves: int = 64, schedule: str = "fair",
                  prefill_chunk: int | None = None, kv_park: bool = False,
-                 kv_park_bytes: int = DEFAULT_KV_PARK_BYTES, kv_park_order: str = "next-use"):
+                 kv_park_bytes: int = DEFAULT_KV_PARK_BYTES, kv_park_order: str = "next-use",
+                 kv_store: str | None = None, kv_store_every_s: float = DEFAULT_EVERY_S,
+                 kv_store_bytes: int = DEFAULT_STORE_BYTES, kv_store_max_age_s: float = 600.0):
         check_park_options(kv_park, batching, kv_park_bytes, kv_park_order)
+        if kv_store and not batching:
+            raise ValueError("--kv-store needs --batching on: checkpoints are taken from the shared KV cache")
         self.model = GGUFModel(model, n_threads=n_threads)
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -66,6 +74,7 @@ class LlamaCppBackend(Backend):
         self.turns = Turns(prefill_chunk or (self.model.invariant_ubatch if invariant else n_batch))
         self.batcher: Batcher | None = None
         self.book: SeqBook | None = None
+        self.checkpoints: Checkpoints | None = None
         if batching:
             kv_tokens = kv_tokens or DEFAULT_KV_SESSIONS * n_ctx
             n_seqs = kv_tokens // n_ctx
@@ -86,6 +95,10 @@ class LlamaCppBackend(Backend):
                                    on_step=_observe_step, name="llama-batcher", schedule=schedule,
                                    prefill_chunk=prefill_chunk)
             self.book.batcher = self.batcher
+            if kv_store:
+                store = KVStore(kv_store, store_fingerprint(self.model, n_ctx, self.kv.n_ubatch, invariant),
+                                kv_store_bytes, kv_store_max_age_s)
+                self.checkpoints = Checkpoints(store, self.kv, self.batcher, self.book, kv_store_every_s)
 
     @property
     def max_states(self) -> int | None:
@@ -97,11 +110,16 @@ class LlamaCppBackend(Backend):
         if self.kv is None:
             return self.model.new_context(self.n_ctx, self.n_batch, invariant=self.invariant,
                                           n_seq_max=self.n_seq_max)
-        return self.book.new_state()
+        state = self.book.new_state()
+        if self.checkpoints is not None:
+            self.checkpoints.opened(state)
+        return state
 
     def release(self, state) -> None:
         if isinstance(state, SeqState):
             self.book.release(state)
+            if self.checkpoints is not None:
+                self.checkpoints.released(state)
             return
         with self.model.lock:  # never free a context while a decode runs on this model
             state.close()
@@ -118,8 +136,7 @@ class LlamaCppBackend(Backend):
 
     def target_logits(self, state, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
         if isinstance(state, SeqState):
-            with self.book.round(state) as seq:
-                return self.book.run(state, lambda: self.batcher.submit(seq, tokens, rows))
+            return self._shared_round(state, tokens, rows, lambda seq: self.batcher.submit(seq, tokens, rows))
         tokens = list(tokens)
         return self._in_turns(state, tokens, rows, lambda: state.logits(tokens, rows))
 
@@ -127,11 +144,29 @@ class LlamaCppBackend(Backend):
         """Serial: the whole tree in one target pass (KVContext.tree_logits). Batching: the tree's
         nodes share passes with other sessions' tokens (SharedKV.tree_job)."""
         if isinstance(state, SeqState):
-            with self.book.round(state) as seq:
-                return self.book.run(state, lambda: self.batcher.submit_tree(seq, committed, tree.tokens,
-                                                                             tree.parents))
+            return self._shared_round(state, committed, 1, lambda seq: self.batcher.submit_tree(
+                seq, committed, tree.tokens, tree.parents))
         committed = list(committed)
         return self._in_turns(state, committed, 1, lambda: state.tree_logits(committed, tree.tokens, tree.parents))
+
+    def _shared_round(self, state: SeqState, tokens: Sequence[int], rows: int, submit):
+        """A round in the shared cache: a replay's first round restores what the KV store holds of
+        `tokens` first; the round's cells are checkpointed every so often after it."""
+        if self.checkpoints is not None:
+            self.checkpoints.before_round(state, tokens, rows)
+        with self.book.round(state) as seq:
+            out = self.book.run(state, lambda: submit(seq))
+        if self.checkpoints is not None:
+            self.checkpoints.after_round(state)
+        return out
+
+    def checkpoint(self, state) -> None:
+        if self.checkpoints is not None and isinstance(state, SeqState):
+            self.checkpoints.checkpoint(state)
+
+    def checkpoint_all(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.checkpoint_all()
 
     def _in_turns(self, state, tokens: list[int], rows: int, fn):
         """Serial: fn() in a turn of the model, after the uncached part of tokens[:-rows] (a
@@ -181,6 +216,8 @@ class LlamaCppBackend(Backend):
     def close(self) -> None:
         if self.batcher is not None:
             self.batcher.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         with self.model.lock:
             if self.kv is not None:
                 self.kv.close()
