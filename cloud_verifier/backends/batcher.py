@@ -152,16 +152,18 @@ class Batcher:
             self._cond.notify()
 
     def between(self, chore: Callable[[], None]) -> None:
-        """Run `chore` on the batcher thread before the next pass (the model is free then);
-        returns at once. A chore that raises is logged; chores left at close are dropped."""
+        """Run `chore` before the next pass (the model is free then: on the batcher thread, or in
+        the next `acquire`); returns at once. A chore that raises is logged; chores left at close
+        are dropped."""
         with self._cond:
             self._chores.append(chore)
             self._cond.notify()
 
     def acquire(self, take: Callable[[], object]):
-        """Run `take` (e.g. allocate a sequence) between passes, after queued releases."""
+        """Run `take` (e.g. allocate a sequence) between passes, after queued releases and chores."""
         with self._model_lock:
             self._apply_releases()
+            self._run_chores()
             return take()
 
     def _apply_releases(self) -> None:

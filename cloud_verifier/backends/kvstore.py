@@ -446,5 +446,10 @@ class Checkpoints:
             if not self.keep:
                 self.store.delete(state.tenant, key)
 
+    def flush(self) -> None:
+        """Wait until every checkpoint asked for so far is copied and written."""
+        self.batcher.acquire(lambda: None)
+        self.store.flush()
+
     def close(self) -> None:
         self.store.close()
