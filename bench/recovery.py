@@ -7,6 +7,8 @@ of the same requests.
     PYTHONPATH=$PWD python bench/recovery.py --edges 64 --max-tokens 96 --kill-at 0.3,0.6 \
         --verifier-arg=--threads=1            # the bundled SmolLM2 target, prompt-lookup drafts
     PYTHONPATH=$PWD python bench/recovery.py --edges 64 --rolling-at 0.3,0.6 --verifier-arg=--threads=1
+    ... --kv-store /dev/shm/hybridspec-kv   # the verifiers checkpoint sessions' KV cells there and
+                                            # restore them on replays (emptied before each run)
 
 Faults come when a share of all requested tokens is committed (0.3: 30 %), so that they hit the
 edges mid-generation however fast this machine is.
@@ -23,10 +25,12 @@ import argparse
 import asyncio
 import json
 import logging
+import shutil
 import signal
 import statistics
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -77,13 +81,37 @@ class Fault:
 class Replica:
     """A verifier process on a fixed port, restartable."""
 
-    def __init__(self, args: list[str]):
+    def __init__(self, args: list[str], metrics: bool = False):
         self.port = free_port()
+        self.metrics_port = free_port() if metrics else None
         self.args = args
         self.proc = None
+        self.counted: dict[str, float] = {}   # its KV store counters when this run began (or it started)
 
     def start(self) -> None:
-        self.proc = spawn_verifier([*self.args, "--port", str(self.port)]).proc
+        extra = ["--metrics-port", str(self.metrics_port)] if self.metrics_port else []
+        self.proc = spawn_verifier([*self.args, "--port", str(self.port), *extra]).proc
+        self.counted = {}
+
+    def store_counters(self) -> dict[str, float]:
+        """Its KV store's restore counters (by outcome) and restored tokens, from its metrics."""
+        if self.metrics_port is None:
+            return {}
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("hybridspec_kv_checkpoint_restores_total{"):
+                out[line.split('"')[1]] = float(line.split()[-1])
+            elif line.startswith("hybridspec_kv_checkpoint_restored_tokens_total "):
+                out["tokens"] = float(line.split()[-1])
+        return out
+
+    def take_counted(self, into: dict[str, float]) -> None:
+        """Add what its counters gained since `counted` to `into`."""
+        now = self.store_counters()
+        for k, v in now.items():
+            into[k] = into.get(k, 0.0) + v - self.counted.get(k, 0.0)
+        self.counted = now
 
     def kill(self) -> None:
         self.proc.kill()
@@ -102,6 +130,11 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
     loop = asyncio.get_running_loop()
     traces = [EdgeTrace(i, greedy=i % 2 == 0) for i in range(cfg.edges)]
     server = ",".join(r.address for r in replicas)
+    if cfg.kv_store:   # a run never restores what the run before stored
+        shutil.rmtree(cfg.kv_store, ignore_errors=True)
+    store: dict[str, float] = {}
+    for r in replicas:
+        r.take_counted({})
     t0 = time.perf_counter()
 
     def committed(trace: EdgeTrace, tokens: int) -> None:
@@ -137,9 +170,10 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
         for k, fault in enumerate(faults):
             while sum(t.tokens for t in traces) < fault.share * cfg.edges * cfg.max_tokens:
                 await asyncio.sleep(0.01)
+            replica = replicas[k % len(replicas)]
+            await loop.run_in_executor(None, replica.take_counted, store)   # a killed process's counters go
             t_fault = fault_times[k] = time.perf_counter()
             fault.at_s = t_fault - t0
-            replica = replicas[k % len(replicas)]
             await loop.run_in_executor(None, replica.kill if fault.kind == "kill" else replica.drain)
             await asyncio.sleep(cfg.restart_delay)
             await loop.run_in_executor(None, replica.start)
@@ -152,6 +186,8 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
         injecting.cancel()
     await asyncio.gather(injecting, return_exceptions=True)
     wall = time.perf_counter() - t0
+    for r in replicas:
+        r.take_counted(store)
     for k, f in enumerate(faults):
         t = fault_times.get(k)
         if t is None:
@@ -162,7 +198,7 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
         f.edges_hit = len(hit)
         f.first_commit_s = min((a - t for a in after if a), default=None)
         f.all_commit_s = max((a - t for a in after if a), default=None)
-    return {"wall_s": wall, "traces": traces, "faults": faults, "t0": t0}
+    return {"wall_s": wall, "traces": traces, "faults": faults, "t0": t0, "kv_store": store}
 
 
 def summary(result: dict, reference: dict | None, requested: int) -> dict:
@@ -180,6 +216,8 @@ def summary(result: dict, reference: dict | None, requested: int) -> dict:
         "per_edge_commits_s": [[round(c - result["t0"], 3) for c in t.commits] for t in traces],
         "faults": [asdict(f) for f in result["faults"]],
     }
+    if result["kv_store"]:
+        out["kv_store"] = {k: int(v) for k, v in sorted(result["kv_store"].items())}
     if reference is not None:
         out["outputs_equal"] = sum(a.token_ids == b.token_ids for a, b in zip(traces, reference["traces"]))
     first_error = next((t.error for t in traces if t.error), None)
@@ -202,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds between a fault and the restart (a slow start, a node replaced)")
     p.add_argument("--verifier-arg", action="append", default=[], help="extra `cloud-verifier serve` argument")
     p.add_argument("--deadline", type=float, default=120.0, help="the edges' deadline per call (s), as netsim load's")
+    p.add_argument("--kv-store", help="give the verifiers --kv-store this folder (emptied before each run); the "
+                                      "replays' restores are counted from their metrics")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -215,8 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     vargs = (["--backend", "synthetic", "--synthetic-vocab", "64", "--synthetic-step-ms", "20"] if args.synthetic
              else ["--n-ctx", "512", "--kv-tokens", str(max(8, args.edges) * 512)])
     vargs += ["--max-sessions", str(max(8, args.edges)), *args.verifier_arg]
+    if args.kv_store:
+        vargs += ["--kv-store", args.kv_store]
     n_replicas = 2 if rolls else 1
-    replicas = [Replica(vargs) for _ in range(n_replicas)]
+    replicas = [Replica(vargs, metrics=bool(args.kv_store)) for _ in range(n_replicas)]
     for r in replicas:
         r.start()
     report = {"config": vars(args)}

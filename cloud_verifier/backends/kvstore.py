@@ -221,7 +221,7 @@ class KVStore:
                 return
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            path.parent.mkdir(exist_ok=True, mode=0o700)
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)   # (someone may have emptied the store)
             with open(tmp, "wb") as f:
                 f.write(MAGIC)
                 f.write(_LEN.pack(len(header)))
