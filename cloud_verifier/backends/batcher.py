@@ -88,6 +88,19 @@ class _Request:
 SCHEDULES = ("fair", "slack")
 
 
+def _first(before: Callable[[], None] | None, prepare: Callable[[], list[PassItem]]) -> Callable[[], list[PassItem]]:
+    """`prepare`, with `before` run once ahead of its first call (a request may be prepared again)."""
+    if before is None:
+        return prepare
+    pending = [before]
+
+    def run() -> list[PassItem]:
+        while pending:
+            pending.pop()()
+        return prepare()
+    return run
+
+
 class Batcher:
     def __init__(self, packer: Packer, window_s: float = 0.0,
                  on_step: Callable[[BatchStep], None] | None = None, name: str = "batcher",
@@ -111,17 +124,19 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, seq: int, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
+    def submit(self, seq: int, tokens: Sequence[int], rows: int,
+               before: Callable[[], None] | None = None) -> tuple[np.ndarray, float, float]:
         """Logits of the last `rows` positions of `tokens` on sequence `seq`  # [rows, vocab];
-        blocks until computed. Returns (logits, queue_s, model_s)."""
-        return self._submit(_Request(seq, lambda: self.packer.prepare(seq, tokens, rows)))
+        blocks until computed. Returns (logits, queue_s, model_s). `before`: run on the batcher
+        thread before the request is first prepared (a checkpoint's cells restored into `seq`)."""
+        return self._submit(_Request(seq, _first(before, lambda: self.packer.prepare(seq, tokens, rows))))
 
     def submit_tree(self, seq: int, committed: Sequence[int], tokens: Sequence[int],
-                    parents: Sequence[int]) -> tuple[np.ndarray, float, float]:
+                    parents: Sequence[int], before: Callable[[], None] | None = None) -> tuple[np.ndarray, float, float]:
         """Logits after `committed` and after each node of a token tree  # [n + 1, vocab]: row 0
         the last committed token's, row i + 1 node i's. Blocks; returns (logits, queue_s, model_s)."""
         job = self.packer.tree_job(seq, committed, tokens, parents)   # ValueError: a tree it cannot hold
-        return self._submit(_Request(seq, job.prepare, job.finish, redo_after_maintain=True))
+        return self._submit(_Request(seq, _first(before, job.prepare), job.finish, redo_after_maintain=True))
 
     def set_deadline(self, seq: int, deadline: float | None) -> None:
         """When the next request of `seq` is due (time.perf_counter() seconds); None: on arrival."""

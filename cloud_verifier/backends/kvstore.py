@@ -356,44 +356,52 @@ class Checkpoints:
         from cloud_verifier.sessions import current_tenant
         state.tenant = current_tenant.get()
 
-    def before_round(self, state, tokens: Sequence[int], rows: int) -> None:
-        """A session's first round: restore the stored cells of the longest prefix of `tokens` it
-        will keep. Any failure leaves the session empty: its tokens are prefilled as without a store."""
+    def before_round(self, state, tokens: Sequence[int], rows: int):
+        """A session's first round: read the stored checkpoint of the longest prefix of `tokens`
+        it will keep (here, in the caller's thread), and return what restores it on the batcher
+        thread as the round is prepared (Batcher.submit's `before`); None when there is nothing to
+        restore. Any failure leaves the session empty: its tokens are prefilled as without a store."""
         if state.ckpt_looked:
-            return
+            return None
         state.ckpt_looked = True
         if len(tokens) - rows < MIN_RESTORE_TOKENS:
-            return   # a new session, not a replay
+            return None   # a new session, not a replay
         t0 = time.perf_counter()
         try:
             found = self.store.find(state.tenant, tokens, rows)
         except OSError:
             log.exception("reading the KV store failed; the replay prefills instead")
             metrics.KV_CHECKPOINT_RESTORES.labels("failed").inc()
-            return
+            return None
         if found is None:
-            return
+            return None
+        read_s = time.perf_counter() - t0
+        once: list[bool] = []
 
-        def restore() -> bool:
+        def restore() -> None:
+            """Between passes, before the round's tokens are listed (SharedKV.prepare keeps what
+            the restored cells share with them). Once: a round submitted again does not restore again."""
+            if once:
+                return
+            once.append(True)
             seq = state.seq
-            if state.released or seq is None or self.kv.held.get(seq) != []:
-                return False
-            return self.kv.restore(seq, found.parked)
-        try:
-            restored = self.batcher.acquire(restore)
-        except (RuntimeError, ValueError):
-            log.exception("llama.cpp refused a stored KV checkpoint; the replay prefills instead")
-            restored = False
-        if not restored:
-            metrics.KV_CHECKPOINT_RESTORES.labels("failed").inc()
-            return
-        metrics.KV_CHECKPOINT_RESTORES.labels("restored").inc()
-        metrics.KV_CHECKPOINT_TOKENS.inc(found.reused)
-        if self.store.claim(found.key):   # else a live session here writes it: this one takes a new key
-            state.ckpt_key = found.key
-        state.ckpt_at = time.monotonic()
-        log.info("replay restored %d of %d tokens from the KV store (%d bytes, %.1f ms)", found.reused,
-                 len(tokens), found.parked.nbytes, 1000 * (time.perf_counter() - t0))
+            try:
+                restored = (not state.released and seq is not None and self.kv.held.get(seq) == []
+                            and self.kv.restore(seq, found.parked))
+            except (RuntimeError, ValueError):
+                log.exception("llama.cpp refused a stored KV checkpoint; the replay prefills instead")
+                restored = False
+            if not restored:
+                metrics.KV_CHECKPOINT_RESTORES.labels("failed").inc()
+                return
+            metrics.KV_CHECKPOINT_RESTORES.labels("restored").inc()
+            metrics.KV_CHECKPOINT_TOKENS.inc(found.reused)
+            if self.store.claim(found.key):   # else a live session here writes it: this one takes a new key
+                state.ckpt_key = found.key
+            state.ckpt_at = time.monotonic()
+            log.info("replay restored %d of %d tokens from the KV store (%d bytes read in %.1f ms)", found.reused,
+                     len(tokens), found.parked.nbytes, 1000 * read_s)
+        return restore
 
     def after_round(self, state) -> None:
         """Queue a checkpoint when the last one is `every_s` old (copied at the next gap between passes)."""

@@ -136,7 +136,8 @@ class LlamaCppBackend(Backend):
 
     def target_logits(self, state, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
         if isinstance(state, SeqState):
-            return self._shared_round(state, tokens, rows, lambda seq: self.batcher.submit(seq, tokens, rows))
+            return self._shared_round(state, tokens, rows,
+                                      lambda seq, before: self.batcher.submit(seq, tokens, rows, before))
         tokens = list(tokens)
         return self._in_turns(state, tokens, rows, lambda: state.logits(tokens, rows))
 
@@ -144,18 +145,17 @@ class LlamaCppBackend(Backend):
         """Serial: the whole tree in one target pass (KVContext.tree_logits). Batching: the tree's
         nodes share passes with other sessions' tokens (SharedKV.tree_job)."""
         if isinstance(state, SeqState):
-            return self._shared_round(state, committed, 1, lambda seq: self.batcher.submit_tree(
-                seq, committed, tree.tokens, tree.parents))
+            return self._shared_round(state, committed, 1, lambda seq, before: self.batcher.submit_tree(
+                seq, committed, tree.tokens, tree.parents, before))
         committed = list(committed)
         return self._in_turns(state, committed, 1, lambda: state.tree_logits(committed, tree.tokens, tree.parents))
 
     def _shared_round(self, state: SeqState, tokens: Sequence[int], rows: int, submit):
         """A round in the shared cache: a replay's first round restores what the KV store holds of
         `tokens` first; the round's cells are checkpointed every so often after it."""
-        if self.checkpoints is not None:
-            self.checkpoints.before_round(state, tokens, rows)
+        before = self.checkpoints.before_round(state, tokens, rows) if self.checkpoints is not None else None
         with self.book.round(state) as seq:
-            out = self.book.run(state, lambda: submit(seq))
+            out = self.book.run(state, lambda: submit(seq, before))
         if self.checkpoints is not None:
             self.checkpoints.after_round(state)
         return out
