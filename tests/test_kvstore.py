@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from cloud_verifier.backends.kvstore import MAGIC, KVStore, tenant_folder
 from cloud_verifier.backends.llama_cpp import LlamaCppBackend
 from cloud_verifier.cli import backend_from_args, build_parser
-from cloud_verifier.engine import Limits
+from cloud_verifier.engine import Limits, run_in_thread
 from cloud_verifier.server import VerifierServer
 from cloud_verifier.sessions import current_tenant
 from edge_client import EdgeClient
@@ -186,6 +186,17 @@ def test_another_tenants_checkpoint_is_never_used(tiny_models, tmp_path, referen
     assert np.array_equal(rows, reference[0])
     _, decoded = _replay(tiny_models, tmp_path, tokens, tenant="alice")   # the owner's replay does restore
     assert decoded == len(tokens) - 50 and _restores("restored") == restored0 + 1
+
+
+async def test_backend_calls_run_as_the_calls_tenant():
+    """The backend reads the tenant it files a session's checkpoints under from the call's context
+    (engine.run_in_thread carries it into the worker thread)."""
+    token = current_tenant.set("alice")
+    try:
+        assert await run_in_thread(current_tenant.get) == "alice"
+    finally:
+        current_tenant.reset(token)
+    assert await run_in_thread(current_tenant.get) == ""
 
 
 def test_a_released_session_deletes_its_file_unless_a_drain_keeps_it(tiny_models, tmp_path):
