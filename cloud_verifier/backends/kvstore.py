@@ -19,7 +19,7 @@ those it would have had uninterrupted, bit for bit. The restored session then ow
 (its next checkpoints overwrite it), unless a live session of this process owns it already.
 
 Files are written whole to a temporary name and renamed (atomic on one file system): a reader
-sees the old file or the new one, never a torn one. Each file carries its length and a digest,
+sees the old file or the new one, never a torn one. Each file carries its length and a CRC-32,
 checked before a byte of it reaches llama.cpp; a file that fails a check (or whose fingerprint
 or tenant differs) is refused, counted, and the replay prefills as it would without a store.
 File I/O runs on a writer thread and in the replaying call's worker thread; only the copy of the
@@ -41,6 +41,7 @@ import secrets
 import struct
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -87,7 +88,9 @@ def tenant_folder(tenant: str) -> str:
 
 
 def _digest(data: np.ndarray) -> str:
-    return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()
+    """A checksum against torn and corrupt files (not against someone who can write the folder:
+    they could write any cells). CRC-32: a 6 MB session in 4.5 ms here, blake2b 12.7 ms."""
+    return f"crc32:{zlib.crc32(memoryview(data)):08x}"
 
 
 class Found(NamedTuple):
