@@ -104,6 +104,10 @@ class Replica:
                 out[line.split('"')[1]] = float(line.split()[-1])
             elif line.startswith("hybridspec_kv_checkpoint_restored_tokens_total "):
                 out["tokens"] = float(line.split()[-1])
+            elif line.startswith("hybridspec_kv_checkpoint_copy_seconds_total "):
+                out["copy_ms"] = 1000 * float(line.split()[-1])
+            elif line.startswith('hybridspec_kv_checkpoints_total{event="written"}'):
+                out["written"] = float(line.split()[-1])
         return out
 
     def take_counted(self, into: dict[str, float]) -> None:

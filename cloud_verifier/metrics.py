@@ -101,6 +101,9 @@ KV_CHECKPOINTS = Counter("hybridspec_kv_checkpoints",
                          "Session KV checkpoints in the --kv-store: written, or dropped (full: over --kv-store-bytes; "
                          "failed: the write failed)", ["event"])
 KV_CHECKPOINT_BYTES = Counter("hybridspec_kv_checkpoint_bytes", "Bytes of session KV checkpoints written")
+KV_CHECKPOINT_COPY_SECONDS = Counter("hybridspec_kv_checkpoint_copy_seconds",
+                                     "Seconds the model spent copying sessions' cells out for checkpoints "
+                                     "(between passes; the files are written on another thread)")
 KV_CHECKPOINT_RESTORES = Counter("hybridspec_kv_checkpoint_restores",
                                  "Replays that looked in the --kv-store: restored, or fell back to a plain re-prefill "
                                  "(none: no checkpoint of this tenant holds a prefix; refused: torn, corrupt or "

@@ -436,7 +436,9 @@ class Checkpoints:
             if state.released or state.seq is None:
                 return
             seq, parked = state.seq, state.parked
+        t0 = time.perf_counter()
         parked = parked if parked is not None and parked.tokens else self.kv.snapshot(seq)
+        metrics.KV_CHECKPOINT_COPY_SECONDS.inc(time.perf_counter() - t0)
         if not parked.tokens:
             return
         with self.book._lock:   # released() takes it too: no file outlives its session's release
