@@ -286,7 +286,9 @@ class KVStore:
             reused = reusable_prefix(header.tokens, tokens, rows)
             if reused >= MIN_RESTORE_TOKENS:
                 candidates.append((reused, path, header))
-        for reused, path, header in sorted(candidates, key=lambda c: -c[0]):
+        with self._lock:   # of equal ones, a file no live session here writes (the replay may take it over)
+            candidates.sort(key=lambda c: (-c[0], c[1].stem in self.owned))
+        for reused, path, header in candidates:
             data = self._data(path, header)
             if data is not None:
                 return Found(path.stem, ParkedSeq(header.tokens, data), reused)
@@ -339,7 +341,6 @@ class KVStore:
     def _refuse(self, path: Path, why: str) -> None:
         metrics.KV_CHECKPOINT_RESTORES.labels("refused").inc()
         log.warning("KV checkpoint %s refused, the replay prefills instead: %s", path, why)
-
 
 
 class Checkpoints:
