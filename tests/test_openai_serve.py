@@ -304,6 +304,24 @@ def test_unsupported_parameters_get_400_naming_them(client, kwargs, param):
     assert param.split("[")[0] in e.value.message
 
 
+def test_the_hybridspec_field_reports_every_statistic_generate_does():
+    """serve's per-response statistics are GenerationStats' own fields (one list of names), so the
+    fused-round and window counters that `generate --json` reports are there too, with their values."""
+    import dataclasses
+
+    from edge_client.serve import Outcome
+    from edge_client.stats import GenerationStats, RoundEvent
+    st = GenerationStats(text="out", tokens=7, token_ids=[1] * 7, finish_reason="length", fused_rounds=3,
+                         fused_hits=2, window_depth=2.5, continuation_hits=4)
+    rounds = [RoundEvent(gamma=4, accepted=2, tokens=3, draft_s=0.01, rpc_s=0.30, server_s=0.05)]
+    hs = Outcome(prompt_tokens=5, stats=st, rounds=rounds).hybridspec()["hybridspec"]
+    statistics = {f.name for f in dataclasses.fields(GenerationStats)} - {"text", "token_ids", "finish_reason"}
+    assert set(hs) == statistics - {"tokens"} | {"committed_tokens", "round_trip_s_mean", "verify_rpc_s_mean"}
+    assert (hs["fused_rounds"], hs["fused_hits"], hs["window_depth"], hs["committed_tokens"]) == (3, 2, 2.5, 7)
+    assert hs["round_trip_s_mean"] == pytest.approx(0.25)
+    json.dumps(hs)  # it travels as JSON
+
+
 def test_only_a_refusal_with_a_retry_hint_is_a_429():
     """A 429 tells an OpenAI client to retry (the SDK does, by itself); a refusal without a retry
     hint is about the request (a limit), and retrying it never helps: 400, saying so."""
@@ -340,7 +358,7 @@ def test_serve_with_trees_and_pipelining_reports_them(verifier, tiny_models):
     hs = r.model_extra["hybridspec"]
     assert hs["tree_rounds"] > 0 and hs["nodes_per_round"] > 1
     assert {"pipelined_rounds", "discarded_rounds", "reused_drafts", "plans", "continuations_sent",
-            "continuation_hits"} <= set(hs)
+            "continuation_hits", "window_depth", "fused_rounds", "fused_hits"} <= set(hs)
     reference = edge_generate(verifier, tiny_models, "hello world, the list", 24)  # greedy: the same text
     assert r.choices[0].text == reference["text"]
 
