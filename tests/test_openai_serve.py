@@ -363,6 +363,49 @@ def test_serve_with_trees_and_pipelining_reports_them(verifier, tiny_models):
     assert r.choices[0].text == reference["text"]
 
 
+def test_serve_sends_its_rounds_on_the_round_stream(tiny_models, monkeypatch):
+    """Each request's session opens with a unary Verify and sends its later rounds on VerifyStream,
+    as `generate` does; the control `--no-stream` sends none there (so the count can fail), and the
+    greedy text is the same both ways."""
+    import cloud_verifier.server as server_module
+    calls = {"unary": 0, "stream": 0}
+
+    class Counting(server_module.VerifierServicer):
+        async def Verify(self, request, context):
+            calls["unary"] += 1
+            return await super().Verify(request, context)
+
+        async def VerifyStream(self, request_iterator, context):
+            async def counted():
+                async for msg in request_iterator:
+                    calls["stream"] += 1
+                    yield msg
+            async for reply in super().VerifyStream(counted(), context):
+                yield reply
+
+    monkeypatch.setattr(server_module, "VerifierServicer", Counting)
+    verifier = VerifierThread(SlowableBackend(str(tiny_models["target"]), n_ctx=N_CTX, n_threads=1))
+    texts, counts = [], []
+    try:
+        for extra in ((), ("--no-stream",)):
+            calls.update(unary=0, stream=0)
+            proc, url, _ = spawn_edge(verifier.address, tiny_models["draft"], *extra)
+            try:
+                c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+                r = c.completions.create(model="any", prompt="hello world, the list", max_tokens=24, temperature=0)
+            finally:
+                proc.terminate()
+                proc.wait(30)
+            texts.append(r.choices[0].text)
+            counts.append((dict(calls), r.model_extra["hybridspec"]["rounds"]))
+    finally:
+        verifier.stop()
+    (streamed, rounds), (control, control_rounds) = counts
+    assert rounds > 1 and streamed == {"unary": 1, "stream": rounds - 1}, counts
+    assert control == {"unary": control_rounds, "stream": 0}, counts
+    assert texts[0] == texts[1]
+
+
 def test_bad_json_and_batch_prompts_get_400(edge, client):
     status, body = http("POST", edge["url"] + "/completions", b"{not json")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
