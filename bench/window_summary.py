@@ -8,8 +8,9 @@ them) the edge's draft time and the verifier's model time per round trip. Prints
 Hit rate, by mode: pipeline and window, pipelined rounds kept / rounds sent early (kept +
 discarded); proactive and continuations, rounds whose outcome had a continuation / rounds during
 which continuations were drafted; fused, rounds answered in the pass of the round before / rounds
-sent with continuations for their own pass. Rounds in flight: the window's mean depth when a round
-was sent (1 = only that round).
+sent with continuations for their own pass. Early rounds kept / sent: pipelined rounds kept / sent
+before the previous reply, in every mode. Rounds in flight: the window's mean depth when a round was
+sent (1 = only that round).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def table(path: Path) -> list[str]:
     timed = any(r.get("draft_s") for r in result["rows"])
     fmt = lambda v, d=2: "–" if v is None else f"{v:.{d}f}"  # noqa: E731
     head = ["profile", "mode", "tokens", "tok/s", "÷ per-token", "÷ chain", "hit rate (hits / tries)",
-            "rounds in flight", "RT / token", "B up / token"]
+            "early rounds kept / sent", "rounds in flight", "RT / token", "B up / token"]
     if timed:
         head += ["draft ms / RT", "model ms / RT"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -58,6 +59,8 @@ def table(path: Path) -> list[str]:
                 hit, counts = hit_rate(s)
                 row = [profile, s["mode"], str(s["tokens"]), fmt(s["tokens_per_s"]), fmt(rate(by.get("per-token"))),
                        fmt(rate(chain)), f"{fmt(hit)} ({counts})" if hit is not None else "–",
+                       f"{s['pipelined_rounds']} / {s['pipelined_rounds'] + s['discarded_rounds']}"
+                       if s["pipelined_rounds"] + s["discarded_rounds"] else "–",
                        fmt(s["rounds_in_flight"]), fmt(s["round_trips_per_token"]), fmt(s["bytes_up_per_token"], 0)]
                 if timed:
                     trips = s["round_trips_per_token"] * s["tokens"]
