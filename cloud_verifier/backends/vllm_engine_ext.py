@@ -1,0 +1,111 @@
+"""What runs inside vLLM's engine process for sessions that keep their KV across rounds.
+
+vLLM 0.32's streaming-input sessions (`AsyncLLM.generate` fed `StreamingInput` chunks) keep a
+request's KV between chunks but only append. A round needs the opposite at its start: drop the
+rejected drafts (and the sample the engine drew after them) and keep the committed tokens' KV.
+Two hooks, named by string in the engine arguments (vllm_sessions.ENGINE_ARGS), do it without
+changing vLLM's source:
+
+  RollbackScheduler        (`scheduler_cls`) before a session's next chunk is appended, cuts the
+                           session back to the length its sampling params carry in
+                           `extra_args[KEEP_ARG]`: token lists, computed tokens, block hashes, and
+                           the KV blocks after the cut (freed). A full block the prefix cache
+                           already holds, with the cut inside it, is taken out of the cache when
+                           this session alone holds it (its KV is about to be overwritten, so its
+                           hash would hand wrong KV to a later request); when another request
+                           holds it too, the session recomputes from that block's start instead.
+  SessionWorkerExtension   (`worker_extension_cls`) a resumed chunk is handed to the model runner
+                           as a known request (`_update_streaming_request`), which in 0.32 does not
+                           register its prompt logprobs, so they came back empty; `install` (run
+                           once through `collective_rpc`) wraps that method to register them as a
+                           new request's are.
+
+Single KV-cache-group models only (every model the backend serves today): the scheduler refuses
+to start otherwise, with the reason.
+"""
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+KEEP_ARG = "hybridspec_keep"   # SamplingParams.extra_args key: tokens of the session to keep
+
+
+class RollbackScheduler(Scheduler):
+    """vLLM's scheduler with sessions that can be cut back before a chunk is appended."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        groups = self.kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(f"session rollback supports models with one KV-cache group; this one has {len(groups)} "
+                             "(hybrid attention): run the backend with sessions off")
+        self.rollbacks = 0           # chunks that cut a session back
+        self.recomputed_blocks = 0   # ... whose cut block was shared, so it was recomputed from its start
+
+    def _update_request_as_session(self, session, update) -> None:
+        params = update.sampling_params if update is not None else None
+        keep = (params.extra_args or {}).get(KEEP_ARG) if params is not None else None
+        if keep is not None:
+            lost = self._roll_back(session, int(keep))
+            if lost:   # tokens kept but no longer computed (a shared cut block): computed again
+                update.prompt_token_ids = lost + list(update.prompt_token_ids or ())
+        super()._update_request_as_session(session, update)
+
+    def _roll_back(self, session, keep: int) -> list[int]:
+        """Cut `session` back to its first `keep` tokens; returns the tokens in [computed, keep) that
+        must be appended again (their KV is gone), usually none."""
+        keep = max(0, min(keep, session.num_tokens))
+        computed = min(keep, session.num_computed_tokens)   # a preempted session computed less
+        manager, = self.kv_cache_manager.coordinator.single_type_managers
+        bs = manager.block_size
+        req_id = session.request_id
+        blocks = manager.req_to_blocks.get(req_id, [])
+        cut = computed // bs     # the block that holds the first token to be written again
+        if computed % bs and cut < len(blocks) and blocks[cut].block_hash is not None:
+            if blocks[cut].ref_cnt == 1:
+                manager.block_pool.evict_blocks({blocks[cut].block_id})
+            else:   # another request reads this cached block: leave it whole, recompute its tokens
+                computed = cut * bs
+                self.recomputed_blocks += 1
+        first_free = -(-computed // bs)
+        if first_free < len(blocks):
+            freed = blocks[first_free:]
+            del blocks[first_free:]
+            manager.block_pool.free_blocks(reversed(freed))   # the last block first: least likely reused
+        if req_id in manager.num_cached_block:
+            manager.num_cached_block[req_id] = min(manager.num_cached_block[req_id], computed // bs)
+        lost = list(session._all_token_ids[computed:keep])
+        del session._all_token_ids[computed:]
+        del session.prompt_token_ids[computed:]
+        session._output_token_ids.clear()
+        session.num_prompt_tokens = len(session.prompt_token_ids)
+        session.num_computed_tokens = computed
+        self.rollbacks += 1
+        return lost
+
+
+class SessionWorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`); `install` runs once after start."""
+
+    def hybridspec_install(self) -> bool:
+        runner = self.model_runner
+        if getattr(runner, "_hybridspec_installed", False):
+            return True
+        resume = runner._update_streaming_request
+
+        def update_streaming_request(req_id, new_req_data):
+            state = resume(req_id, new_req_data)
+            params = new_req_data.sampling_params
+            state.in_progress_prompt_logprobs_cpu = None
+            if params is not None and params.prompt_logprobs is not None:
+                runner.num_prompt_logprobs[req_id] = (runner.input_batch.vocab_size if params.prompt_logprobs == -1
+                                                      else params.prompt_logprobs)
+            return state
+
+        runner._update_streaming_request = update_streaming_request
+        runner._hybridspec_installed = True
+        return True
