@@ -87,6 +87,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from cloud_verifier.backends.base import Backend, BackendInfo, BackendRound, BackendSample, NoChatTemplate
+from cloud_verifier.backends.vllm_sessions import ENGINE_ARGS as SESSION_ARGS, SessionRows, VllmSession, close_session, \
+    session_round
 from spec_core.crossvocab import Vocabulary
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
@@ -223,6 +225,7 @@ class VllmBackend(Backend):
     has_vocabulary = True  # from the HF tokenizer: GetVocabulary, text and chat prompts
     fuses = False    # its kernels work from scores: a hit continuation runs as a second request
     one_request = True  # greedy and top-k rounds: one request with prompt logprobs (False: gamma + 1 requests)
+    sessions = True     # ... as a chunk of the session's own request that keeps its KV (vllm_sessions)
 
     def __init__(self, model: str, n_ctx: int = 2048, engine_args: dict | None = None):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -234,7 +237,7 @@ class VllmBackend(Backend):
                 raise ValueError(f"vllm engine argument {key}={user[key]!r} would break exact verification; "
                                  f"this backend needs {key}={need!r}")
         cpu = current_platform.is_cpu()
-        args = {**_DEFAULTS, **(_CPU_DEFAULTS if cpu else {}), "max_model_len": n_ctx,
+        args = {**_DEFAULTS, **SESSION_ARGS, **(_CPU_DEFAULTS if cpu else {}), "max_model_len": n_ctx,
                 **({"max_num_batched_tokens": max(2048, n_ctx)} if cpu else {}),
                 **user, **_REQUIRED, "model": model}
         self.engine_args = args
@@ -252,6 +255,12 @@ class VllmBackend(Backend):
             self._loop.call_soon_threadsafe(self._loop.stop)
             raise
         self._gate = self._run(self._make_gate())
+        # Sessions need the hooks installed in every worker and one KV-cache group (vllm_engine_ext).
+        groups = self._run(self._llm.collective_rpc("hybridspec_install")) if self.sessions else []
+        self.sessions_supported = bool(groups) and all(g == 1 for g in groups)
+        if self.sessions and not self.sessions_supported:
+            log.warning("vLLM sessions are off (KV-cache groups per worker: %s); rounds re-prefill the block tail",
+                        groups)
         self.start_s = time.perf_counter() - t0
         n_vocab = int(self._llm.model_config.get_vocab_size())
         log.info("vLLM engine for %s ready in %.1f s (vocab %d, tokenizer %d)", model, self.start_s, n_vocab, n_tok)
@@ -263,6 +272,7 @@ class VllmBackend(Backend):
         self.local_full_rows = 0  # ... and top-k rounds that built it from their own top-k row (no request)
         self.one_request_rounds = 0  # rounds (greedy, top-k, greedy trees) verified with one request (a leaf)
         self.one_request_fallbacks = 0  # ... that found their rows cached and took the per-position requests
+        self.session_rounds = 0  # ... as a chunk of the session's own request (vllm_sessions)
 
     # --- the event loop bridge ------------------------------------------------------------------
 
@@ -305,8 +315,12 @@ class VllmBackend(Backend):
             top_p=settings.top_p if 0.0 < settings.top_p < 1.0 else 1.0,
             max_tokens=1, seed=seed, ignore_eos=True, detokenize=False, skip_clone=True, **extra)
 
-    def new_state(self) -> dict:
-        return {}  # vLLM's prefix cache is the per-session state
+    def new_state(self) -> VllmSession:
+        return VllmSession()  # the session's own vLLM request, started on its first round
+
+    def release(self, state) -> None:
+        if isinstance(state, VllmSession) and state.live and self._llm is not None:
+            self._run(close_session(state))
 
     def round_path(self, settings: SamplingSettings, tree: bool = False) -> str:
         """The path a steady-state round with these settings takes: "one-request" (greedy, or top-k up
@@ -316,6 +330,8 @@ class VllmBackend(Backend):
         rows_from_prompt = self.one_request and (settings.greedy or 0 < settings.top_k <= TOP_K_ONE_REQUEST)
         if tree:
             return "tree-leaves" if rows_from_prompt else "tree"
+        if rows_from_prompt and self.sessions and self.sessions_supported:
+            return "session"
         return "one-request" if rows_from_prompt else "per-position"
 
     def verify(self, state, committed: Sequence[int], draft_tokens: Sequence[int],
@@ -324,9 +340,9 @@ class VllmBackend(Backend):
         t0 = time.perf_counter()
         gamma = len(draft_tokens)
         committed, drafts = list(committed), [int(x) for x in draft_tokens]
-        one_request = self.round_path(settings) == "one-request" and committed and gamma > 0
+        one_request = self.round_path(settings) in ("one-request", "session") and committed and gamma > 0
         if one_request and not settings.greedy:
-            got = self._top_k_scores(committed, drafts, settings, rng)
+            got = self._top_k_scores(state, committed, drafts, settings, rng)
             if got is not None:
                 scores, rows = got
 
@@ -337,7 +353,7 @@ class VllmBackend(Backend):
                 result, _ = verify_from_scores(drafts, draft_probs, scores, local_row, rng)
                 return BackendRound(result, 0.0, time.perf_counter() - t0)
         if one_request and settings.greedy:
-            scores = self._greedy_scores(committed, drafts)
+            scores = self._greedy_scores(state, committed, drafts)
             if scores is not None:
                 def point_mass(i: int) -> np.ndarray:  # greedy p: all its mass on the argmax
                     row = np.zeros(self.info.n_vocab)
@@ -363,36 +379,51 @@ class VllmBackend(Backend):
         result, _ = verify_from_scores(drafts, draft_probs, scores, full_row, rng)
         return BackendRound(result, 0.0, time.perf_counter() - t0)
 
-    def _one_request(self, committed: list[int], drafts: list[int], params):
-        """A round as one request over committed + drafts, its rows read from the prompt logprobs;
-        None when the rows of the first draft positions were served from the prefix cache (vLLM leaves
-        them unset: another session's identical tokens), and the caller falls back to per-position
-        requests."""
+    def _round_rows(self, state, committed: list[int], drafts: list[int], params) -> SessionRows | None:
+        """A round's draft rows (prompt logprobs at each draft's position) and the sample after the last
+        draft, from one request over committed + drafts: a chunk of the session's own request when
+        sessions are on (vllm_sessions: gamma + 1 tokens computed), else an ordinary request (the block
+        tail again). None when an ordinary request's rows were served from the prefix cache (vLLM leaves
+        them unset: another session's identical tokens); the caller then takes per-position requests."""
+        if self.sessions and self.sessions_supported and isinstance(state, VllmSession):
+            got = self._run(self._batch_call(session_round(self._llm, state, committed, drafts, params)))
+            with self._stats_lock:
+                self.one_request_rounds += 1
+                self.session_rounds += 1
+                self._forwarded += len(drafts) + 1
+            return got
         out, = self._run(self._batch([(committed + drafts, params)]))
+        n = len(committed)
         with self._stats_lock:
             self.one_request_rounds += 1
-            if (out.num_cached_tokens or 0) > len(committed) - 1:
+            if (out.num_cached_tokens or 0) > n - 1:
                 self.one_request_fallbacks += 1
                 return None
-        return out
+        return SessionRows(out.prompt_logprobs[n:n + len(drafts)], int(out.outputs[0].token_ids[0]))
 
-    def _greedy_scores(self, committed: list[int], drafts: list[int]) -> list[PositionScore] | None:
-        """One request over committed + drafts: the argmax at every draft position from its prompt
-        logprobs (top-1, read after the prefix cache), the bonus from the sampled token. None when the
-        rows of the first draft positions were served from the cache (another session's identical tokens)."""
+    async def _batch_call(self, coro):
+        """A coroutine's engine work under the gate as "score" work (prompt logprobs and samples)."""
+        await self._gate.enter("score")
+        try:
+            return await coro
+        finally:
+            await self._gate.leave()
+
+    def _greedy_scores(self, state, committed: list[int], drafts: list[int]) -> list[PositionScore] | None:
+        """One request over committed + drafts (_round_rows): the argmax at every draft position from its
+        prompt logprobs (top-1), the bonus from the sampled token. None when the rows were served from
+        the cache (another session's identical tokens)."""
         from vllm import SamplingParams
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, skip_reading_prefix_cache=False,
                                 ignore_eos=True, detokenize=False, skip_clone=True)
-        out = self._one_request(committed, drafts, params)
-        if out is None:
+        got = self._round_rows(state, committed, drafts, params)
+        if got is None:
             return None
-        n = len(committed)
         scores = []
-        for i, x in enumerate(drafts):
-            row = out.prompt_logprobs[n + i]   # {token id: Logprob}: the prompt token first, then the top-1
+        for x, row in zip(drafts, got.rows):   # {token id: Logprob}: the prompt token first, then the top-1
             top = next((t for t, lp in row.items() if t != x and lp.rank == 1), x) if len(row) > 1 else x
             scores.append(PositionScore(int(top), 1.0, float(top == x)))
-        scores.append(PositionScore(int(out.outputs[0].token_ids[0]), 1.0, None))
+        scores.append(PositionScore(got.sample, 1.0, None))
         return scores
 
     def _greedy_tree_scores(self, committed: list[int], tree: DraftTree,
@@ -438,7 +469,7 @@ class VllmBackend(Backend):
             scores.append(NodeScore(y, 1.0, {int(t): float(t == y) for t in need}))
         return scores
 
-    def _top_k_scores(self, committed: list[int], drafts: list[int], settings: SamplingSettings,
+    def _top_k_scores(self, state, committed: list[int], drafts: list[int], settings: SamplingSettings,
                       rng: np.random.Generator) -> tuple[list[PositionScore], np.ndarray] | None:
         """Sampled rounds with top-k: one request over committed + drafts with `prompt_logprobs=top_k`.
         The processed p at a draft position depends on the top-k raw logits alone (temperature, top-k,
@@ -447,13 +478,12 @@ class VllmBackend(Backend):
         last draft (the session's settings and seed). Returns (scores, processed rows  # [gamma, vocab])."""
         params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=settings.top_k,
                               skip_reading_prefix_cache=False)
-        out = self._one_request(committed, drafts, params)
-        if out is None:
+        got = self._round_rows(state, committed, drafts, params)
+        if got is None:
             return None
-        n = len(committed)
         raw = np.full((len(drafts), self.info.n_vocab), -np.inf, dtype=np.float32)
-        for i in range(len(drafts)):
-            for t, lp in out.prompt_logprobs[n + i].items():
+        for i, row in enumerate(got.rows):
+            for t, lp in row.items():
                 if lp.rank <= settings.top_k and t < self.info.n_vocab:   # the top-k (the prompt token may rank lower)
                     raw[i, t] = lp.logprob
         rows = processed_probs(raw, settings.temperature, settings.top_k, settings.top_p)  # [gamma, vocab]
@@ -461,7 +491,7 @@ class VllmBackend(Backend):
         for i, x in enumerate(drafts):
             y = sample(rows[i], rng)
             scores.append(PositionScore(y, float(rows[i][y]), float(rows[i][x])))
-        scores.append(PositionScore(int(out.outputs[0].token_ids[0]), float("nan"), None))
+        scores.append(PositionScore(got.sample, float("nan"), None))
         return scores, rows
 
     def _top_k_tree_scores(self, committed: list[int], tree: DraftTree,
@@ -661,6 +691,14 @@ class VllmBackend(Backend):
         async def read():
             return read_engine_counters()
         return self._run(read())
+
+    def model_tokens(self) -> int:
+        """Tokens the model has run so far, summed over workers: vLLM's `total_num_scheduled_tokens` per
+        step, as its model runner was handed them (vllm_engine_ext; 0 with sessions off). Unlike the
+        frontend's counters it sees no requests, only work: for figures and tests."""
+        if not self.sessions_supported:
+            return 0
+        return int(sum(self._run(self._llm.collective_rpc("hybridspec_scheduled_tokens"))))
 
     def close(self) -> None:
         if self._llm is None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.metrics.stats import PrefillStats
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,12 @@ class RollbackScheduler(Scheduler):
             if lost:   # tokens kept but no longer computed (a shared cut block): computed again
                 update.prompt_token_ids = lost + list(update.prompt_token_ids or ())
         super()._update_request_as_session(session, update)
+        # vLLM 0.32 sets a request's PrefillStats only at its first scheduling, so its counters
+        # (vllm:prompt_tokens, vllm:iteration_tokens_total) would count nothing a resumed chunk
+        # computes; this chunk's prefill is the tokens after the kept ones, none from the cache.
+        session.prefill_stats = PrefillStats()
+        session.prefill_stats.set(num_prompt_tokens=session.num_tokens - session.num_computed_tokens,
+                                  num_local_cached_tokens=0, num_external_cached_tokens=0)
 
     def _roll_back(self, session, keep: int) -> list[int]:
         """Cut `session` back to its first `keep` tokens; returns the tokens in [computed, keep) that
@@ -89,23 +96,36 @@ class RollbackScheduler(Scheduler):
 
 
 class SessionWorkerExtension:
-    """Mixed into vLLM's worker (`worker_extension_cls`); `install` runs once after start."""
+    """Mixed into vLLM's worker (`worker_extension_cls`); `hybridspec_install` runs once after start."""
 
-    def hybridspec_install(self) -> bool:
+    def hybridspec_install(self) -> int:
+        """Wraps the model runner (once); returns its number of KV-cache groups (rollback needs 1),
+        0 for a model runner without streaming sessions (vLLM's V2 runner)."""
         runner = self.model_runner
-        if getattr(runner, "_hybridspec_installed", False):
-            return True
-        resume = runner._update_streaming_request
+        if not hasattr(runner, "_update_streaming_request"):
+            return 0
+        if not getattr(runner, "_hybridspec_installed", False):
+            resume, execute = runner._update_streaming_request, runner.execute_model
 
-        def update_streaming_request(req_id, new_req_data):
-            state = resume(req_id, new_req_data)
-            params = new_req_data.sampling_params
-            state.in_progress_prompt_logprobs_cpu = None
-            if params is not None and params.prompt_logprobs is not None:
-                runner.num_prompt_logprobs[req_id] = (runner.input_batch.vocab_size if params.prompt_logprobs == -1
-                                                      else params.prompt_logprobs)
-            return state
+            def update_streaming_request(req_id, new_req_data):
+                state = resume(req_id, new_req_data)
+                params = new_req_data.sampling_params
+                state.in_progress_prompt_logprobs_cpu = None
+                if params is not None and params.prompt_logprobs is not None:
+                    runner.num_prompt_logprobs[req_id] = (runner.input_batch.vocab_size if params.prompt_logprobs == -1
+                                                          else params.prompt_logprobs)
+                return state
 
-        runner._update_streaming_request = update_streaming_request
-        runner._hybridspec_installed = True
-        return True
+            def execute_model(scheduler_output, *args, **kwargs):
+                runner._hybridspec_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
+                return execute(scheduler_output, *args, **kwargs)
+
+            runner._update_streaming_request = update_streaming_request
+            runner.execute_model = execute_model
+            runner._hybridspec_scheduled_tokens = 0
+            runner._hybridspec_installed = True
+        return len(runner.kv_cache_config.kv_cache_groups)
+
+    def hybridspec_scheduled_tokens(self) -> int:
+        """Tokens the model ran so far (the sum of vLLM's `total_num_scheduled_tokens` per step)."""
+        return getattr(self.model_runner, "_hybridspec_scheduled_tokens", 0)

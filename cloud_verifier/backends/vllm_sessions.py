@@ -1,0 +1,127 @@
+"""A verifier session as one vLLM request that keeps its KV across rounds (the backend's side).
+
+Each session is one streaming-input request (`AsyncLLM.generate` fed `StreamingInput` chunks);
+a round is one chunk: the committed tokens the engine does not hold yet (the round's corrected or
+bonus token, usually one) and the round's drafts, `max_tokens=1`, prompt logprobs for the draft
+rows. Before the chunk is appended, vllm_engine_ext.RollbackScheduler cuts the session back to
+`keep`, the longest common prefix of the tokens the engine holds (last round's committed + drafts)
+and this round's committed ones, so rejected drafts and their KV are dropped and the accepted ones
+kept: a round computes gamma + 1 tokens (plus the sampled one) instead of re-prefilling the block
+tail. `keep` is capped at len(committed) - 1 so that the row after the last committed token is
+computed in the chunk (prompt-logprob rows are filled from the chunk's first token on).
+
+The first chunk of a session is committed + drafts, read after the prefix cache; when the rows it
+needs were served from the cache (another session's identical tokens), one more chunk with
+`keep = len(committed) - 1` computes them. A session whose stream failed starts over with a new
+request on its next round. `release` ends the request, which frees its KV.
+
+Lives on the backend's event loop; a session's rounds run one at a time (its lock).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+log = logging.getLogger(__name__)
+
+_EXT = "cloud_verifier.backends.vllm_engine_ext"
+# Engine arguments that install the hooks (vllm_engine_ext): requests without KEEP_ARG are untouched.
+ENGINE_ARGS = {"scheduler_cls": f"{_EXT}.RollbackScheduler", "worker_extension_cls": f"{_EXT}.SessionWorkerExtension"}
+KEEP_ARG = "hybridspec_keep"   # = vllm_engine_ext.KEEP_ARG (that module imports vLLM's scheduler)
+
+
+@dataclass
+class VllmSession:
+    """The backend's per-session state: its streaming request, and the tokens the engine holds."""
+    tokens: list[int] = field(default_factory=list)   # prompt of the last chunk, as the engine holds it
+    chunks: asyncio.Queue | None = None                # StreamingInput chunks; None ends the stream
+    outputs: object | None = None                      # the request's output stream (async generator)
+    lock: asyncio.Lock | None = None
+    rounds: int = 0                                    # chunks sent (for tests and figures)
+    retries: int = 0                                   # ... sent again because the first one's rows were cached
+
+    @property
+    def live(self) -> bool:
+        return self.outputs is not None
+
+
+class SessionRows:
+    """The rows a round reads from its chunk: `rows[i]` the prompt-logprob row ({token id: Logprob})
+    at draft i's position (predicting draft i), `sample` the token vLLM drew after the last draft."""
+
+    def __init__(self, rows: list[dict], sample: int):
+        self.rows, self.sample = rows, sample
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+async def _chunk_stream(queue: asyncio.Queue):
+    while (chunk := await queue.get()) is not None:
+        yield chunk
+
+
+async def session_round(llm, session: VllmSession, committed: list[int], drafts: list[int], params) -> SessionRows:
+    """One round as one chunk of the session's request. `params`: the round's SamplingParams with
+    prompt logprobs (a fresh object: KEEP_ARG is put into its extra_args). Returns the draft rows and
+    the sample after the last draft. Raises what the engine raised; the session then starts over."""
+    from vllm.engine.protocol import StreamingInput
+    from vllm.sampling_params import RequestOutputKind
+
+    assert committed and drafts, "a session round needs committed tokens and drafts"
+    if session.lock is None:
+        session.lock = asyncio.Lock()
+    async with session.lock:
+        try:
+            n = len(committed)
+            if session.live:
+                keep = min(common_prefix(session.tokens, committed), n - 1)
+                out = await _send(session, committed[keep:] + drafts, params, keep, StreamingInput)
+            else:
+                session.chunks = asyncio.Queue()
+                base = params.clone()
+                base.output_kind = RequestOutputKind.DELTA
+                session.outputs = llm.generate(_chunk_stream(session.chunks), base,
+                                               request_id="session-" + uuid.uuid4().hex).__aiter__()
+                out = await _send(session, committed + drafts, params, None, StreamingInput)
+                if (out.num_cached_tokens or 0) > n - 1:   # rows served from the cache: compute them
+                    session.retries += 1
+                    session.tokens = committed + drafts
+                    out = await _send(session, committed[n - 1:] + drafts, params, n - 1, StreamingInput)
+            session.tokens = committed + drafts
+            rows = list(out.prompt_logprobs or [])[-len(drafts):]
+            assert len(rows) == len(drafts) and all(r is not None and x in r for r, x in zip(rows, drafts)), \
+                "a session chunk came back without its draft rows"
+            return SessionRows(rows, int(out.outputs[0].token_ids[0]))
+        except BaseException:
+            await close_session(session)
+            raise
+
+
+async def _send(session: VllmSession, chunk: list[int], params, keep: int | None, streaming_input):
+    from vllm.sampling_params import RequestOutputKind
+    p = params.clone()
+    p.output_kind = RequestOutputKind.DELTA
+    if keep is not None:
+        p.extra_args = {**(p.extra_args or {}), KEEP_ARG: int(keep)}
+    session.rounds += 1
+    await session.chunks.put(streaming_input({"prompt_token_ids": [int(t) for t in chunk]}, p))
+    return await session.outputs.__anext__()
+
+
+async def close_session(session: VllmSession) -> None:
+    """End the session's request (vLLM aborts it and frees its KV); the session may start over."""
+    outputs, session.outputs, session.chunks, session.tokens = session.outputs, None, None, []
+    if outputs is not None:
+        try:
+            await outputs.aclose()
+        except Exception:   # the engine already failed the request: nothing left to free
+            log.debug("closing a vLLM session", exc_info=True)
