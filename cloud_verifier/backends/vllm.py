@@ -30,32 +30,25 @@ and it costs one row, not a context. Greedy (temperature 0) needs no probabiliti
 argmax, x_i is accepted iff x_i == y_i, and the corrected / bonus token is y_j. Trees use the same
 scores per node (spec_core.tree.verify_tree_from_scores).
 
-Greedy rounds take one request instead (`one_request`, on by default): prompt = committed + drafts,
-`prompt_logprobs=1` read after the prefix cache (`skip_reading_prefix_cache=False`), max_tokens = 1.
-Row j of the prompt logprobs holds the draft token and the top-1 token at prompt position j, raw
-(prompt rows skip the sampler, so for greedy the top-1 is the argmax the sampler would take); the
-sampled token after the last draft is the bonus. vLLM fills only the rows after the cached prefix
-(the rest of the tensor is left unset), so the rows are read only when `num_cached_tokens` <= len(
-committed) - 1, which holds within a session (its last committed token was sampled, never computed,
-so the block that holds it is not cached); when another session had computed the very same tokens,
-the round falls back to the per-position requests (`one_request_fallbacks`). The work a round costs:
-per-position, gamma + 1 requests each recomputing the committed tokens after the last full KV block
-(r, 1..block_size) and its own drafts, (gamma + 1)·r + gamma·(gamma + 1)/2 tokens; one request, r + gamma
-(bench/fleet_vllm_counters.py counts both with vLLM's own counters, `engine_counters`). Sampled
-rounds with top-k (k <= TOP_K_ONE_REQUEST) take one request too, with `prompt_logprobs=k`: prompt
-rows are raw, but the processed p (temperature, top-k, top-p) at a position depends on its top-k
-raw logits alone, so spec_core.warping on those k entries gives the processed row, y_i is drawn from
-it, and the bonus is vLLM's own sample. Sampled rounds without top-k keep the per-position
-requests: p(x) after temperature needs the whole row, which would cross into Python as vocab-sized lists
-(vLLM sizes a request's prompt-logprob tensor by its whole prompt, so `prompt_logprobs=-1` would move
-context x vocab numbers a round). Trees with the same settings take one request per leaf (greedy: the
-argmax rows; top-k: the top-k rows, warped here, y drawn from them), rows another leaf of the round
-computed read from that leaf. `round_path` is the one place that says which path a round takes.
-
-What a round costs is r + gamma computed tokens, not gamma + 1: vLLM 0.32 keeps no request's KV
-between rounds other than through its prefix cache, which holds full blocks only. Its streaming-input
-sessions keep KV but only append (rejected drafts would stay), and sub-block prefix hits
-(`prefix_match_unit`) are refused for single-KV-group models; docs/vllm.md says what was weighed.
+Greedy rounds, and sampled rounds with top-k (k <= TOP_K_ONE_REQUEST), read their rows from prompt
+logprobs instead (`prompt_logprobs=1`, or k, read after the prefix cache): row j holds the draft token
+and the top-1 (or top-k) raw tokens at draft position j (prompt rows skip the sampler: for greedy the
+top-1 is the argmax the sampler would take; with top-k the processed p at a position depends on its
+top-k raw logits alone, so spec_core.warping on those k entries is the processed row and y_i is drawn
+from it here); the sample after the last draft is the bonus. With sessions (`sessions`, on by
+default; cloud_verifier/backends/vllm_sessions.py) such a round is one chunk of the session's own
+vLLM request, which keeps its KV across rounds: the engine rolls the rejected drafts back and
+computes gamma + 1 tokens a round. Without a session state (or with sessions off, or a model with
+several KV-cache groups) it is one ordinary request over committed + drafts (`one_request`), which
+recomputes the committed tokens after the last full KV block (r, 1..block_size) and the drafts,
+r + gamma tokens, and falls back to the per-position requests when its rows were served from the
+cache (another session's identical tokens; `one_request_fallbacks`). Per position: gamma + 1
+requests, (gamma + 1)·r + gamma·(gamma + 1)/2 tokens (bench/fleet_vllm_counters.py counts every path
+with vLLM's own counters). Sampled rounds without top-k keep the per-position requests: p(x) after
+temperature needs the whole row, and vLLM sizes a request's prompt-logprob tensor by its whole
+prompt (`prompt_logprobs=-1` would move context x vocab numbers a round). Trees with greedy or top-k
+settings take one request per leaf (rows another leaf of the round computed read from that leaf).
+`round_path` is the one place that says which path a round takes; docs/vllm.md says what was weighed.
 
 Text and chat prompts (drafts from another tokenizer) go through the HF tokenizer of the model
 folder: `vocabulary()` (GetVocabulary) is built from it by `hf_vocabulary`, as llama_runtime builds it
