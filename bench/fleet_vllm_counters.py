@@ -15,7 +15,8 @@ of each round), and the median time per round, measured side by side in one run.
          session       one chunk of the session's own request, which keeps its KV (the same settings;
                        cloud_verifier/backends/vllm_sessions.py): counted as one request a round
          tree          one request per node and the root (sampled trees)
-         tree-leaves   one request per leaf with prompt logprobs (greedy trees)
+         tree-leaves   one request per leaf with prompt logprobs (greedy trees; sampled trees with top-k)
+         tree-session  one chunk of the session's request per leaf, in turn (the same settings)
 
   .venv-vllm/bin/python bench/fleet_vllm_counters.py                 # SmolLM2-135M dequantized, CPU
   .venv-vllm/bin/python bench/fleet_vllm_counters.py --vllm-arg gpu_memory_utilization=0.3   # on a GPU
@@ -54,7 +55,7 @@ SETTINGS = {"greedy": ({"temperature": 0.0}, False), "top-k": ({"temperature": 1
 
 # path -> (backend.one_request, backend.sessions) that make round_path take it
 PATH_SWITCHES = {"per-position": (False, False), "tree": (False, False), "one-request": (True, False),
-                 "tree-leaves": (True, False), "session": (True, True)}
+                 "tree-leaves": (True, False), "session": (True, True), "tree-session": (True, True)}
 
 
 def set_path(backend, path: str) -> None:
@@ -108,8 +109,10 @@ def run_cell(backend, prompt: list[int], setting: str, path: str, shipped: bool,
             depths = tree.depths()
             if path == "tree":   # the root's request and a request per node
                 work = r + sum(r + d for d in depths)
-            else:                # a request per leaf
+            elif path == "tree-leaves":   # a request per leaf
                 work = sum(r + depths[leaf] for leaf in tree.leaves())
+            else:   # a chunk per leaf: its branch and the last committed token (branches leave at the root)
+                work = len(tree) + len(tree.leaves())
         else:
             result = backend.verify(state, committed, drafts, None, settings, rng).result
             tokens = commit_round(drafts, result, frozenset(), remaining=10**9, context_left=10**9).tokens
@@ -159,7 +162,8 @@ def markdown(result: dict) -> str:
                      f"{c['round_median_s'] * 1e3:.1f} |")
     lines += ["", "Settings: greedy; top-k: T = 1, top-k 20; top-p: T = 1, top-p 0.9; sampled: T = 1; tree: greedy; "
               "tree-top-k: T = 1, top-k 20. Trees: two branches of γ nodes from the root (2γ nodes, 2 leaves); "
-              "path tree: one request per node and one for the root; tree-leaves: one request per leaf.",
+              "path tree: one request per node and one for the root; tree-leaves: one request per leaf; tree-session: "
+              "one chunk of the session's request per leaf (counted as requests), charged nodes + leaves.",
               "Sampled rounds may add a request for a full processed row (the residual after a rejection whose "
               "free proposal failed); it is counted.",
               "Charged by RoundWork: netsim.fleet.costs.RoundWork(path, block).tokens(γ, r) with each round's own r "
@@ -179,7 +183,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None, help="steady-state rounds per cell (default: the block size)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"some of {','.join(SETTINGS)}")
     ap.add_argument("--paths", default=None,
-                    help="only cells of these paths (per-position, one-request, session, tree, tree-leaves); 'top-k', the "
+                    help="only cells of these paths (per-position, one-request, session, tree, tree-leaves, tree-session); 'top-k', the "
                          "name earlier versions gave it, is the top-k setting's one-request cell")
     ap.add_argument("--vllm-model", default=None, help="HF folder (default: the bundled SmolLM2 dequantized)")
     ap.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE")

@@ -157,3 +157,44 @@ def test_top_k_session_rows_equal_uncached_top_k_rows(backend):
         assert state.rounds == 16 and state.retries == 0
     finally:
         backend.release(state)
+
+
+@needs_vllm
+def test_greedy_tree_session_rounds_follow_the_target_and_compute_each_node_once(backend):
+    """Greedy trees (7 nodes, 3 leaves; two leaves share their first node) over 8 rounds of one session,
+    the first path drafting the target's greedy continuation for 0..3 tokens: the kept path and next
+    token are the target's greedy walk (uncached requests), and the model runs at most nodes + leaves
+    tokens a round (from the second on) plus the kept nodes of a path it read before the last one (the
+    first leaf is read last)."""
+    from spec_core.tree import DraftTree
+    rng = np.random.default_rng(21)
+    committed = [1] + [int(x) for x in rng.integers(3, backend.info.n_vocab, 45)]
+    parents = (-1, 0, 1, 0, 3, -1, 5)   # paths 0-1-2, 0-3-4, 5-6
+    state = backend.new_state()
+    assert backend.round_path(GREEDY, tree=True) == "tree-session"
+    try:
+        for k in range(8):
+            good = drafts_accepting(backend, committed, k % 4, rng)[:3]
+            other = [int(x) for x in rng.integers(3, backend.info.n_vocab, 4)]
+            tree = DraftTree(tuple(good + other), parents)
+            walk, node_tokens = [], []
+            children = tree.children()
+            node = -1
+            while True:
+                _, y = uncached_rows(backend, committed + node_tokens, 1)
+                nxt = [c for c in children.get(node, []) if tree.tokens[c] == y]
+                if not nxt:
+                    break
+                node = nxt[0]
+                walk.append(node)
+                node_tokens.append(y)
+            ran = backend.model_tokens()
+            result = backend.verify_tree(state, committed, tree, None, GREEDY, rng).result
+            ran = backend.model_tokens() - ran
+            assert list(result.path) == walk and result.next_token == y, f"round {k}"
+            # from the second round on (the first one prefilled the context)
+            assert k == 0 or ran <= len(tree) + 3 + len(walk), f"round {k}: the model ran {ran} tokens"
+            committed += node_tokens + [y]
+        assert state.live
+    finally:
+        backend.release(state)

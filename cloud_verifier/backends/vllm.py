@@ -81,7 +81,7 @@ import numpy as np
 
 from cloud_verifier.backends.base import Backend, BackendInfo, BackendRound, BackendSample, NoChatTemplate
 from cloud_verifier.backends.vllm_sessions import ENGINE_ARGS as SESSION_ARGS, SessionRows, VllmSession, close_session, \
-    session_round
+    session_leaves, session_round
 from spec_core.crossvocab import Vocabulary
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
@@ -318,10 +318,13 @@ class VllmBackend(Backend):
     def round_path(self, settings: SamplingSettings, tree: bool = False) -> str:
         """The path a steady-state round with these settings takes: "one-request" (greedy, or top-k up
         to TOP_K_ONE_REQUEST), "per-position" (gamma + 1 requests), "tree-leaves" (the same settings
-        in trees: a request per leaf) or "tree" (a request per node and the root). The one place that decides;
+        in trees: a request per leaf, or a chunk of the session's request per leaf: "tree-session") or
+        "tree" (a request per node and the root), "session" (a chunk of the session's request). The one place that decides;
         bench/fleet_vllm_counters.py marks this path as the one shipped."""
         rows_from_prompt = self.one_request and (settings.greedy or 0 < settings.top_k <= TOP_K_ONE_REQUEST)
         if tree:
+            if rows_from_prompt and self.sessions and self.sessions_supported:
+                return "tree-session"
             return "tree-leaves" if rows_from_prompt else "tree"
         if rows_from_prompt and self.sessions and self.sessions_supported:
             return "session"
@@ -419,41 +422,62 @@ class VllmBackend(Backend):
         scores.append(PositionScore(got.sample, 1.0, None))
         return scores
 
-    def _greedy_tree_scores(self, committed: list[int], tree: DraftTree,
+    def _tree_rows(self, state, committed: list[int], tree: DraftTree, params
+                   ) -> tuple[dict[int, tuple[int, dict]], dict[int, int]] | None:
+        """The prompt-logprob rows of a tree's leaves' paths after committed: ({node (ROOT for the root):
+        (the token after it on the path, its row {token id: Logprob})} for every inner node, {leaf: the
+        sample after it}). With sessions, one chunk of the session's request per leaf, in turn (the
+        first leaf last: its path, the draft's first choice, stays in the engine for the next round);
+        else one request per leaf, together, a row a request found cached (an earlier leaf of this
+        round filled the block) read from the leaf that computed it. None when a row is nowhere
+        (another session's identical tokens)."""
+        paths = [tree.path_to(leaf) for leaf in tree.leaves()]
+        prompts = [[tree.tokens[i] for i in path] for path in paths]
+        n = len(committed)
+        if self.sessions and self.sessions_supported and isinstance(state, VllmSession):
+            got = self._run(self._batch_call(session_leaves(self._llm, state, committed, prompts[::-1], params)))[::-1]
+            outs = [(len(got) - k, 0, g.rows, g.sample) for k, g in enumerate(got)]   # (order read, cached, ...)
+            with self._stats_lock:
+                self.session_rounds += 1
+                self._forwarded += sum(len(p) + 1 for p in prompts)
+        else:
+            reqs = self._run(self._batch([(committed + p, params) for p in prompts]))
+            outs = [(o.num_cached_tokens or 0, o.num_cached_tokens or 0, o.prompt_logprobs[n:],
+                     int(o.outputs[0].token_ids[0])) for o in reqs]
+        with self._stats_lock:
+            self.one_request_rounds += 1
+        rows: dict[int, tuple[int, dict]] = {}
+        bonus: dict[int, int] = {}
+        # Row n + j (predicting prompt token n + j) is filled only when n + j > the tokens served from the
+        # cache: fewest cached first (requests) or in the order read (a session's chunks), so a row is
+        # read from the leaf that computed it.
+        for k in sorted(range(len(paths)), key=lambda k: outs[k][0]):
+            _, cached, leaf_rows, sample = outs[k]
+            for j, node in enumerate([ROOT] + paths[k][:-1]):
+                if node not in rows:
+                    if n + j <= cached:
+                        with self._stats_lock:
+                            self.one_request_fallbacks += 1
+                        return None
+                    rows[node] = (prompts[k][j], leaf_rows[j])
+            bonus[paths[k][-1]] = sample
+        return rows, bonus
+
+    def _greedy_tree_scores(self, state, committed: list[int], tree: DraftTree,
                             draft_probs: Sequence[EncodedQ | None] | None) -> list[NodeScore] | None:
-        """Greedy trees: one request per leaf (prompt = committed + the leaf's path, prompt logprobs read
-        after the prefix cache) gives the argmax after the root and after every node on the path; the
-        sampled token is the argmax after the leaf. Scores indexed as verify_tree's (0: the root, node + 1).
-        None when a leaf's rows were served from the cache (another session's identical tokens)."""
+        """Greedy trees: the rows of every leaf's path (_tree_rows, prompt logprobs top-1) give the argmax
+        after the root and after every inner node; the sampled token after a leaf is the argmax there.
+        Scores indexed as verify_tree's (0: the root, node + 1). None when rows were nowhere (_tree_rows)."""
         from vllm import SamplingParams
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, skip_reading_prefix_cache=False,
                                 ignore_eos=True, detokenize=False, skip_clone=True)
-        leaves = tree.leaves()
-        paths = [tree.path_to(leaf) for leaf in leaves]
-        outs = self._run(self._batch([(committed + [tree.tokens[i] for i in path], params) for path in paths]))
-        n = len(committed)
-        argmax: dict[int, int] = {}   # node (ROOT for the root) -> the target's argmax after it
-        # Row idx (the logprobs of prompt token idx) is filled only when idx > num_cached_tokens; a leaf's
-        # request may read the blocks an earlier leaf's request of this round filled, so the rows it
-        # lacks are read from the leaves that computed them (fewest cached tokens first).
-        order = sorted(range(len(paths)), key=lambda k: outs[k].num_cached_tokens or 0)
-        for k in order:
-            path, out = paths[k], outs[k]
-            cached = out.num_cached_tokens or 0
-            for j, node in enumerate([ROOT] + path[:-1]):
-                if node in argmax:
-                    continue
-                if n + j <= cached:
-                    with self._stats_lock:
-                        self.one_request_rounds += 1
-                        self.one_request_fallbacks += 1
-                    return None
-                x = tree.tokens[path[j]]
-                row = out.prompt_logprobs[n + j]   # the prompt token first, then the top-1
-                argmax[node] = next((t for t, lp in row.items() if t != x and lp.rank == 1), x) if len(row) > 1 else x
-            argmax.setdefault(path[-1], int(out.outputs[0].token_ids[0]))
-        with self._stats_lock:
-            self.one_request_rounds += 1
+        got = self._tree_rows(state, committed, tree, params)
+        if got is None:
+            return None
+        rows, bonus = got
+        argmax = dict(bonus)   # node (ROOT for the root) -> the target's argmax after it
+        for node, (x, row) in rows.items():   # the prompt token first, then the top-1
+            argmax[node] = next((t for t, lp in row.items() if t != x and lp.rank == 1), x) if len(row) > 1 else x
         children = tree.children()
         scores = []
         for node in [ROOT] + list(range(len(tree))):
@@ -487,45 +511,26 @@ class VllmBackend(Backend):
         scores.append(PositionScore(got.sample, float("nan"), None))
         return scores, rows
 
-    def _top_k_tree_scores(self, committed: list[int], tree: DraftTree,
+    def _top_k_tree_scores(self, state, committed: list[int], tree: DraftTree,
                            draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                            rng: np.random.Generator) -> tuple[list[NodeScore], dict[int, np.ndarray]] | None:
-        """Sampled trees with top-k: the chain's top-k mechanism (_top_k_scores) per leaf. One request
-        per leaf (prompt = committed + the leaf's path, `prompt_logprobs=top_k`, read after the prefix
-        cache) gives the top-k raw row after the root and after every node on the path, warped here
-        into the processed row; y is drawn from it, except after a leaf, where vLLM's own sample is the
-        bonus. Rows a leaf's request found cached (an earlier leaf of this round filled the block) are
-        read from the leaf that computed them. Returns (scores indexed as verify_tree's, processed rows
-        by node  # each [vocab]), or None when a row is nowhere (another session's identical tokens)."""
-        leaves = tree.leaves()
-        paths = [tree.path_to(leaf) for leaf in leaves]
-        seeds = rng.integers(0, 2**62, size=len(paths))
-        requests = [(committed + [tree.tokens[i] for i in path],
-                     self._params(settings, int(seed), prompt_logprobs=settings.top_k, skip_reading_prefix_cache=False))
-                    for path, seed in zip(paths, seeds)]
-        outs = self._run(self._batch(requests))
-        n = len(committed)
+        """Sampled trees with top-k: the chain's top-k mechanism (_top_k_scores) per leaf. The rows of every
+        leaf's path (_tree_rows, `prompt_logprobs=top_k`) give the top-k raw row after the root and after
+        every inner node, warped here into the processed row; y is drawn from it, except after a leaf,
+        where vLLM's own sample is the bonus. Returns (scores indexed as verify_tree's, processed rows
+        by node  # each [vocab]), or None when a row is nowhere (_tree_rows)."""
+        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=settings.top_k,
+                              skip_reading_prefix_cache=False)
+        got = self._tree_rows(state, committed, tree, params)
+        if got is None:
+            return None
+        top, bonus = got
         raw: dict[int, np.ndarray] = {}   # node (ROOT for the root) -> its top-k raw row  # [vocab]
-        bonus: dict[int, int] = {}        # leaf -> vLLM's sample after it
-        for k in sorted(range(len(paths)), key=lambda k: outs[k].num_cached_tokens or 0):
-            path, out = paths[k], outs[k]
-            cached = out.num_cached_tokens or 0
-            for j, node in enumerate([ROOT] + path[:-1]):
-                if node in raw:
-                    continue
-                if n + j <= cached:
-                    with self._stats_lock:
-                        self.one_request_rounds += 1
-                        self.one_request_fallbacks += 1
-                    return None
-                row = np.full(self.info.n_vocab, -np.inf, dtype=np.float32)
-                for t, lp in out.prompt_logprobs[n + j].items():
-                    if lp.rank <= settings.top_k and t < self.info.n_vocab:   # the top-k (the prompt token may rank lower)
-                        row[t] = lp.logprob
-                raw[node] = row
-            bonus[path[-1]] = int(out.outputs[0].token_ids[0])
-        with self._stats_lock:
-            self.one_request_rounds += 1
+        for node, (_, logprobs) in top.items():
+            row = raw[node] = np.full(self.info.n_vocab, -np.inf, dtype=np.float32)
+            for t, lp in logprobs.items():
+                if lp.rank <= settings.top_k and t < self.info.n_vocab:   # the top-k (the prompt token may rank lower)
+                    row[t] = lp.logprob
         inner = [node for node in [ROOT] + list(range(len(tree))) if node in raw]
         processed = processed_probs(np.stack([raw[node] for node in inner]), settings.temperature, settings.top_k,
                                     settings.top_p)   # [inner nodes, vocab]
@@ -551,9 +556,9 @@ class VllmBackend(Backend):
         its whole processed row instead. verify_tree_from_scores runs the rule (proof there)."""
         t0 = time.perf_counter()
         committed = list(committed)
-        leaves = self.round_path(settings, tree=True) == "tree-leaves" and committed and len(tree)
+        leaves = self.round_path(settings, tree=True) in ("tree-leaves", "tree-session") and committed and len(tree)
         if leaves and not settings.greedy:
-            got = self._top_k_tree_scores(committed, tree, draft_probs, settings, rng)
+            got = self._top_k_tree_scores(state, committed, tree, draft_probs, settings, rng)
             if got is not None:
                 scores, rows = got
 
@@ -564,7 +569,7 @@ class VllmBackend(Backend):
                 result, _ = verify_tree_from_scores(tree, draft_probs, scores, local_row, rng)
                 return BackendRound(result, 0.0, time.perf_counter() - t0)
         if leaves and settings.greedy:
-            scores = self._greedy_tree_scores(committed, tree, draft_probs)
+            scores = self._greedy_tree_scores(state, committed, tree, draft_probs)
             if scores is not None:
                 def point_mass(node: int) -> np.ndarray:  # greedy p: all its mass on the argmax
                     row = np.zeros(self.info.n_vocab)

@@ -69,10 +69,13 @@ async def _chunk_stream(queue: asyncio.Queue):
         yield chunk
 
 
-async def session_round(llm, session: VllmSession, committed: list[int], drafts: list[int], params) -> SessionRows:
+async def session_round(llm, session: VllmSession, committed: list[int], drafts: list[int], params,
+                        reuse: int = 0) -> SessionRows:
     """One round as one chunk of the session's request. `params`: the round's SamplingParams with
-    prompt logprobs (a fresh object: KEEP_ARG is put into its extra_args). Returns the draft rows and
-    the sample after the last draft. Raises what the engine raised; the session then starts over."""
+    prompt logprobs (cloned here, KEEP_ARG put into the clone's extra_args). Returns the draft rows and
+    the sample after the last draft; with `reuse`, the rows of the first `reuse` drafts are not needed
+    (an earlier chunk of this round read them): the session keeps their KV and they come back as
+    None. Raises what the engine raised; the session then starts over."""
     from vllm.engine.protocol import StreamingInput
     from vllm.sampling_params import RequestOutputKind
 
@@ -83,8 +86,8 @@ async def session_round(llm, session: VllmSession, committed: list[int], drafts:
         try:
             n = len(committed)
             if session.live:
-                keep = min(common_prefix(session.tokens, committed), n - 1)
-                out = await _send(session, committed[keep:] + drafts, params, keep, StreamingInput)
+                keep = min(common_prefix(session.tokens, committed + drafts), n - 1 + reuse)
+                out = await _send(session, (committed + drafts)[keep:], params, keep, StreamingInput)
             else:
                 session.chunks = asyncio.Queue()
                 base = params.clone()
@@ -97,13 +100,27 @@ async def session_round(llm, session: VllmSession, committed: list[int], drafts:
                     session.tokens = committed + drafts
                     out = await _send(session, committed[n - 1:] + drafts, params, n - 1, StreamingInput)
             session.tokens = committed + drafts
-            rows = list(out.prompt_logprobs or [])[-len(drafts):]
-            assert len(rows) == len(drafts) and all(r is not None and x in r for r, x in zip(rows, drafts)), \
+            need = len(drafts) - reuse
+            rows = list(out.prompt_logprobs or [])[-need:] if need else []
+            assert len(rows) == need and all(r is not None and x in r for r, x in zip(rows, drafts[-need:])), \
                 "a session chunk came back without its draft rows"
-            return SessionRows(rows, int(out.outputs[0].token_ids[0]))
+            return SessionRows([None] * (len(drafts) - need) + rows, int(out.outputs[0].token_ids[0]))
         except BaseException:
             await close_session(session)
             raise
+
+
+async def session_leaves(llm, session: VllmSession, committed: list[int], paths: list[list[int]],
+                         params) -> list[SessionRows]:
+    """A tree round: one chunk per leaf's path (tokens after committed), in turn; each chunk cuts back
+    to where its path leaves the ones before (the engine computes every node once, plus, per leaf
+    whose path leaves at the root, the last committed token again). Returns each path's rows (None
+    for nodes an earlier path's chunk read) and sample, in order."""
+    out = []
+    for k, path in enumerate(paths):
+        reuse = max((common_prefix(path, p) for p in paths[:k]), default=0)
+        out.append(await session_round(llm, session, committed, path, params, min(reuse, len(path) - 1)))
+    return out
 
 
 async def _send(session: VllmSession, chunk: list[int], params, keep: int | None, streaming_input):
