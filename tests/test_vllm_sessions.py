@@ -81,7 +81,7 @@ def test_session_rounds_compute_gamma_plus_one_tokens_and_equal_uncached_request
                 assert d.prompt_tokens - d.cached_prompt_tokens == GAMMA + 1 and d.requests == 0, f"round {k}: {d}"
                 assert ran == GAMMA + 1, f"round {k}: the model ran {ran} tokens"
             committed += commit_round(drafts, result, frozenset(), remaining=99, context_left=999).tokens
-        assert state.live and state.retries == 0 and state.rounds == 16
+        assert state.live and state.rounds == 17   # the context first, then a chunk a round
     finally:
         backend.release(state)
     assert not state.live
@@ -89,8 +89,8 @@ def test_session_rounds_compute_gamma_plus_one_tokens_and_equal_uncached_request
 
 @needs_vllm
 def test_sessions_sharing_cached_blocks_and_requests_reading_them_stay_exact(backend):
-    """Two sessions on the very same tokens (their first chunks find their rows cached and compute them
-    again; their cuts land in blocks the other holds, which they recompute), then
+    """Two sessions on the very same tokens (their contexts read the blocks an earlier request cached;
+    their cuts land in blocks the other holds, which they recompute), then
     ordinary requests that read the prefix cache over the sequences the sessions rolled back: all equal
     uncached requests. A rolled-back block left in the cache under its old hash would fail the last part."""
     from spec_core.verify import commit_round
@@ -111,9 +111,7 @@ def test_sessions_sharing_cached_blocks_and_requests_reading_them_stay_exact(bac
             assert results[0] == results[1]
             seen.append((list(committed), drafts))
             committed += commit_round(drafts, results[0], frozenset(), remaining=99, context_left=999).tokens
-        # The uncached reference request before the first round filled the cache: both first chunks
-        # found their rows cached and computed them again, once.
-        assert [s.retries for s in states] == [1, 1]
+        assert [s.rounds for s in states] == [9, 9]   # the context first, then a chunk a round
     finally:
         for s in states:
             backend.release(s)
@@ -129,13 +127,15 @@ def test_sessions_sharing_cached_blocks_and_requests_reading_them_stay_exact(bac
 
 
 @needs_vllm
-def test_top_k_session_rows_equal_uncached_top_k_rows(backend):
-    """Sampled rounds with top-k 20: the processed rows a session round builds from its top-k prompt
-    rows equal those of an uncached request over the same tokens, round after round (drafts accepted
-    or not by the session's own draw)."""
+@pytest.mark.parametrize("top_k", [20, 0])
+def test_sampled_session_rows_equal_uncached_rows(backend, top_k):
+    """Sampled rounds with top-k 20 (top-k prompt rows) and with top-p 0.9 alone (whole rows): the
+    processed rows a session round builds equal those of an uncached request over the same tokens,
+    round after round (drafts accepted or not by the session's own draw)."""
     from spec_core.verify import commit_round
     from spec_core.warping import processed_probs
-    s = SamplingSettings(temperature=1.0, top_k=20)
+    s = SamplingSettings(temperature=1.0, top_k=top_k, top_p=1.0 if top_k else 0.9)
+    width = top_k or -1   # prompt-logprob entries a row: top-k, or the whole row
     rng = np.random.default_rng(13)
     committed = [1] + [int(x) for x in rng.integers(3, backend.info.n_vocab, 50)]
     state = backend.new_state()
@@ -145,16 +145,16 @@ def test_top_k_session_rows_equal_uncached_top_k_rows(backend):
             got = backend._top_k_scores(state, committed, drafts, s, np.random.default_rng(k))
             assert got is not None
             _, rows = got
-            ref, _ = uncached_rows(backend, committed + drafts, GAMMA, k=20)
+            ref, _ = uncached_rows(backend, committed + drafts, GAMMA, k=width)
             raw = np.full((GAMMA, backend.info.n_vocab), -np.inf, dtype=np.float32)
             for i, row in enumerate(ref):
                 for t, lp in row.items():
-                    if lp.rank <= 20:
+                    if width < 0 or lp.rank <= width:
                         raw[i, t] = lp.logprob
-            np.testing.assert_allclose(rows, processed_probs(raw, 1.0, 20, 1.0), atol=1e-5)
+            np.testing.assert_allclose(rows, processed_probs(raw, s.temperature, s.top_k, s.top_p), atol=1e-5)
             result = backend.verify(state, committed, drafts, None, s, rng).result
             committed += commit_round(drafts, result, frozenset(), remaining=99, context_left=999).tokens
-        assert state.rounds == 16 and state.retries == 0
+        assert state.rounds == 17
     finally:
         backend.release(state)
 
@@ -198,3 +198,47 @@ def test_greedy_tree_session_rounds_follow_the_target_and_compute_each_node_once
         assert state.live
     finally:
         backend.release(state)
+
+
+@needs_vllm
+@pytest.mark.parametrize("top_k", [20, 0])
+def test_first_token_through_session_rounds_follows_the_processed_target(backend, top_k):
+    """N = 800 rounds (gamma = 2, a sparse q) on 8 sessions whose committed tokens stay the same, so
+    every round rolls the session back to them: the first generated token follows vLLM's processed
+    distribution at T = 1.3, top-p 0.9, with top-k 20 and without (whole rows); chi-square p > 1e-4.
+    Negative control: the same counts against the target's probabilities permuted over its support
+    give p < 1e-4."""
+    from concurrent.futures import ThreadPoolExecutor
+    from spec_core.warping import processed_probs
+    from test_vllm_backend import P_MIN, chi_square_p, make_q
+    s = SamplingSettings(temperature=1.3, top_k=top_k, top_p=0.9)
+    ctx = [1] + [int(x) for x in np.random.default_rng(0).integers(3, 299, 20)]
+    rows, _, _ = backend.target_logits(None, ctx, 1)
+    target = processed_probs(rows[0], s.temperature, s.top_k, s.top_p)   # [V]
+    noisy = rows[0] + np.random.default_rng(4).standard_normal(rows.shape[1]) * 1.5
+    draft = processed_probs(noisy, s.temperature, s.top_k, s.top_p)
+
+    def run(worker: int) -> np.ndarray:
+        rng = np.random.default_rng(2000 + worker)
+        counts = np.zeros(len(target), dtype=np.int64)
+        state = backend.new_state()
+        try:
+            for _ in range(100):
+                q = make_q("sparse", draft)
+                x = q.sample(rng)
+                result = backend.verify(state, ctx, [x, x], [q, q], s, rng).result
+                counts[x if result.num_accepted >= 1 else result.next_token] += 1
+        finally:
+            backend.release(state)
+        return counts
+
+    before = backend.session_rounds
+    with ThreadPoolExecutor(8) as pool:
+        counts = sum(pool.map(run, range(8)))
+    assert backend.session_rounds - before == 800
+    p = chi_square_p(counts, target)
+    assert p > P_MIN, f"chi-square p = {p:.2e}"
+    wrong = target.copy()
+    support = np.flatnonzero(target)
+    wrong[support] = target[np.random.default_rng(7).permutation(support)]
+    assert chi_square_p(counts, wrong) < P_MIN, "the negative control passed: the test cannot tell"

@@ -30,24 +30,20 @@ and it costs one row, not a context. Greedy (temperature 0) needs no probabiliti
 argmax, x_i is accepted iff x_i == y_i, and the corrected / bonus token is y_j. Trees use the same
 scores per node (spec_core.tree.verify_tree_from_scores).
 
-Greedy rounds, and sampled rounds with top-k (k <= TOP_K_ONE_REQUEST), read their rows from prompt
-logprobs instead (`prompt_logprobs=1`, or k, read after the prefix cache): row j holds the draft token
-and the top-1 (or top-k) raw tokens at draft position j (prompt rows skip the sampler: for greedy the
-top-1 is the argmax the sampler would take; with top-k the processed p at a position depends on its
-top-k raw logits alone, so spec_core.warping on those k entries is the processed row and y_i is drawn
-from it here); the sample after the last draft is the bonus. With sessions (`sessions`, on by
-default; cloud_verifier/backends/vllm_sessions.py) such a round is one chunk of the session's own
-vLLM request, which keeps its KV across rounds: the engine rolls the rejected drafts back and
-computes gamma + 1 tokens a round. Without a session state (or with sessions off, or a model with
-several KV-cache groups) it is one ordinary request over committed + drafts (`one_request`), which
-recomputes the committed tokens after the last full KV block (r, 1..block_size) and the drafts,
-r + gamma tokens, and falls back to the per-position requests when its rows were served from the
-cache (another session's identical tokens; `one_request_fallbacks`). Per position: gamma + 1
-requests, (gamma + 1)·r + gamma·(gamma + 1)/2 tokens (bench/fleet_vllm_counters.py counts every path
-with vLLM's own counters). Sampled rounds without top-k keep the per-position requests: p(x) after
-temperature needs the whole row, and vLLM sizes a request's prompt-logprob tensor by its whole
-prompt (`prompt_logprobs=-1` would move context x vocab numbers a round). Trees with greedy or top-k
-settings take one request per leaf (rows another leaf of the round computed read from that leaf).
+Chains (and greedy or top-k trees) of a session read their rows from prompt logprobs instead, as
+one chunk of the session's own vLLM request, which keeps its KV across rounds (`sessions`, on by
+default; cloud_verifier/backends/vllm_sessions.py): the engine rolls the rejected drafts back and
+computes gamma + 1 tokens a round (a tree: a chunk per leaf). Row j holds the raw log-probabilities
+at draft position j (prompt rows skip the sampler): greedy reads the top-1 (the argmax the sampler
+would take); top-k (k <= TOP_K_ONE_REQUEST) the top-k, on which alone the processed p depends, so
+spec_core.warping on them is the processed row; other sampled rounds the whole row. y_i is drawn
+from the processed row here, and the sample after the last draft is the bonus. Without a session
+(no state, sessions off, or a model with several KV-cache groups), greedy and top-k rounds take one
+ordinary request over committed + drafts (`one_request`: r + gamma tokens, r the committed tokens
+after the last full KV block, 1..block_size; per-position requests when its rows were served from
+the cache, `one_request_fallbacks`) and other sampled rounds the per-position requests above
+((gamma + 1)·r + gamma·(gamma + 1)/2 tokens: a whole-row prompt-logprob request would move context x
+vocab numbers). bench/fleet_vllm_counters.py counts every path with vLLM's own counters;
 `round_path` is the one place that says which path a round takes; docs/vllm.md says what was weighed.
 
 Text and chat prompts (drafts from another tokenizer) go through the HF tokenizer of the model
@@ -213,6 +209,11 @@ def read_engine_counters() -> EngineCounters:
 TOP_K_ONE_REQUEST = 1024
 
 
+def _top_k_rows(settings: SamplingSettings) -> bool:
+    """Whether a round's processed rows follow from top-k prompt-logprob rows (greedy: top-1)."""
+    return settings.greedy or 0 < settings.top_k <= TOP_K_ONE_REQUEST
+
+
 class VllmBackend(Backend):
     batching = True  # vLLM's scheduler mixes the rounds of all sessions in flight
     has_vocabulary = True  # from the HF tokenizer: GetVocabulary, text and chat prompts
@@ -321,12 +322,13 @@ class VllmBackend(Backend):
         in trees: a request per leaf, or a chunk of the session's request per leaf: "tree-session") or
         "tree" (a request per node and the root), "session" (a chunk of the session's request). The one place that decides;
         bench/fleet_vllm_counters.py marks this path as the one shipped."""
-        rows_from_prompt = self.one_request and (settings.greedy or 0 < settings.top_k <= TOP_K_ONE_REQUEST)
+        rows_from_prompt = self.one_request and _top_k_rows(settings)
+        session = self.one_request and self.sessions and self.sessions_supported
         if tree:
-            if rows_from_prompt and self.sessions and self.sessions_supported:
+            if rows_from_prompt and session:
                 return "tree-session"
             return "tree-leaves" if rows_from_prompt else "tree"
-        if rows_from_prompt and self.sessions and self.sessions_supported:
+        if session:
             return "session"
         return "one-request" if rows_from_prompt else "per-position"
 
@@ -336,7 +338,10 @@ class VllmBackend(Backend):
         t0 = time.perf_counter()
         gamma = len(draft_tokens)
         committed, drafts = list(committed), [int(x) for x in draft_tokens]
-        one_request = self.round_path(settings) in ("one-request", "session") and committed and gamma > 0
+        path = self.round_path(settings)
+        if path == "session" and not isinstance(state, VllmSession):   # no session to keep: one request
+            path = "one-request" if _top_k_rows(settings) else "per-position"
+        one_request = path in ("one-request", "session") and committed and gamma > 0
         if one_request and not settings.greedy:
             got = self._top_k_scores(state, committed, drafts, settings, rng)
             if got is not None:
@@ -388,6 +393,7 @@ class VllmBackend(Backend):
                 self.session_rounds += 1
                 self._forwarded += len(drafts) + 1
             return got
+        assert params.prompt_logprobs != -1, "whole prompt-logprob rows only from a session's chunk"
         out, = self._run(self._batch([(committed + drafts, params)]))
         n = len(committed)
         with self._stats_lock:
@@ -488,21 +494,22 @@ class VllmBackend(Backend):
 
     def _top_k_scores(self, state, committed: list[int], drafts: list[int], settings: SamplingSettings,
                       rng: np.random.Generator) -> tuple[list[PositionScore], np.ndarray] | None:
-        """Sampled rounds with top-k: one request over committed + drafts with `prompt_logprobs=top_k`.
-        The processed p at a draft position depends on the top-k raw logits alone (temperature, top-k,
-        top-p: softmax over those k of logits / T, then the top-p cut), so spec_core.warping on that
-        row is the processed row; y_i is drawn from it here, the bonus is vLLM's own sample after the
-        last draft (the session's settings and seed). Returns (scores, processed rows  # [gamma, vocab])."""
-        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=settings.top_k,
-                              skip_reading_prefix_cache=False)
+        """Sampled rounds from prompt logprobs over committed + drafts (_round_rows): `prompt_logprobs=top_k`
+        with top-k (the processed p at a position depends on the top-k raw logits alone: softmax over
+        those k of logits / T, then the top-p cut), whole rows otherwise (a session's chunk only);
+        spec_core.warping on them is the processed row; y_i is drawn from it here, the bonus is vLLM's
+        own sample after the last draft (the session's settings). Returns (scores, rows  # [gamma, vocab])."""
+        k = settings.top_k if _top_k_rows(settings) else -1   # -1: whole rows (a session's chunk only)
+        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=k, skip_reading_prefix_cache=False)
         got = self._round_rows(state, committed, drafts, params)
         if got is None:
             return None
         raw = np.full((len(drafts), self.info.n_vocab), -np.inf, dtype=np.float32)
         for i, row in enumerate(got.rows):
-            for t, lp in row.items():
-                if lp.rank <= settings.top_k and t < self.info.n_vocab:   # the top-k (the prompt token may rank lower)
-                    raw[i, t] = lp.logprob
+            ids = np.fromiter((t for t, lp in row.items() if k < 0 or lp.rank <= k), dtype=np.int64)
+            vals = np.fromiter((lp.logprob for lp in row.values() if k < 0 or lp.rank <= k), dtype=np.float32)
+            keep = ids < self.info.n_vocab   # the top-k (the prompt token may rank lower)
+            raw[i, ids[keep]] = vals[keep]
         rows = processed_probs(raw, settings.temperature, settings.top_k, settings.top_p)  # [gamma, vocab]
         scores = []
         for i, x in enumerate(drafts):

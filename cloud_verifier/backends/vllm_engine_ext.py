@@ -18,7 +18,10 @@ changing vLLM's source:
                            as a known request (`_update_streaming_request`), which in 0.32 does not
                            register its prompt logprobs, so they came back empty; `install` (run
                            once through `collective_rpc`) wraps that method to register them as a
-                           new request's are.
+                           new request's are, and hands back only the last `extra_args[ROWS_ARG]`
+                           prompt-logprob rows of a request that names them (vLLM's tensor spans
+                           the whole prompt, and the frontend turns all of it into Python objects),
+                           computing `extra_args[WIDTH_ARG]` entries a row where a request names it.
 
 Single KV-cache-group models only (every model the backend serves today): the scheduler refuses
 to start otherwise, with the reason.
@@ -33,6 +36,8 @@ from vllm.v1.metrics.stats import PrefillStats
 log = logging.getLogger(__name__)
 
 KEEP_ARG = "hybridspec_keep"   # SamplingParams.extra_args key: tokens of the session to keep
+ROWS_ARG = "hybridspec_rows"   # ... the prompt-logprob rows to hand back: the last ones only
+WIDTH_ARG = "hybridspec_width"  # ... the prompt-logprob entries a row to compute, in place of prompt_logprobs
 
 
 class RollbackScheduler(Scheduler):
@@ -106,6 +111,7 @@ class SessionWorkerExtension:
             return 0
         if not getattr(runner, "_hybridspec_installed", False):
             resume, execute = runner._update_streaming_request, runner.execute_model
+            prompt_logprobs = runner._get_prompt_logprobs_dict
 
             def update_streaming_request(req_id, new_req_data):
                 state = resume(req_id, new_req_data)
@@ -120,7 +126,30 @@ class SessionWorkerExtension:
                 runner._hybridspec_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
                 return execute(scheduler_output, *args, **kwargs)
 
+            def get_prompt_logprobs_dict(*args, **kwargs):
+                # vLLM hands back a [prompt tokens - 1, k + 1] tensor per request, the rows before the
+                # chunk unset, and the frontend turns all of it into Python objects: a request that
+                # names its rows gets those alone (copied out of the whole-prompt tensor).
+                for req_id in list(runner.num_prompt_logprobs):
+                    state = runner.requests.get(req_id)
+                    width = ((state.sampling_params.extra_args or {}).get(WIDTH_ARG)
+                             if state is not None and state.sampling_params is not None else None)
+                    if width is not None:
+                        runner.num_prompt_logprobs[req_id] = width
+                out = prompt_logprobs(*args, **kwargs)
+                for req_id, t in out.items():
+                    state = runner.requests.get(req_id)
+                    params = state.sampling_params if state is not None else None
+                    rows = (params.extra_args or {}).get(ROWS_ARG) if params is not None else None
+                    if t is not None and rows:
+                        n = t.logprobs.shape[0]
+                        out[req_id] = t._replace(logprob_token_ids=t.logprob_token_ids[n - rows:].clone(),
+                                                 logprobs=t.logprobs[n - rows:].clone(),
+                                                 selected_token_ranks=t.selected_token_ranks[n - rows:].clone())
+                return out
+
             runner._update_streaming_request = update_streaming_request
+            runner._get_prompt_logprobs_dict = get_prompt_logprobs_dict
             runner.execute_model = execute_model
             runner._hybridspec_scheduled_tokens = 0
             runner._hybridspec_installed = True

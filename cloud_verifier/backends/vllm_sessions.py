@@ -10,10 +10,11 @@ kept: a round computes gamma + 1 tokens (plus the sampled one) instead of re-pre
 tail. `keep` is capped at len(committed) - 1 so that the row after the last committed token is
 computed in the chunk (prompt-logprob rows are filled from the chunk's first token on).
 
-The first chunk of a session is committed + drafts, read after the prefix cache; when the rows it
-needs were served from the cache (another session's identical tokens), one more chunk with
-`keep = len(committed) - 1` computes them. A session whose stream failed starts over with a new
-request on its next round. `release` ends the request, which frees its KV.
+A session's first round sends the committed tokens alone first (no prompt logprobs, so it reads
+the prefix cache: sessions share a common prompt's blocks), then the round's chunk with
+`keep = len(committed) - 1`. Each chunk names the rows it wants (vllm_engine_ext.ROWS_ARG), so only
+they cross to this process, whatever the context length. A session whose stream failed starts over
+with a new request on its next round. `release` ends the request, which frees its KV.
 
 Lives on the backend's event loop; a session's rounds run one at a time (its lock).
 """
@@ -31,6 +32,8 @@ _EXT = "cloud_verifier.backends.vllm_engine_ext"
 # Engine arguments that install the hooks (vllm_engine_ext): requests without KEEP_ARG are untouched.
 ENGINE_ARGS = {"scheduler_cls": f"{_EXT}.RollbackScheduler", "worker_extension_cls": f"{_EXT}.SessionWorkerExtension"}
 KEEP_ARG = "hybridspec_keep"   # = vllm_engine_ext.KEEP_ARG (that module imports vLLM's scheduler)
+ROWS_ARG = "hybridspec_rows"   # = vllm_engine_ext.ROWS_ARG
+WIDTH_ARG = "hybridspec_width"  # = vllm_engine_ext.WIDTH_ARG
 
 
 @dataclass
@@ -41,7 +44,6 @@ class VllmSession:
     outputs: object | None = None                      # the request's output stream (async generator)
     lock: asyncio.Lock | None = None
     rounds: int = 0                                    # chunks sent (for tests and figures)
-    retries: int = 0                                   # ... sent again because the first one's rows were cached
 
     @property
     def live(self) -> bool:
@@ -85,20 +87,21 @@ async def session_round(llm, session: VllmSession, committed: list[int], drafts:
     async with session.lock:
         try:
             n = len(committed)
-            if session.live:
-                keep = min(common_prefix(session.tokens, committed + drafts), n - 1 + reuse)
-                out = await _send(session, (committed + drafts)[keep:], params, keep, StreamingInput)
-            else:
+            if not session.live:   # the context first, reading the prefix cache, one row back
                 session.chunks = asyncio.Queue()
                 base = params.clone()
                 base.output_kind = RequestOutputKind.DELTA
+                # vLLM's frontend gives a request a prompt-logprob reader, of a fixed width, only when
+                # its first chunk asks for prompt logprobs: -1 reads rows of any width (the chunks'
+                # top-1, top-k or whole rows); the engine computes none but each token's own (WIDTH_ARG).
+                base.prompt_logprobs, base.skip_reading_prefix_cache = -1, False
+                base.extra_args = {ROWS_ARG: 1, WIDTH_ARG: 0}
                 session.outputs = llm.generate(_chunk_stream(session.chunks), base,
                                                request_id="session-" + uuid.uuid4().hex).__aiter__()
-                out = await _send(session, committed + drafts, params, None, StreamingInput)
-                if (out.num_cached_tokens or 0) > n - 1:   # rows served from the cache: compute them
-                    session.retries += 1
-                    session.tokens = committed + drafts
-                    out = await _send(session, committed[n - 1:] + drafts, params, n - 1, StreamingInput)
+                await _send(session, committed, base, None, 1, StreamingInput)
+                session.tokens = list(committed)
+            keep = min(common_prefix(session.tokens, committed + drafts), n - 1 + reuse)
+            out = await _send(session, (committed + drafts)[keep:], params, keep, len(drafts) - reuse, StreamingInput)
             session.tokens = committed + drafts
             need = len(drafts) - reuse
             rows = list(out.prompt_logprobs or [])[-need:] if need else []
@@ -123,12 +126,12 @@ async def session_leaves(llm, session: VllmSession, committed: list[int], paths:
     return out
 
 
-async def _send(session: VllmSession, chunk: list[int], params, keep: int | None, streaming_input):
+async def _send(session: VllmSession, chunk: list[int], params, keep: int | None, rows: int, streaming_input):
     from vllm.sampling_params import RequestOutputKind
     p = params.clone()
     p.output_kind = RequestOutputKind.DELTA
     if keep is not None:
-        p.extra_args = {**(p.extra_args or {}), KEEP_ARG: int(keep)}
+        p.extra_args = {**(p.extra_args or {}), KEEP_ARG: int(keep), ROWS_ARG: int(rows)}
     session.rounds += 1
     await session.chunks.put(streaming_input({"prompt_token_ids": [int(t) for t in chunk]}, p))
     return await session.outputs.__anext__()
