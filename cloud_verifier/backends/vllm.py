@@ -76,7 +76,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from cloud_verifier.backends.base import Backend, BackendInfo, BackendRound, BackendSample, NoChatTemplate
-from cloud_verifier.backends.vllm_sessions import ENGINE_ARGS as SESSION_ARGS, SessionRows, VllmSession, close_session, \
+from cloud_verifier.backends.vllm_sessions import SessionRows, VllmSession, close_session, session_engine_args, \
     session_leaves, session_round
 from spec_core.crossvocab import Vocabulary
 from spec_core.fingerprint import tokenizer_fingerprint
@@ -231,8 +231,8 @@ class VllmBackend(Backend):
                 raise ValueError(f"vllm engine argument {key}={user[key]!r} would break exact verification; "
                                  f"this backend needs {key}={need!r}")
         cpu = current_platform.is_cpu()
-        args = {**_DEFAULTS, **SESSION_ARGS, **(_CPU_DEFAULTS if cpu else {}), "max_model_len": n_ctx,
-                **({"max_num_batched_tokens": max(2048, n_ctx)} if cpu else {}),
+        args = {**_DEFAULTS, **(session_engine_args() if self.sessions else {}), **(_CPU_DEFAULTS if cpu else {}),
+                "max_model_len": n_ctx, **({"max_num_batched_tokens": max(2048, n_ctx)} if cpu else {}),
                 **user, **_REQUIRED, "model": model}
         self.engine_args = args
         tokenizer_dir = str(args.get("tokenizer") or model)
@@ -317,10 +317,10 @@ class VllmBackend(Backend):
             self._run(close_session(state))
 
     def round_path(self, settings: SamplingSettings, tree: bool = False) -> str:
-        """The path a steady-state round with these settings takes: "one-request" (greedy, or top-k up
-        to TOP_K_ONE_REQUEST), "per-position" (gamma + 1 requests), "tree-leaves" (the same settings
-        in trees: a request per leaf, or a chunk of the session's request per leaf: "tree-session") or
-        "tree" (a request per node and the root), "session" (a chunk of the session's request). The one place that decides;
+        """The path a steady-state round takes: "session" (any chain: a chunk of the session's request),
+        "tree-session" (greedy or top-k trees: a chunk per leaf); without sessions "one-request" (greedy,
+        top-k up to TOP_K_ONE_REQUEST), "per-position" (gamma + 1 requests), "tree-leaves" (a request per
+        leaf), "tree" (a request per node and the root). The one place that decides;
         bench/fleet_vllm_counters.py marks this path as the one shipped."""
         rows_from_prompt = self.one_request and _top_k_rows(settings)
         session = self.one_request and self.sessions and self.sessions_supported

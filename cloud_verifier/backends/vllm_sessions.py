@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -34,6 +35,14 @@ ENGINE_ARGS = {"scheduler_cls": f"{_EXT}.RollbackScheduler", "worker_extension_c
 KEEP_ARG = "hybridspec_keep"   # = vllm_engine_ext.KEEP_ARG (that module imports vLLM's scheduler)
 ROWS_ARG = "hybridspec_rows"   # = vllm_engine_ext.ROWS_ARG
 WIDTH_ARG = "hybridspec_width"  # = vllm_engine_ext.WIDTH_ARG
+
+
+def session_engine_args() -> dict:
+    """The engine arguments that install the hooks. Streaming sessions live in vLLM's V1 model runner
+    (0.32's V2 runner, its default where Triton is present, has none), so the V1 runner is chosen
+    unless VLLM_USE_V2_MODEL_RUNNER says otherwise (then sessions are off, with a warning)."""
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    return dict(ENGINE_ARGS)
 
 
 @dataclass
