@@ -220,6 +220,7 @@ class VllmBackend(Backend):
     fuses = False    # its kernels work from scores: a hit continuation runs as a second request
     one_request = True  # greedy and top-k rounds: one request with prompt logprobs (False: gamma + 1 requests)
     sessions = True     # ... as a chunk of the session's own request that keeps its KV (vllm_sessions)
+    whole_row_sessions = True  # top-p / plain sampled chains too: whole rows cross to Python (docs/vllm.md)
 
     def __init__(self, model: str, n_ctx: int = 2048, engine_args: dict | None = None):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -325,10 +326,8 @@ class VllmBackend(Backend):
         rows_from_prompt = self.one_request and _top_k_rows(settings)
         session = self.one_request and self.sessions and self.sessions_supported
         if tree:
-            if rows_from_prompt and session:
-                return "tree-session"
-            return "tree-leaves" if rows_from_prompt else "tree"
-        if session:
+            return ("tree-session" if session else "tree-leaves") if rows_from_prompt else "tree"
+        if session and (rows_from_prompt or self.whole_row_sessions):
             return "session"
         return "one-request" if rows_from_prompt else "per-position"
 
