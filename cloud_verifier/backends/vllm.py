@@ -554,7 +554,7 @@ class VllmBackend(Backend):
     def verify_tree(self, state, committed: Sequence[int], tree: DraftTree,
                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                     rng: np.random.Generator) -> BackendRound:
-        """Greedy and top-k trees: a request per leaf (_greedy_tree_scores, _top_k_tree_scores).
+        """Greedy and top-k trees: a chunk of the session per leaf, or a request per leaf (_tree_rows).
         Otherwise the chain's per-position mechanism per node: one request after the root and after
         every node (prompt = committed + the node's path, prefix-cached, max_tokens = 1, a seed from
         the session's generator) scores p on the children and their q supports
