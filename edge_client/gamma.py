@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spec_core.costmodel import RoundCosts, best_gamma, expected_tokens_per_round
-from spec_core.estimates import Acceptance, fit_line
+from spec_core.estimates import Acceptance, ewma, fit_line
 from spec_core.tree import TreeShape
 
 
@@ -48,18 +48,15 @@ class AdaptiveGamma:
     def alpha(self) -> float:
         return self.acceptance.alpha
 
-    def _ewma(self, old: float | None, new: float) -> float:
-        return new if old is None else self.decay * old + (1 - self.decay) * new
-
     def observe(self, gamma: int, num_accepted: int, draft_s: float, round_s: float, server_s: float,
                 model_s: float, rejected: bool = False) -> None:
         # Drafts after the first rejection are never tested, so accepted / drafted would
         # underestimate α and shrink γ; Acceptance counts only tested drafts.
         self.acceptance.observe(gamma, num_accepted, rejected)
         if gamma > 0:
-            self.t_draft_s = self._ewma(self.t_draft_s, draft_s / gamma)
+            self.t_draft_s = ewma(self.t_draft_s, draft_s / gamma, 1 - self.decay)
         # round_s is timed around the RPC alone (drafting happens before it).
-        self.rtt_s = self._ewma(self.rtt_s, max(0.0, round_s - server_s))
+        self.rtt_s = ewma(self.rtt_s, max(0.0, round_s - server_s), 1 - self.decay)
         self._verify_points = (self._verify_points + [(gamma, model_s)])[-32:]
 
     def next_gamma(self) -> int:

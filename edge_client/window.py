@@ -36,6 +36,7 @@ import grpc
 
 from edge_client.session import _Guess, _SessionLoop
 from edge_client.transport import EdgeError
+from spec_core.estimates import EWMA_WEIGHT, ewma
 from spec_core.proto import verifier_pb2 as pb
 
 
@@ -83,10 +84,10 @@ class _Flight:
 @dataclass
 class _Ewma:
     value: float | None = None
-    weight: float = 0.2
+    weight: float = EWMA_WEIGHT
 
     def observe(self, x: float) -> None:
-        self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
+        self.value = ewma(self.value, x, self.weight)
 
 
 @dataclass

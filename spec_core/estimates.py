@@ -8,7 +8,9 @@ Glossary:
   *acceptance*  α, the per-token acceptance of a session's drafts: accepted / tested drafts, where the
                 first rejected draft counts as tested and the drafts after it do not (the geometric
                 model's maximum-likelihood estimate), with a Beta(1, 1) prior (1 accepted of 2 tested,
-                α = 0.5 before any round), forgotten at `decay` per round (1.0: never forgotten).
+                α = 0.5 before any round), forgotten at `decay` per round (1.0: never forgotten);
+  *running mean* an exponentially weighted moving average: the first value as is, then each new one
+                weighted `weight` against the mean so far (`ewma`).
 
 Who uses them: the verifier's pass cost (spec_core.steering.PassCostLine) and each session's α for its
 draft budget (Acceptance, in cloud_verifier); the edge's adaptive γ and tree planner (verifier time
@@ -48,6 +50,14 @@ def fit_line(points: Sequence[tuple[float, float]], max_slope: float = math.inf)
         var = sum((x - mx) ** 2 for x, _ in points)
         slope = min(max(sum((x - mx) * (y - my) for x, y in points) / var, 0.0), max_slope)
     return Line(max(0.0, my - slope * mx), slope)
+
+
+EWMA_WEIGHT = 0.2      # the weight of a new observation in a running mean, unless the caller says
+
+
+def ewma(mean: float | None, value: float, weight: float = EWMA_WEIGHT) -> float:
+    """The running mean after `value` (see the glossary); `mean` None: no value before."""
+    return value if mean is None else (1 - weight) * mean + weight * value
 
 
 class Acceptance:

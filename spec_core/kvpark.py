@@ -28,8 +28,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from spec_core.estimates import ewma
+
 OVERDUE = 2.0          # idle longer than this many mean gaps: expected never
-EWMA_WEIGHT = 0.2      # weight of a new observation in the running means
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,6 @@ class ParkCost:
         if restore_s is not None:
             cost = replace(cost, restore_s_per_byte=ewma(cost.restore_s_per_byte, restore_s / nbytes))
         return cost
-
-
-def ewma(mean: float | None, value: float, weight: float = EWMA_WEIGHT) -> float:
-    return value if mean is None else (1 - weight) * mean + weight * value
 
 
 def next_use(c: ParkCandidate, now: float) -> float:

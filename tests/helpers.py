@@ -1,6 +1,7 @@
 """Small helpers for the gRPC and batching tests."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import threading
@@ -84,3 +85,17 @@ def edge_options(server: str, **fields) -> EdgeOptions:
         raise TypeError(f"no edge option named {sorted(fields)}")
     return EdgeOptions(Transport(server, **parts[Transport]), Speculation(**parts[Speculation]),
                        Security(**parts[Security]))
+
+
+async def generate_many(client, n: int, settings, concurrency: int, prompt: tuple[int, ...] = (0,)) -> list:
+    """`n` generations from `prompt` on an open EdgeClient, at most `concurrency` at a time; each
+    one's stats (`token_ids` holds what it generated), in the order they finished."""
+    sem, stats = asyncio.Semaphore(concurrency), []
+
+    async def one():
+        async with sem:
+            gen = client.generate(list(prompt), settings)
+            await gen.text()
+            stats.append(gen.stats)
+    await asyncio.gather(*[one() for _ in range(n)])
+    return stats

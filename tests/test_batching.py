@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
 
 import grpc
 import numpy as np
@@ -17,7 +18,7 @@ from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
 from edge_client.drafters import GGUFDrafter, SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
-from helpers import HeldPasses, edge_options, running_server, stub_for
+from helpers import HeldPasses, edge_options, generate_many, running_server, stub_for
 from test_exactness_stats import chi_square_p, exact_sequence_probs
 from llama_runtime import GGUFModel, SharedKV
 from spec_core.batchplan import PassItem
@@ -539,21 +540,12 @@ class FollowFirstChild(SyntheticBackend):
 
 
 async def _sequence_counts(backend, n, concurrency=48, tree="off", **limits):
-    counts: dict[tuple, int] = {}
-    tok = SyntheticTokenizer(V)
-    sem = asyncio.Semaphore(concurrency)
     settings = SamplingSettings(temperature=1.0, max_new_tokens=L, ignore_eos=True)
     async with running_server(backend, max_sessions=concurrency + 8, **limits) as server:
         async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2, qmode="float:0", tree=tree),
-                              SyntheticDrafter(V, seed=0, noise=1.0), tok) as c:
-            async def one():
-                async with sem:
-                    gen = c.generate([0], settings)
-                    await gen.text()
-                    key = tuple(gen.stats.token_ids)
-                    counts[key] = counts.get(key, 0) + 1
-            await asyncio.gather(*[one() for _ in range(n)])
-    return counts
+                              SyntheticDrafter(V, seed=0, noise=1.0), SyntheticTokenizer(V)) as c:
+            stats = await generate_many(c, n, settings, concurrency)
+    return dict(Counter(tuple(st.token_ids) for st in stats))
 
 
 @pytest.mark.slow

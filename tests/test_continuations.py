@@ -183,15 +183,13 @@ def test_one_more_continuation_pays_only_when_likely_enough():
 # observed); passes if p > 1e-4. Negative control: a verifier that accepts every draft fails it at
 # the same sample size (the test has power); the wrong-prefix control is the simulation's above.
 
-import asyncio  # noqa: E402
-
 from scipy.stats import chisquare  # noqa: E402
 
 from cloud_verifier.backends.synthetic import SyntheticBackend  # noqa: E402
 from edge_client import EdgeClient  # noqa: E402
 from edge_client.drafters import SyntheticDrafter  # noqa: E402
 from edge_client.text import SyntheticTokenizer  # noqa: E402
-from helpers import HeldPasses, edge_options, running_server  # noqa: E402
+from helpers import HeldPasses, edge_options, generate_many, running_server  # noqa: E402
 from test_batching import AcceptEverything  # noqa: E402
 
 E2E_T = SamplingSettings(temperature=1.0)
@@ -221,20 +219,12 @@ def transition_p(sequences: list[list[int]]) -> float:
 async def _generate(backend, sessions: int, tokens: int, concurrency: int, **kw):
     """`sessions` generations of `tokens` tokens from [0] with continuations; their sequences and stats."""
     settings = SamplingSettings(temperature=1.0, max_new_tokens=tokens, ignore_eos=True)
-    out, stats = [], []
-    sem = asyncio.Semaphore(concurrency)
     async with running_server(backend, max_sessions=concurrency + 8) as server:
         async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2, qmode="float:0", pipeline=True,
                                            max_continuations=8, **kw),
                               SyntheticDrafter(V, seed=0, noise=1.0), SyntheticTokenizer(V)) as c:
-            async def one():
-                async with sem:
-                    gen = c.generate([0], settings)
-                    await gen.text()
-                    out.append([0] + gen.stats.token_ids)
-                    stats.append(gen.stats)
-            await asyncio.gather(*[one() for _ in range(sessions)])
-    return out, stats
+            stats = await generate_many(c, sessions, settings, concurrency)
+    return [[0] + st.token_ids for st in stats], stats
 
 
 @pytest.mark.parametrize("tree", ["off", "budget=4,depth=2,branching=2,width=2"])

@@ -290,7 +290,7 @@ async def test_bad_next_continuations_are_refused(change, message):
 from edge_client import EdgeClient  # noqa: E402
 from edge_client.drafters import SyntheticDrafter  # noqa: E402
 from edge_client.text import SyntheticTokenizer  # noqa: E402
-from helpers import edge_options  # noqa: E402
+from helpers import edge_options, generate_many  # noqa: E402
 from test_batching import AcceptEverything  # noqa: E402
 from test_continuations import transition_p  # noqa: E402
 
@@ -324,8 +324,7 @@ async def _generate(backend, sessions: int, tokens: int, concurrency: int, lose:
     lose: share of replies lost after the verifier committed them (the edge retries); evict_every:
     every that many rounds the verifier drops a session (the edge replays)."""
     settings = SamplingSettings(temperature=1.0, max_new_tokens=tokens, ignore_eos=True)
-    out, stats, losing = [], [], None
-    sem = asyncio.Semaphore(concurrency)
+    losing = None
     async with running_server(backend, max_sessions=concurrency + 8, max_new_tokens_cap=tokens) as server:
         async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2, qmode="float:0", fuse=True,
                                            max_continuations=8, max_replays=10_000, **kw),
@@ -342,14 +341,8 @@ async def _generate(backend, sessions: int, tokens: int, concurrency: int, lose:
                     return await verify(valid)
                 server.engine.verify = evicting
 
-            async def one():
-                async with sem:
-                    gen = c.generate([0], settings)
-                    await gen.text()
-                    out.append([0] + gen.stats.token_ids)
-                    stats.append(gen.stats)
-            await asyncio.gather(*[one() for _ in range(sessions)])
-    return out, stats, losing
+            stats = await generate_many(c, sessions, settings, concurrency)
+    return [[0] + st.token_ids for st in stats], stats, losing
 
 
 import asyncio  # noqa: E402

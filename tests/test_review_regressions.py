@@ -95,8 +95,18 @@ async def test_cancelled_calls_never_free_a_state_in_use():
             with pytest.raises(grpc.aio.AioRpcError) as e:                # its round still runs: no slot
                 await stub.Verify(open_req(b"b" * 16), timeout=5)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            await asyncio.sleep(1.0)  # the timed-out Generate call, then that round (300 ms each)
-            ok = await stub.Verify(open_req(b"b" * 16), timeout=5)        # now it evicts the first session
+            # The timed-out Generate call, then that round, run on (300 ms each): once they end, the
+            # one place frees by evicting the first session. Polled, not slept: on a loaded machine
+            # they end later, and a refusal before then is the same RESOURCE_EXHAUSTED.
+            deadline = asyncio.get_running_loop().time() + 20
+            while True:
+                try:
+                    ok = await stub.Verify(open_req(b"b" * 16), timeout=5)
+                    break
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert asyncio.get_running_loop().time() < deadline, "the place was never freed"
+                    await asyncio.sleep(0.1)
             assert ok.committed_length == 4
             await asyncio.sleep(0.7)
     assert backend.violations == 0

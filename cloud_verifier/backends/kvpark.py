@@ -37,7 +37,8 @@ import numpy as np
 from cloud_verifier import metrics
 from cloud_verifier.backends.base import NoFreeState, StateLost
 from llama_runtime import ParkedSeq, SharedKV
-from spec_core.kvpark import ParkCandidate, ParkCost, choose_victim, ewma
+from spec_core.estimates import ewma
+from spec_core.kvpark import ParkCandidate, ParkCost, choose_victim
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from spec_core.batchplan import fair_share, least_slack_first
-from spec_core.kvpark import ParkCandidate, ParkCost, choose_victim, ewma
+from spec_core.estimates import ewma
+from spec_core.kvpark import ParkCandidate, ParkCost, choose_victim
 from spec_core.slo import Slo, meets_slo, run_meets_slo, window_tpot
 from spec_core.steering import Acceptance, CommitRate, PassCostLine, draft_budget
 
