@@ -1,11 +1,14 @@
 """The netsim experiment on the synthetic pair with two verifier cost curves: where do trees,
-proactive drafting and pipelining pay? A benchmark: it prints the experiment's report per curve.
+proactive drafting, pipelining, continuations (sent early or fused into the round's own pass) and a
+window of rounds in flight pay? A benchmark: it prints the experiment's report per curve.
 
   GPU-like: 20 ms per pass + 0.05 ms per token or tree node (nearly flat in the node count);
   CPU-like: this machine's measured line for the bundled target (bench/tree_rounds.py part 2,
             19 ms + 31 ms per node on the loaded 2-core box; pass your own with --cpu).
 
   PYTHONPATH=. python bench/tree_netsim_synthetic.py --profiles 3g,geo-sat --workloads chat
+  PYTHONPATH=. python bench/tree_netsim_synthetic.py --profiles lan,lte,3g,geo-sat \
+      --modes per-token,hybrid,pipeline,continuations,fused,window      # docs/window.md's table
 """
 from __future__ import annotations
 

@@ -260,7 +260,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         async def answer(msg: pb.StreamRound) -> None:
             try:
                 reply = pb.StreamReply(tag=msg.tag, reply=await self._verify_round(msg.request))
-            except _Moved as m:   # a stream's error has no metadata: the edge reads StreamError.moved
+            except _Moved as m:   # no metadata on a stream's error: NOT_FOUND, the edge replays via unary Verify
                 metrics.ERRORS.labels(grpc.StatusCode.NOT_FOUND.name).inc()
                 reply = pb.StreamReply(tag=msg.tag, error=_stream_error(grpc.StatusCode.NOT_FOUND, m.message, None))
             except Refused as r:

@@ -129,17 +129,9 @@ class Outcome:
         st, n = self.stats, len(self.rounds)
         rtt = [max(0.0, r.rpc_s - r.server_s) for r in self.rounds]
         return {"hybridspec": {
-            "rounds": st.rounds, "drafted": st.drafted, "accepted": st.accepted,
-            "acceptance_rate": st.acceptance_rate, "alpha": st.alpha, "tokens_per_round": st.tokens_per_round,
-            "committed_tokens": st.tokens, "gamma": st.gamma, "mean_gamma": st.mean_gamma,
-            "bytes_up": st.bytes_up, "bytes_down": st.bytes_down,
+            **st.round_stats(),
             "round_trip_s_mean": sum(rtt) / n if n else 0.0,
             "verify_rpc_s_mean": sum(r.rpc_s for r in self.rounds) / n if n else 0.0,
-            "draft_s": st.draft_s, "server_model_s": st.server_model_s, "ttft_s": st.ttft_s, "wall_s": st.wall_s,
-            "retries": st.retries, "replays": st.replays, "nodes_per_round": st.nodes_per_round,
-            "tree_rounds": st.tree_rounds, "plans": st.plans, "reused_drafts": st.reused_drafts,
-            "pipelined_rounds": st.pipelined_rounds, "discarded_rounds": st.discarded_rounds,
-            "continuations_sent": st.continuations_sent, "continuation_hits": st.continuation_hits,
         }}
 
 

@@ -51,6 +51,20 @@ class GenerationStats:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def round_stats(self) -> dict:
+        """The statistics without the output itself: what `edge-client serve` puts in a response's
+        `hybridspec` field (the response carries the text; `tokens` is named `committed_tokens` there,
+        as a stop string can end the reply before the last committed token). So a field added to this
+        record is reported by `generate --json` and by serve alike."""
+        out = {k: v for k, v in asdict(self).items() if k not in _OUTPUT}
+        out["committed_tokens"] = out.pop("tokens")
+        return out
+
+
+# GenerationStats' fields that are the output, not statistics: a response carries its text, and its
+# finish_reason in OpenAI's terms.
+_OUTPUT = ("text", "token_ids", "finish_reason")
+
 
 @dataclass
 class RoundEvent:

@@ -116,6 +116,8 @@ class Row:
     continuation_hits: int = 0             # rounds whose outcome had a continuation (sent and kept, or reused)
     fused_rounds: int = 0                  # rounds sent with continuations for their own pass (fused mode)
     fused_hits: int = 0                    # rounds verified in the pass of the round before (no round trip)
+    draft_s: float = 0.0                   # the edge's time drafting (hidden or not)
+    server_model_s: float = 0.0            # the verifier's time in the target (its own timing)
 
 
 def load_workloads(categories: list[str], per_category: int) -> list[tuple[str, int, str]]:
@@ -259,6 +261,7 @@ class Runner:
                 st.continuation_rounds, st.continuations_sent, st.continuation_hits)
             row.window_depth = st.window_depth or None
             row.fused_rounds, row.fused_hits = st.fused_rounds, st.fused_hits
+            row.draft_s, row.server_model_s = st.draft_s, st.server_model_s
         return row
 
     def _edge_only(self, profile, workload, index, prompt_ids, settings) -> Row:
@@ -404,6 +407,10 @@ def summarise(rows: list[dict]) -> list[dict]:
             "continuation_hit_rate": (sum(r.get("continuation_hits", 0) for r in rs)
                                       / max(sum(r.get("continuation_rounds", 0) for r in rs), 1)),
             "rounds_in_flight": _mean([r.get("window_depth") for r in rs]),
+            "fused_rounds": sum(r.get("fused_rounds", 0) for r in rs),
+            "fused_hits": sum(r.get("fused_hits", 0) for r in rs),
+            "draft_s": sum(r.get("draft_s", 0.0) for r in rs),
+            "server_model_s": sum(r.get("server_model_s", 0.0) for r in rs),
         })
     return out
 

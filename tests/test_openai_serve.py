@@ -304,6 +304,24 @@ def test_unsupported_parameters_get_400_naming_them(client, kwargs, param):
     assert param.split("[")[0] in e.value.message
 
 
+def test_the_hybridspec_field_reports_every_statistic_generate_does():
+    """serve's per-response statistics are GenerationStats' own fields (one list of names), so the
+    fused-round and window counters that `generate --json` reports are there too, with their values."""
+    import dataclasses
+
+    from edge_client.serve import Outcome
+    from edge_client.stats import GenerationStats, RoundEvent
+    st = GenerationStats(text="out", tokens=7, token_ids=[1] * 7, finish_reason="length", fused_rounds=3,
+                         fused_hits=2, window_depth=2.5, continuation_hits=4)
+    rounds = [RoundEvent(gamma=4, accepted=2, tokens=3, draft_s=0.01, rpc_s=0.30, server_s=0.05)]
+    hs = Outcome(prompt_tokens=5, stats=st, rounds=rounds).hybridspec()["hybridspec"]
+    statistics = {f.name for f in dataclasses.fields(GenerationStats)} - {"text", "token_ids", "finish_reason"}
+    assert set(hs) == statistics - {"tokens"} | {"committed_tokens", "round_trip_s_mean", "verify_rpc_s_mean"}
+    assert (hs["fused_rounds"], hs["fused_hits"], hs["window_depth"], hs["committed_tokens"]) == (3, 2, 2.5, 7)
+    assert hs["round_trip_s_mean"] == pytest.approx(0.25)
+    json.dumps(hs)  # it travels as JSON
+
+
 def test_only_a_refusal_with_a_retry_hint_is_a_429():
     """A 429 tells an OpenAI client to retry (the SDK does, by itself); a refusal without a retry
     hint is about the request (a limit), and retrying it never helps: 400, saying so."""
@@ -340,9 +358,52 @@ def test_serve_with_trees_and_pipelining_reports_them(verifier, tiny_models):
     hs = r.model_extra["hybridspec"]
     assert hs["tree_rounds"] > 0 and hs["nodes_per_round"] > 1
     assert {"pipelined_rounds", "discarded_rounds", "reused_drafts", "plans", "continuations_sent",
-            "continuation_hits"} <= set(hs)
+            "continuation_hits", "window_depth", "fused_rounds", "fused_hits"} <= set(hs)
     reference = edge_generate(verifier, tiny_models, "hello world, the list", 24)  # greedy: the same text
     assert r.choices[0].text == reference["text"]
+
+
+def test_serve_sends_its_rounds_on_the_round_stream(tiny_models, monkeypatch):
+    """Each request's session opens with a unary Verify and sends its later rounds on VerifyStream,
+    as `generate` does; the control `--no-stream` sends none there (so the count can fail), and the
+    greedy text is the same both ways."""
+    import cloud_verifier.server as server_module
+    calls = {"unary": 0, "stream": 0}
+
+    class Counting(server_module.VerifierServicer):
+        async def Verify(self, request, context):
+            calls["unary"] += 1
+            return await super().Verify(request, context)
+
+        async def VerifyStream(self, request_iterator, context):
+            async def counted():
+                async for msg in request_iterator:
+                    calls["stream"] += 1
+                    yield msg
+            async for reply in super().VerifyStream(counted(), context):
+                yield reply
+
+    monkeypatch.setattr(server_module, "VerifierServicer", Counting)
+    verifier = VerifierThread(SlowableBackend(str(tiny_models["target"]), n_ctx=N_CTX, n_threads=1))
+    texts, counts = [], []
+    try:
+        for extra in ((), ("--no-stream",)):
+            calls.update(unary=0, stream=0)
+            proc, url, _ = spawn_edge(verifier.address, tiny_models["draft"], *extra)
+            try:
+                c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+                r = c.completions.create(model="any", prompt="hello world, the list", max_tokens=24, temperature=0)
+            finally:
+                proc.terminate()
+                proc.wait(30)
+            texts.append(r.choices[0].text)
+            counts.append((dict(calls), r.model_extra["hybridspec"]["rounds"]))
+    finally:
+        verifier.stop()
+    (streamed, rounds), (control, control_rounds) = counts
+    assert rounds > 1 and streamed == {"unary": 1, "stream": rounds - 1}, counts
+    assert control == {"unary": control_rounds, "stream": 0}, counts
+    assert texts[0] == texts[1]
 
 
 def test_bad_json_and_batch_prompts_get_400(edge, client):

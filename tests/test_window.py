@@ -253,6 +253,43 @@ async def test_a_window_survives_a_verifier_restart_by_replay(forced_depth):
     assert st.token_ids == synthetic_greedy([0, 5, 6, 7], 60)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_a_window_on_the_stream_replays_after_evictions(forced_depth, monkeypatch, temperature):
+    """The verifier drops the session every 7th round while rounds are in flight on the stream: the
+    evicted round comes back NOT_FOUND in its StreamError, the edge replays (the open travels as
+    unary Verify, later rounds on the stream again), and the output is the target's (greedy: its own
+    text; T = 1: every token once)."""
+    from test_faults import VOCAB as FV, synthetic_greedy
+    on_stream = []
+    orig = window.WindowLoop._send
+
+    def spy(self, req):
+        on_stream.append(bool(req.session_id) and self.stream is not None)
+        return orig(self, req)
+    monkeypatch.setattr(window.WindowLoop, "_send", spy)
+    async with running_server(SyntheticBackend(vocab=FV, step_ms=5.0)) as server:
+        verify, calls, evicted = server.engine.verify, [0], []
+
+        async def evicting(valid):
+            calls[0] += 1
+            if calls[0] % 7 == 0 and valid.req.session_id:
+                evicted.append(valid.req.session_id)
+                server.engine.close(valid.req.session_id)
+            return await verify(valid)
+        server.engine.verify = evicting
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=3, window=3, deadline_s=10,
+                                           max_replays=3), SyntheticDrafter(FV, noise=1.0), SyntheticTokenizer(FV)) as c:
+            gen = c.generate("5 6 7", SamplingSettings(temperature=temperature, max_new_tokens=60, ignore_eos=True,
+                                                       seed=5))
+            await gen.text()
+    st = gen.stats
+    assert len(evicted) >= 2 and 1 <= st.replays <= len(evicted), (evicted, st)
+    assert sum(on_stream) > len(evicted)   # the rounds after each open went on the stream
+    assert st.tokens == 60 == len(st.token_ids)
+    if temperature == 0.0:
+        assert st.token_ids == synthetic_greedy([0, 5, 6, 7], 60)
+
+
 # --- the stream at the boundary -------------------------------------------------------------------------
 
 async def test_the_stream_needs_a_token_and_survives_a_bug_in_one_round(tmp_path, monkeypatch):
