@@ -1,7 +1,7 @@
 """What the vLLM backend computes per round and per tree, from vLLM's own counters (a benchmark).
 
 For each sampling setting (greedy; T = 1 with top-k 20; T = 1 with top-p 0.9; plain T = 1; greedy trees;
-trees at T = 1, top-k 20), each verification path of cloud_verifier/backends/vllm.py that can run it, and
+trees at T = 1, top-k 20; trees at T = 1, top-p 0.9), each verification path of cloud_verifier/backends/vllm.py that can run it, and
 each gamma, a session on a context of --context tokens runs --rounds steady-state rounds (random drafts,
 q = none, mostly rejected, so the committed sequence grows by about one a round and the tail after the
 last full KV block, r, walks through 1..block_size), and vLLM's own counters (vllm.v1.metrics.reader:
@@ -16,7 +16,7 @@ of each round), and the median time per round, measured side by side in one run.
                        cloud_verifier/backends/vllm_sessions.py): counted as one request a round
          tree          one request per node and the root (sampled trees)
          tree-leaves   one request per leaf with prompt logprobs (greedy trees; sampled trees with top-k)
-         tree-session  one chunk of the session's request per leaf, in turn (the same settings)
+         tree-session  one chunk of the session's request per leaf, in turn (every tree setting)
 
   .venv-vllm/bin/python bench/fleet_vllm_counters.py                 # SmolLM2-135M dequantized, CPU
   .venv-vllm/bin/python bench/fleet_vllm_counters.py --vllm-arg gpu_memory_utilization=0.3   # on a GPU
@@ -50,7 +50,8 @@ def tail_after_block(length: int, block: int) -> int:
 # setting -> (SamplingSettings keyword arguments, tree?)
 SETTINGS = {"greedy": ({"temperature": 0.0}, False), "top-k": ({"temperature": 1.0, "top_k": 20}, False),
             "top-p": ({"temperature": 1.0, "top_p": 0.9}, False), "sampled": ({"temperature": 1.0}, False),
-            "tree": ({"temperature": 0.0}, True), "tree-top-k": ({"temperature": 1.0, "top_k": 20}, True)}
+            "tree": ({"temperature": 0.0}, True), "tree-top-k": ({"temperature": 1.0, "top_k": 20}, True),
+            "tree-top-p": ({"temperature": 1.0, "top_p": 0.9}, True)}
 
 
 # path -> (backend.one_request, backend.sessions) that make round_path take it
@@ -161,7 +162,7 @@ def markdown(result: dict) -> str:
                      f"{c['engine_steps_per_round']:.2f} | {hit} | "
                      f"{c['round_median_s'] * 1e3:.1f} |")
     lines += ["", "Settings: greedy; top-k: T = 1, top-k 20; top-p: T = 1, top-p 0.9; sampled: T = 1; tree: greedy; "
-              "tree-top-k: T = 1, top-k 20. Trees: two branches of γ nodes from the root (2γ nodes, 2 leaves); "
+              "tree-top-k: T = 1, top-k 20; tree-top-p: T = 1, top-p 0.9. Trees: two branches of γ nodes from the root (2γ nodes, 2 leaves); "
               "path tree: one request per node and one for the root; tree-leaves: one request per leaf; tree-session: "
               "one chunk of the session's request per leaf (counted as requests), charged nodes + leaves.",
               "Sampled rounds may add a request for a full processed row (the residual after a rejection whose "

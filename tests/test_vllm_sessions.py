@@ -242,3 +242,68 @@ def test_first_token_through_session_rounds_follows_the_processed_target(backend
     support = np.flatnonzero(target)
     wrong[support] = target[np.random.default_rng(7).permutation(support)]
     assert chi_square_p(counts, wrong) < P_MIN, "the negative control passed: the test cannot tell"
+
+
+@needs_vllm
+@pytest.mark.parametrize("top_k", [20, 0])
+def test_first_token_through_session_trees_follows_the_processed_target(backend, top_k):
+    """N = 800 tree rounds (two sampled siblings at the root, the second a chain of two; sparse q) on 8
+    sessions whose committed tokens stay the same, so every round rolls the session back: the first
+    generated token follows vLLM's processed distribution at T = 1.3, top-p 0.9, with top-k 20 and
+    without (whole rows from the session's chunks); every round is a session round; chi-square
+    p > 1e-4. Negative control: the same counts against the target permuted over its support give p < 1e-4."""
+    from concurrent.futures import ThreadPoolExecutor
+    from spec_core.tree import DraftTree, without_tokens
+    from spec_core.warping import processed_probs
+    from test_vllm_backend import P_MIN, chi_square_p, make_q
+    s = SamplingSettings(temperature=1.3, top_k=top_k, top_p=0.9)
+    assert backend.round_path(s, tree=True) == "tree-session"
+    ctx = [1] + [int(x) for x in np.random.default_rng(0).integers(3, 299, 20)]
+    rows, _, _ = backend.target_logits(None, ctx, 1)
+    target = processed_probs(rows[0], s.temperature, s.top_k, s.top_p)   # [V]
+    noisy = rows[0] + np.random.default_rng(4).standard_normal(rows.shape[1]) * 1.5
+    draft = processed_probs(noisy, s.temperature, s.top_k, s.top_p)
+
+    def run(worker: int) -> np.ndarray:
+        rng = np.random.default_rng(3000 + worker)
+        counts = np.zeros(len(target), dtype=np.int64)
+        state = backend.new_state()
+        try:
+            for _ in range(100):
+                q1 = make_q("sparse", draft)
+                x1 = q1.sample(rng)
+                q2, q3 = without_tokens(q1, [x1]), make_q("sparse", draft)
+                if q2.weights.any():
+                    tree, qs = DraftTree((x1, q2.sample(rng), q3.sample(rng)), (-1, -1, 1)), [q1, q2, q3]
+                else:   # q1 of support one: a chain of one
+                    tree, qs = DraftTree((x1,), (-1,)), [q1]
+                result = backend.verify_tree(state, ctx, tree, qs, s, rng).result
+                counts[tree.tokens[result.path[0]] if result.path else result.next_token] += 1
+        finally:
+            backend.release(state)
+        return counts
+
+    before = backend.session_rounds
+    with ThreadPoolExecutor(8) as pool:
+        counts = sum(pool.map(run, range(8)))
+    assert backend.session_rounds - before == 800
+    p = chi_square_p(counts, target)
+    assert p > P_MIN, f"chi-square p = {p:.2e}"
+    wrong = target.copy()
+    support = np.flatnonzero(target)
+    wrong[support] = target[np.random.default_rng(7).permutation(support)]
+    assert chi_square_p(counts, wrong) < P_MIN, "the negative control passed: the test cannot tell"
+
+
+@needs_vllm
+def test_sampled_trees_without_a_session_take_a_request_per_node(backend):
+    """Top-p trees without a session state (no KV to keep): a request per node and the root, never a
+    whole-row prompt-logprob request over the context."""
+    from spec_core.tree import DraftTree
+    rng = np.random.default_rng(93)
+    committed = [1] + [int(x) for x in rng.integers(3, 299, 30)]
+    tree = DraftTree(tuple(int(x) for x in rng.integers(3, 299, 5)), (-1, 0, 1, -1, 3))   # 2 leaves, 5 nodes
+    s = SamplingSettings(temperature=1.3, top_k=0, top_p=0.9)
+    before, rounds = backend.engine_counters(), backend.one_request_rounds
+    backend.verify_tree(None, committed, tree, None, s, rng)
+    assert (backend.engine_counters() - before).requests >= 6 and backend.one_request_rounds == rounds

@@ -30,20 +30,19 @@ and it costs one row, not a context. Greedy (temperature 0) needs no probabiliti
 argmax, x_i is accepted iff x_i == y_i, and the corrected / bonus token is y_j. Trees use the same
 scores per node (spec_core.tree.verify_tree_from_scores).
 
-Chains (and greedy or top-k trees) of a session read their rows from prompt logprobs instead, as
-one chunk of the session's own vLLM request, which keeps its KV across rounds (`sessions`, on by
-default; cloud_verifier/backends/vllm_sessions.py): the engine rolls the rejected drafts back and
-computes gamma + 1 tokens a round (a tree: a chunk per leaf). Row j holds the raw log-probabilities
+Rounds of a session (chains and trees) read their rows from prompt logprobs instead, as one chunk of
+the session's own vLLM request, which keeps its KV across rounds (`sessions`, on by default;
+vllm_sessions.py): the engine rolls the rejected drafts back and computes gamma + 1 tokens a round
+(a tree: a chunk per leaf). Row j holds the raw log-probabilities
 at draft position j (prompt rows skip the sampler): greedy reads the top-1 (the argmax the sampler
 would take); top-k (k <= TOP_K_ONE_REQUEST) the top-k, on which alone the processed p depends, so
 spec_core.warping on them is the processed row; other sampled rounds the whole row. y_i is drawn
 from the processed row here, and the sample after the last draft is the bonus. Without a session
 (no state, sessions off, or a model with several KV-cache groups), greedy and top-k rounds take one
 ordinary request over committed + drafts (`one_request`: r + gamma tokens, r the committed tokens
-after the last full KV block, 1..block_size; per-position requests when its rows were served from
-the cache, `one_request_fallbacks`) and other sampled rounds the per-position requests above
-((gamma + 1)·r + gamma·(gamma + 1)/2 tokens: a whole-row prompt-logprob request would move context x
-vocab numbers). bench/fleet_vllm_counters.py counts every path with vLLM's own counters;
+after the last full KV block, 1..block_size; per-position requests when its rows were served from the
+cache, `one_request_fallbacks`) and other sampled rounds the per-position requests above ((gamma + 1)·r
++ gamma·(gamma + 1)/2 tokens: a whole-row prompt-logprob request would move context x vocab numbers). bench/fleet_vllm_counters.py counts every path with vLLM's own counters;
 `round_path` is the one place that says which path a round takes; docs/vllm.md says what was weighed.
 
 Text and chat prompts (drafts from another tokenizer) go through the HF tokenizer of the model
@@ -76,8 +75,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from cloud_verifier.backends.base import Backend, BackendInfo, BackendRound, BackendSample, NoChatTemplate
-from cloud_verifier.backends.vllm_sessions import SessionRows, VllmSession, close_session, session_engine_args, \
-    session_leaves, session_round
+from cloud_verifier.backends.vllm_sessions import SessionRows, VllmSession, close_session, raw_row, \
+    session_engine_args, session_leaves, session_round
 from spec_core.crossvocab import Vocabulary
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
@@ -319,15 +318,16 @@ class VllmBackend(Backend):
 
     def round_path(self, settings: SamplingSettings, tree: bool = False) -> str:
         """The path a steady-state round takes: "session" (any chain: a chunk of the session's request),
-        "tree-session" (greedy or top-k trees: a chunk per leaf); without sessions "one-request" (greedy,
+        "tree-session" (any tree: a chunk per leaf); without sessions "one-request" (greedy,
         top-k up to TOP_K_ONE_REQUEST), "per-position" (gamma + 1 requests), "tree-leaves" (a request per
         leaf), "tree" (a request per node and the root). The one place that decides;
         bench/fleet_vllm_counters.py marks this path as the one shipped."""
         rows_from_prompt = self.one_request and _top_k_rows(settings)
         session = self.one_request and self.sessions and self.sessions_supported
+        whole = session and (rows_from_prompt or self.whole_row_sessions)   # whole rows: a session's chunk only
         if tree:
-            return ("tree-session" if session else "tree-leaves") if rows_from_prompt else "tree"
-        if session and (rows_from_prompt or self.whole_row_sessions):
+            return "tree-session" if whole else "tree-leaves" if rows_from_prompt else "tree"
+        if whole:
             return "session"
         return "one-request" if rows_from_prompt else "per-position"
 
@@ -498,17 +498,13 @@ class VllmBackend(Backend):
         those k of logits / T, then the top-p cut), whole rows otherwise (a session's chunk only);
         spec_core.warping on them is the processed row; y_i is drawn from it here, the bonus is vLLM's
         own sample after the last draft (the session's settings). Returns (scores, rows  # [gamma, vocab])."""
-        k = settings.top_k if _top_k_rows(settings) else -1   # -1: whole rows (a session's chunk only)
-        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=k, skip_reading_prefix_cache=False)
+        k = settings.top_k if _top_k_rows(settings) else -1   # -1: whole rows (a session's chunk only), flat
+        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=k, skip_reading_prefix_cache=False,
+                              flat_logprobs=k < 0)
         got = self._round_rows(state, committed, drafts, params)
         if got is None:
             return None
-        raw = np.full((len(drafts), self.info.n_vocab), -np.inf, dtype=np.float32)
-        for i, row in enumerate(got.rows):
-            ids = np.fromiter((t for t, lp in row.items() if k < 0 or lp.rank <= k), dtype=np.int64)
-            vals = np.fromiter((lp.logprob for lp in row.values() if k < 0 or lp.rank <= k), dtype=np.float32)
-            keep = ids < self.info.n_vocab   # the top-k (the prompt token may rank lower)
-            raw[i, ids[keep]] = vals[keep]
+        raw = np.stack([raw_row(row, k, self.info.n_vocab) for row in got.rows])   # [gamma, vocab]
         rows = processed_probs(raw, settings.temperature, settings.top_k, settings.top_p)  # [gamma, vocab]
         scores = []
         for i, x in enumerate(drafts):
@@ -520,23 +516,19 @@ class VllmBackend(Backend):
     def _top_k_tree_scores(self, state, committed: list[int], tree: DraftTree,
                            draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                            rng: np.random.Generator) -> tuple[list[NodeScore], dict[int, np.ndarray]] | None:
-        """Sampled trees with top-k: the chain's top-k mechanism (_top_k_scores) per leaf. The rows of every
-        leaf's path (_tree_rows, `prompt_logprobs=top_k`) give the top-k raw row after the root and after
-        every inner node, warped here into the processed row; y is drawn from it, except after a leaf,
+        """Sampled trees: the chain's mechanism (_top_k_scores) per leaf. The rows of every leaf's path
+        (_tree_rows, `prompt_logprobs=top_k`, or whole rows from a session's chunks) give the raw row
+        after the root and after every inner node, warped here into the processed row; y is drawn from it, except after a leaf,
         where vLLM's own sample is the bonus. Returns (scores indexed as verify_tree's, processed rows
         by node  # each [vocab]), or None when a row is nowhere (_tree_rows)."""
-        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=settings.top_k,
-                              skip_reading_prefix_cache=False)
+        k = settings.top_k if _top_k_rows(settings) else -1   # -1: whole rows (a session's chunks only), flat
+        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=k, skip_reading_prefix_cache=False,
+                              flat_logprobs=k < 0)
         got = self._tree_rows(state, committed, tree, params)
         if got is None:
             return None
         top, bonus = got
-        raw: dict[int, np.ndarray] = {}   # node (ROOT for the root) -> its top-k raw row  # [vocab]
-        for node, (_, logprobs) in top.items():
-            row = raw[node] = np.full(self.info.n_vocab, -np.inf, dtype=np.float32)
-            for t, lp in logprobs.items():
-                if lp.rank <= settings.top_k and t < self.info.n_vocab:   # the top-k (the prompt token may rank lower)
-                    row[t] = lp.logprob
+        raw = {node: raw_row(row, k, self.info.n_vocab) for node, (_, row) in top.items()}   # node -> [vocab]
         inner = [node for node in [ROOT] + list(range(len(tree))) if node in raw]
         processed = processed_probs(np.stack([raw[node] for node in inner]), settings.temperature, settings.top_k,
                                     settings.top_p)   # [inner nodes, vocab]
@@ -554,15 +546,18 @@ class VllmBackend(Backend):
     def verify_tree(self, state, committed: Sequence[int], tree: DraftTree,
                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                     rng: np.random.Generator) -> BackendRound:
-        """Greedy and top-k trees: a chunk of the session per leaf, or a request per leaf (_tree_rows).
-        Otherwise the chain's per-position mechanism per node: one request after the root and after
-        every node (prompt = committed + the node's path, prefix-cached, max_tokens = 1, a seed from
-        the session's generator) scores p on the children and their q supports
-        (`logprob_token_ids`) and samples y ~ p; a node whose children carry a dense q asks for
-        its whole processed row instead. verify_tree_from_scores runs the rule (proof there)."""
+        """A chunk of the session per leaf (_tree_rows); without a session, greedy and top-k trees take a
+        request per leaf, others the chain's per-position mechanism per node: one request after the root
+        and after every node (prompt = committed + the node's path, prefix-cached, max_tokens = 1, a seed
+        from the session's generator) scores p on the children and their q supports (`logprob_token_ids`)
+        and samples y ~ p; a node whose children carry a dense q asks for its whole processed row
+        instead. verify_tree_from_scores runs the rule (proof there)."""
         t0 = time.perf_counter()
         committed = list(committed)
-        leaves = self.round_path(settings, tree=True) in ("tree-leaves", "tree-session") and committed and len(tree)
+        path = self.round_path(settings, tree=True)
+        if path == "tree-session" and not isinstance(state, VllmSession):   # no session to keep
+            path = "tree-leaves" if _top_k_rows(settings) else "tree"
+        leaves = path in ("tree-leaves", "tree-session") and committed and len(tree)
         if leaves and not settings.greedy:
             got = self._top_k_tree_scores(state, committed, tree, draft_probs, settings, rng)
             if got is not None:

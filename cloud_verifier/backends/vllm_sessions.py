@@ -25,7 +25,9 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +61,47 @@ class VllmSession:
         return self.outputs is not None
 
 
+class FlatRow(NamedTuple):
+    """A prompt-logprob row as arrays, for requests with `flat_logprobs` (whole rows): vLLM's FlatLogprobs
+    keeps a chunk's rows in flat lists, and a row here is two arrays, not a dict of vocabulary size."""
+    token_ids: np.ndarray   # [entries] int64: the prompt token first, then by rank
+    logprobs: np.ndarray    # [entries] float32
+
+
+def flat_rows(flat, need: int) -> list[FlatRow]:
+    """The last `need` positions of a FlatLogprobs as FlatRows."""
+    n = len(flat.start_indices)
+    lo, hi = flat.start_indices[n - need], flat.end_indices[n - 1]
+    ids = np.asarray(flat.token_ids[lo:hi], dtype=np.int64)
+    vals = np.asarray(flat.logprobs[lo:hi], dtype=np.float32)
+    return [FlatRow(ids[a - lo:b - lo], vals[a - lo:b - lo])
+            for a, b in zip(flat.start_indices[n - need:], flat.end_indices[n - need:])]
+
+
+def _holds(row, token: int) -> bool:
+    if isinstance(row, FlatRow):
+        return len(row.token_ids) > 0 and int(row.token_ids[0]) == token
+    return row is not None and token in row
+
+
+def raw_row(row: dict | FlatRow, k: int, vocab: int) -> np.ndarray:
+    """A prompt-logprob row {token id: Logprob} (or a whole FlatRow) as raw logprobs  # [vocab]: its top-k
+    (k < 0: all), else -inf."""
+    if isinstance(row, FlatRow):
+        assert k < 0, "flat rows are whole rows"
+        ids, vals = row.token_ids, row.logprobs
+    else:
+        ids = np.fromiter((t for t, lp in row.items() if k < 0 or lp.rank <= k), dtype=np.int64)
+        vals = np.fromiter((lp.logprob for lp in row.values() if k < 0 or lp.rank <= k), dtype=np.float32)
+    out = np.full(vocab, -np.inf, dtype=np.float32)
+    out[ids[ids < vocab]] = vals[ids < vocab]   # ids past the vocabulary dropped
+    return out
+
+
 class SessionRows:
-    """The rows a round reads from its chunk: `rows[i]` the prompt-logprob row ({token id: Logprob})
-    at draft i's position (predicting draft i), `sample` the token vLLM drew after the last draft."""
+    """The rows a round reads from its chunk: `rows[i]` the prompt-logprob row ({token id: Logprob}, or a
+    FlatRow with `flat_logprobs`) at draft i's position (predicting draft i), `sample` the token vLLM
+    drew after the last draft."""
 
     def __init__(self, rows: list[dict], sample: int):
         self.rows, self.sample = rows, sample
@@ -113,8 +153,12 @@ async def session_round(llm, session: VllmSession, committed: list[int], drafts:
             out = await _send(session, (committed + drafts)[keep:], params, keep, len(drafts) - reuse, StreamingInput)
             session.tokens = committed + drafts
             need = len(drafts) - reuse
-            rows = list(out.prompt_logprobs or [])[-need:] if need else []
-            assert len(rows) == need and all(r is not None and x in r for r, x in zip(rows, drafts[-need:])), \
+            got = out.prompt_logprobs
+            if hasattr(got, "start_indices"):   # vLLM's FlatLogprobs (flat_logprobs): arrays, no dicts
+                rows = flat_rows(got, need) if need and len(got) >= need else []
+            else:
+                rows = list(got or [])[-need:] if need else []
+            assert len(rows) == need and all(_holds(r, x) for r, x in zip(rows, drafts[-need:])), \
                 "a session chunk came back without its draft rows"
             return SessionRows([None] * (len(drafts) - need) + rows, int(out.outputs[0].token_ids[0]))
         except BaseException:

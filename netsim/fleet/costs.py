@@ -131,10 +131,11 @@ def kv_sessions(gpu_memory_bytes: float, cost: RooflineCost, usable: float = 0.9
 #                 setting (a session's own request keeps its KV, cloud_verifier/backends/vllm_sessions.py;
 #                 counted gamma + 1 by vLLM's counters; per-position / one-request without a session).
 # A tree: per-position is a request per node and the root, each r + depth(node) tokens; one-request
-# (greedy, top-k) is a request per leaf, r + depth(leaf) tokens each; with a session (shipped for greedy
-# and top-k trees) a chunk per leaf, in turn, each node computed once plus the last committed token
+# (greedy, top-k) is a request per leaf, r + depth(leaf) tokens each; with a session (shipped for every
+# tree setting) a chunk per leaf, in turn, each node computed once plus the last committed token
 # again per leaf whose path leaves at the root, plus the kept nodes of a leaf read before the last one
-# (nodes + leaves for branches from the root, mostly rejected); other sampled trees stay per-position.
+# (nodes + leaves for branches from the root, mostly rejected); `ideal` with tree_nodes charges
+# nodes + 1 (one pass with tree attention), one token a leaf under what the sessions compute.
 # vLLM's counters agree exactly for one request; for several they count up to 20% less when a round's
 # requests fall into more than one engine step (a later one reads a block an earlier one filled): an
 # upper bound there.
