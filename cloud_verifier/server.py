@@ -201,11 +201,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._handback = TokenBucket(rate, 1.0) if rate > 0 else None
 
     def to_hand_back(self, idle_s: float = 2.0) -> int:
-        """Sessions still generating here, used within `idle_s`, that were not handed back yet (an
-        idle one is not waited for: its edge replays wherever it goes next)."""
+        """Sessions still generating here, with a round inside now or used within `idle_s`, that were
+        not handed back yet (an idle one is not waited for: its edge replays wherever it goes next).
+        A round queued behind many others counts as use: on a busy verifier it can wait longer than
+        `idle_s`, and a session left out then would be cut by the port closing instead of handed back."""
         now = time.monotonic()
         return sum(1 for s in self.engine.sessions.sessions()
-                   if s.state is not None and s.id not in self.moved and now - s.last_used < idle_s)
+                   if s.state is not None and s.id not in self.moved
+                   and (s.lock.locked() or now - s.last_used < idle_s))
 
     async def _drained(self, request) -> None:
         """A round reaching a draining verifier. A round of a session held here is answered
