@@ -79,3 +79,13 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         "draft": write_tiny_llama(d / "draft.gguf", seed=1, base_seed=0, noise=0.5),
         "other_vocab": write_tiny_llama(d / "other.gguf", seed=0, vocab_variant=1),
     }
+
+
+@pytest.fixture(scope="module")
+def drafters(request, tiny_models):
+    """One tiny-model GGUFDrafter per prompt in the test module's PROMPTS, closed after the module."""
+    from edge_client.drafters import GGUFDrafter
+    ds = [GGUFDrafter(str(tiny_models["draft"]), n_threads=1, n_ctx=512) for _ in request.module.PROMPTS]
+    yield ds
+    for d in ds:
+        d.close()

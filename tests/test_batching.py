@@ -30,14 +30,6 @@ PROMPTS = ["hello world, the list", "def return the list of a", "the the the", "
            "world", "return a", "of the world def", "list list hello world the a"]
 
 
-@pytest.fixture(scope="module")
-def drafters(tiny_models):
-    ds = [GGUFDrafter(str(tiny_models["draft"]), n_threads=1, n_ctx=512) for _ in PROMPTS]
-    yield ds
-    for d in ds:
-        d.close()
-
-
 def batched_backend(tiny_models, **kw):
     kw.setdefault("kv_tokens", 16 * 512)
     kw.setdefault("batching", True)

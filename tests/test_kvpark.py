@@ -18,7 +18,7 @@ from cloud_verifier.backends.llama_cpp import LlamaCppBackend
 from cloud_verifier.backends.synthetic import SyntheticBackend
 from cloud_verifier.cli import backend_from_args, build_parser
 from edge_client import EdgeClient
-from edge_client.drafters import GGUFDrafter, SyntheticDrafter
+from edge_client.drafters import SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
 from helpers import edge_options, running_server, stub_for
 from llama_runtime import GGUFModel, SharedKV, kv_bytes_per_token
@@ -219,14 +219,6 @@ async def _generate(port, drafter, prompt, seed=None, n=24, **client_kw):
                                                   seed=seed))
         await gen.text()
     return gen.stats
-
-
-@pytest.fixture(scope="module")
-def drafters(tiny_models):
-    ds = [GGUFDrafter(str(tiny_models["draft"]), n_threads=1, n_ctx=512) for _ in PROMPTS]
-    yield ds
-    for d in ds:
-        d.close()
 
 
 def _park_after_every_round(backend) -> list[int]:

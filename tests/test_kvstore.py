@@ -21,7 +21,6 @@ from cloud_verifier.engine import Limits, run_in_thread
 from cloud_verifier.server import VerifierServer
 from cloud_verifier.sessions import current_tenant
 from edge_client import EdgeClient
-from edge_client.drafters import GGUFDrafter
 from helpers import edge_options
 from llama_runtime import ParkedSeq
 from spec_core.warping import SamplingSettings
@@ -243,14 +242,6 @@ def test_kv_store_options_are_refused_where_they_cannot_work(tmp_path):
 
 PROMPTS = ["hello world, the list", "def return the list of a", "the the the", "a list of hello"]
 TOKENS = 48
-
-
-@pytest.fixture(scope="module")
-def drafters(tiny_models):
-    ds = [GGUFDrafter(str(tiny_models["draft"]), n_threads=1, n_ctx=512) for _ in PROMPTS]
-    yield ds
-    for d in ds:
-        d.close()
 
 
 def _server(tiny_models, store, port: int = 0) -> VerifierServer:

@@ -84,6 +84,17 @@ def spawn_edge(server: str, draft, *extra: str) -> tuple[subprocess.Popen, str, 
     return spawn_edge_server(["--server", server, "--draft", str(draft), "--threads", "1", "--gamma", GAMMA, *extra])
 
 
+def serve_once(server: str, draft, *extra: str, prompt: str = "hello world, the list", max_tokens: int = 24):
+    """One greedy completion from a fresh `edge-client serve` started with `extra`, which then stops."""
+    proc, url, _ = spawn_edge(server, draft, *extra)
+    try:
+        c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        return c.completions.create(model="any", prompt=prompt, max_tokens=max_tokens, temperature=0)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 @pytest.fixture(scope="module")
 def edge(verifier, tiny_models):
     proc, url, metrics = spawn_edge(verifier.address, tiny_models["draft"], "--metrics-port", "0")
@@ -348,13 +359,7 @@ def test_bad_sampling_values_get_400_naming_them(client):
 def test_serve_with_trees_and_pipelining_reports_them(verifier, tiny_models):
     """--tree and --pipeline reach each request's generation (they were dropped), and the
     response's hybridspec field says how the rounds went."""
-    proc, url, _ = spawn_edge(verifier.address, tiny_models["draft"], "--tree", "budget=8,depth=3", "--pipeline")
-    try:
-        c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
-        r = c.completions.create(model="any", prompt="hello world, the list", max_tokens=24, temperature=0)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    r = serve_once(verifier.address, tiny_models["draft"], "--tree", "budget=8,depth=3", "--pipeline")
     hs = r.model_extra["hybridspec"]
     assert hs["tree_rounds"] > 0 and hs["nodes_per_round"] > 1
     assert {"pipelined_rounds", "discarded_rounds", "reused_drafts", "plans", "continuations_sent",
@@ -389,13 +394,7 @@ def test_serve_sends_its_rounds_on_the_round_stream(tiny_models, monkeypatch):
     try:
         for extra in ((), ("--no-stream",)):
             calls.update(unary=0, stream=0)
-            proc, url, _ = spawn_edge(verifier.address, tiny_models["draft"], *extra)
-            try:
-                c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
-                r = c.completions.create(model="any", prompt="hello world, the list", max_tokens=24, temperature=0)
-            finally:
-                proc.terminate()
-                proc.wait(30)
+            r = serve_once(verifier.address, tiny_models["draft"], *extra)
             texts.append(r.choices[0].text)
             counts.append((dict(calls), r.model_extra["hybridspec"]["rounds"]))
     finally:

@@ -200,6 +200,24 @@ def test_greedy_tree_session_rounds_follow_the_target_and_compute_each_node_once
         backend.release(state)
 
 
+def _assert_session_counts_follow(backend, run, target: np.ndarray) -> None:
+    """`run(worker)` on 8 threads (100 rounds each, counts of the first token): every round is a
+    session round, the summed counts follow `target` (chi-square p > P_MIN), and the same counts
+    against `target` permuted over its support fail (the negative control: the test has power)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from test_vllm_backend import P_MIN, chi_square_p
+    before = backend.session_rounds
+    with ThreadPoolExecutor(8) as pool:
+        counts = sum(pool.map(run, range(8)))
+    assert backend.session_rounds - before == 800
+    p = chi_square_p(counts, target)
+    assert p > P_MIN, f"chi-square p = {p:.2e}"
+    wrong = target.copy()
+    support = np.flatnonzero(target)
+    wrong[support] = target[np.random.default_rng(7).permutation(support)]
+    assert chi_square_p(counts, wrong) < P_MIN, "the negative control passed: the test cannot tell"
+
+
 @needs_vllm
 @pytest.mark.parametrize("top_k", [20, 0])
 def test_first_token_through_session_rounds_follows_the_processed_target(backend, top_k):
@@ -208,9 +226,8 @@ def test_first_token_through_session_rounds_follows_the_processed_target(backend
     distribution at T = 1.3, top-p 0.9, with top-k 20 and without (whole rows); chi-square p > 1e-4.
     Negative control: the same counts against the target's probabilities permuted over its support
     give p < 1e-4."""
-    from concurrent.futures import ThreadPoolExecutor
     from spec_core.warping import processed_probs
-    from test_vllm_backend import P_MIN, chi_square_p, make_q
+    from test_vllm_backend import make_q
     s = SamplingSettings(temperature=1.3, top_k=top_k, top_p=0.9)
     ctx = [1] + [int(x) for x in np.random.default_rng(0).integers(3, 299, 20)]
     rows, _, _ = backend.target_logits(None, ctx, 1)
@@ -232,16 +249,7 @@ def test_first_token_through_session_rounds_follows_the_processed_target(backend
             backend.release(state)
         return counts
 
-    before = backend.session_rounds
-    with ThreadPoolExecutor(8) as pool:
-        counts = sum(pool.map(run, range(8)))
-    assert backend.session_rounds - before == 800
-    p = chi_square_p(counts, target)
-    assert p > P_MIN, f"chi-square p = {p:.2e}"
-    wrong = target.copy()
-    support = np.flatnonzero(target)
-    wrong[support] = target[np.random.default_rng(7).permutation(support)]
-    assert chi_square_p(counts, wrong) < P_MIN, "the negative control passed: the test cannot tell"
+    _assert_session_counts_follow(backend, run, target)
 
 
 @needs_vllm
@@ -252,10 +260,9 @@ def test_first_token_through_session_trees_follows_the_processed_target(backend,
     generated token follows vLLM's processed distribution at T = 1.3, top-p 0.9, with top-k 20 and
     without (whole rows from the session's chunks); every round is a session round; chi-square
     p > 1e-4. Negative control: the same counts against the target permuted over its support give p < 1e-4."""
-    from concurrent.futures import ThreadPoolExecutor
     from spec_core.tree import DraftTree, without_tokens
     from spec_core.warping import processed_probs
-    from test_vllm_backend import P_MIN, chi_square_p, make_q
+    from test_vllm_backend import make_q
     s = SamplingSettings(temperature=1.3, top_k=top_k, top_p=0.9)
     assert backend.round_path(s, tree=True) == "tree-session"
     ctx = [1] + [int(x) for x in np.random.default_rng(0).integers(3, 299, 20)]
@@ -283,16 +290,7 @@ def test_first_token_through_session_trees_follows_the_processed_target(backend,
             backend.release(state)
         return counts
 
-    before = backend.session_rounds
-    with ThreadPoolExecutor(8) as pool:
-        counts = sum(pool.map(run, range(8)))
-    assert backend.session_rounds - before == 800
-    p = chi_square_p(counts, target)
-    assert p > P_MIN, f"chi-square p = {p:.2e}"
-    wrong = target.copy()
-    support = np.flatnonzero(target)
-    wrong[support] = target[np.random.default_rng(7).permutation(support)]
-    assert chi_square_p(counts, wrong) < P_MIN, "the negative control passed: the test cannot tell"
+    _assert_session_counts_follow(backend, run, target)
 
 
 @needs_vllm

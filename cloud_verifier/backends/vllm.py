@@ -498,9 +498,7 @@ class VllmBackend(Backend):
         those k of logits / T, then the top-p cut), whole rows otherwise (a session's chunk only);
         spec_core.warping on them is the processed row; y_i is drawn from it here, the bonus is vLLM's
         own sample after the last draft (the session's settings). Returns (scores, rows  # [gamma, vocab])."""
-        k = settings.top_k if _top_k_rows(settings) else -1   # -1: whole rows (a session's chunk only), flat
-        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=k, skip_reading_prefix_cache=False,
-                              flat_logprobs=k < 0)
+        k, params = self._sampled_row_params(settings, rng)
         got = self._round_rows(state, committed, drafts, params)
         if got is None:
             return None
@@ -513,6 +511,13 @@ class VllmBackend(Backend):
         scores.append(PositionScore(got.sample, float("nan"), None))
         return scores, rows
 
+    def _sampled_row_params(self, settings: SamplingSettings, rng: np.random.Generator):
+        """The rows a sampled round reads, and the request parameters that ask for them: k = top_k raw
+        logprobs per position with top-k, else -1, whole rows as flat logprobs (a session's chunks only)."""
+        k = settings.top_k if _top_k_rows(settings) else -1
+        return k, self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=k,
+                               skip_reading_prefix_cache=False, flat_logprobs=k < 0)
+
     def _top_k_tree_scores(self, state, committed: list[int], tree: DraftTree,
                            draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                            rng: np.random.Generator) -> tuple[list[NodeScore], dict[int, np.ndarray]] | None:
@@ -521,9 +526,7 @@ class VllmBackend(Backend):
         after the root and after every inner node, warped here into the processed row; y is drawn from it, except after a leaf,
         where vLLM's own sample is the bonus. Returns (scores indexed as verify_tree's, processed rows
         by node  # each [vocab]), or None when a row is nowhere (_tree_rows)."""
-        k = settings.top_k if _top_k_rows(settings) else -1   # -1: whole rows (a session's chunks only), flat
-        params = self._params(settings, int(rng.integers(0, 2**62)), prompt_logprobs=k, skip_reading_prefix_cache=False,
-                              flat_logprobs=k < 0)
+        k, params = self._sampled_row_params(settings, rng)
         got = self._tree_rows(state, committed, tree, params)
         if got is None:
             return None
