@@ -30,10 +30,13 @@ and it costs one row, not a context. Greedy (temperature 0) needs no probabiliti
 argmax, x_i is accepted iff x_i == y_i, and the corrected / bonus token is y_j. Trees use the same
 scores per node (spec_core.tree.verify_tree_from_scores).
 
-Rounds of a session (chains and trees) read their rows from prompt logprobs instead, as one chunk of
-the session's own vLLM request, which keeps its KV across rounds (`sessions`, on by default;
-vllm_sessions.py): the engine rolls the rejected drafts back and computes gamma + 1 tokens a round
-(a tree: a chunk per leaf). Row j holds the raw log-probabilities
+Rounds of a session (chains and trees) are one chunk of the session's own vLLM request, which keeps
+its KV across rounds (`sessions`, on by default; vllm_sessions.py): the engine rolls the rejected
+drafts back and computes gamma + 1 tokens a round (a tree: a chunk per leaf). As shipped
+(`engine_maths`) the round is decided in vLLM's worker, where the logits are: torch_accept.accept_pass
+once per engine step over every round it completes (vllm_engine_ext.accept_step), uniforms from the
+session's generator; only the kept path and the corrected or bonus token cross. With engine_maths
+off, the rows cross and the round is decided here: row j holds the raw log-probabilities
 at draft position j (prompt rows skip the sampler): greedy reads the top-1 (the argmax the sampler
 would take); top-k (k <= TOP_K_ONE_REQUEST) the top-k, on which alone the processed p depends, so
 spec_core.warping on them is the processed row; other sampled rounds the whole row. y_i is drawn
@@ -70,18 +73,19 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from cloud_verifier.backends.base import Backend, BackendInfo, BackendRound, BackendSample, NoChatTemplate
+from cloud_verifier.backends.vllm_counters import EngineCounters, read_engine_counters
 from cloud_verifier.backends.vllm_sessions import SessionRows, VllmSession, close_session, raw_row, \
-    session_engine_args, session_leaves, session_round
+    session_engine_args, session_leaves, session_round, session_verdict
 from spec_core.crossvocab import Vocabulary
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import ROOT, DraftTree, NodeScore, tree_tokens_needed, verify_tree_from_scores
-from spec_core.verify import PositionScore, verify_from_scores
+from spec_core.verify import PositionScore, RoundResult, verify_from_scores
 from spec_core.warping import SamplingSettings, processed_probs, sample
 
 log = logging.getLogger(__name__)
@@ -174,36 +178,6 @@ def hf_vocabulary(tok, fingerprint: str, eog: frozenset[int]) -> Vocabulary:
                       byte_ids=frozenset(byte_ids))
 
 
-class EngineCounters(NamedTuple):
-    """vLLM's own counters (its Prometheus metrics in this process, vllm.v1.metrics.reader), summed over
-    label values. Differences of two readings give what a stretch of work cost the engine."""
-    requests: float                 # vllm:request_success (finished requests)
-    prompt_tokens: float            # vllm:prompt_tokens
-    cached_prompt_tokens: float     # vllm:prompt_tokens_cached (served from the prefix cache)
-    computed_tokens: float          # vllm:iteration_tokens_total sum (prompt tokens computed + generated)
-    engine_steps: float             # vllm:iteration_tokens_total count (engine steps that produced output)
-    prefix_cache_queries: float     # vllm:prefix_cache_queries (tokens looked up)
-    prefix_cache_hits: float        # vllm:prefix_cache_hits (tokens found)
-
-    def __sub__(self, other: "EngineCounters") -> "EngineCounters":
-        return EngineCounters(*(a - b for a, b in zip(self, other)))
-
-
-def read_engine_counters() -> EngineCounters:
-    from vllm.v1.metrics.reader import Counter, Histogram, get_metrics_snapshot
-    sums: dict[str, float] = {}
-    for m in get_metrics_snapshot():
-        if isinstance(m, Counter):
-            sums[m.name] = sums.get(m.name, 0.0) + m.value
-        elif isinstance(m, Histogram):
-            sums[m.name + ":sum"] = sums.get(m.name + ":sum", 0.0) + m.sum
-            sums[m.name + ":count"] = sums.get(m.name + ":count", 0.0) + m.count
-    return EngineCounters(sums.get("vllm:request_success", 0.0), sums.get("vllm:prompt_tokens", 0.0),
-                          sums.get("vllm:prompt_tokens_cached", 0.0), sums.get("vllm:iteration_tokens_total:sum", 0.0),
-                          sums.get("vllm:iteration_tokens_total:count", 0.0),
-                          sums.get("vllm:prefix_cache_queries", 0.0), sums.get("vllm:prefix_cache_hits", 0.0))
-
-
 # Sampled rounds with top-k up to this take one request (prompt logprobs of top-k entries a position).
 TOP_K_ONE_REQUEST = 1024
 
@@ -220,6 +194,7 @@ class VllmBackend(Backend):
     one_request = True  # greedy and top-k rounds: one request with prompt logprobs (False: gamma + 1 requests)
     sessions = True     # ... as a chunk of the session's own request that keeps its KV (vllm_sessions)
     whole_row_sessions = True  # top-p / plain sampled chains too: whole rows cross to Python (docs/vllm.md)
+    engine_maths = True  # ... decided in the engine (vllm_engine_ext.accept_step): the verdict crosses, no row
 
     def __init__(self, model: str, n_ctx: int = 2048, engine_args: dict | None = None):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -317,18 +292,20 @@ class VllmBackend(Backend):
             self._run(close_session(state))
 
     def round_path(self, settings: SamplingSettings, tree: bool = False) -> str:
-        """The path a steady-state round takes: "session" (any chain: a chunk of the session's request),
-        "tree-session" (any tree: a chunk per leaf); without sessions "one-request" (greedy,
+        """The path a steady-state round takes: "session-engine" (any chain: a chunk of the session's request,
+        decided in the engine), "tree-session-engine" (any tree: a chunk per leaf, so); with engine_maths off
+        "session" / "tree-session" (rows cross, decided here); without sessions "one-request" (greedy,
         top-k up to TOP_K_ONE_REQUEST), "per-position" (gamma + 1 requests), "tree-leaves" (a request per
         leaf), "tree" (a request per node and the root). The one place that decides;
         bench/fleet_vllm_counters.py marks this path as the one shipped."""
         rows_from_prompt = self.one_request and _top_k_rows(settings)
         session = self.one_request and self.sessions and self.sessions_supported
         whole = session and (rows_from_prompt or self.whole_row_sessions)   # whole rows: a session's chunk only
+        engine = "-engine" if session and self.engine_maths else ""
         if tree:
-            return "tree-session" if whole else "tree-leaves" if rows_from_prompt else "tree"
-        if whole:
-            return "session"
+            return "tree-session" + engine if whole or engine else "tree-leaves" if rows_from_prompt else "tree"
+        if whole or engine:
+            return "session" + engine
         return "one-request" if rows_from_prompt else "per-position"
 
     def verify(self, state, committed: Sequence[int], draft_tokens: Sequence[int],
@@ -338,8 +315,12 @@ class VllmBackend(Backend):
         gamma = len(draft_tokens)
         committed, drafts = list(committed), [int(x) for x in draft_tokens]
         path = self.round_path(settings)
-        if path == "session" and not isinstance(state, VllmSession):   # no session to keep: one request
+        if path.startswith("session") and not isinstance(state, VllmSession):   # no session to keep: one request
             path = "one-request" if _top_k_rows(settings) else "per-position"
+        if path == "session-engine" and committed and gamma:
+            got = self._engine_round(state, committed, DraftTree.chain(drafts), [list(range(gamma))], draft_probs,
+                                     settings, rng)
+            return BackendRound(RoundResult(len(got.path), got.next_token), 0.0, time.perf_counter() - t0)
         one_request = path in ("one-request", "session") and committed and gamma > 0
         if one_request and not settings.greedy:
             got = self._top_k_scores(state, committed, drafts, settings, rng)
@@ -401,6 +382,20 @@ class VllmBackend(Backend):
                 self.one_request_fallbacks += 1
                 return None
         return SessionRows(out.prompt_logprobs[n:n + len(drafts)], int(out.outputs[0].token_ids[0]))
+
+    def _engine_round(self, state: VllmSession, committed: list[int], tree: DraftTree, paths: list[list[int]],
+                      draft_probs, settings: SamplingSettings, rng: np.random.Generator):
+        """A round decided in the engine: a chunk per path (vllm_sessions.session_verdict); the uniforms
+        from the session's generator (torch_accept.round_uniforms), so a seeded session is reproducible."""
+        from cloud_verifier.backends.torch_accept import round_uniforms
+        uniforms = round_uniforms(len(tree), rng)
+        got = self._run(self._batch_call(session_verdict(self._llm, state, committed, paths, tree, draft_probs,
+                                                         settings, uniforms)))
+        with self._stats_lock:
+            self.one_request_rounds += 1
+            self.session_rounds += 1
+            self._forwarded += sum(len(p) + 1 for p in paths)
+        return got
 
     async def _batch_call(self, coro):
         """A coroutine's engine work under the gate as "score" work (prompt logprobs and samples)."""
@@ -558,8 +553,12 @@ class VllmBackend(Backend):
         t0 = time.perf_counter()
         committed = list(committed)
         path = self.round_path(settings, tree=True)
-        if path == "tree-session" and not isinstance(state, VllmSession):   # no session to keep
+        if path.startswith("tree-session") and not isinstance(state, VllmSession):   # no session to keep
             path = "tree-leaves" if _top_k_rows(settings) else "tree"
+        if path == "tree-session-engine" and committed and len(tree):   # the first leaf last: it stays in the engine
+            got = self._engine_round(state, committed, tree, [tree.path_to(leaf) for leaf in tree.leaves()][::-1],
+                                     draft_probs, settings, rng)
+            return BackendRound(got, 0.0, time.perf_counter() - t0)
         leaves = path in ("tree-leaves", "tree-session") and committed and len(tree)
         if leaves and not settings.greedy:
             got = self._top_k_tree_scores(state, committed, tree, draft_probs, settings, rng)

@@ -22,6 +22,11 @@ changing vLLM's source:
                            prompt-logprob rows of a request that names them (vLLM's tensor spans
                            the whole prompt, and the frontend turns all of it into Python objects),
                            computing `extra_args[WIDTH_ARG]` entries a row where a request names it.
+                           A chunk that names its round's rows (`extra_args[ACCEPT_ARG]`,
+                           vllm_sessions.accept_spec) gets no rows at all: its logits stay here
+                           (accept_step), and each engine step runs torch_accept.accept_pass once
+                           over every round that step completes; the kept path and the corrected
+                           or bonus token alone go back, as a [k, 1] prompt-logprob tensor.
 
 Single KV-cache-group models only (every model the backend serves today): the scheduler refuses
 to start otherwise, with the reason.
@@ -30,8 +35,17 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
+import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import PrefillStats
+from vllm.v1.outputs import LogprobsTensors
+
+from cloud_verifier.backends.torch_accept import PassRound, accept_pass
+from cloud_verifier.backends.vllm_sessions import ACCEPT_ARG, unpack_q
+from spec_core.tree import DraftTree
+from spec_core.warping import SamplingSettings
 
 log = logging.getLogger(__name__)
 
@@ -126,17 +140,24 @@ class SessionWorkerExtension:
                 runner._hybridspec_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
                 return execute(scheduler_output, *args, **kwargs)
 
-            def get_prompt_logprobs_dict(*args, **kwargs):
+            def get_prompt_logprobs_dict(hidden_states, num_scheduled_tokens):
                 # vLLM hands back a [prompt tokens - 1, k + 1] tensor per request, the rows before the
                 # chunk unset, and the frontend turns all of it into Python objects: a request that
-                # names its rows gets those alone (copied out of the whole-prompt tensor).
+                # names its rows gets those alone (copied out of the whole-prompt tensor); one that
+                # names its round's rows, the round's verdict (accept_step).
+                accepting = {}
                 for req_id in list(runner.num_prompt_logprobs):
                     state = runner.requests.get(req_id)
+                    spec = ((state.sampling_params.extra_args or {}).get(ACCEPT_ARG)
+                            if state is not None and state.sampling_params is not None else None)
+                    if spec is not None:
+                        accepting[req_id] = (spec, runner.num_prompt_logprobs.pop(req_id))
+                        continue
                     width = ((state.sampling_params.extra_args or {}).get(WIDTH_ARG)
                              if state is not None and state.sampling_params is not None else None)
                     if width is not None:
                         runner.num_prompt_logprobs[req_id] = width
-                out = prompt_logprobs(*args, **kwargs)
+                out = prompt_logprobs(hidden_states, num_scheduled_tokens)
                 for req_id, t in out.items():
                     state = runner.requests.get(req_id)
                     params = state.sampling_params if state is not None else None
@@ -146,15 +167,87 @@ class SessionWorkerExtension:
                         out[req_id] = t._replace(logprob_token_ids=t.logprob_token_ids[n - rows:].clone(),
                                                  logprobs=t.logprobs[n - rows:].clone(),
                                                  selected_token_ranks=t.selected_token_ranks[n - rows:].clone())
+                if accepting:
+                    out.update(accept_step(runner, hidden_states, num_scheduled_tokens, accepting))
                 return out
 
             runner._update_streaming_request = update_streaming_request
             runner._get_prompt_logprobs_dict = get_prompt_logprobs_dict
             runner.execute_model = execute_model
             runner._hybridspec_scheduled_tokens = 0
+            runner._hybridspec_rows = {}    # req_id -> {round row: logits [vocab]} of a round not yet complete
+            runner._hybridspec_passes = 0   # accept_pass calls (one per engine step with rounds to decide)
             runner._hybridspec_installed = True
         return len(runner.kv_cache_config.kv_cache_groups)
+
+    def hybridspec_accept_passes(self) -> int:
+        """accept_pass calls so far (one per engine step that completed rounds: accept_step)."""
+        return getattr(self.model_runner, "_hybridspec_passes", 0)
 
     def hybridspec_scheduled_tokens(self) -> int:
         """Tokens the model ran so far (the sum of vLLM's `total_num_scheduled_tokens` per step)."""
         return getattr(self.model_runner, "_hybridspec_scheduled_tokens", 0)
+
+
+def accept_step(runner, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int],
+                accepting: dict[str, tuple[dict, int]]) -> dict[str, LogprobsTensors]:
+    """The rounds an engine step completes, decided where the logits are.
+
+    `accepting`: req_id -> (its chunk's vllm_sessions.accept_spec, its prompt-logprob width). A chunk's
+    last len(spec["rows"]) prompt positions give its round's rows spec["rows"] (the last one is the
+    position vLLM samples after: a chain's bonus row); one `compute_logits` over every such position
+    of the step gives them. A round's rows may come from several chunks (a tree: a chunk per leaf) and a
+    chunk may span steps (chunked prefill): rows wait in runner._hybridspec_rows until the chunk that
+    carries the round (spec["round"]) is complete; then one `accept_pass` over every round completed in
+    this step decides them all. Each such request gets back a [len(path) + 1, 1] tensor of ids: the
+    kept path (node indices), then the corrected or bonus token."""
+    stash = runner._hybridspec_rows
+    for req_id in [r for r in stash if r not in runner.requests]:   # ended mid-round (aborted)
+        del stash[req_id]
+    positions, owners, complete = [], [], []   # hidden-state rows; (req_id, round row) of each; done chunks
+    for req_id, (spec, width) in accepting.items():
+        n = num_scheduled_tokens.get(req_id)
+        state = runner.requests[req_id]
+        total = len(state.prompt_token_ids)
+        if n is None:   # preempted: the chunk comes again
+            runner.num_prompt_logprobs[req_id] = width
+            continue
+        start = state.num_computed_tokens
+        offset = int(runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]])
+        first = total - len(spec["rows"])   # the prompt position of spec["rows"][0]
+        for pos in range(max(start, first), start + n):
+            positions.append(offset + pos - start)
+            owners.append((req_id, spec["rows"][pos - first]))
+        if start + n >= total:
+            complete.append(req_id)
+        else:   # more of the chunk in a later step
+            runner.num_prompt_logprobs[req_id] = width
+    if positions:
+        logits = runner.model.compute_logits(hidden_states[torch.as_tensor(positions, device=hidden_states.device)])
+        for k, (req_id, row) in enumerate(owners):
+            stash.setdefault(req_id, {})[row] = logits[k]
+    pieces, rounds, req_ids = [], [], []
+    first_row = 0
+    for req_id in complete:
+        spec = accepting[req_id][0]
+        if "round" not in spec:   # a tree's earlier leaf: its rows wait for the last one
+            continue
+        rd = spec["round"]
+        tree = DraftTree(tuple(rd["tokens"]), tuple(rd["parents"]))
+        rows = stash.pop(req_id)
+        pieces.append(torch.stack([rows[i] for i in range(len(tree) + 1)]))
+        temperature, top_k, top_p = rd["settings"]
+        rounds.append(PassRound(first_row, tree, None if rd["q"] is None else [unpack_q(q) for q in rd["q"]],
+                                SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p),
+                                np.asarray(rd["u"], dtype=np.float64)))
+        req_ids.append(req_id)
+        first_row += len(tree) + 1
+    if not rounds:
+        return {}
+    runner._hybridspec_passes += 1
+    out = {}
+    for req_id, result in zip(req_ids, accept_pass(torch.cat(pieces), rounds)):
+        ids = torch.tensor(list(result.path) + [result.next_token], dtype=torch.int64)[:, None]   # [k, 1]
+        out[req_id] = LogprobsTensors(ids, torch.zeros(ids.shape, dtype=torch.float32),
+                                      torch.zeros(len(ids), dtype=torch.int64))
+    return out

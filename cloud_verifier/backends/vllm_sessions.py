@@ -29,6 +29,10 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from spec_core.qcodec import EncodedQ
+from spec_core.tree import DraftTree, TreeResult
+from spec_core.warping import SamplingSettings
+
 log = logging.getLogger(__name__)
 
 _EXT = "cloud_verifier.backends.vllm_engine_ext"
@@ -37,6 +41,7 @@ ENGINE_ARGS = {"scheduler_cls": f"{_EXT}.RollbackScheduler", "worker_extension_c
 KEEP_ARG = "hybridspec_keep"   # = vllm_engine_ext.KEEP_ARG (that module imports vLLM's scheduler)
 ROWS_ARG = "hybridspec_rows"   # = vllm_engine_ext.ROWS_ARG
 WIDTH_ARG = "hybridspec_width"  # = vllm_engine_ext.WIDTH_ARG
+ACCEPT_ARG = "hybridspec_accept"  # ... the round's rows this chunk gives, and the round (accept_spec)
 
 
 def session_engine_args() -> dict:
@@ -107,6 +112,55 @@ class SessionRows:
         self.rows, self.sample = rows, sample
 
 
+def pack_q(q: EncodedQ | None):
+    """An EncodedQ as plain values for SamplingParams.extra_args (msgpack between vLLM's processes)."""
+    if q is None:
+        return None
+    ids = None if q.token_ids is None else np.asarray(q.token_ids, dtype="<u4").tobytes()
+    return [ids, np.ascontiguousarray(q.weights).tobytes(), q.weights.dtype.str, bool(q.fixed)]
+
+
+def unpack_q(packed) -> EncodedQ | None:
+    if packed is None:
+        return None
+    ids, weights, dtype, fixed = packed
+    return EncodedQ(None if ids is None else np.frombuffer(ids, dtype="<u4"), np.frombuffer(weights, dtype=dtype),
+                    bool(fixed))
+
+
+def accept_spec(rows: Sequence[int], tree: DraftTree | None = None, draft_probs=None,
+                settings: SamplingSettings | None = None, uniforms: np.ndarray | None = None) -> dict:
+    """extra_args[ACCEPT_ARG] of a chunk whose decision runs in the engine (vllm_engine_ext.accept_step):
+    the chunk's last len(rows) prompt positions give its round's rows `rows` (0: after the committed
+    tokens, i + 1: after node i; the last position is the one vLLM samples after); the chunk that
+    completes the round also carries it (the tree, q, settings and round_uniforms), plain values."""
+    spec: dict = {"rows": [int(r) for r in rows]}
+    if tree is not None:
+        spec["round"] = {"tokens": [int(t) for t in tree.tokens], "parents": [int(p) for p in tree.parents],
+                         "q": None if draft_probs is None else [pack_q(q) for q in draft_probs],
+                         "settings": [float(settings.temperature if not settings.greedy else 0.0),
+                                      int(settings.top_k), float(settings.top_p)],
+                         "u": [float(u) for u in uniforms]}
+    return spec
+
+
+def accept_params(spec: dict):
+    """The SamplingParams of a chunk decided in the engine: greedy (vLLM's own sample is not used, and
+    greedy is its cheapest), prompt logprobs on (so the worker sees the chunk's positions), `spec`."""
+    from vllm import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, skip_reading_prefix_cache=False,
+                          ignore_eos=True, detokenize=False, skip_clone=True, extra_args={ACCEPT_ARG: spec})
+
+
+def read_verdict(out) -> TreeResult:
+    """The round's verdict from a chunk's output: its prompt-logprob rows are the ids of the kept path,
+    then the corrected or bonus token (vllm_engine_ext.accept_step)."""
+    got = out.prompt_logprobs
+    ids = list(got.token_ids) if hasattr(got, "start_indices") else [next(iter(row)) for row in got or [] if row]
+    assert ids, "a session chunk came back without its round's verdict"
+    return TreeResult([int(i) for i in ids[:-1]], int(ids[-1]))
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -127,31 +181,11 @@ async def session_round(llm, session: VllmSession, committed: list[int], drafts:
     the sample after the last draft; with `reuse`, the rows of the first `reuse` drafts are not needed
     (an earlier chunk of this round read them): the session keeps their KV and they come back as
     None. Raises what the engine raised; the session then starts over."""
-    from vllm.engine.protocol import StreamingInput
-    from vllm.sampling_params import RequestOutputKind
-
-    assert committed and drafts, "a session round needs committed tokens and drafts"
     if session.lock is None:
         session.lock = asyncio.Lock()
     async with session.lock:
         try:
-            n = len(committed)
-            if not session.live:   # the context first, reading the prefix cache, one row back
-                session.chunks = asyncio.Queue()
-                base = params.clone()
-                base.output_kind = RequestOutputKind.DELTA
-                # vLLM's frontend gives a request a prompt-logprob reader, of a fixed width, only when
-                # its first chunk asks for prompt logprobs: -1 reads rows of any width (the chunks'
-                # top-1, top-k or whole rows); the engine computes none but each token's own (WIDTH_ARG).
-                base.prompt_logprobs, base.skip_reading_prefix_cache = -1, False
-                base.extra_args = {ROWS_ARG: 1, WIDTH_ARG: 0}
-                session.outputs = llm.generate(_chunk_stream(session.chunks), base,
-                                               request_id="session-" + uuid.uuid4().hex).__aiter__()
-                await _send(session, committed, base, None, 1, StreamingInput)
-                session.tokens = list(committed)
-            keep = min(common_prefix(session.tokens, committed + drafts), n - 1 + reuse)
-            out = await _send(session, (committed + drafts)[keep:], params, keep, len(drafts) - reuse, StreamingInput)
-            session.tokens = committed + drafts
+            out = await _session_chunk(llm, session, committed, drafts, params, reuse)
             need = len(drafts) - reuse
             got = out.prompt_logprobs
             if hasattr(got, "start_indices"):   # vLLM's FlatLogprobs (flat_logprobs): arrays, no dicts
@@ -161,6 +195,55 @@ async def session_round(llm, session: VllmSession, committed: list[int], drafts:
             assert len(rows) == need and all(_holds(r, x) for r, x in zip(rows, drafts[-need:])), \
                 "a session chunk came back without its draft rows"
             return SessionRows([None] * (len(drafts) - need) + rows, int(out.outputs[0].token_ids[0]))
+        except BaseException:
+            await close_session(session)
+            raise
+
+
+async def _session_chunk(llm, session: VllmSession, committed: list[int], drafts: list[int], params, reuse: int):
+    """Send committed + drafts as the session's next chunk (its context first when it has no request);
+    the chunk's output. Under the session's lock."""
+    from vllm.engine.protocol import StreamingInput
+    from vllm.sampling_params import RequestOutputKind
+
+    assert committed and drafts, "a session round needs committed tokens and drafts"
+    n = len(committed)
+    if not session.live:   # the context first, reading the prefix cache, one row back
+        session.chunks = asyncio.Queue()
+        base = params.clone()
+        base.output_kind = RequestOutputKind.DELTA
+        # vLLM's frontend gives a request a prompt-logprob reader, of a fixed width, only when
+        # its first chunk asks for prompt logprobs: -1 reads rows of any width (the chunks'
+        # top-1, top-k or whole rows, or a verdict); the engine computes none but each token's own (WIDTH_ARG).
+        base.prompt_logprobs, base.skip_reading_prefix_cache = -1, False
+        base.extra_args = {ROWS_ARG: 1, WIDTH_ARG: 0}
+        session.outputs = llm.generate(_chunk_stream(session.chunks), base,
+                                       request_id="session-" + uuid.uuid4().hex).__aiter__()
+        await _send(session, committed, base, None, 1, StreamingInput)
+        session.tokens = list(committed)
+    keep = min(common_prefix(session.tokens, committed + drafts), n - 1 + reuse)
+    out = await _send(session, (committed + drafts)[keep:], params, keep, len(drafts) - reuse, StreamingInput)
+    session.tokens = committed + drafts
+    return out
+
+
+async def session_verdict(llm, session: VllmSession, committed: list[int], paths: list[list[int]], tree: DraftTree,
+                          draft_probs, settings: SamplingSettings, uniforms: np.ndarray) -> TreeResult:
+    """A round decided in the engine (vllm_engine_ext.accept_step): a chunk per path of node indices
+    (a chain: one path, every node), in turn, each cut back to where it leaves the ones before, each
+    naming the tree rows its positions give; the last carries the round. Returns its verdict."""
+    if session.lock is None:
+        session.lock = asyncio.Lock()
+    async with session.lock:
+        try:
+            for k, path in enumerate(paths):
+                reuse = min(max((common_prefix(path, p) for p in paths[:k]), default=0), len(path) - 1)
+                rows = [0 if j == 0 else path[j - 1] + 1 for j in range(reuse, len(path) + 1)]
+                last = k == len(paths) - 1
+                spec = accept_spec(rows, *((tree, draft_probs, settings, uniforms) if last else ()))
+                out = await _session_chunk(llm, session, committed, [tree.tokens[i] for i in path],
+                                           accept_params(spec), reuse)
+            return read_verdict(out)
         except BaseException:
             await close_session(session)
             raise
