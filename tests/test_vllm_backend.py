@@ -405,7 +405,7 @@ def test_sampled_trees_with_top_k_take_a_request_per_leaf(backend):
     committed = [1] + [int(x) for x in rng.integers(3, 299, 30)]
     tree = DraftTree(tuple(int(x) for x in rng.integers(3, 299, 5)), (-1, 0, 1, -1, 3))   # 2 leaves, 5 nodes
     s = SamplingSettings(temperature=1.3, top_k=20, top_p=0.9)
-    assert backend.round_path(s, tree=True) == "tree-session"   # without a session state: a request per leaf
+    assert backend.round_path(s, tree=True) == "tree-session-engine"   # without a session state: a request per leaf
     before = backend.engine_counters()
     backend.verify_tree(None, committed, tree, None, s, rng)
     assert (backend.engine_counters() - before).requests == 2
