@@ -13,10 +13,14 @@ of each round), and the median time per round, measured side by side in one run.
   paths: per-position  gamma + 1 requests per round (sampled rounds without top-k)
          one-request   one request with prompt logprobs (greedy rounds; sampled rounds with top-k)
          session       one chunk of the session's own request, which keeps its KV (the same settings;
-                       cloud_verifier/backends/vllm_sessions.py): counted as one request a round
+                       cloud_verifier/backends/vllm_sessions.py): counted as one request a round; its
+                       rows cross to this process, which decides the round
+         session-engine  the same chunk, the round decided in vLLM's worker (vllm_engine_ext.accept_step:
+                       one torch accept_pass per engine step); only the verdict crosses
          tree          one request per node and the root (sampled trees)
          tree-leaves   one request per leaf with prompt logprobs (greedy trees; sampled trees with top-k)
          tree-session  one chunk of the session's request per leaf, in turn (every tree setting)
+         tree-session-engine  the same chunks, the round decided in vLLM's worker
 
   .venv-vllm/bin/python bench/fleet_vllm_counters.py                 # SmolLM2-135M dequantized, CPU
   .venv-vllm/bin/python bench/fleet_vllm_counters.py --vllm-arg gpu_memory_utilization=0.3   # on a GPU
@@ -54,28 +58,34 @@ SETTINGS = {"greedy": ({"temperature": 0.0}, False), "top-k": ({"temperature": 1
             "tree-top-p": ({"temperature": 1.0, "top_p": 0.9}, True)}
 
 
-# path -> (backend.one_request, backend.sessions) that make round_path take it
-PATH_SWITCHES = {"per-position": (False, False), "tree": (False, False), "one-request": (True, False),
-                 "tree-leaves": (True, False), "session": (True, True), "tree-session": (True, True)}
+# path -> (backend.one_request, backend.sessions, backend.engine_maths) that make round_path take it
+PATH_SWITCHES = {"per-position": (False, False, False), "tree": (False, False, False),
+                 "one-request": (True, False, False), "tree-leaves": (True, False, False),
+                 "session": (True, True, False), "tree-session": (True, True, False),
+                 "session-engine": (True, True, True), "tree-session-engine": (True, True, True)}
 
 
 def set_path(backend, path: str) -> None:
-    backend.one_request, backend.sessions = PATH_SWITCHES[path]
+    backend.one_request, backend.sessions, backend.engine_maths = PATH_SWITCHES[path]
+
+
+def shipped_switches(backend) -> None:
+    backend.one_request = backend.sessions = backend.engine_maths = True
 
 
 def paths_for(backend, setting: str) -> list[tuple[str, bool]]:
     """(path, shipped) for every path the backend can take for this setting: with its switches as
-    shipped (one_request and sessions on) and off (the paths every round took before)."""
+    shipped (one_request, sessions and engine_maths on) and off (the paths every round took before)."""
     from spec_core.warping import SamplingSettings
     kwargs, tree = SETTINGS[setting]
     settings = SamplingSettings(**kwargs)
     out = []
-    for one_request, sessions in ((False, False), (True, False), (True, True)):
-        backend.one_request, backend.sessions = one_request, sessions
+    for switches in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
+        backend.one_request, backend.sessions, backend.engine_maths = switches
         path = backend.round_path(settings, tree=tree)
         if path not in out:
             out.append(path)
-    backend.one_request = backend.sessions = True
+    shipped_switches(backend)
     shipped = backend.round_path(settings, tree=tree)
     return [(p, p == shipped) for p in out]
 
@@ -117,7 +127,7 @@ def run_cell(backend, prompt: list[int], setting: str, path: str, shipped: bool,
         else:
             result = backend.verify(state, committed, drafts, None, settings, rng).result
             tokens = commit_round(drafts, result, frozenset(), remaining=10**9, context_left=10**9).tokens
-            work = RoundWork("ideal" if path == "session" else path, block).tokens(
+            work = RoundWork("ideal" if path.startswith("session") else path, block).tokens(
                 gamma, tail_after_block(len(committed), block))
         dt = time.perf_counter() - t0
         committed.extend(tokens)
@@ -129,7 +139,7 @@ def run_cell(backend, prompt: list[int], setting: str, path: str, shipped: bool,
     ran, chunks = backend.model_tokens() - ran, state.rounds - chunks
     backend.release(state)
     per = lambda x: x / rounds  # noqa: E731
-    backend.one_request = backend.sessions = True
+    shipped_switches(backend)
     return {"setting": setting, "path": path, "shipped": shipped, "gamma": gamma,
             **({"nodes": 2 * gamma} if path.startswith("tree") else {}), "rounds": rounds, "block_size": block,
             "requests_per_round": per(d.requests + chunks), "finished_requests_per_round": per(d.requests),
@@ -164,7 +174,10 @@ def markdown(result: dict) -> str:
     lines += ["", "Settings: greedy; top-k: T = 1, top-k 20; top-p: T = 1, top-p 0.9; sampled: T = 1; tree: greedy; "
               "tree-top-k: T = 1, top-k 20; tree-top-p: T = 1, top-p 0.9. Trees: two branches of γ nodes from the root (2γ nodes, 2 leaves); "
               "path tree: one request per node and one for the root; tree-leaves: one request per leaf; tree-session: "
-              "one chunk of the session's request per leaf (counted as requests), charged nodes + leaves.",
+              "one chunk of the session's request per leaf (counted as requests), charged nodes + leaves. "
+              "session / tree-session: the rows cross to the frontend, which decides the round; session-engine / "
+              "tree-session-engine: the same chunks, the round decided in vLLM's worker (one torch accept_pass per "
+              "engine step), only the verdict crosses.",
               "Sampled rounds may add a request for a full processed row (the residual after a rejection whose "
               "free proposal failed); it is counted.",
               "Charged by RoundWork: netsim.fleet.costs.RoundWork(path, block).tokens(γ, r) with each round's own r "
@@ -216,7 +229,7 @@ def main() -> int:
             cell_prompt = [int(3 + seed)] + prompt[1:]
             c = run_cell(backend, cell_prompt, setting, path, shipped, gamma, rounds, backend.info.n_vocab, block, seed)
             cells.append(c)
-            print(f"{setting:10s} {path:12s}{' (shipped)' if shipped else ''} gamma={gamma}: "
+            print(f"{setting:10s} {path:19s}{' (shipped)' if shipped else ''} gamma={gamma}: "
                   f"{c['requests_per_round']:.2f} requests, "
                   f"{c['computed_prompt_tokens_per_round']:.1f} prompt tokens computed / round "
                   f"(RoundWork {c['predicted_prompt_tokens_per_round']:.1f}), {c['engine_steps_per_round']:.2f} steps, "
