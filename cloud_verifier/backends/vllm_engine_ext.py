@@ -224,6 +224,8 @@ def accept_step(runner, hidden_states: torch.Tensor, num_scheduled_tokens: dict[
             runner.num_prompt_logprobs[req_id] = width
     if positions:
         logits = runner.model.compute_logits(hidden_states[torch.as_tensor(positions, device=hidden_states.device)])
+        if logits is None:   # a tensor-parallel rank other than the driver: its answer is not read
+            return {}
         for k, (req_id, row) in enumerate(owners):
             stash.setdefault(req_id, {})[row] = logits[k]
     pieces, rounds, req_ids = [], [], []
