@@ -293,7 +293,7 @@ class VllmBackend(Backend):
 
     def round_path(self, settings: SamplingSettings, tree: bool = False) -> str:
         """The path a steady-state round takes: "session-engine" (any chain: a chunk of the session's request,
-        decided in the engine), "tree-session-engine" (any tree: a chunk per leaf, so); with engine_maths off
+        decided in the engine), "tree-session-engine" (any tree: a chunk per leaf, decided alike); with engine_maths off
         "session" / "tree-session" (rows cross, decided here); without sessions "one-request" (greedy,
         top-k up to TOP_K_ONE_REQUEST), "per-position" (gamma + 1 requests), "tree-leaves" (a request per
         leaf), "tree" (a request per node and the root). The one place that decides;
