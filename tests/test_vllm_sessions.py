@@ -374,3 +374,30 @@ def test_seeded_sessions_decided_in_the_engine_are_reproducible(backend, tree):
         runs = list(pool.map(lambda seed: _rounds(backend, s, seed, tree=tree), [77, 1, 2, 3]))
     assert runs[0] == alone
     assert runs[1] != alone or runs[2] != alone   # other seeds give other rounds: the comparison can fail
+
+
+@needs_vllm
+def test_a_round_decided_in_the_engine_crosses_vllms_serialiser_intact():
+    """The chunk's round (accept_spec: a tree, q dense float / sparse fixed-point / none, settings,
+    uniforms) through vLLM's own msgpack encoder and decoder for SamplingParams, as it travels from
+    the frontend to the engine: the q decoded there gives the same probabilities, and the rest is equal."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+    from vllm import SamplingParams
+    from cloud_verifier.backends.vllm_sessions import ACCEPT_ARG, accept_params, accept_spec, unpack_q
+    from spec_core.tree import DraftTree
+    from test_vllm_backend import make_q
+    rng = np.random.default_rng(3)
+    probs = rng.dirichlet(np.ones(300))
+    qs = [make_q("full", probs), make_q("sparse", probs), None]
+    tree = DraftTree((5, 9, 11), (-1, 0, -1))
+    s = SamplingSettings(temperature=0.7, top_k=40, top_p=0.95)
+    u = rng.random(4)
+    spec = accept_spec([0, 1, 2], tree, qs, s, u)
+    got = MsgpackDecoder(SamplingParams).decode(MsgpackEncoder().encode(accept_params(spec))).extra_args[ACCEPT_ARG]
+    rd = got["round"]
+    assert got["rows"] == [0, 1, 2] and rd["tokens"] == [5, 9, 11] and rd["parents"] == [-1, 0, -1]
+    assert rd["settings"] == [0.7, 40, 0.95] and rd["u"] == u.tolist()
+    back = [unpack_q(q) for q in rd["q"]]
+    assert back[2] is None
+    for q, b in zip(qs[:2], back[:2]):
+        assert b.fixed == q.fixed and np.array_equal(b.dense(300), q.dense(300))
