@@ -17,7 +17,7 @@ kaist-ina/specedge) through the same simulator.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from netsim.effects import Delay
 from netsim.fleet.calibration import Calibration, fleet_config
@@ -35,28 +35,37 @@ class GpuCase:
     work: RoundWork | None = None       # hybrid: what a round computes (None: gamma + 1 tokens)
     offload: bool = False               # hybrid: park waiting sessions' KV in host memory
     steer: bool = False                 # hybrid: the verifier's draft budget
+    host_path: str | None = None        # hybrid: the acceptance maths (netsim.fleet.hostpath.PATHS); None: the cost's own
 
 
 def gpu_cases(block_size: int = 16) -> list[GpuCase]:
-    one, per = RoundWork("one-request", block_size), RoundWork("per-position", block_size)
+    """The vLLM backend's paths: what ships (a session's own request, gamma + 1 tokens a round, the round
+    decided in the engine by one batched call a pass) first, then the paths without a session (numpy
+    maths per session on the host), kept to show what each piece buys."""
+    one, per, session = (RoundWork("one-request", block_size), RoundWork("per-position", block_size),
+                         RoundWork("ideal"))
+    device, numpy_ = "batched-on-device", "numpy-per-session"
     return [
         GpuCase("cloud-only (vLLM decode)", "cloud-only"),
-        GpuCase("hybrid, charged gamma+1 in one pass (the model before)", "hybrid", RoundWork("ideal")),
-        GpuCase("hybrid, vLLM per-position requests (sampled rounds without top-k)", "hybrid", per),
-        GpuCase("hybrid, vLLM one request (greedy or top-k rounds)", "hybrid", one),
-        GpuCase("hybrid, one request + KV offload", "hybrid", one, offload=True),
-        GpuCase("hybrid, one request + draft budget", "hybrid", one, steer=True),
-        GpuCase("hybrid, one request + KV offload + draft budget", "hybrid", one, offload=True, steer=True),
-        GpuCase("hybrid, per-position + KV offload + draft budget", "hybrid", per, offload=True, steer=True),
-        GpuCase("hybrid, gamma+1 in one pass + KV offload + draft budget (bound)", "hybrid", RoundWork("ideal"),
-                offload=True, steer=True),
+        GpuCase("hybrid, vLLM session, maths in the engine (what ships)", "hybrid", session, host_path=device),
+        GpuCase("hybrid, session, maths in the engine + KV offload + draft budget", "hybrid", session,
+                offload=True, steer=True, host_path=device),
+        GpuCase("hybrid, session, numpy maths per session (the host path before)", "hybrid", session,
+                host_path=numpy_),
+        GpuCase("hybrid, vLLM one request, numpy maths (no session: greedy or top-k rounds)", "hybrid", one,
+                host_path=numpy_),
+        GpuCase("hybrid, vLLM per-position requests, numpy maths (no session: sampled rounds without top-k)",
+                "hybrid", per, host_path=numpy_),
+        GpuCase("hybrid, one request, numpy maths + KV offload + draft budget", "hybrid", one, offload=True,
+                steer=True, host_path=numpy_),
     ]
 
 
 def gpu_capacity(params: Calibration, cost: RooflineCost, memory_bytes: float, cases: list[GpuCase],
                  offload: KvOffload, totals: list[int], slo_tpot_s: float, slo_ttft_s: float,
-                 duration_s: float = 6.0, progress=None) -> dict:
-    """Per case: edges per GPU at the SLO and the figures there; ratios to the first cloud-only case."""
+                 duration_s: float = 6.0, progress=None, hosts: dict | None = None) -> dict:
+    """Per case: edges per GPU at the SLO and the figures there; ratios to the first cloud-only case.
+    `hosts`: path name -> HostPath, for the cases that name their acceptance maths' path."""
     kv = kv_sessions(memory_bytes, cost)
     host = offload.host_sessions(cost)
     session_bytes = cost.kv_bytes_per_token * cost.context_tokens
@@ -66,14 +75,20 @@ def gpu_capacity(params: Calibration, cost: RooflineCost, memory_bytes: float, c
             progress(f"GPU capacity: {case.name}")
         hybrid = case.mode == "hybrid"
         parks = case.offload and hybrid
+        case_params = params
+        if hybrid and case.host_path is not None:
+            if not hosts or case.host_path not in hosts:
+                raise ValueError(f"GPU case {case.name!r} names host path {case.host_path!r}, which no table row gives")
+            case_params = replace(params, cost=replace(params.cost, host=hosts[case.host_path]))
 
-        def make(n: int, case=case, parks=parks, hybrid=hybrid):
-            return fleet_config(params, n, case.mode, True, packing="fcfs", round_work=case.work if hybrid else None,
+        def make(n: int, case=case, parks=parks, hybrid=hybrid, case_params=case_params):
+            return fleet_config(case_params, n, case.mode, True, packing="fcfs", round_work=case.work if hybrid else None,
                                 steer=case.steer and hybrid, kv_capacity=kv, kv_bytes_per_session=session_bytes,
                                 offload=offload if parks else None, slo_tpot_s=slo_tpot_s, slo_ttft_s=slo_ttft_s)
         n, sim = edges_per_verifier(make, slo_tpot_s, max_edges=host if parks else kv, duration_s=duration_s,
                                     slo_ttft_s=slo_ttft_s)
         row = {"case": case.name, "mode": case.mode, "work": case.work.describe() if case.work and hybrid else None,
+               "host_path": case_params.cost.host.describe() if hybrid and getattr(case_params.cost, "host", None) else None,
                "offload": parks, "steer": case.steer and hybrid, "edges_per_gpu": n,
                "bound": n >= (host if parks else kv)}
         for key in ("committed_tokens_per_s", "goodput_tokens_per_s", "tpot_p50_s", "tpot_p95_s", "ttft_p95_s",

@@ -15,7 +15,7 @@ import numpy as np
 
 from netsim.fleet.calibration import Calibration, calibrate_from_load, fleet_config, load_schedule, run_alpha
 from netsim.fleet.costs import H100, H200, LinearCost, gpu_cost, kv_sessions
-from netsim.fleet.hostpath import HostPathTable, stream_rows
+from netsim.fleet.hostpath import PATHS, HostPathTable, stream_rows
 from netsim.fleet.simulation import FleetConfig, simulate
 from spec_core.slo import run_meets_slo
 
@@ -134,12 +134,13 @@ def run_fleet(load_results: list[dict], *, slo_s: float, totals: list[int], prof
               gpu_alpha: float, gpu_draft_s: float, gpu_context: int, gpu_overhead_s: float,
               capacity_duration_s: float = 12.0, progress=None, slo_ttft_s: float | None = None,
               gpu_cases: list | None = None, gpu_duration_s: float = 6.0, specedge: dict | None = None,
-              host_path: str = "numpy-per-session", host_setting: str = "greedy") -> dict:
+              host_path: str = "batched-on-device", host_setting: str = "greedy") -> dict:
     """Calibrate on each load result and check against it; then the capacity table, whose serial rows take
     the first serial calibration's parameters and whose batched rows (and the GPU case's edges) the first
     batched one's (either falls back to the first calibration). The GPU's host path per pass is the
-    measured table's row (netsim.fleet.hostpath): `host_path` for the hybrid's rounds at `host_setting`,
-    vLLM's sampler on the device for cloud-only streams."""
+    measured table's row (netsim.fleet.hostpath): `host_path` for the hybrid's rounds at `host_setting`
+    (by default the batched call in the engine, which the vLLM backend's sessions ship; a GPU case
+    naming its own path is charged that row), vLLM's sampler on the device for cloud-only streams."""
     calibrations, checks = [], []
     for load in load_results:
         params = calibrate_from_load(load, per_token_s=cpu_per_token_s)
@@ -189,7 +190,8 @@ def run_fleet(load_results: list[dict], *, slo_s: float, totals: list[int], prof
         from netsim.fleet.gpu import gpu_capacity
         out["gpu_capacity"] = gpu_capacity(gpu_scenario.params, gpu_model, memory, gpu_cases, KvOffload(), totals,
                                            slo_s, slo_ttft_s if slo_ttft_s is not None else 2.0,
-                                           duration_s=gpu_duration_s, progress=progress)
+                                           duration_s=gpu_duration_s, progress=progress,
+                                           hosts={p: table.get(p, host_setting) for p in PATHS})
     if specedge:
         from netsim.fleet.gpu import specedge_table
         out["specedge"] = specedge_table(**specedge, slo_tpot_s=slo_s,

@@ -427,6 +427,35 @@ def test_the_gpu_table_puts_each_case_beside_cloud_only():
     assert "hybrid parked" in "\n".join(gpu_markdown(result, "t"))
 
 
+def test_each_gpu_case_is_charged_the_host_path_it_names():
+    """Two hybrid cases alike but for the acceptance maths they name: the slower host path (200 ms a round:
+    8 rounds in a pass take 1.6 s, about 0.55 s a token at α 0.7, γ 4, against a 0.3 s TPOT SLO) holds
+    fewer edges than the fast one, which fills the 8 KV slots; a case naming a path the table lacks is
+    refused."""
+    from netsim.fleet.calibration import Calibration
+    from netsim.fleet.costs import RooflineCost
+    from netsim.fleet.gpu import GpuCase, gpu_capacity
+    from netsim.fleet.hostpath import HostPath
+    cost = RooflineCost(params=1e9, model_bytes=2e9, kv_bytes_per_token=64_000, context_tokens=1000,
+                        hbm_bytes_per_s=1e12, flops_per_s=1e14)
+    params = Calibration(cost=cost, batching=True, alpha=0.7, gamma=4, draft_s=0.005, server_cpu_s=0.0,
+                         server_overhead_s=0.0, edge_cpu_s=0.0, edge_overhead_s=0.0, cloud_server_cpu_s=0.0,
+                         cloud_server_overhead_s=0.0, cloud_edge_cpu_s=0.0, proxy_cpu_s=0.0, cloud_proxy_cpu_s=0.0,
+                         max_tokens=32, max_batch_tokens=4096, profiles=["lte"], tokens_per_round=0.0)
+    hosts = {"fast": HostPath("fast", "test", "greedy", 1000, 0.0, 1e-5),
+             "slow": HostPath("slow", "test", "greedy", 1000, 0.0, 0.2)}
+    cases = [GpuCase("cloud", "cloud-only"), GpuCase("fast", "hybrid", RoundWork("ideal"), host_path="fast"),
+             GpuCase("slow", "hybrid", RoundWork("ideal"), host_path="slow")]
+    result = gpu_capacity(params, cost, 2.8e9, cases, KvOffload(), [1000], slo_tpot_s=0.3, slo_ttft_s=5.0,
+                          duration_s=3.0, hosts=hosts)
+    _, fast, slow = result["rows"]
+    assert "fast" in fast["host_path"] and "slow" in slow["host_path"]
+    assert slow["edges_per_gpu"] < fast["edges_per_gpu"] == 8
+    with pytest.raises(ValueError, match="missing"):
+        gpu_capacity(params, cost, 2.8e9, [GpuCase("x", "hybrid", RoundWork("ideal"), host_path="missing")],
+                     KvOffload(), [1000], slo_tpot_s=0.3, slo_ttft_s=5.0, duration_s=1.0, hosts=hosts)
+
+
 # --- the fleet runs the verifier's own policies ------------------------------------------------
 
 # The shipped policies (and the estimates they run on) the fleet must import, never write again.
