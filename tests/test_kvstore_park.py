@@ -41,7 +41,7 @@ def _replay(tiny_models, store, tokens, rows: int = 5) -> tuple[np.ndarray, int]
 
 @pytest.fixture(scope="module")
 def reference(tiny_models):
-    """Rows of the last 5 positions of each test sequence, by a verifier without a store or parking."""
+    """Rows of the last 5 positions of each test sequence, by a verifier without a store (parking on, nothing parked)."""
     return {seed: _replay(tiny_models, None, _tokens(seed))[0] for seed in (0, 1)}
 
 
