@@ -15,7 +15,7 @@ export PYTHONPATH=${PYTHONPATH:-.}
 date -u +%FT%TZ >> "$OUT/machine.txt"
 "$PY" -m netsim experiment --profiles lte,3g,geo-sat --modes cloud-only,per-token,hybrid,pipeline,continuations \
     --workloads chat,summarisation --max-tokens 32 --gammas 4 --no-crossover --out "$RAW/bundled"
-"$PY" bench/tree_netsim_synthetic.py --profiles 3g,geo-sat --workloads chat --curves cpu \
+"$PY" bench/tree_netsim_synthetic.py --profiles 3g,geo-sat --workloads chat --curves cpu --cpu 19,31 \
     --modes cloud-only,per-token,hybrid,pipeline,continuations --out "$RAW/synthetic"
 "$PY" bench/continuations_summary.py "$RAW" "$OUT"
 cp "$RAW/bundled/report.md" "$OUT/bundled_report.md"

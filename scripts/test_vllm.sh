@@ -10,5 +10,7 @@ VENV=${VENV_VLLM:-.venv-vllm}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
-# test_torch_accept.py: the batched acceptance maths (torch lives here); test_gpu_check.py: bench/gpu_check.sh --short.
-exec "$VENV/bin/python" -m pytest -m vllm tests/test_vllm_backend.py tests/test_torch_accept.py tests/test_gpu_check.py "$@"
+# Every tests/test_vllm_*.py (the backend, its sessions, the options combined on it: a new file is
+# picked up without editing this line); test_torch_accept.py: the batched acceptance maths (torch
+# lives here); test_gpu_check.py: bench/gpu_check.sh --short.
+exec "$VENV/bin/python" -m pytest -m vllm tests/test_vllm_*.py tests/test_torch_accept.py tests/test_gpu_check.py "$@"
