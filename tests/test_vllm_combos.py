@@ -213,6 +213,20 @@ def test_no_vllm_row_of_the_matrix_is_refused():
         refuse_conflicts(Speculation(**combo.edge_fields()), "gguf", True)
 
 
+@pytest.mark.parametrize("argv, both", [
+    (["--batching", "off"], ("--batching off", "--backend vllm")),
+    (["--kv-park", "on"], ("--kv-park on", "vLLM")),
+    (["--kv-store", "kv"], ("--kv-store", "llama.cpp backend")),
+])
+def test_verifier_options_that_cannot_work_on_vllm_are_refused_naming_both(argv, both):
+    """Before the engine starts (no model folder is needed to be refused)."""
+    from cloud_verifier.cli import backend_from_args, build_parser
+    args = build_parser().parse_args(["serve", "--backend", "vllm", "--model", "/nonexistent", *argv])
+    with pytest.raises(SystemExit) as e:
+        backend_from_args(args)
+    assert all(name in str(e.value) for name in both), str(e.value)
+
+
 def _sample_rows() -> list[Combo]:
     """Chain and tree × each work × each sampling (36), and auto × each work (6, sampling rotating):
     q rotates over none / fixed / float so that each sampling meets each q."""
