@@ -253,16 +253,17 @@ async def _generate(port, drafter, prompt, seed=None, n=24, **client_kw):
 
 
 def _park_after_every_round(backend) -> list[int]:
-    """Make the backend park each session as its round ends; returns a list that counts them."""
+    """Make the backend park each session as its round (chain or tree) ends; returns a list that
+    counts them."""
     parked = []
-    verify = backend.verify
+    verify_round = backend.verify_round
 
-    def verify_then_park(state, *args):
-        out = verify(state, *args)
+    def verify_then_park(state, *args, **kw):
+        out = verify_round(state, *args, **kw)
         # (False: the policy had parked it already, to make room for another session)
         parked.append(int(backend.book.park(state) or state.parked is not None))
         return out
-    backend.verify = verify_then_park
+    backend.verify_round = verify_then_park
     return parked
 
 

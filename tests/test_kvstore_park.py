@@ -133,40 +133,62 @@ def test_control_without_parking_the_same_drain_copies_from_the_cache(tiny_model
 
 # --- end to end: edges through a crash and a drain, their sessions parked ---------------------------
 
-def _server(tiny_models, store, port: int = 0) -> VerifierServer:
-    """Two places for four edges, parking on, every session parked as each of its rounds ends."""
+def _server(tiny_models, store, port: int = 0, trees: list[int] | None = None) -> VerifierServer:
+    """Two places for four edges, parking on, every session parked as each of its rounds ends;
+    `trees` counts the tree rounds."""
     backend = LlamaCppBackend(str(tiny_models["target"]), n_ctx=N_CTX, n_threads=1, batching=True,
                               kv_tokens=2 * N_CTX, kv_park=True, kv_store=str(store) if store else None,
                               kv_store_every_s=0.05)
     _park_after_every_round(backend)
+    if trees is not None:
+        tree_logits = backend.tree_logits
+        backend.tree_logits = lambda *a: trees.append(1) or tree_logits(*a)
     return VerifierServer(backend, "127.0.0.1", port, Limits(), grace_s=2.0)
 
 
+TREE = "budget=6,depth=3,branching=2,width=2"
+
+
+@pytest.fixture(scope="module")
+def tree_drafters(tiny_models):
+    """One tiny-model drafter per prompt that builds trees."""
+    from edge_client.drafters import GGUFDrafter
+    ds = [GGUFDrafter(str(tiny_models["draft"]), n_threads=1, n_ctx=512, max_tree_nodes=16) for _ in PROMPTS]
+    yield ds
+    for d in ds:
+        d.close()
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("shape", ["chain", "tree"])
 @pytest.mark.parametrize("fault", ["crash", "drain"])
-async def test_edges_with_parked_sessions_through_a_fault_get_the_fault_free_output(tiny_models, drafters,
-                                                                                  tmp_path, fault):
+async def test_edges_with_parked_sessions_through_a_fault_get_the_fault_free_output(request, tiny_models, tmp_path,
+                                                                                  fault, shape):
     """As test_kvstore's fault test, with the sessions parked between their rounds: crash (the port
     closes, nothing released, a new verifier on it) or drain (two replicas, the first drained while
-    the edges move to the second). Every output equals the fault-free run's (without store or
-    parking), sessions were parked before the fault, and replays restored cells from the store."""
+    the edges move to the second); chains, or trees of 6 nodes. Every output equals the fault-free
+    run's (without store or parking), sessions were parked before the fault, and replays restored
+    cells from the store."""
+    drafters = request.getfixturevalue("tree_drafters" if shape == "tree" else "drafters")
+    edge = {"tree": TREE} if shape == "tree" else {}
     plain = LlamaCppBackend(str(tiny_models["target"]), n_ctx=N_CTX, n_threads=1, batching=True,
                             kv_tokens=8 * N_CTX)
     ref = await VerifierServer(plain, "127.0.0.1", 0, Limits(), grace_s=2.0).start()
     try:
-        expected = await _generate_all(f"127.0.0.1:{ref.port}", drafters, [0] * len(PROMPTS))
+        expected = await _generate_all(f"127.0.0.1:{ref.port}", drafters, [0] * len(PROMPTS), **edge)
     finally:
         await ref.stop()
         plain.close()
     assert all(len(ids) == TOKENS for ids in expected)
 
     store = tmp_path / "kv"
-    servers = [await _server(tiny_models, store).start() for _ in range(1 if fault == "crash" else 2)]
+    trees: list[int] = []
+    servers = [await _server(tiny_models, store, trees=trees).start() for _ in range(1 if fault == "crash" else 2)]
     restored0, parks0 = _restores("restored"), _sample("hybridspec_kv_parks_total")
     progress = [0] * len(PROMPTS)
     try:
         run = asyncio.ensure_future(_generate_all(",".join(f"127.0.0.1:{s.port}" for s in servers), drafters,
-                                                  progress))
+                                                  progress, **edge))
         await _when(progress, 0.4, run)
         assert _sample("hybridspec_kv_parks_total") > parks0
         old = servers[0]
@@ -174,7 +196,7 @@ async def test_edges_with_parked_sessions_through_a_fault_get_the_fault_free_out
             old.engine.backend.checkpoints.flush()
             await old.server.stop(None)     # the port closes; no drain, no release, nothing more written
             old.server = None
-            servers[0] = await _server(tiny_models, store, old.port).start()
+            servers[0] = await _server(tiny_models, store, old.port, trees).start()
         else:
             await old.stop()
             servers.pop(0)
@@ -186,3 +208,4 @@ async def test_edges_with_parked_sessions_through_a_fault_get_the_fault_free_out
             s.engine.backend.close()
     assert outputs == expected
     assert _restores("restored") > restored0
+    assert (len(trees) > 0) == (shape == "tree")
