@@ -19,7 +19,7 @@ from test_kvpark import _park_after_every_round
 from test_kvstore import (N_CTX, PROMPTS, TOKENS, _cells, _generate_all, _header, _restores, _sample, _tokens,
                           _when)
 
-assert PROMPTS   # the `drafters` fixture (conftest) makes one drafter per prompt of this module
+# PROMPTS: the `drafters` fixture (conftest) makes one drafter per prompt of this module.
 
 
 def _backend(tiny_models, store, places: int = 1, park: bool = True) -> LlamaCppBackend:
