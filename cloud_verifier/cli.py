@@ -106,6 +106,10 @@ def _add_serve(sub) -> None:
 
 def backend_from_args(args):
     from cloud_verifier.backends import load_backend
+    if args.batching == "off" and args.backend == "vllm":
+        raise SystemExit("cloud-verifier: --batching off conflicts with --backend vllm: vLLM's scheduler always "
+                         "verifies the rounds of all sessions together (there is no serial vLLM verifier); drop "
+                         "--batching off")
     if args.kv_park == "on" and args.backend == "vllm":
         raise SystemExit("cloud-verifier: --kv-park on is for the llama.cpp and synthetic backends: vLLM manages "
                          "its own KV cache (its preemption and swap settings go in --vllm-arg)")

@@ -255,7 +255,9 @@ class SharedKV:
 
     def restore(self, seq: int, parked: "ParkedSeq") -> bool:
         """Put parked cells back into `seq` (parked, or holding nothing yet: a checkpoint loaded
-        into a new sequence); False when no place is free. The cells land
+        into a new sequence); False when no place is free, or when the cells fit only after a
+        compaction and a tree is in flight (compacting would drop its node cells: try again after
+        the pass, when it has finished); `seq` is then as it was. The cells land
         above every used cell, in the order they were saved (position order), as a compaction
         puts them back: every row is what it would have been without the move. RuntimeError when
         llama.cpp refuses the bytes: `seq` then has its place and holds nothing."""
@@ -267,7 +269,7 @@ class SharedKV:
         n = len(parked.tokens)
         if self._holes or self._top + n + self.n_ubatch + 1 > self.n_cells:
             if self._trees:
-                raise RuntimeError("the KV cache needs compacting while trees are in flight")
+                return False
             self.compact()
         self.parked.discard(seq)
         if not n:

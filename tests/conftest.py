@@ -2,6 +2,7 @@
 the `timing` marker's rule for busy machines."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -89,3 +90,27 @@ def drafters(request, tiny_models):
     yield ds
     for d in ds:
         d.close()
+
+
+# --- the vLLM suite's target (tests/test_vllm_backend.py, tests/test_vllm_combos.py) -------------
+
+@pytest.fixture(scope="module")
+def tiny_vllm(tmp_path_factory) -> dict[str, Path]:
+    """The tiny random llama as an HF folder for vLLM (`target_hf`), its GGUF and a GGUF draft
+    (tests/vllm_model.py)."""
+    from vllm_model import tiny_vllm_pair
+    return tiny_vllm_pair(tmp_path_factory.mktemp("vllm"))
+
+
+@pytest.fixture(scope="module")
+def vllm_backend(tiny_vllm):
+    """A VllmBackend on `tiny_vllm`'s target (n_ctx 512, float32; HYBRIDSPEC_VLLM_ARGS adds engine
+    arguments, e.g. GPU settings), closed after the module."""
+    # 2 cores: no core reserved for the engine's own process, a small KV cache.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    from cloud_verifier.backends.vllm import VllmBackend
+    extra = json.loads(os.environ.get("HYBRIDSPEC_VLLM_ARGS", "{}"))
+    b = VllmBackend(str(tiny_vllm["target_hf"]), n_ctx=512, engine_args={"dtype": "float32", **extra})
+    yield b
+    b.close()

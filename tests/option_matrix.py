@@ -14,6 +14,9 @@ The llama.cpp backend (tests/tiny_gguf.py's target and its blurred draft, one to
 vocabulary only; greedy runs
 are compared with the cloud-only stream, sampled ones only for the same seed twice (there is no
 exact distribution to test against).
+The vLLM backend (tests/vllm_model.py's tiny llama as an HF folder, its GGUF draft; sessions on, the
+one engine of the vLLM suite passed in as `backend`): same vocabulary, the verifier's own batching;
+checked as llama.cpp's rows are (tests/test_vllm_combos.py).
 """
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ class Combo:
     q: str = "float"           # QS: q on the wire (sparse supports: narrower than the vocabulary)
     sampling: str = "greedy"   # SAMPLINGS
     batching: str = "serial"   # BATCHINGS: the verifier's batcher on or off, or on with KV parking
-    backend: str = "synthetic"  # synthetic | llama.cpp (tiny GGUF models, same vocabulary)
+    backend: str = "synthetic"  # synthetic | llama.cpp (tiny GGUF models) | vllm (its batching: "batched")
 
     def __str__(self) -> str:
         return "/".join(dataclasses.astuple(self))
@@ -96,6 +99,11 @@ def llama_combos():
             for c in itertools.product(SHAPES, WORKS, QS, SAMPLINGS, BATCHINGS)]
 
 
+def vllm_combos():
+    """The vLLM matrix (162 combinations: one vocabulary; vLLM batches by itself, its KV is its own)."""
+    return [Combo("same", *c, "batched", backend="vllm") for c in itertools.product(SHAPES, WORKS, QS, SAMPLINGS)]
+
+
 # --- the pair ----------------------------------------------------------------------------------------
 
 def target_lm(vocab: str) -> SyntheticLM:
@@ -117,7 +125,7 @@ def backend_for(combo: Combo, models: dict | None = None, step_ms: float = 2.0):
 
 
 def drafter_for(combo: Combo, models: dict | None = None) -> tuple[Drafter, object]:
-    if combo.backend == "llama.cpp":
+    if combo.backend in ("llama.cpp", "vllm"):
         from edge_client.drafters import GGUFDrafter
         d = GGUFDrafter(str(models["draft"]), n_threads=1, n_ctx=512, max_tree_nodes=16)
         return d, d.model
@@ -128,7 +136,7 @@ def drafter_for(combo: Combo, models: dict | None = None) -> tuple[Drafter, obje
 
 
 def prompt_for(combo: Combo):
-    if combo.backend == "llama.cpp":
+    if combo.backend in ("llama.cpp", "vllm"):
         return "Hello world"
     return [0, 5, 6] if combo.vocab == "same" else "ab"
 
@@ -251,16 +259,19 @@ def seeded_ids_by_work(combo: Combo, works: tuple[str, ...], tokens: int, seed: 
 
 
 def run_combo(combo: Combo, tokens: int, seed: int = 7, check_seed: bool = True, wrap: Callable | None = None,
-              runs: int = 1, models: dict | None = None) -> dict:
+              runs: int = 1, models: dict | None = None, backend=None) -> dict:
     """Run one combination on a fresh verifier and check it: greedy equals the cloud-only stream;
     sampled: the same seed gives the same ids twice, and (unseeded, synthetic only) `tokens` tokens
-    for the chi-square. `models`: tests/conftest.py's tiny_models, for the llama.cpp backend.
+    for the chi-square. `models`: tests/conftest.py's tiny_models (llama.cpp) or tiny_vllm (vLLM:
+    the drafter's GGUF). `backend`: the verifier's backend, served by a fresh server and left open
+    (the vLLM suite's one engine); None: one built for the combination and closed.
     Returns what was measured (the caller asserts)."""
-    return asyncio.run(_run_combo(combo, tokens, seed, check_seed, wrap, runs, models))
+    return asyncio.run(_run_combo(combo, tokens, seed, check_seed, wrap, runs, models, backend))
 
 
-async def _run_combo(combo: Combo, tokens: int, seed: int, check_seed: bool, wrap, runs: int, models) -> dict:
-    backend = backend_for(combo, models)
+async def _run_combo(combo: Combo, tokens: int, seed: int, check_seed: bool, wrap, runs: int, models,
+                     given=None) -> dict:
+    backend = given if given is not None else backend_for(combo, models)
     out: dict = {"combo": str(combo)}
     try:
         async with running_server(backend, max_sessions=16) as server:
@@ -280,4 +291,5 @@ async def _run_combo(combo: Combo, tokens: int, seed: int, check_seed: bool, wra
             out["chi2"] = transition_p(combo, [r.prompt_ids[-1:] + r.ids for r in done])
             return out
     finally:
-        backend.close()
+        if given is None:
+            backend.close()

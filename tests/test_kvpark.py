@@ -108,6 +108,37 @@ def test_a_restore_llama_cpp_refuses_leaves_the_cache_consistent(tiny_models):
     kv.close()
 
 
+def test_a_restore_that_must_wait_for_a_tree_in_flight_keeps_the_cells_parked(tiny_models):
+    """Parking x trees: the parked cells fit only after a compaction, and another session's tree is
+    in flight (a compaction now would drop its node cells). The restore says "not now" (False: the
+    batcher prepares the round again after the pass, NoPlaceYet) and the sequence stays parked with
+    its cells; once the tree has finished it is restored, and its next rows are bit for bit a
+    private context's. (Before: RuntimeError, taken for refused bytes: the parked cells were
+    dropped and the round failed on a sequence still marked parked.)"""
+    model = GGUFModel(str(tiny_models["target"]), n_threads=1)
+    kv = SharedKV(model, 2, 100, slack=33, n_ids=3, tree_ids=4)
+    a, b = kv.acquire(), kv.acquire()
+    rounds_a = list(_rounds(model, 0, 2))
+    got = [_run(kv, a, *rounds_a[0])]
+    parked = kv.park(a)
+    rng = np.random.default_rng(3)
+    for _ in range(10):   # b's rollbacks retire cells until a's cells need a compaction to fit
+        if kv.used_cells + len(parked.tokens) + kv.n_ubatch + 1 > kv.n_cells:
+            break
+        _run(kv, b, [1] + [int(t) for t in rng.integers(3, model.n_vocab, 20)], 1)
+    assert kv.used_cells + len(parked.tokens) + kv.n_ubatch + 1 > kv.n_cells
+    job = kv.tree_job(b, kv.held[b], [5, 6, 7], [-1, 0, -1])
+    kv.decode(job.prepare())                      # b's tree is in flight
+    assert kv.restore(a, parked) is False
+    assert a in kv.parked and kv.held[a] == []
+    job.finish()
+    kv.maintain()
+    assert kv.restore(a, parked) and kv.held[a] == parked.tokens
+    got.append(_run(kv, a, *rounds_a[1]))
+    np.testing.assert_array_equal(_rows_alone(model, 0, 2), np.concatenate(got))
+    kv.close()
+
+
 # --- the policy ---------------------------------------------------------------------------------
 
 COST = ParkCost(park_s_per_byte=1e-9, restore_s_per_byte=1e-9, fixed_s=1e-3)   # 1 MB: 3 ms
@@ -222,16 +253,17 @@ async def _generate(port, drafter, prompt, seed=None, n=24, **client_kw):
 
 
 def _park_after_every_round(backend) -> list[int]:
-    """Make the backend park each session as its round ends; returns a list that counts them."""
+    """Make the backend park each session as its round (chain or tree) ends; returns a list that
+    counts them."""
     parked = []
-    verify = backend.verify
+    verify_round = backend.verify_round
 
-    def verify_then_park(state, *args):
-        out = verify(state, *args)
+    def verify_then_park(state, *args, **kw):
+        out = verify_round(state, *args, **kw)
         # (False: the policy had parked it already, to make room for another session)
         parked.append(int(backend.book.park(state) or state.parked is not None))
         return out
-    backend.verify = verify_then_park
+    backend.verify_round = verify_then_park
     return parked
 
 

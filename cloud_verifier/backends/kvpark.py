@@ -16,6 +16,8 @@ has places for:
   joins the pass that comes next; its logits are those it would have had unparked;
 - a round that finds no place waits for one (a session in a pass becomes idle when the pass
   ends) up to `restore_wait_s`, then fails with StateLost (the edge is told NOT_FOUND and replays);
+  so does one whose cells fit only after a compaction while another session's tree is in flight
+  (SharedKV.restore says "not now": compacting would drop the tree's node cells);
 - a park or restore that llama.cpp refuses loses the cells, not the session: it restarts from an
   empty place and the batcher evaluates its committed tokens again (a replay on the server).
 
