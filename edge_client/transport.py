@@ -181,25 +181,42 @@ class Verifier:
         # Own channels: one per replica of a comma list (replica_targets); a draining replica's
         # "moved" sends the calls to the next one. A shared channel stays the one channel.
         self.channels: list[grpc.aio.Channel] = [] if channel is None else [channel]
+        self._targets: list[str] = []
+        self._retired: set[asyncio.Task] = set()   # channels replaced by a move, closing
         self.stub: pb_grpc.VerifierStub | None = None
         self.reached = False   # the verifier has answered once: from then on calls wait for it to come back
         self._background: set[asyncio.Task] = set()  # Close calls that outlive a cancelled generation
 
     async def open(self) -> None:
         if self.channel is None:
-            self.channels = [open_channel(target, **self.security.channel_kwargs())
-                             for target in replica_targets(self.transport.server)]
+            self._targets = replica_targets(self.transport.server)
+            self.channels = [open_channel(target, **self.security.channel_kwargs()) for target in self._targets]
             self.channel = self.channels[0]
         self.stub = pb_grpc.VerifierStub(self.channel)
 
     def _move_from(self, channel: grpc.aio.Channel) -> bool:
         """The replica behind `channel` is draining: use the next replica's channel (once, however
-        many calls learn it). False when there is no other replica to go to."""
+        many calls learn it). False when there is no other replica to go to.
+
+        The channel moved to is a new one. pick_first stays on whichever address it reached: a
+        channel that connected while its own replica was down (restarting after an earlier drain)
+        went on to the next address and is still there — often the very replica draining now, which
+        would refuse the moved sessions until it exits (in a 64-edge rolling restart, edges waited
+        17-30 s so). A new channel tries its own replica first."""
         if len(self.channels) < 2:
             return False
         if self.channel is channel:
-            self.channel = self.channels[(self.channels.index(channel) + 1) % len(self.channels)]
-            self.stub = pb_grpc.VerifierStub(self.channel)
+            k = (self.channels.index(channel) + 1) % len(self.channels)
+            old, new = self.channels[k], open_channel(self._targets[k], **self.security.channel_kwargs())
+            for known in (_SERVER_LIMITS, _SERVER_INFOS):   # the same replica's: not asked again
+                if old in known:
+                    known[new] = known[old]
+            self.channels[k] = self.channel = new
+            self.stub = pb_grpc.VerifierStub(new)
+            # Nothing of ours waits on the old one (the calls follow `stub`): close it, briefly.
+            task = asyncio.ensure_future(old.close(grace=1.0))
+            self._retired.add(task)
+            task.add_done_callback(self._retired.discard)
         return True
 
     async def aclose(self) -> None:
@@ -207,6 +224,8 @@ class Verifier:
             # Close calls of generations cancelled mid-open: let them reach the verifier before
             # the channel goes (else their sessions hold KV memory until the verifier's TTL).
             await asyncio.wait(list(self._background), timeout=self.transport.deadline_s)
+        if self._retired:
+            await asyncio.wait(list(self._retired))
         if self._own_channel and self.channel is not None:
             for channel in self.channels:
                 await channel.close()
@@ -267,7 +286,7 @@ class Verifier:
         """`attempt()`, one RPC, until it answers: a refusal for load (a retry hint) is waited out,
         UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED are retried after retry_delay_s; anything else, or
         running out of patience, raises EdgeError."""
-        attempts, waited_s = 0, 0.0
+        attempts, waited_s, moves = 0, 0.0, 0
         max_retries = self.transport.max_retries if retries is None else retries
         while True:
             channel = self.channel
@@ -279,11 +298,23 @@ class Verifier:
                 hint_s = retry_after_s(e)
                 if moved(e) and self._move_from(channel):
                     # A draining replica: a session it handed back is replayed on the next replica
-                    # (the caller replays on NOT_FOUND); a refused new session goes there at once.
+                    # (the caller replays on NOT_FOUND); a refused new session goes there at once,
+                    # but not round and round: from the second move of one call on (every replica
+                    # it tried drains, or is down), the hint is waited out first.
+                    moves += 1
                     log.info("%s: %s, moving to the next replica: %s", what, e.code().name, e.details())
-                    if e.code() != grpc.StatusCode.NOT_FOUND:
-                        continue
-                    raise EdgeError(e.code(), e.details() or "") from None
+                    if e.code() == grpc.StatusCode.NOT_FOUND:
+                        raise EdgeError(e.code(), e.details() or "") from None
+                    if moves > 1:
+                        if waited_s >= self.transport.max_wait_s:
+                            raise EdgeError(e.code(), e.details() or "", retry_after_s=hint_s) from None
+                        wait_s = min((hint_s or RETRY_BASE_S) * (1 + random.random()),
+                                     self.transport.max_wait_s - waited_s)
+                        st.backoffs += 1
+                        st.backoff_s += wait_s
+                        waited_s += wait_s
+                        await asyncio.sleep(wait_s)
+                    continue
                 if hint_s is not None and e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) \
                         and waited_s < self.transport.max_wait_s:
                     # Refused for load: wait the hint plus up to as much again, drawn at random, so
