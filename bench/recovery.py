@@ -133,7 +133,12 @@ class Replica:
 
     def take_counted(self, into: dict[str, float]) -> None:
         """Add what its counters gained since `counted` to `into`."""
-        now = self.store_counters()
+        try:
+            now = self.store_counters()
+        except OSError as e:   # not listening (the edges finished while it drained or restarted)
+            log.warning("%s's metrics are not there (%s): its store counters since the last read are not counted",
+                        self.name, e)
+            return
         for k, v in now.items():
             into[k] = into.get(k, 0.0) + v - self.counted.get(k, 0.0)
         self.counted = now

@@ -198,7 +198,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """Take no new session from now on, and hand back the sessions held here, paced."""
         self.draining = True
         rate = self.policy.drain_sessions_per_s
-        self._handback = TokenBucket(rate, 1.0) if rate > 0 else None
+        # A second's worth at once: the rounds of a busy verifier come back in clumps (those of one
+        # pass together), and with room for one, the rate was one a pass whatever it was set to.
+        self._handback = TokenBucket(rate, max(1.0, rate)) if rate > 0 else None
 
     def to_hand_back(self, idle_s: float = 2.0) -> int:
         """Sessions still generating here, with a round inside now or used within `idle_s`, that were
