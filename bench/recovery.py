@@ -149,7 +149,11 @@ class Replica:
 
     def drain(self) -> None:
         self.proc.terminate()
-        self.proc.wait(60)
+        try:   # its --drain-timeout (60 s) and --grace (5 s), and its own exit
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not exit within 120 s of SIGTERM: killed", self.name)
+            self.kill()
 
     @property
     def address(self) -> str:

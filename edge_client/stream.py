@@ -177,7 +177,7 @@ async def verify_on_stream(verifier, stream: RoundStream, req: pb.VerifyRequest,
         # the replica that handed the session back (its reconnect could land on another replica).
         stream.follow(verifier.stub)
         st.bytes_up += pb.StreamRound(tag=1 << 20, request=req).ByteSize() + GRPC_FRAME_BYTES
-        reply = await stream.verify(req, wait_for_ready=verifier.reached)
+        reply = await stream.verify(req, wait_for_ready=verifier.wait_for_ready)
         st.bytes_down += pb.StreamReply(tag=1 << 20, reply=reply).ByteSize() + GRPC_FRAME_BYTES
         return reply
     return await verifier.call(attempt, st, f"round {req.round}")

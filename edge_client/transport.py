@@ -182,7 +182,8 @@ class Verifier:
         # "moved" sends the calls to the next one. A shared channel stays the one channel.
         self.channels: list[grpc.aio.Channel] = [] if channel is None else [channel]
         self._targets: list[str] = []
-        self._retired: set[asyncio.Task] = set()   # channels replaced by a move, closing
+        self._pinned: set[grpc.aio.Channel] = set()   # channels to one replica only, opened by a move
+        self._retired: set[asyncio.Task] = set()   # channels replaced, closing
         self.stub: pb_grpc.VerifierStub | None = None
         self.reached = False   # the verifier has answered once: from then on calls wait for it to come back
         self._background: set[asyncio.Task] = set()  # Close calls that outlive a cancelled generation
@@ -194,30 +195,55 @@ class Verifier:
             self.channel = self.channels[0]
         self.stub = pb_grpc.VerifierStub(self.channel)
 
-    def _move_from(self, channel: grpc.aio.Channel) -> bool:
-        """The replica behind `channel` is draining: use the next replica's channel (once, however
-        many calls learn it). False when there is no other replica to go to.
+    @property
+    def wait_for_ready(self) -> bool:
+        """Whether a call waits for the channel to (re)connect instead of failing: once the verifier
+        has answered, except on a channel to one replica opened by a move, whose failure to connect
+        is the cue to fall back to the replica list (_unpin)."""
+        return self.reached and self.channel not in self._pinned
 
-        The channel moved to is a new one. pick_first stays on whichever address it reached: a
-        channel that connected while its own replica was down (restarting after an earlier drain)
-        went on to the next address and is still there — often the very replica draining now, which
-        would refuse the moved sessions until it exits (in a 64-edge rolling restart, edges waited
-        17-30 s so). A new channel tries its own replica first."""
+    def _move_from(self, channel: grpc.aio.Channel) -> bool:
+        """The replica behind `channel` is draining: use the next replica (once, however many calls
+        learn it). False when there is no other replica to go to.
+
+        The next replica is reached on a new channel to its address alone. pick_first over the list
+        does not say which replica it reaches: a channel that connected while its own replica was
+        down went on to the next address and stays there, and a new one goes on to the next address
+        too when the first has not connected within 250 ms (gRPC's "happy eyeballs"), as a loaded
+        replica may not — in both cases often the very replica draining now, which refuses the moved
+        sessions until it exits (64-edge rolling restarts: edges waited 17-76 s so). If the
+        replica does not answer, the call falls back to the list (_unpin)."""
         if len(self.channels) < 2:
             return False
         if self.channel is channel:
             k = (self.channels.index(channel) + 1) % len(self.channels)
-            old, new = self.channels[k], open_channel(self._targets[k], **self.security.channel_kwargs())
-            for known in (_SERVER_LIMITS, _SERVER_INFOS):   # the same replica's: not asked again
-                if old in known:
-                    known[new] = known[old]
-            self.channels[k] = self.channel = new
-            self.stub = pb_grpc.VerifierStub(new)
-            # Nothing of ours waits on the old one (the calls follow `stub`): close it, briefly.
-            task = asyncio.ensure_future(old.close(grace=1.0))
-            self._retired.add(task)
-            task.add_done_callback(self._retired.discard)
+            new = open_channel(self._targets[k].split(",")[0], **self.security.channel_kwargs())
+            self._pinned.add(new)
+            self._replace(k, new)
         return True
+
+    def _unpin(self, channel: grpc.aio.Channel) -> bool:
+        """A call on a channel a move opened to one replica failed to reach it: that replica's
+        channel is its replica list again (pick_first goes on to the next that answers)."""
+        if channel is not self.channel or channel not in self._pinned:
+            return False
+        k = self.channels.index(channel)
+        self._replace(k, open_channel(self._targets[k], **self.security.channel_kwargs()))
+        return True
+
+    def _replace(self, k: int, new: grpc.aio.Channel) -> None:
+        """Channel k is `new` from now on, and the calls go there; the old one is closed."""
+        old = self.channels[k]
+        for known in (_SERVER_LIMITS, _SERVER_INFOS):   # the same replica's: not asked again
+            if old in known:
+                known[new] = known[old]
+        self.channels[k] = self.channel = new
+        self.stub = pb_grpc.VerifierStub(new)
+        self._pinned.discard(old)
+        # Nothing of ours waits on the old one (the calls follow `stub`): close it, briefly.
+        task = asyncio.ensure_future(old.close(grace=1.0))
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
 
     async def aclose(self) -> None:
         if self._background:
@@ -249,7 +275,7 @@ class Verifier:
         if limits is None:
             async def ask() -> pb.ServerInfo:
                 info = await self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.transport.deadline_s,
-                                                     wait_for_ready=self.reached, metadata=self.metadata)
+                                                     wait_for_ready=self.wait_for_ready, metadata=self.metadata)
                 _SERVER_INFOS[self.channel] = info
                 return info
             try:
@@ -269,7 +295,7 @@ class Verifier:
             st.bytes_up += req.ByteSize() + GRPC_FRAME_BYTES
             # Once a verifier has answered, wait for it to come back (restart) instead of failing fast;
             # before that, an address with nothing behind it fails within the retry budget.
-            reply = await self.stub.Verify(req, timeout=self.transport.deadline_s, wait_for_ready=self.reached,
+            reply = await self.stub.Verify(req, timeout=self.transport.deadline_s, wait_for_ready=self.wait_for_ready,
                                            metadata=self.metadata)
             st.bytes_down += reply.ByteSize() + GRPC_FRAME_BYTES
             return reply
@@ -327,6 +353,9 @@ class Verifier:
                     log.info("%s: %s, backing off %.2fs: %s", what, e.code().name, wait_s, e.details())
                     await asyncio.sleep(wait_s)
                     continue
+                if e.code() == grpc.StatusCode.UNAVAILABLE and self._unpin(channel):
+                    log.info("%s: the replica moved to does not answer (%s), back to the replica list", what,
+                             e.details())
                 if e.code() in RETRYABLE and attempts < max_retries:
                     attempts += 1
                     st.retries += 1

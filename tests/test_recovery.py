@@ -266,6 +266,42 @@ async def test_a_moved_session_reaches_the_other_replica_though_its_channel_had_
             await b.stop()
 
 
+async def test_a_move_to_a_replica_that_is_down_falls_back_to_the_list_and_finds_a_restart():
+    """A move goes to the next replica alone; when that one is down (here: never restarted), the
+    edge does not wait for it but goes back to its replica list, and finishes on the drained
+    replica's restart."""
+    a, b = await _synthetic(drain_sessions_per_s=0).start(), await _synthetic().start()
+    a_port, b_port = a.port, b.port
+    await b.stop()
+    restarted: list[VerifierServer] = []
+
+    async def restart_a() -> None:
+        await asyncio.sleep(0.5)
+        await a.stop()
+        restarted.append(await _synthetic(a_port).start())
+    tasks = []
+    rounds = []
+
+    def drain_a_after_3_rounds(_) -> None:
+        rounds.append(1)
+        if len(rounds) == 3:
+            a.servicer.drain()
+            tasks.append(asyncio.ensure_future(restart_a()))
+    try:
+        client = EdgeClient(edge_options(f"127.0.0.1:{a_port},127.0.0.1:{b_port}", gamma=2, deadline_s=5),
+                            SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB), on_round=drain_a_after_3_rounds)
+        async with client:
+            gen = client.generate([0, 5, 6], SamplingSettings(temperature=0.0, max_new_tokens=40, ignore_eos=True))
+            ids = await asyncio.wait_for(gen.text(), 20) and gen.stats.token_ids
+        assert len(ids) == 40 and gen.stats.replays >= 1
+        assert restarted and len(restarted[0].engine.sessions) == 1   # finished on A's restart
+    finally:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await a.stop()
+        for r in restarted:
+            await r.stop()
+
+
 async def test_an_edge_whose_replicas_all_drain_waits_out_their_hint_between_moves():
     """Every replica refuses "moved": the edge goes from one to the next, waiting the hint between
     moves (not round and round at once), and gives up after max_wait_s. The count of refusals is
