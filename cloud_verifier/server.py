@@ -422,16 +422,18 @@ class VerifierServer:
         servicer.drain()
         await self.health.enter_graceful_shutdown()
         t0 = time.monotonic()
-        # Every session's cells to the KV store (with --kv-store), idle ones too: an idle session's
-        # edge is not waited for and replays wherever it goes next.
+        handing_back = t0 + self.policy.drain_timeout_s
+        while servicer.to_hand_back() and time.monotonic() < handing_back:
+            await asyncio.sleep(0.02)
+        # The cells of the sessions not handed back to the KV store (with --kv-store): idle ones,
+        # whose edges are not waited for and replay wherever they go next. (A handed-back session's
+        # were written just before its "moved"; writing every session's first held the first of
+        # those answers up by 5.6 s, 32 sessions on a loaded machine.)
+        left = [s.state for s in self.engine.sessions.sessions() if s.state is not None and s.id not in servicer.moved]
         try:
-            await run_in_thread(self.engine.backend.checkpoint_all)
+            await run_in_thread(self.engine.backend.checkpoint_all, left)
         except Exception:  # noqa: BLE001 - the sessions' replays prefill instead
             log.exception("writing the sessions' KV checkpoints failed")
-        if servicer._handback is not None:
-            handing_back = t0 + self.policy.drain_timeout_s
-            while servicer.to_hand_back() and time.monotonic() < handing_back:
-                await asyncio.sleep(0.02)
         deadline = time.monotonic() + self.grace_s
         while servicer.inflight.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
