@@ -140,15 +140,21 @@ class KVStore:
 
     # --- writing ----------------------------------------------------------------------------------
 
-    def put(self, tenant: str, key: str, parked: ParkedSeq) -> None:
+    def put(self, tenant: str, key: str, parked: ParkedSeq, first: bool = False) -> None:
         """Queue `parked` as the checkpoint `key` of `tenant` for the writer thread; a later
-        checkpoint (or deletion) of the same key replaces one not yet written. Returns at once."""
+        checkpoint (or deletion) of the same key replaces one not yet written. `first`: ahead of
+        the others queued (a drain's: an edge waits for it). Returns at once."""
         if not parked.tokens:
             return
         header = json.dumps({"fingerprint": self.fingerprint, "tenant": tenant_folder(tenant),
                              "tokens": [int(t) for t in parked.tokens], "nbytes": parked.nbytes}).encode()
+        path = self.path(tenant, key)
         with self._lock:
-            self._pending[self.path(tenant, key)] = (header, parked)
+            if first:
+                self._pending.pop(path, None)
+                self._pending = {path: (header, parked), **self._pending}
+            else:
+                self._pending[path] = (header, parked)
             self._lock.notify()
 
     def delete(self, tenant: str, key: str) -> None:
@@ -174,6 +180,13 @@ class KVStore:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while (self._pending or self._writing is not None) and time.monotonic() < deadline:
+                self._lock.wait(0.05)
+
+    def written(self, tenant: str, key: str, timeout_s: float = 30.0) -> None:
+        """Wait until the checkpoint `key` of `tenant` queued so far is written (not the others)."""
+        path, deadline = self.path(tenant, key), time.monotonic() + timeout_s
+        with self._lock:
+            while (path in self._pending or self._writing == path) and time.monotonic() < deadline:
                 self._lock.wait(0.05)
 
     def close(self) -> None:
@@ -420,8 +433,9 @@ class Checkpoints:
         """Checkpoint now (a drain hands the session back): copied at the next gap between passes,
         written before this returns; the file stays when the session is released."""
         self.keep = True
-        self._in_next_gap(lambda: self._take(state))
-        self.store.flush()
+        self._in_next_gap(lambda: self._take(state, first=True))
+        if state.ckpt_key is not None:
+            self.store.written(state.tenant, state.ckpt_key)   # its own file: not behind the others queued
 
     def checkpoint_all(self, states=None) -> None:
         """These sessions' checkpoints, or every live session's (a drain), all copied in the next
@@ -455,8 +469,9 @@ class Checkpoints:
         if not done.wait(GAP_WAIT_S):   # the batcher is closing (its chores are dropped)
             self.batcher.acquire(run)
 
-    def _take(self, state) -> None:
-        """Between passes (the model is ours): copy the session's cells, hand them to the store."""
+    def _take(self, state, first: bool = False) -> None:
+        """Between passes (the model is ours): copy the session's cells, hand them to the store
+        (`first`: ahead of the others queued)."""
         state.ckpt_queued = False
         with self.book._lock:
             if state.released or state.seq is None:
@@ -473,7 +488,7 @@ class Checkpoints:
             if state.ckpt_key is None:
                 state.ckpt_key = self.store.new_key()
                 self.store.claim(state.ckpt_key)
-            self.store.put(state.tenant, state.ckpt_key, parked)
+            self.store.put(state.tenant, state.ckpt_key, parked, first=first)
 
     def released(self, state) -> None:
         """A session ends: its file goes, unless a drain keeps it for the replica it moves to."""
