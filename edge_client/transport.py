@@ -209,10 +209,11 @@ class Verifier:
         The next replica is reached on a new channel to its address alone. pick_first over the list
         does not say which replica it reaches: a channel that connected while its own replica was
         down went on to the next address and stays there, and a new one goes on to the next address
-        too when the first has not connected within 250 ms (gRPC's "happy eyeballs"), as a loaded
-        replica may not — in both cases often the very replica draining now, which refuses the moved
-        sessions until it exits (64-edge rolling restarts: edges waited 17-76 s so). If the
-        replica does not answer, the call falls back to the list (_unpin)."""
+        when the first does not complete its connection at once (a list whose first verifier was
+        stopped, SIGSTOP, was answered by the second within 0.1 s), as a loaded replica may not — in
+        both cases often the very replica draining now, which refuses the moved sessions until it
+        exits (a 64-edge rolling restart: edges waited 17-30 s so). If the replica does not answer,
+        the call falls back to the list (_unpin)."""
         if len(self.channels) < 2:
             return False
         if self.channel is channel:
