@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import logging
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import time
 import urllib.request
@@ -38,11 +40,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edge_client import EdgeClient  # noqa: E402
 from edge_client.options import EdgeOptions, Speculation, Transport  # noqa: E402
+from edge_client.transport import replica_targets  # noqa: E402
 from hybridspec.launch import spawn_verifier  # noqa: E402
 from netsim.load import DraftCost, Edges, LoadConfig, free_port  # noqa: E402
 from spec_core.warping import SamplingSettings  # noqa: E402
 
 log = logging.getLogger("recovery")
+EDGE = contextvars.ContextVar("edge", default=-1)   # the edge a log line comes from (--log-dir)
+
+
+class _EdgeTag(logging.Filter):
+    """Tag a log record with its edge and the seconds since the run began."""
+
+    t0 = time.time()   # reset as each run begins
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.edge, record.t = EDGE.get(), record.created - self.t0
+        return True
 
 
 @dataclass
@@ -52,6 +66,7 @@ class EdgeTrace:
     edge: int
     greedy: bool
     commits: list[float] = field(default_factory=list)   # perf_counter time of each committed round
+    replicas: list[int] = field(default_factory=list)    # the replica whose channel it used then (0, 1)
     tokens: int = 0                                        # committed so far
     token_ids: list[int] = field(default_factory=list)
     replays: int = 0
@@ -72,6 +87,7 @@ class Fault:
     kind: str                       # "kill" (SIGKILL + restart) or "drain" (SIGTERM of one replica + restart)
     share: float                    # of all requested tokens committed when it comes
     at_s: float | None = None       # after the run's start
+    exited_s: float | None = None   # the process had exited (after the fault; a drain: handed back, port closed)
     ready_s: float | None = None    # the restarted verifier printed its ready line (after the fault)
     first_commit_s: float | None = None   # the first commit by any edge after the fault
     all_commit_s: float | None = None     # every edge still generating at the fault has committed again
@@ -81,7 +97,8 @@ class Fault:
 class Replica:
     """A verifier process on a fixed port, restartable."""
 
-    def __init__(self, args: list[str], metrics: bool = False):
+    def __init__(self, args: list[str], metrics: bool = False, log_dir: Path | None = None, name: str = "replica"):
+        self.log_dir, self.name, self.starts = log_dir, name, 0
         self.port = free_port()
         self.metrics_port = free_port() if metrics else None
         self.args = args
@@ -90,7 +107,11 @@ class Replica:
 
     def start(self) -> None:
         extra = ["--metrics-port", str(self.metrics_port)] if self.metrics_port else []
-        self.proc = spawn_verifier([*self.args, "--port", str(self.port), *extra]).proc
+        stderr = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.starts += 1
+            stderr = open(self.log_dir / f"{self.name}-{self.starts}.log", "w")   # noqa: SIM115 - the child holds it
+        self.proc = spawn_verifier([*self.args, "--port", str(self.port), *extra], stderr=stderr).proc
         self.counted = {}
 
     def store_counters(self) -> dict[str, float]:
@@ -112,7 +133,12 @@ class Replica:
 
     def take_counted(self, into: dict[str, float]) -> None:
         """Add what its counters gained since `counted` to `into`."""
-        now = self.store_counters()
+        try:
+            now = self.store_counters()
+        except OSError as e:   # not listening (the edges finished while it drained or restarted)
+            log.warning("%s's metrics are not there (%s): its store counters since the last read are not counted",
+                        self.name, e)
+            return
         for k, v in now.items():
             into[k] = into.get(k, 0.0) + v - self.counted.get(k, 0.0)
         self.counted = now
@@ -123,7 +149,11 @@ class Replica:
 
     def drain(self) -> None:
         self.proc.terminate()
-        self.proc.wait(60)
+        try:   # its --drain-timeout (60 s) and --grace (5 s), and its own exit
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not exit within 120 s of SIGTERM: killed", self.name)
+            self.kill()
 
     @property
     def address(self) -> str:
@@ -134,27 +164,37 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
     loop = asyncio.get_running_loop()
     traces = [EdgeTrace(i, greedy=i % 2 == 0) for i in range(cfg.edges)]
     server = ",".join(r.address for r in replicas)
+    servers = replica_targets(server)
     if cfg.kv_store:   # a run never restores what the run before stored
         shutil.rmtree(cfg.kv_store, ignore_errors=True)
     store: dict[str, float] = {}
     for r in replicas:
         r.take_counted({})
     t0 = time.perf_counter()
+    _EdgeTag.t0 = time.time()   # the edges' log lines count from here
+    logging.getLogger("edge_client.recovery").info("run begins: %d faults", len(faults))
 
-    def committed(trace: EdgeTrace, tokens: int) -> None:
+    def committed(trace: EdgeTrace, tokens: int, client: EdgeClient) -> None:
         trace.commits.append(time.perf_counter())
         trace.tokens += tokens
+        v = client.verifier   # its channel k lists replica (first + k) first; pick_first may have gone on
+        first = trace.edge % len(servers) if cfg.spread else 0
+        trace.replicas.append((first + v.channels.index(v.channel)) % len(servers) if v.channel in v.channels else -1)
 
     async def edge(trace: EdgeTrace) -> None:
+        EDGE.set(trace.edge)
         settings = SamplingSettings(temperature=0.0 if trace.greedy else 0.7, top_p=1.0 if trace.greedy else 0.95,
                                     max_new_tokens=cfg.max_tokens, seed=1000 + trace.edge, ignore_eos=True)
-        options = EdgeOptions(Transport(server, deadline_s=cfg.deadline), Speculation(gamma=cfg.gamma))
+        # Spread: edge k lists the replicas from replica k on (pick_first takes the first that answers),
+        # so each replica serves its share; else every edge starts on replica 1.
+        first = servers[trace.edge % len(servers)] if cfg.spread else server
+        options = EdgeOptions(Transport(first, deadline_s=cfg.deadline), Speculation(gamma=cfg.gamma))
         # The drafter itself (prompt lookup, or the synthetic one), without an emulated drafting
         # cost: that needs a shared channel with an interceptor, and the edge's own channels (one
         # per replica) are what is measured.
         drafter = edges.drafter(DraftCost(), trace.edge).inner
         client = EdgeClient(options, drafter, edges.tokenizer,
-                            on_round=lambda e: committed(trace, e.tokens))
+                            on_round=lambda e: committed(trace, e.tokens, client))
         async with client:
             gen = client.generate(edges.prompt(trace.edge, 0), settings)
             try:
@@ -178,10 +218,15 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
             await loop.run_in_executor(None, replica.take_counted, store)   # a killed process's counters go
             t_fault = fault_times[k] = time.perf_counter()
             fault.at_s = t_fault - t0
+            marks = logging.getLogger("edge_client.recovery")   # in --log-dir's edges.log, among the edges' lines
+            marks.info("fault %d: %s %s", k + 1, fault.kind, replica.name)
             await loop.run_in_executor(None, replica.kill if fault.kind == "kill" else replica.drain)
+            fault.exited_s = time.perf_counter() - t_fault
+            marks.info("fault %d: %s exited", k + 1, replica.name)
             await asyncio.sleep(cfg.restart_delay)
             await loop.run_in_executor(None, replica.start)
             fault.ready_s = time.perf_counter() - t_fault
+            marks.info("fault %d: %s ready again", k + 1, replica.name)
 
     injecting = asyncio.ensure_future(inject())
     await asyncio.gather(*(edge(t) for t in traces))
@@ -218,6 +263,7 @@ def summary(result: dict, reference: dict | None, requested: int) -> dict:
         "max_gap_s": round(max(gaps), 2), "median_max_gap_s": round(statistics.median(gaps), 2),
         "first_commit_s": {"median": round(statistics.median(firsts), 2), "max": round(max(firsts), 2)} if firsts else None,
         "per_edge_commits_s": [[round(c - result["t0"], 3) for c in t.commits] for t in traces],
+        "per_edge_replicas": [t.replicas for t in traces],   # the replica (index) each commit's round went to
         "faults": [asdict(f) for f in result["faults"]],
     }
     if result["kv_store"]:
@@ -240,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
                                                  "tokens are committed (comma list, e.g. 0.3,0.6)")
     p.add_argument("--rolling-at", default="", help="drain (SIGTERM) and restart replica 1, 2, 1, ... at these shares "
                                                     "(two replicas; the edges get both addresses)")
+    p.add_argument("--no-spread", dest="spread", action="store_false",
+                   help="every edge lists the replicas in the same order (all start on replica 1); by default edge k "
+                        "lists them from replica k (mod the replicas) on")
+    p.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="skip the fault-free run (a quicker look at a fault run; outputs are not compared)")
     p.add_argument("--restart-delay", type=float, default=0.0,
                    help="seconds between a fault and the restart (a slow start, a node replaced)")
     p.add_argument("--verifier-arg", action="append", default=[], help="extra `cloud-verifier serve` argument")
@@ -247,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-store", help="give the verifiers --kv-store this folder (emptied before each run); the "
                                       "replays' restores are counted from their metrics")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--log-dir", type=Path, help="keep the logs here: each verifier process's, and the edges' "
+                                                "(edges.log: each line with its edge and seconds into the run)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -262,15 +315,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_store:
         vargs += ["--kv-store", args.kv_store]
     n_replicas = 2 if rolls else 1
-    replicas = [Replica(vargs, metrics=bool(args.kv_store)) for _ in range(n_replicas)]
+    if args.log_dir:
+        for h in logging.getLogger().handlers:   # the edges' INFO lines go to the file only
+            h.setLevel(logging.getLogger().level)
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(args.log_dir / "edges.log", mode="w")
+        handler.addFilter(_EdgeTag())
+        handler.setFormatter(logging.Formatter("%(t)8.3f edge %(edge)2d %(name)s: %(message)s"))
+        handler.setLevel(logging.INFO)
+        logging.getLogger("edge_client").addHandler(handler)
+        logging.getLogger("edge_client").setLevel(logging.INFO)
+    replicas = [Replica(vargs, metrics=bool(args.kv_store), log_dir=args.log_dir, name=f"replica{k + 1}")
+                for k in range(n_replicas)]
     for r in replicas:
         r.start()
     report = {"config": vars(args)}
     # A SIGTERM (timeout, kill) stops the verifiers too: raised as KeyboardInterrupt, so `finally` runs.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        reference = asyncio.run(run(edges, args, replicas, []))
-        report["fault_free"] = summary(reference, None, args.max_tokens)
+        reference = None
+        if args.reference:
+            reference = asyncio.run(run(edges, args, replicas, []))
+            report["fault_free"] = summary(reference, None, args.max_tokens)
         faults = [Fault("kill", t) for t in kills] or [Fault("drain", t) for t in rolls]
         if faults:
             faulty = asyncio.run(run(edges, args, replicas, faults))
@@ -280,11 +346,11 @@ def main(argv: list[str] | None = None) -> int:
             if r.proc is not None and r.proc.poll() is None:
                 r.proc.terminate()
                 r.proc.wait(30)
-    brief = {k: ({kk: vv for kk, vv in v.items() if kk != "per_edge_commits_s"} if isinstance(v, dict) and k != "config"
+    brief = {k: ({kk: vv for kk, vv in v.items() if not kk.startswith("per_edge")} if isinstance(v, dict) and k != "config"
                  else v) for k, v in report.items()}
-    print(json.dumps(brief, indent=1))
+    print(json.dumps(brief, indent=1, default=str))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return 0
 
 

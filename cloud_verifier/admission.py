@@ -41,9 +41,10 @@ class ServerPolicy:
     session_retry_after_s: float = 1.0    # hint when no session slot is free
     drain_retry_after_s: float = 0.1      # hint to a new session refused by a draining verifier: by then
                                           # its connection has moved to another replica (or a restart)
-    drain_sessions_per_s: float = 8.0     # a draining verifier hands back its sessions this many a second
-                                          # (the replica they go to prefills their replays as they come);
-                                          # 0: all at once
+    drain_sessions_per_s: float = 0.0     # a draining verifier hands back its sessions this many a second
+                                          # (at most a second's worth at once); 0: each at its next round,
+                                          # all within one round of every session (the replica they go to
+                                          # restores them from the KV store: docs/operations.md)
     drain_timeout_s: float = 60.0         # ... and exits after this long even if some were never handed back
     replay_first_retry_after_s: float = 0.25   # hint to a new session while replays are being admitted
 

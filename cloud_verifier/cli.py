@@ -98,7 +98,8 @@ def _add_serve(sub) -> None:
     s.add_argument("--grace", type=float, default=5.0, help="seconds for rounds in flight to finish on SIGTERM")
     s.add_argument("--drain-rate", type=float, default=ServerPolicy.drain_sessions_per_s,
                    help="on SIGTERM, hand sessions back to their edges (which replay them on another replica) this "
-                        "many a second, so the replica they go to prefills them as it can; 0: all at once")
+                        "many a second, for a replica that must prefill them (no shared --kv-store); 0: each at its "
+                        "next round")
     s.add_argument("--drain-timeout", type=float, default=ServerPolicy.drain_timeout_s,
                    help="on SIGTERM, exit after this many seconds even if sessions are still to be handed back")
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")

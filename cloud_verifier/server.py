@@ -198,7 +198,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """Take no new session from now on, and hand back the sessions held here, paced."""
         self.draining = True
         rate = self.policy.drain_sessions_per_s
-        self._handback = TokenBucket(rate, 1.0) if rate > 0 else None
+        # A second's worth at once: the rounds of a busy verifier come back in clumps (those of one
+        # pass together), and with room for one, the rate was one a pass whatever it was set to.
+        self._handback = TokenBucket(rate, max(1.0, rate)) if rate > 0 else None
 
     def to_hand_back(self, idle_s: float = 2.0) -> int:
         """Sessions still generating here, with a round inside now or used within `idle_s`, that were
@@ -420,16 +422,18 @@ class VerifierServer:
         servicer.drain()
         await self.health.enter_graceful_shutdown()
         t0 = time.monotonic()
-        # Every session's cells to the KV store (with --kv-store), idle ones too: an idle session's
-        # edge is not waited for and replays wherever it goes next.
+        handing_back = t0 + self.policy.drain_timeout_s
+        while servicer.to_hand_back() and time.monotonic() < handing_back:
+            await asyncio.sleep(0.02)
+        # The cells of the sessions not handed back to the KV store (with --kv-store): idle ones,
+        # whose edges are not waited for and replay wherever they go next. (A handed-back session's
+        # were written just before its "moved"; writing every session's first held the first of
+        # those answers up by 5.6 s, 32 sessions on a loaded machine.)
+        left = [s.state for s in self.engine.sessions.sessions() if s.state is not None and s.id not in servicer.moved]
         try:
-            await run_in_thread(self.engine.backend.checkpoint_all)
+            await run_in_thread(self.engine.backend.checkpoint_all, left)
         except Exception:  # noqa: BLE001 - the sessions' replays prefill instead
             log.exception("writing the sessions' KV checkpoints failed")
-        if servicer._handback is not None:
-            handing_back = t0 + self.policy.drain_timeout_s
-            while servicer.to_hand_back() and time.monotonic() < handing_back:
-                await asyncio.sleep(0.02)
         deadline = time.monotonic() + self.grace_s
         while servicer.inflight.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)

@@ -173,8 +173,11 @@ async def verify_on_stream(verifier, stream: RoundStream, req: pb.VerifyRequest,
     """One round on `stream`, retried and waited out as `verifier.call` does every call (a broken
     stream's rounds are retried on a new one); bytes counted as they travel on the stream."""
     async def attempt() -> pb.VerifyReply:
+        # A retry goes where the verifier's calls go now: after a move, not back to the channel of
+        # the replica that handed the session back (its reconnect could land on another replica).
+        stream.follow(verifier.stub)
         st.bytes_up += pb.StreamRound(tag=1 << 20, request=req).ByteSize() + GRPC_FRAME_BYTES
-        reply = await stream.verify(req, wait_for_ready=verifier.reached)
+        reply = await stream.verify(req, wait_for_ready=verifier.wait_for_ready)
         st.bytes_down += pb.StreamReply(tag=1 << 20, reply=reply).ByteSize() + GRPC_FRAME_BYTES
         return reply
     return await verifier.call(attempt, st, f"round {req.round}")

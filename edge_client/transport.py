@@ -181,32 +181,78 @@ class Verifier:
         # Own channels: one per replica of a comma list (replica_targets); a draining replica's
         # "moved" sends the calls to the next one. A shared channel stays the one channel.
         self.channels: list[grpc.aio.Channel] = [] if channel is None else [channel]
+        self._targets: list[str] = []
+        self._pinned: set[grpc.aio.Channel] = set()   # channels to one replica only, opened by a move
+        self._retired: set[asyncio.Task] = set()   # channels replaced, closing
         self.stub: pb_grpc.VerifierStub | None = None
         self.reached = False   # the verifier has answered once: from then on calls wait for it to come back
         self._background: set[asyncio.Task] = set()  # Close calls that outlive a cancelled generation
 
     async def open(self) -> None:
         if self.channel is None:
-            self.channels = [open_channel(target, **self.security.channel_kwargs())
-                             for target in replica_targets(self.transport.server)]
+            self._targets = replica_targets(self.transport.server)
+            self.channels = [open_channel(target, **self.security.channel_kwargs()) for target in self._targets]
             self.channel = self.channels[0]
         self.stub = pb_grpc.VerifierStub(self.channel)
 
+    @property
+    def wait_for_ready(self) -> bool:
+        """Whether a call waits for the channel to (re)connect instead of failing: once the verifier
+        has answered, except on a channel to one replica opened by a move, whose failure to connect
+        is the cue to fall back to the replica list (_unpin)."""
+        return self.reached and self.channel not in self._pinned
+
     def _move_from(self, channel: grpc.aio.Channel) -> bool:
-        """The replica behind `channel` is draining: use the next replica's channel (once, however
-        many calls learn it). False when there is no other replica to go to."""
+        """The replica behind `channel` is draining: use the next replica (once, however many calls
+        learn it). False when there is no other replica to go to.
+
+        The next replica is reached on a new channel to its address alone. pick_first over the list
+        does not say which replica it reaches: a channel that connected while its own replica was
+        down went on to the next address and stays there, and a new one goes on to the next address
+        when the first does not complete its connection at once (a list whose first verifier was
+        stopped, SIGSTOP, was answered by the second within 0.1 s), as a loaded replica may not — in
+        both cases often the very replica draining now, which refuses the moved sessions until it
+        exits (a 64-edge rolling restart: edges waited 17-30 s so). If the replica does not answer,
+        the call falls back to the list (_unpin)."""
         if len(self.channels) < 2:
             return False
         if self.channel is channel:
-            self.channel = self.channels[(self.channels.index(channel) + 1) % len(self.channels)]
-            self.stub = pb_grpc.VerifierStub(self.channel)
+            k = (self.channels.index(channel) + 1) % len(self.channels)
+            new = open_channel(self._targets[k].split(",")[0], **self.security.channel_kwargs())
+            self._pinned.add(new)
+            self._replace(k, new)
         return True
+
+    def _unpin(self, channel: grpc.aio.Channel) -> bool:
+        """A call on a channel a move opened to one replica failed to reach it: that replica's
+        channel is its replica list again (pick_first goes on to the next that answers)."""
+        if channel is not self.channel or channel not in self._pinned:
+            return False
+        k = self.channels.index(channel)
+        self._replace(k, open_channel(self._targets[k], **self.security.channel_kwargs()))
+        return True
+
+    def _replace(self, k: int, new: grpc.aio.Channel) -> None:
+        """Channel k is `new` from now on, and the calls go there; the old one is closed."""
+        old = self.channels[k]
+        for known in (_SERVER_LIMITS, _SERVER_INFOS):   # the same replica's: not asked again
+            if old in known:
+                known[new] = known[old]
+        self.channels[k] = self.channel = new
+        self.stub = pb_grpc.VerifierStub(new)
+        self._pinned.discard(old)
+        # Nothing of ours waits on the old one (the calls follow `stub`): close it, briefly.
+        task = asyncio.ensure_future(old.close(grace=1.0))
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
 
     async def aclose(self) -> None:
         if self._background:
             # Close calls of generations cancelled mid-open: let them reach the verifier before
             # the channel goes (else their sessions hold KV memory until the verifier's TTL).
             await asyncio.wait(list(self._background), timeout=self.transport.deadline_s)
+        if self._retired:
+            await asyncio.wait(list(self._retired))
         if self._own_channel and self.channel is not None:
             for channel in self.channels:
                 await channel.close()
@@ -230,7 +276,7 @@ class Verifier:
         if limits is None:
             async def ask() -> pb.ServerInfo:
                 info = await self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.transport.deadline_s,
-                                                     wait_for_ready=self.reached, metadata=self.metadata)
+                                                     wait_for_ready=self.wait_for_ready, metadata=self.metadata)
                 _SERVER_INFOS[self.channel] = info
                 return info
             try:
@@ -250,7 +296,7 @@ class Verifier:
             st.bytes_up += req.ByteSize() + GRPC_FRAME_BYTES
             # Once a verifier has answered, wait for it to come back (restart) instead of failing fast;
             # before that, an address with nothing behind it fails within the retry budget.
-            reply = await self.stub.Verify(req, timeout=self.transport.deadline_s, wait_for_ready=self.reached,
+            reply = await self.stub.Verify(req, timeout=self.transport.deadline_s, wait_for_ready=self.wait_for_ready,
                                            metadata=self.metadata)
             st.bytes_down += reply.ByteSize() + GRPC_FRAME_BYTES
             return reply
@@ -267,7 +313,7 @@ class Verifier:
         """`attempt()`, one RPC, until it answers: a refusal for load (a retry hint) is waited out,
         UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED are retried after retry_delay_s; anything else, or
         running out of patience, raises EdgeError."""
-        attempts, waited_s = 0, 0.0
+        attempts, waited_s, moves = 0, 0.0, 0
         max_retries = self.transport.max_retries if retries is None else retries
         while True:
             channel = self.channel
@@ -279,11 +325,23 @@ class Verifier:
                 hint_s = retry_after_s(e)
                 if moved(e) and self._move_from(channel):
                     # A draining replica: a session it handed back is replayed on the next replica
-                    # (the caller replays on NOT_FOUND); a refused new session goes there at once.
+                    # (the caller replays on NOT_FOUND); a refused new session goes there at once,
+                    # but not round and round: from the second move of one call on (every replica
+                    # it tried drains, or is down), the hint is waited out first.
+                    moves += 1
                     log.info("%s: %s, moving to the next replica: %s", what, e.code().name, e.details())
-                    if e.code() != grpc.StatusCode.NOT_FOUND:
-                        continue
-                    raise EdgeError(e.code(), e.details() or "") from None
+                    if e.code() == grpc.StatusCode.NOT_FOUND:
+                        raise EdgeError(e.code(), e.details() or "") from None
+                    if moves > 1:
+                        if waited_s >= self.transport.max_wait_s:
+                            raise EdgeError(e.code(), e.details() or "", retry_after_s=hint_s) from None
+                        wait_s = min((hint_s or RETRY_BASE_S) * (1 + random.random()),
+                                     self.transport.max_wait_s - waited_s)
+                        st.backoffs += 1
+                        st.backoff_s += wait_s
+                        waited_s += wait_s
+                        await asyncio.sleep(wait_s)
+                    continue
                 if hint_s is not None and e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) \
                         and waited_s < self.transport.max_wait_s:
                     # Refused for load: wait the hint plus up to as much again, drawn at random, so
@@ -296,6 +354,9 @@ class Verifier:
                     log.info("%s: %s, backing off %.2fs: %s", what, e.code().name, wait_s, e.details())
                     await asyncio.sleep(wait_s)
                     continue
+                if e.code() == grpc.StatusCode.UNAVAILABLE and self._unpin(channel):
+                    log.info("%s: the replica moved to does not answer (%s), back to the replica list", what,
+                             e.details())
                 if e.code() in RETRYABLE and attempts < max_retries:
                     attempts += 1
                     st.retries += 1

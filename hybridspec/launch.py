@@ -27,13 +27,14 @@ class EdgeServer(NamedTuple):
     metrics_url: str | None   # "http://host:port/metrics", or None without --metrics-port
 
 
-def spawn_verifier(args: list[str]) -> Verifier:
-    """`python -m cloud_verifier serve --port 0 ARGS`; returns (process, "host:port").
+def spawn_verifier(args: list[str], stderr=subprocess.DEVNULL) -> Verifier:
+    """`python -m cloud_verifier serve --port 0 ARGS`; returns (process, "host:port"). `stderr`: where
+    its log goes (a file to keep it; dropped by default).
 
     Lines printed before the ready line (vLLM logs to standard output while it loads) are
     skipped; after it, standard output is drained in a thread so a chatty verifier never blocks
     on a full pipe."""
-    proc, line = _start(["cloud_verifier", "serve", "--port", "0", *args], VERIFIER_READY, subprocess.DEVNULL,
+    proc, line = _start(["cloud_verifier", "serve", "--port", "0", *args], VERIFIER_READY, stderr,
                         "the verifier", "verifier-stdout")
     return Verifier(proc, line[len(VERIFIER_READY):].strip())
 

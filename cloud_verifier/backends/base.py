@@ -279,5 +279,6 @@ class Backend(abc.ABC):
         released (a drain hands the session to a replica that restores it). A backend without a
         store (`--kv-store`) does nothing."""
 
-    def checkpoint_all(self) -> None:
-        """`checkpoint` every live session (a drain begins): their files stay after release."""
+    def checkpoint_all(self, states: "Sequence[object] | None" = None) -> None:
+        """`checkpoint` these sessions' states, or every live session's (a drain): their files stay
+        after release."""

@@ -164,9 +164,9 @@ class LlamaCppBackend(Backend):
         if self.checkpoints is not None and isinstance(state, SeqState):
             self.checkpoints.checkpoint(state)
 
-    def checkpoint_all(self) -> None:
+    def checkpoint_all(self, states=None) -> None:
         if self.checkpoints is not None:
-            self.checkpoints.checkpoint_all()
+            self.checkpoints.checkpoint_all(None if states is None else [s for s in states if isinstance(s, SeqState)])
 
     def _in_turns(self, state, tokens: list[int], rows: int, fn):
         """Serial: fn() in a turn of the model, after the uncached part of tokens[:-rows] (a
