@@ -271,7 +271,15 @@ async def test_overload_is_refused_early_with_bounded_memory_and_every_edge_fini
                     await asyncio.sleep(int(dict(e.trailing_metadata())["retry-after-ms"]) / 1000)
             again = pb.VerifyRequest(session_id=first.session_id, round=2, committed_length=first.committed_length,
                                      draft_token_ids=[3] * 8)
-            flood = [stub.Verify(again, timeout=30) for _ in range(300)]
+            # The verifier is stopped while the flood is sent, so all 300 wait in its socket and
+            # arrive together: otherwise, on a busy machine, this process sends them more slowly
+            # than the verifier answers them, and none is ever refused for load.
+            verifier.proc.send_signal(signal.SIGSTOP)
+            try:
+                flood = [asyncio.ensure_future(stub.Verify(again, timeout=30)) for _ in range(300)]
+                await asyncio.sleep(2)
+            finally:
+                verifier.proc.send_signal(signal.SIGCONT)
             flood_codes = [r.code().name if isinstance(r, grpc.aio.AioRpcError) else "OK"
                            for r in await asyncio.gather(*flood, return_exceptions=True)]
         results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
