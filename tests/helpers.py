@@ -99,3 +99,19 @@ async def generate_many(client, n: int, settings, concurrency: int, prompt: tupl
             stats.append(gen.stats)
     await asyncio.gather(*[one() for _ in range(n)])
     return stats
+
+
+async def crash_or_drain_first(servers: list, fault: str, restart):
+    """Fault servers[0] of a replica set: "crash" (its store flushed, then the port closed with no drain
+    and nothing more written; `restart()` starts its replacement on the same port) or a drain (it
+    stops and leaves the set). Returns the old server, whose backend the caller closes at the end."""
+    old = servers[0]
+    if fault == "crash":
+        old.engine.backend.checkpoints.flush()
+        await old.server.stop(None)
+        old.server = None
+        servers[0] = await restart(old.port)
+    else:
+        await old.stop()
+        servers.pop(0)
+    return old

@@ -21,7 +21,7 @@ from cloud_verifier.engine import Limits, run_in_thread
 from cloud_verifier.server import VerifierServer
 from cloud_verifier.sessions import current_tenant
 from edge_client import EdgeClient
-from helpers import edge_options
+from helpers import crash_or_drain_first, edge_options
 from llama_runtime import ParkedSeq
 from spec_core.warping import SamplingSettings
 
@@ -293,15 +293,7 @@ async def test_edges_through_a_fault_get_the_fault_free_output_and_restore_from_
         run = asyncio.ensure_future(_generate_all(",".join(f"127.0.0.1:{s.port}" for s in servers), drafters,
                                                   progress))
         await _when(progress, 0.4, run)
-        old = servers[0]
-        if fault == "crash":
-            old.engine.backend.checkpoints.flush()
-            await old.server.stop(None)     # the port closes; no drain, no release, nothing more written
-            old.server = None
-            servers[0] = await _server(tiny_models, store, old.port).start()
-        else:
-            await old.stop()
-            servers.pop(0)
+        old = await crash_or_drain_first(servers, fault, lambda port: _server(tiny_models, store, port).start())
         outputs = await run
         old.engine.backend.close()
     finally:

@@ -15,6 +15,7 @@ from cloud_verifier.backends.llama_cpp import LlamaCppBackend
 from cloud_verifier.engine import Limits
 from cloud_verifier.server import VerifierServer
 from spec_core.kvpark import ParkCost
+from helpers import crash_or_drain_first
 from test_kvpark import _park_after_every_round
 from test_kvstore import (N_CTX, PROMPTS, TOKENS, _cells, _generate_all, _header, _restores, _sample, _tokens,
                           _when)
@@ -194,15 +195,7 @@ async def test_edges_with_parked_sessions_through_a_fault_get_the_fault_free_out
                                                   progress, **edge))
         await _when(progress, 0.4, run)
         assert _sample("hybridspec_kv_parks_total") > parks0
-        old = servers[0]
-        if fault == "crash":
-            old.engine.backend.checkpoints.flush()
-            await old.server.stop(None)     # the port closes; no drain, no release, nothing more written
-            old.server = None
-            servers[0] = await _server(tiny_models, store, old.port, trees).start()
-        else:
-            await old.stop()
-            servers.pop(0)
+        old = await crash_or_drain_first(servers, fault, lambda port: _server(tiny_models, store, port, trees).start())
         outputs = await run
         old.engine.backend.close()
     finally:
