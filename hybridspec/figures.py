@@ -1,0 +1,216 @@
+"""The registry of measured figures: one result file per benchmark, rendered into the pages.
+
+A figure that a page states (a ratio, tokens/s, a hit rate, a timing, a capacity) is written once,
+by the benchmark that measured it, into ``bench/results/<name>.json`` together with the command
+that produced it, the machine (CPU model and features, numpy's SIMD dispatch), the load and the
+date. Pages never type the number: they name it, ``{{ fig("<name>/<key>") }}`` or
+``{{ table("<name>/<key>") }}``, and the docs build renders it from the file
+(``docs/hooks/figures.py``). So a figure cannot differ between two pages, and re-running a
+benchmark updates every page that states it.
+
+A result file::
+
+    {
+      "name": "weak-links",
+      "command": "netsim experiment --modes ... --profiles 3g",
+      "machine": {... hybridspec.machine.describe() ...},
+      "load": {"start": [1.2, 0.9, 0.7], "end": [1.9, 1.1, 0.8]},
+      "date": "2026-12-06",
+      "note": "shared 2-core VM",
+      "figures": {
+        "auto-vs-per-token-3g": {"value": 2.04, "unit": "x", "fmt": "{:.2f}×",
+                                  "quantity": "tokens/s, auto over per-token",
+                                  "setup": "3g, bundled pair, T 0.7, chat"}
+      },
+      "tables": {"by-profile": {"columns": ["profile", "mode", "tok/s"], "rows": [["3g", "auto", 7.1]]}}
+    }
+
+``quantity`` + ``setup`` say what a figure claims; two entries of the registry may not claim the same
+quantity for the same set-up (``duplicate_claims``), so one claim has one current number.
+
+Standard library only: imported by bench scripts, netsim, the docs hook and the tests.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridspec import machine as _machine
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured number and what it claims."""
+    value: float | int | str
+    quantity: str            # what is measured, e.g. "tokens/s, auto over per-token"
+    setup: str               # the conditions that make it this figure, e.g. "3g, bundled pair, T 0.7"
+    unit: str = ""           # "x", "tok/s", "ms", "s", "", ...
+    fmt: str = "{}"          # how a page shows it: "{:.2f}×", "{:,.0f} tok/s"
+
+    def render(self) -> str:
+        try:
+            return self.fmt.format(self.value)
+        except (ValueError, TypeError):
+            return str(self.value)
+
+
+@dataclass(frozen=True)
+class Table:
+    """Rows of figures measured together, shown as one Markdown table."""
+    columns: list[str]
+    rows: list[list]
+    fmt: dict[str, str] = field(default_factory=dict)   # column -> format, e.g. {"tok/s": "{:.1f}"}
+
+    def render(self) -> str:
+        def cell(col: str, v) -> str:
+            if v is None:
+                return "—"
+            f = self.fmt.get(col)
+            if f is not None:
+                try:
+                    return f.format(v)
+                except (ValueError, TypeError):
+                    pass
+            return str(v)
+        head = "| " + " | ".join(self.columns) + " |"
+        rule = "|" + "|".join("---" for _ in self.columns) + "|"
+        body = ["| " + " | ".join(cell(c, v) for c, v in zip(self.columns, row)) + " |" for row in self.rows]
+        return "\n".join([head, rule, *body])
+
+
+@dataclass(frozen=True)
+class Result:
+    """One benchmark's result file."""
+    name: str
+    command: str
+    machine: dict
+    load: dict
+    date: str
+    figures: dict[str, Figure]
+    tables: dict[str, Table]
+    note: str = ""
+
+    def provenance(self) -> str:
+        """One line for a page: command, machine, load, date."""
+        load = self.load.get("start")
+        load_s = f", load {load[0]:.1f}" if load else ""
+        return (f"`{self.command}` on {_machine.summary(self.machine)}{load_s}, {self.date}"
+                + (f" ({self.note})" if self.note else ""))
+
+
+class RegistryError(LookupError):
+    """A page names a figure the registry does not hold."""
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as a user would type it: `python -m pkg.mod args` for a module, else the script."""
+    argv = list(sys.argv if argv is None else argv)
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    head = f"python -m {spec.name.removesuffix('.__main__')}" if spec and spec.name else (
+        os.path.relpath(argv[0]) if argv and argv[0] else "python")
+    return " ".join([head, *map(shlex.quote, argv[1:])])
+
+
+def write_result(name: str, *, figures: dict[str, Figure] | None = None,
+                 tables: dict[str, Table] | None = None, command: str | None = None,
+                 load_start: list[float] | None = None, note: str = "",
+                 results_dir: Path | None = None) -> Path:
+    """Write (replace) `bench/results/<name>.json`: the figures and tables of one benchmark run,
+    with the command (default: this process's), the machine, the load at start (pass what
+    `os.getloadavg()` gave when the run began) and at the end, and today's date (UTC)."""
+    if not _NAME.match(name):
+        raise ValueError(f"result name {name!r}: lower-case letters, digits, '.', '_' and '-' only")
+    out_dir = RESULTS if results_dir is None else results_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "name": name,
+        "command": command or command_line(),
+        "machine": _machine.describe(),
+        "load": {"start": load_start, "end": _loadavg()},
+        "date": _dt.datetime.now(_dt.timezone.utc).date().isoformat(),
+        "note": note,
+        "figures": {k: {"value": f.value, "quantity": f.quantity, "setup": f.setup, "unit": f.unit,
+                        "fmt": f.fmt} for k, f in (figures or {}).items()},
+        "tables": {k: {"columns": t.columns, "rows": t.rows, "fmt": t.fmt} for k, t in (tables or {}).items()},
+    }
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    return path
+
+
+def read_result(path: Path) -> Result:
+    doc = json.loads(Path(path).read_text())
+    return Result(
+        name=doc["name"], command=doc["command"], machine=doc.get("machine") or {},
+        load=doc.get("load") or {}, date=doc["date"], note=doc.get("note", ""),
+        figures={k: Figure(**v) for k, v in (doc.get("figures") or {}).items()},
+        tables={k: Table(columns=v["columns"], rows=v["rows"], fmt=v.get("fmt") or {})
+                for k, v in (doc.get("tables") or {}).items()},
+    )
+
+
+def load(results_dir: Path | None = None) -> dict[str, Result]:
+    """Every result file of the registry, by name."""
+    base = RESULTS if results_dir is None else results_dir
+    out = {}
+    for path in sorted(base.glob("*.json")):
+        r = read_result(path)
+        if r.name != path.stem:
+            raise ValueError(f"{path}: its name field {r.name!r} differs from the file name")
+        out[r.name] = r
+    return out
+
+
+def _split(ref: str) -> tuple[str, str]:
+    name, sep, key = ref.partition("/")
+    if not sep or not name or not key:
+        raise RegistryError(f"{ref!r}: a figure is named '<result>/<key>'")
+    return name, key
+
+
+def figure(registry: dict[str, Result], ref: str) -> Figure:
+    name, key = _split(ref)
+    try:
+        return registry[name].figures[key]
+    except KeyError:
+        raise RegistryError(f"no figure {ref!r} in bench/results/ (results: {sorted(registry)})") from None
+
+
+def table(registry: dict[str, Result], ref: str) -> Table:
+    name, key = _split(ref)
+    try:
+        return registry[name].tables[key]
+    except KeyError:
+        raise RegistryError(f"no table {ref!r} in bench/results/") from None
+
+
+def duplicate_claims(registry: dict[str, Result]) -> list[tuple[str, str]]:
+    """Pairs of figures that claim the same quantity for the same set-up: one claim, one number."""
+    seen: dict[tuple[str, str], str] = {}
+    dups = []
+    for name, r in registry.items():
+        for key, f in r.figures.items():
+            claim = (f.quantity.strip().lower(), f.setup.strip().lower())
+            ref = f"{name}/{key}"
+            if claim in seen:
+                dups.append((seen[claim], ref))
+            else:
+                seen[claim] = ref
+    return dups
