@@ -103,7 +103,9 @@ class Result:
         """One line for a page: command, machine, load, date."""
         load = self.load.get("start")
         load_s = f", load {load[0]:.1f}" if load else ""
-        return (f"`{self.command}` on {_machine.summary(self.machine)}{load_s}, {self.date}"
+        # An entry lifted from a page keeps the machine as the page described it.
+        machine = self.machine.get("as_stated") or _machine.summary(self.machine)
+        return (f"`{self.command}` on {machine}{load_s}, {self.date}"
                 + (f" ({self.note})" if self.note else ""))
 
 
@@ -214,3 +216,75 @@ def duplicate_claims(registry: dict[str, Result]) -> list[tuple[str, str]]:
             else:
                 seen[claim] = ref
     return dups
+
+
+# --- Rendering: pages name figures, the registry fills them in ------------------------------------
+
+# In a docs page (rendered by docs/hooks/figures.py at build time).
+TEMPLATE = re.compile(r'\{\{\s*(fig|table|source)\(\s*"([^"]+)"\s*\)\s*\}\}')
+# In README.md, which MkDocs does not build: a marked span or block holds its rendering, rewritten by
+# `python -m hybridspec.figures --readme`:  <!-- fig:NAME/KEY -->1.29×<!-- /fig -->
+README_SPAN = re.compile(r"<!-- (fig|source|table):(\S+?) -->(.*?)<!-- /\1 -->", re.S)
+
+
+def _render_one(registry: dict[str, Result], kind: str, ref: str) -> str:
+    if kind == "fig":
+        return figure(registry, ref).render()
+    if kind == "table":
+        return table(registry, ref).render()
+    try:
+        return registry[ref].provenance()
+    except KeyError:
+        raise RegistryError(f"no result {ref!r} in bench/results/ (source)") from None
+
+
+def render(text: str, registry: dict[str, Result]) -> str:
+    """A page with every `{{ fig("...") }}`, `{{ table("...") }}` and `{{ source("...") }}` filled in;
+    RegistryError on a name the registry does not hold."""
+    return TEMPLATE.sub(lambda m: _render_one(registry, m.group(1), m.group(2)), text)
+
+
+def render_readme(text: str, registry: dict[str, Result]) -> str:
+    """README.md with each marked span or block re-rendered from the registry."""
+    def one(m: re.Match) -> str:
+        kind, ref = m.group(1), m.group(2)
+        body = _render_one(registry, kind, ref)
+        if kind == "table":
+            body = f"\n{body}\n"
+        return f"<!-- {kind}:{ref} -->{body}<!-- /{kind} -->"
+    return README_SPAN.sub(one, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m hybridspec.figures",
+                                     description="The registry of measured figures (bench/results/).")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--readme", action="store_true",
+                      help="re-render the marked figures and tables of README.md from the registry")
+    what.add_argument("--check-readme", action="store_true",
+                      help="exit 1 when README.md differs from its rendering")
+    what.add_argument("--duplicates", action="store_true",
+                      help="list figures that claim the same quantity for the same set-up")
+    args = parser.parse_args(argv)
+    registry = load()
+    if args.duplicates:
+        dups = duplicate_claims(registry)
+        for a, b in dups:
+            print(f"{a} and {b} claim the same quantity for the same set-up")
+        return 1 if dups else 0
+    readme = RESULTS.parents[1] / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    rendered = render_readme(text, registry)
+    if args.check_readme:
+        if rendered != text:
+            print("README.md differs from its rendering: run python -m hybridspec.figures --readme")
+            return 1
+        return 0
+    if rendered != text:
+        readme.write_text(rendered, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,144 +1,220 @@
-"""The README's headline figures come from the benchmarks page, and no page says where it was built.
+"""Figures a reader can trust: every measured figure a page states comes from the registry.
 
-Each number in the "figure" column of the README's headline table must appear on
-docs/benchmarks.md: in the section the row links to when it links there, else anywhere on the
-page. So a figure cannot be changed in the README alone, and a section cannot be re-measured
-without the README following. Numbers are compared as numbers written on the page (thousands
-separators ignored), not as floats: "0.38" does not match "0.380".
+The registry (`hybridspec.figures`, one result file per benchmark in bench/results/) holds each
+measured number with its command, machine and date. A docs page names a figure,
+`{{ fig("<result>/<key>") }}`, and the docs build renders it (docs/hooks/figures.py); README.md,
+which MkDocs does not build, carries marked spans that `python -m hybridspec.figures --readme`
+re-renders. So:
 
-Pages are the project's, not a lab notebook: no page may carry a build machine's path or words
-about who measured or what else ran on the machine.
+(a) a page that types a measured ratio or rate by hand (a number with ×, tok/s, tokens/s, ms, s or %,
+    outside code and outside the registry's spans) fails, unless the number is a design constant
+    on the small allow-list below (an input such as an SLO threshold or a profile's round trip,
+    not a measurement);
+(b) no two registry entries claim the same quantity for the same set-up;
+(c) README.md equals its rendering from the registry.
+
+Each check has a control: a synthetic page with a hand-typed ratio fails, two entries with the
+same claim fail, and a README span edited by hand fails.
+
+Pages are the project's, not a lab notebook: no build machine's path, no clock times, no "we",
+no commit hashes, no "before/after this change" or "replaced", no issue numbers. History lives in
+CHANGELOG.md, which these checks leave alone.
 """
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from hybridspec import figures
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-BENCHMARKS = ROOT / "docs" / "benchmarks.md"
-PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [README, *sorted(p for p in (ROOT / "docs").rglob("*.md") if p.name != "changelog.md")]
 
-NUMBER = re.compile(r"(?<![\w.])\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\w])|(?<![\w.,])\d+(?:\.\d+)?(?![\w])")
-LINK = re.compile(r"\]\(docs/benchmarks\.md(?:#([^)\s]+))?\)")
-HEADLINE = "## Headline figures"
+# A measured ratio or rate as a page would type it: "1.29×", "7.21 tok/s", "61–72%", "939 ms".
+MEASURED = re.compile(
+    r"(?<![\w.^=])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s?[–-]\s?\d+(?:\.\d+)?)?"
+    r"(?:×|\s?k?\s?(?:tok/s|tokens/s|tokens per second)|\s?(?:ms|µs|%)(?![\w/])|\s?s\b(?![/'’]))")
 
-# A build machine's paths, and words about who measured or who else was on the machine.
+# Design constants: inputs a page may type (each pattern matches the constant with its context).
+ALLOWED = [
+    (re.compile(r"(?:≤|<=|<|under|within|at most|budget of|SLO of|target of)\s*\d+(?:\.\d+)?\s?(?:ms|s|%)"),
+     "a threshold (an SLO, a limit, a budget): an input"),
+    (re.compile(r"\d+\s?ms\s+(?:RTT|round trip|one way|one-way|of delay|delay|a pass|per pass|pass|jitter|"
+                r"propagation|each way|timeout|deadline|ping)"), "a profile's or a synthetic model's setting"),
+    (re.compile(r"(?:RTT|round trip|delay|jitter|timeout|deadline|--[\w-]+(?:[ =]))\s*(?:of\s*)?\d+(?:\.\d+)?\s?(?:ms|s)\b"),
+     "a profile's or an option's setting"),
+    (re.compile(r"\d+(?:\.\d+)?\s?(?:ms|s)\s*(?:\+|−|-|×|/)\s*\d|\d\s*(?:\+|−|×|/)\s*\d+(?:\.\d+)?\s?(?:ms|s)\b"),
+     "arithmetic in a worked example"),
+    (re.compile(r"\b100\s?%"), "all of them (a definition, not a measurement)"),
+]
+CONTROL_PAGE_RATIO = "On 3g the hybrid is 1.42× faster than per-token, at 7.3 tok/s."
+
+
+def _prose(text: str) -> str:
+    """The text a reader sees as prose: no code, no registry spans, no link targets, no comments."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    text = figures.README_SPAN.sub(" ", text)
+    text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
+    text = figures.TEMPLATE.sub(" ", text)
+    text = re.sub(r"`[^`\n]*`", " ", text)
+    return re.sub(r"\]\([^)\s]*\)", "]", text)
+
+
+def hand_typed(text: str) -> list[str]:
+    """The measured figures typed into a page by hand (not from the registry, not allowed constants)."""
+    prose = _prose(text)
+    allowed = [m.span() for pattern, _ in ALLOWED for m in pattern.finditer(prose)]
+    out = []
+    for m in MEASURED.finditer(prose):
+        if any(a <= m.start() and m.end() <= b for a, b in allowed):
+            continue
+        line = prose[prose.rfind("\n", 0, m.start()) + 1: prose.find("\n", m.end()) % (len(prose) + 1)]
+        out.append(f"{m.group(0)!r} in: {line.strip()[:120]}")
+    return out
+
+
+def test_every_page_states_figures_from_the_registry():
+    problems = [f"{path.relative_to(ROOT)}: {hit}" for path in PAGES
+                for hit in hand_typed(path.read_text(encoding="utf-8"))]
+    assert not problems, ("figures typed by hand (name them: {{ fig(\"<result>/<key>\") }}, see "
+                          "hybridspec/figures.py):\n" + "\n".join(problems))
+
+
+def test_a_hand_typed_ratio_is_caught():
+    """Control for the check above: typed figures fail, named figures and design constants pass."""
+    assert len(hand_typed(CONTROL_PAGE_RATIO)) == 2
+    assert hand_typed("KV idle 61–72% between rounds")
+    assert hand_typed("p95 TPOT 57 vs 939 ms")
+    assert hand_typed("hybrid 0.07× cloud-only per GPU")
+    assert not hand_typed('On 3g the hybrid is {{ fig("weak-links/x") }} faster than per-token.')
+    assert not hand_typed("capacity at p95 TPOT ≤ 150 ms on 3g (300 ms RTT), γ = 5, 2^16 weights")
+    assert not hand_typed("```bash\nnetsim load --slo-ms 150  # 1.42× here\n```")
+    assert not hand_typed("<!-- fig:weak-links/x -->1.42×<!-- /fig --> on 3g")
+    assert not hand_typed("H200, Q4_0, 16 edges, 5 profiles × 7 modes")
+
+
+def _references(text: str) -> list[tuple[str, str]]:
+    return ([(m.group(1), m.group(2)) for m in figures.TEMPLATE.finditer(text)]
+            + [(m.group(1), m.group(2)) for m in figures.README_SPAN.finditer(text)])
+
+
+def test_every_named_figure_is_in_the_registry():
+    registry = figures.load()
+    problems = []
+    for path in PAGES:
+        for kind, ref in _references(path.read_text(encoding="utf-8")):
+            try:
+                figures._render_one(registry, kind, ref)
+            except figures.RegistryError as exc:
+                problems.append(f"{path.relative_to(ROOT)}: {exc}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_result_says_what_it_claims_and_where_it_came_from():
+    registry = figures.load()
+    assert registry, "bench/results/ holds no result file"
+    for name, result in registry.items():
+        assert result.command.strip() and result.date.strip(), f"{name}: no command or date"
+        for key, fig in result.figures.items():
+            assert fig.quantity.strip() and fig.setup.strip(), f"{name}/{key}: no quantity or set-up"
+            assert fig.render(), f"{name}/{key}: renders empty"
+
+
+def test_one_claim_one_number():
+    dups = figures.duplicate_claims(figures.load())
+    assert not dups, "figures that claim the same quantity for the same set-up:\n" + "\n".join(
+        f"{a} and {b}" for a, b in dups)
+
+
+def test_two_entries_with_one_claim_are_caught(tmp_path):
+    """Control for the check above: the same claim in two result files is reported, case aside."""
+    claim = dict(quantity="tokens/s, hybrid γ 4 over per-token", setup="3g, bundled pair, T 0.7")
+    figures.write_result("run-a", figures={"ratio": figures.Figure(1.29, **claim)},
+                         command="netsim experiment a", results_dir=tmp_path)
+    figures.write_result("run-b", figures={"ratio": figures.Figure(1.54, **claim)},
+                         command="netsim experiment b", results_dir=tmp_path)
+    figures.write_result("run-c", figures={"ratio": figures.Figure(
+        1.11, quantity="tokens/s, hybrid γ 4 over per-token", setup="3g, bundled pair, T 0")},
+        command="netsim experiment c", results_dir=tmp_path)
+    assert figures.duplicate_claims(figures.load(tmp_path)) == [("run-a/ratio", "run-b/ratio")]
+
+
+def test_readme_equals_its_rendering():
+    text = README.read_text(encoding="utf-8")
+    assert figures.README_SPAN.search(text), "README.md names no figure from the registry"
+    assert figures.render_readme(text, figures.load()) == text, (
+        "README.md differs from the registry: run `python -m hybridspec.figures --readme`")
+
+
+def test_a_readme_figure_edited_by_hand_is_caught():
+    """Control for the check above."""
+    text = README.read_text(encoding="utf-8")
+    m = figures.README_SPAN.search(text)
+    edited = text[:m.start(3)] + "9.99×" + text[m.end(3):]
+    assert figures.render_readme(edited, figures.load()) != edited
+    assert figures.render_readme(edited, figures.load()) == text
+
+
+def test_an_unknown_name_is_refused():
+    registry = figures.load()
+    for page in ('{{ fig("no-such-result/x") }}', '{{ table("no-such-result/x") }}', '{{ source("nope") }}'):
+        try:
+            figures.render(page, registry)
+        except figures.RegistryError:
+            continue
+        raise AssertionError(f"{page} rendered without a registry entry")
+
+
+# --- Wording: the pages are about today -----------------------------------------------------------
+
 FORBIDDEN = [
     (re.compile(r"(?<![\w.~])/(?:work|tmp|root|home)/"), "a build machine's path"),
     (re.compile(r"\bhelpers?\b(?!\.py)", re.I), "who measured (a helper)"),
     (re.compile(r"\bthis session\b|\bother sessions'? (?:tests|test runs|builds|benchmarks)", re.I),
      "who measured (a session)"),
+    (re.compile(r"\bother jobs\b", re.I), "what else ran on the machine"),
     (re.compile(r"bench\.lock|\bflock\b|\bunder the (?:bench )?lock\b", re.I), "a build machine's lock file"),
     (re.compile(r"\bissue \d+|\bthe issue's\b", re.I), "an internal issue number"),
+    (re.compile(r"\b\d{1,2}:\d{2}(?::\d{2})? ?UTC\b"), "a clock time"),
+    (re.compile(r"\bwe\b", re.I), "'we' as the subject (say what the code does, or what a command prints)"),
+    (re.compile(r"\bcommit(?:s|ted)?\b\W{0,3}(?:\w+\W+){0,3}`?(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b|\b(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}`?\W{0,3}commit", re.I),
+     "a commit hash"),
+    (re.compile(r"\b(?:before|after) this change\b|\bwhat changed\b|\bgoals? set\b|\breplaced\b|"
+                r"\bsince this change\b|\bthis change\b", re.I), "history (it goes to CHANGELOG.md)"),
 ]
+CONTROL_PAGE_WORDING = """\
+# Window
+Measured at 04:12 UTC, before this change (commit 4f2a9c1): we measured 1.19× on 3g.
+The goals set for this work are below; the table replaced the earlier one.
+"""
 
 
-def numbers(text: str) -> set[str]:
-    """The numbers written in text, thousands separators removed ("1,469.2" -> "1469.2")."""
-    return {m.group(0).replace(",", "") for m in NUMBER.finditer(text)}
+def wording_problems(text: str) -> list[str]:
+    return [f"{n}: {what}: {m.group(0)!r}" for n, line in enumerate(text.splitlines(), 1)
+            for pattern, what in FORBIDDEN if (m := pattern.search(line))]
 
 
-def _slug(heading: str) -> str:
-    """The anchor MkDocs gives a heading (as tests/test_docs.py computes it)."""
-    import unicodedata
-    text = re.sub(r"`|\*\*|\*", "", heading)
-    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
-    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
-    return re.sub(r"[-\s]+", "-", text)
-
-
-def sections(page: str) -> dict[str, str]:
-    """Each heading's anchor -> its text up to the next heading of the same or a higher level."""
-    lines = page.splitlines()
-    heads, fenced = [], False
-    for i, line in enumerate(lines):
-        if line.startswith("```"):
-            fenced = not fenced  # a "# comment" in a code block is not a heading
-        elif not fenced and (m := re.match(r"^(#+)\s+(.+?)\s*$", line)):
-            heads.append((i, len(m.group(1)), m.group(2)))
-    out = {}
-    for k, (i, level, title) in enumerate(heads):
-        end = next((j for j, lv, _ in heads[k + 1:] if lv <= level), len(lines))
-        out[_slug(title)] = "\n".join(lines[i:end])
-    return out
-
-
-def headline_rows(readme: str) -> list[tuple[str, str, str]]:
-    """(what, figure, details) for each row of the README's headline table."""
-    text = readme[readme.index(HEADLINE):]
-    text = text[:text.index("\n## ", len(HEADLINE))]
-    rows = []
-    for line in text.splitlines():
-        if not line.startswith("| ") or line.startswith("| what ") or line.startswith("|---"):
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        assert len(cells) == 3, f"a headline row without 3 cells: {line}"
-        rows.append((cells[0], cells[1], cells[2]))
-    return rows
-
-
-def missing_figures(figure: str, where: str) -> set[str]:
-    return numbers(figure) - numbers(where)
-
-
-def test_the_number_reader():
-    assert numbers("1,469.2 vs 117.6 tok/s; 61–72%; 2.20× (median of 3)") == {
-        "1469.2", "117.6", "61", "72", "2.20", "3"}
-    assert numbers("H200 fleet, 10^6 edges, Q4_0, γ=4") >= {"10", "6", "4"}
-    assert "200" not in numbers("H200") and "0" not in numbers("Q4_0")
-
-
-def test_headline_table_is_read():
-    rows = headline_rows(README.read_text(encoding="utf-8"))
-    assert len(rows) >= 10, "the README's headline table was not found or has too few rows"
-    assert sum(bool(numbers(fig)) for _, fig, _ in rows) >= 10
-
-
-def test_every_headline_figure_is_on_the_benchmarks_page():
-    readme = README.read_text(encoding="utf-8")
-    page = BENCHMARKS.read_text(encoding="utf-8")
-    anchors = sections(page)
-    problems = []
-    for what, figure, details in headline_rows(readme):
-        link = LINK.search(details)
-        if link and link.group(1):
-            assert link.group(1) in anchors, f"{what!r} links to benchmarks.md#{link.group(1)}: no such section"
-            where, place = anchors[link.group(1)], f"section #{link.group(1)}"
-        else:
-            where, place = page, "the page"
-        if missing := missing_figures(figure, where):
-            problems.append(f"{what!r}: {sorted(missing)} not in {place} of docs/benchmarks.md")
-    assert not problems, "README headline figures missing from docs/benchmarks.md:\n" + "\n".join(problems)
-
-
-def test_a_figure_changed_in_the_readme_alone_is_caught():
-    """Negative control: a figure not on the page is reported, one on the page is not."""
-    page = BENCHMARKS.read_text(encoding="utf-8")
-    section = sections(page)["the-netsim-experiment"]
-    assert missing_figures("0.31 vs 1.00", section) == set()
-    assert missing_figures("0.37 vs 1.00", section) == {"0.37"}
-    assert missing_figures("1,469.2 tok/s", section) == {"1469.2"}  # on the page, in another section
-    assert missing_figures("1,469.2 tok/s", page) == set()
-    assert missing_figures("987.65 tok/s", page) == {"987.65"}
-
-
-def test_no_page_says_where_it_was_built_or_who_measured():
-    problems = []
-    for path in PAGES:
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            for pattern, what in FORBIDDEN:
-                if m := pattern.search(line):
-                    problems.append(f"{path.relative_to(ROOT)}:{n}: {what}: {m.group(0)!r}")
-    assert not problems, "pages that say where they were built or who measured:\n" + "\n".join(problems)
+def test_no_page_reads_like_a_lab_notebook():
+    problems = [f"{path.relative_to(ROOT)}:{p}" for path in PAGES
+                for p in wording_problems(path.read_text(encoding="utf-8"))]
+    assert not problems, "pages that say who measured, when, or what changed:\n" + "\n".join(problems)
 
 
 def test_the_forbidden_words_are_caught():
-    """Negative control for the check above."""
+    """Control for the check above: each kind of lab-notebook line is caught, plain prose is not."""
+    found = {what for line in CONTROL_PAGE_WORDING.splitlines() for pattern, what in FORBIDDEN
+             if pattern.search(line)}
+    assert {"a clock time", "a commit hash", "history (it goes to CHANGELOG.md)"} <= found
+    assert any(w.startswith("'we'") for w in found)
     caught = lambda line: [what for pattern, what in FORBIDDEN if pattern.search(line)]  # noqa: E731
     assert caught("run under `flock /work/wt/bench.lock`")
     assert caught("shared with other helpers' test runs")
     assert caught("the verifier steers (issue 18, item 2)")
     assert caught("cached in /tmp/x")
+    assert caught("We ran it on a Zen 4 VM")
+    assert caught("see commit a4ff610 for the numbers")
     assert not caught("tests/helpers.py holds the batcher")
     assert not caught("other sessions carry on; ~/.cache/hybridspec/vocab")
+    assert not caught("the edge commits 5 tokens at 12:30 a.m. western time; a web page")
+    assert not caught("the committed length 1234567 is checked")
