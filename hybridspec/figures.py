@@ -255,6 +255,68 @@ def render_readme(text: str, registry: dict[str, Result]) -> str:
     return README_SPAN.sub(one, text)
 
 
+# --- What a page may not type: a measured figure outside the registry --------------------------
+
+# A measured ratio or rate as a page would type it: "1.29×", "7.21 tok/s", "61–72%", "939 ms".
+_NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+MEASURED = re.compile(
+    rf"(?<![\w.^=]){_NUM}(?:\s?(?:[–-]|/|vs\.?|and|to|or|,(?=\s))\s?{_NUM})*"
+    r"(?:×|\s?k?\s?(?:tok/s|tokens/s|tokens per second)|\s?(?:ms|µs|%)(?![\w/])|\s?s\b(?![/'’]))")
+
+# Design constants: inputs a page may type (each pattern matches the constant with its context).
+ALLOWED = [
+    (re.compile(r"(?:≤|<=|<|under|within|at most|budget of|SLO of|target of)\s*\d+(?:\.\d+)?\s?(?:ms|s|%)"),
+     "a threshold (an SLO, a limit, a budget): an input"),
+    (re.compile(r"\d+\s?ms\s+(?:RTT|round trip|one way|one-way|of delay|delay|a pass|per pass|pass|jitter|"
+                r"propagation|each way|timeout|deadline|ping)"), "a profile's or a synthetic model's setting"),
+    (re.compile(r"(?:RTT|round trip|delay|jitter|timeout|deadline|--[\w-]+(?:[ =]))\s*(?:of\s*)?\d+(?:\.\d+)?\s?(?:ms|s)\b"),
+     "a profile's or an option's setting"),
+    (re.compile(r"\d+(?:\.\d+)?\s?(?:ms|s)\s*(?:\+|−|-|×|/)\s*\d|\d\s*(?:\+|−|×|/)\s*\d+(?:\.\d+)?\s?(?:ms|s)\b"),
+     "arithmetic in a worked example"),
+    (re.compile(r"\b100\s?%"), "all of them (a definition, not a measurement)"),
+]
+
+
+def _masked(line: str) -> str:
+    """One line as a reader sees its prose: code, registry spans, link targets and comments blanked
+    out (same length, so positions still point into the line)."""
+    blank = lambda m: " " * len(m.group(0))  # noqa: E731
+    for pattern in (README_SPAN, re.compile(r"<!--.*?-->"), TEMPLATE, re.compile(r"`[^`]*`"),
+                    re.compile(r"\]\([^)\s]*\)")):
+        line = pattern.sub(blank, line)
+    return line
+
+
+def measured_spans(line: str) -> list[tuple[int, int]]:
+    """Where a line of prose types a measured figure by hand (not a design constant of ALLOWED)."""
+    prose = _masked(line)
+    allowed = [m.span() for pattern, _ in ALLOWED for m in pattern.finditer(prose)]
+    return [m.span() for m in MEASURED.finditer(prose)
+            if not any(a <= m.start() and m.end() <= b for a, b in allowed)]
+
+
+def prose_lines(text: str):
+    """(line number, line) for each line outside fenced code blocks and HTML comment blocks."""
+    fenced = comment = False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced and README_SPAN.search(line) is None and "<!--" in line and "-->" not in line:
+            comment = True
+        if not fenced and not comment:
+            yield n, line
+        if comment and "-->" in line:
+            comment = False
+
+
+def hand_typed(text: str) -> list[str]:
+    """The measured figures typed into a page by hand (not from the registry, not allowed constants)."""
+    text = README_SPAN.sub(" ", text)          # a README block spans lines
+    return [f"line {n}: {line[a:b]!r} in: {line.strip()[:120]}"
+            for n, line in prose_lines(text) for a, b in measured_spans(line)]
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     parser = argparse.ArgumentParser(prog="python -m hybridspec.figures",

@@ -252,7 +252,7 @@ def _add_load_command(subparsers) -> None:
     parser.add_argument("--server", help="HOST:PORT of a running verifier (default: start one)")
     parser.add_argument("--metrics-url", help="with --server: its Prometheus endpoint, e.g. http://HOST:9100/metrics")
     parser.add_argument("--verifier-arg", action="append", default=[], metavar="ARG",
-                        help="option for the `cloud-verifier serve` we start (repeatable), e.g. "
+                        help="option for the `cloud-verifier serve` that netsim starts (repeatable), e.g. "
                              "--verifier-arg=--batching --verifier-arg=on")
     parser.add_argument("--gamma", type=int, default=4, help="fixed γ of the hybrid mode")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
@@ -261,8 +261,8 @@ def _add_load_command(subparsers) -> None:
     parser.add_argument("--draft-ms", type=float, default=2.0,
                         help="synthetic or lookup drafter: the device's cost per drafted token (ms), emulated")
     parser.add_argument("--synthetic-step-ms", type=float, default=20.0,
-                        help="synthetic verifier we start: cost per forward pass (ms)")
-    _add_model_options(parser, "target GGUF for the verifier we start (default: bundled SmolLM2)")
+                        help="synthetic verifier netsim starts: cost per forward pass (ms)")
+    _add_model_options(parser, "target GGUF for the verifier netsim starts (default: bundled SmolLM2)")
     parser.add_argument("--drafter", choices=["gguf", "lookup"], default="gguf",
                         help="real target: gguf = a draft model per edge, run on this machine's CPU (a few edges); "
                              "lookup = prompt lookup, no model, --draft-ms emulated per token (many edges)")

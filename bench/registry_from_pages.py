@@ -1,0 +1,167 @@
+"""Lift the figures a docs page types by hand into the registry, and name them on the page instead.
+
+For each section (a `##` heading) of a page that states measured figures, one result file,
+`bench/results/<page>-<section>.json`, receives:
+
+- each Markdown table that holds a measured figure, as a registry table (`{{ table("...") }}`);
+- each figure typed in the prose (a number with ×, tok/s, ms, s or %: `hybridspec.figures.MEASURED`,
+  less the design constants of `ALLOWED`), as a registry figure (`{{ fig("...") }}`) whose format
+  renders exactly the text the page typed;
+
+with the command, the machine and the date the section states (its first command block, its
+**Machine:** and **Date:** lines), and a note that says the entry was lifted from that page. The page
+then names the figure, so the built site reads as before, and the next run of the benchmark that
+produced it writes the result file with `hybridspec.figures.write_result`.
+
+Run once per page that still types figures: `python bench/registry_from_pages.py docs/x.md ...`
+(a page with nothing left to lift is left as it is). Standard library only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hybridspec import figures  # noqa: E402
+
+NUMBER = re.compile(r"^(?P<num>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)(?P<unit>.*)$", re.S)
+
+
+def slug(text: str, limit: int = 48) -> str:
+    text = re.sub(r"\{\{.*?\}\}|\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    out = "-".join(words)[:limit].strip("-")
+    return out or "figure"
+
+
+def as_figure(typed: str, quantity: str, setup: str) -> figures.Figure:
+    """A figure whose rendering is exactly `typed` ("1,469.2 tok/s", "1.29×", "61–72%")."""
+    m = NUMBER.match(typed)
+    unit_text = m.group("unit") if m else ""
+    unit = unit_text.strip().replace("×", "x") or ""
+    if m and not re.match(r"\s?[–-]", unit_text):
+        num = m.group("num")
+        decimals = len(num.split(".")[1]) if "." in num else 0
+        value = float(num.replace(",", "")) if decimals else int(num.replace(",", ""))
+        comma = "," if "," in num else ""
+        fmt = "{:" + comma + f".{decimals}f" + "}" + unit_text
+        return figures.Figure(value=value, quantity=quantity, setup=setup, unit=unit, fmt=fmt)
+    return figures.Figure(value=typed, quantity=quantity, setup=setup, unit="", fmt="{}")
+
+
+def sections(lines: list[str]) -> list[tuple[str, int, int]]:
+    """(title, first line, end line) for the page's opening and each `##` section."""
+    heads, fenced = [], False
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"^## ", line):
+            heads.append((line[3:].strip(), i))
+    starts = [("opening", 0)] + heads
+    return [(t, s, starts[k + 1][1] if k + 1 < len(starts) else len(lines)) for k, (t, s) in enumerate(starts)]
+
+
+def provenance(block: list[str], page: str, title: str) -> tuple[str, dict, str]:
+    text = "\n".join(block)
+    command = ""
+    fence = re.search(r"^```(?:bash|sh|console)?\n(.*?)^```", text, flags=re.M | re.S)
+    if fence:
+        body = [ln for ln in fence.group(1).splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        command = " ".join(ln.strip().rstrip("\\").strip() for ln in body[:4])[:400]
+    machine = re.search(r"\*\*Machine:?\*\*:?\s*(.+?)(?:\*\*Date|$)", text, flags=re.M)
+    date = re.search(r"\b20\d\d-\d\d-\d\d\b", text)
+    return (command or f"as stated on docs/{page} § {title} (the page gives no command)",
+            {"as_stated": (machine.group(1).strip().rstrip(".") if machine else "the machine the page names")},
+            date.group(0) if date else "undated")
+
+
+def table_rows(lines: list[str]) -> tuple[list[str], list[list[str]]]:
+    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", ln.strip().strip("|"))] for ln in lines]
+    return cells[0], [r for r in cells[2:]]
+
+
+def lift_section(page: str, title: str, block: list[str], name: str):
+    """The section with its figures named, and the result (figures, tables) they go to."""
+    figs: dict[str, figures.Figure] = {}
+    tables: dict[str, figures.Table] = {}
+    out, i, fenced = [], 0, False
+    setup = f"docs/{page} § {title}"
+    while i < len(block):
+        line = block[i]
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if not fenced and line.startswith("|") and i + 1 < len(block) and re.match(r"^\|[-:| ]+\|\s*$", block[i + 1]):
+            j = i
+            while j < len(block) and block[j].startswith("|"):
+                j += 1
+            rows = block[i:j]
+            if any(figures.measured_spans(r) or re.search(r"(?<![\w.])\d+\.\d+", figures._masked(r))
+                   for r in rows[2:]):
+                key = f"table-{len(tables) + 1}"
+                cols, body = table_rows(rows)
+                tables[key] = figures.Table(columns=cols, rows=body)
+                out.append(f'{{{{ table("{name}/{key}") }}}}')
+            else:
+                out.extend(rows)
+            i = j
+            continue
+        if not fenced and not line.startswith("#"):
+            spans = figures.measured_spans(line)
+            for a, b in reversed(spans):
+                typed = line[a:b]
+                before = figures._masked(line[:a])
+                words = re.findall(r"[A-Za-z][\w-]*", before)[-4:]
+                key = base = slug(" ".join(words) + " " + typed.split()[-1] if typed.split() else typed, 40)
+                n = 2
+                while key in figs:
+                    key, n = f"{base}-{n}", n + 1
+                quantity = (line[:a] + "…" + line[b:]).strip()
+                figs[key] = as_figure(typed, quantity[:300], setup)
+                line = line[:a] + f'{{{{ fig("{name}/{key}") }}}}' + line[b:]
+        out.append(line)
+        i += 1
+    return out, figs, tables
+
+
+def lift_page(path: Path, results_dir: Path) -> int:
+    page = path.relative_to(ROOT / "docs").as_posix()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    new, lifted = [], 0
+    for title, start, end in sections(lines):
+        block = lines[start:end]
+        name = f"{Path(page).stem}-{slug(title, 40)}"
+        body, figs, tables = lift_section(page, title, block, name)
+        if figs or tables:
+            command, machine, date = provenance(block, page, title)
+            doc = {"name": name, "command": command, "machine": machine, "load": {"start": None, "end": None},
+                   "date": date,
+                   "note": f"lifted from docs/{page} § {title}: the figures as that page stated them, with the "
+                           "command, machine and date it gave; the benchmark's next run replaces this file",
+                   "figures": {k: vars(f) for k, f in figs.items()},
+                   "tables": {k: {"columns": t.columns, "rows": t.rows, "fmt": t.fmt} for k, t in tables.items()}}
+            target = results_dir / f"{name}.json"
+            if target.exists():
+                raise SystemExit(f"{target} exists: lift a page once")
+            target.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+            lifted += len(figs) + len(tables)
+        new.extend(body)
+    if lifted:
+        path.write_text("\n".join(new) + "\n", encoding="utf-8")
+    return lifted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("pages", nargs="+", type=Path)
+    args = parser.parse_args()
+    for page in args.pages:
+        print(f"{page}: {lift_page(page.resolve(), figures.RESULTS)} figures and tables lifted")
+
+
+if __name__ == "__main__":
+    main()
