@@ -267,13 +267,16 @@ MEASURED = re.compile(
 ALLOWED = [
     (re.compile(r"(?:≤|<=|<|under|within|at most|budget of|SLO of|target of)\s*\d+(?:\.\d+)?\s?(?:ms|s|%)"),
      "a threshold (an SLO, a limit, a budget): an input"),
-    (re.compile(r"\d+\s?ms\s+(?:RTT|round trip|one way|one-way|of delay|delay|a pass|per pass|pass|jitter|"
+    (re.compile(r"\d+(?:[–-]\d+)?\s?ms\s+(?:links?|RTT|round trip|one way|one-way|of delay|delay|a pass|per pass|pass|jitter|"
                 r"propagation|each way|timeout|deadline|ping)"), "a profile's or a synthetic model's setting"),
     (re.compile(r"(?:RTT|round trip|delay|jitter|timeout|deadline|--[\w-]+(?:[ =]))\s*(?:of\s*)?\d+(?:\.\d+)?\s?(?:ms|s)\b"),
      "a profile's or an option's setting"),
     (re.compile(r"\d+(?:\.\d+)?\s?(?:ms|s)\s*(?:\+|−|-|×|/)\s*\d|\d\s*(?:\+|−|×|/)\s*\d+(?:\.\d+)?\s?(?:ms|s)\b"),
      "arithmetic in a worked example"),
     (re.compile(r"\b100\s?%"), "all of them (a definition, not a measurement)"),
+    (re.compile(r"\d+(?:\.\d+)?\s?(?:ms|s)\s+(?:p95\s+)?(?:TPOT\s+|TTFT\s+)?SLO"), "an SLO: an input"),
+    (re.compile(r"(?:≥|>=|at least|reach(?:es|ed)?|reaching|does not reach|below)\s*\*{0,2}\d+(?:\.\d+)?×"),
+     "a threshold ratio (≥ 2×): a yardstick, not a measurement"),
 ]
 
 

@@ -30,13 +30,16 @@ from hybridspec import figures
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted(p for p in (ROOT / "docs").rglob("*.md") if p.name != "changelog.md")]
+# The command-line reference is rendered from the parsers' help (docs/hooks/cli_reference.py): the
+# numbers there are option defaults, inputs that tests/test_docs_reference.py keeps true to the code.
+PAGES_WITH_FIGURES = [p for p in PAGES if "reference" not in p.relative_to(ROOT).parts]
 
 MEASURED, ALLOWED, hand_typed = figures.MEASURED, figures.ALLOWED, figures.hand_typed
 CONTROL_PAGE_RATIO = "On 3g the hybrid is 1.42× faster than per-token, at 7.3 tok/s."
 
 
 def test_every_page_states_figures_from_the_registry():
-    problems = [f"{path.relative_to(ROOT)}: {hit}" for path in PAGES
+    problems = [f"{path.relative_to(ROOT)}: {hit}" for path in PAGES_WITH_FIGURES
                 for hit in hand_typed(path.read_text(encoding="utf-8"))]
     assert not problems, ("figures typed by hand (name them: {{ fig(\"<result>/<key>\") }}, see "
                           "hybridspec/figures.py):\n" + "\n".join(problems))
