@@ -80,3 +80,32 @@ def test_readme_links_into_docs_resolve():
             text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.M | re.S)
             headings = re.findall(r"^#+\s+(.+?)\s*$", text, flags=re.M)
             assert anchor in {_slug(h) for h in headings}, f"README.md links to {page}#{anchor}: no such heading"
+
+
+def _nav_pages() -> list[str]:
+    """Every page in mkdocs.yml's nav, as its path under docs/."""
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8").split("\nnav:", 1)[1]
+    return re.findall(r":\s*([\w/.-]+\.md)\s*$", nav, flags=re.M)
+
+
+def unreachable(pages: list[str], text: str, prefix: str) -> list[str]:
+    """The pages a list of links (README's list, docs/index.md's table) does not link to."""
+    linked = set(re.findall(r"\]\(" + re.escape(prefix) + r"([\w/.-]+\.md)(?:#[^)\s]*)?\)", text))
+    return [p for p in pages if p not in linked and p != "index.md"]
+
+
+def test_every_page_is_reachable_from_the_readme_and_the_index():
+    pages = _nav_pages()
+    assert len(pages) >= 20 and "benchmarks.md" in pages and "reference/netsim.md" in pages
+    readme = README.read_text(encoding="utf-8")
+    readme_list = readme[readme.index("## Documentation"):]
+    assert not unreachable([p for p in pages if p != "changelog.md"], readme_list, "docs/"), (
+        "pages the README's documentation list does not link")
+    assert "](CHANGELOG.md)" in readme_list, "the README's list does not link CHANGELOG.md"
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    assert not unreachable(pages, index, ""), "pages docs/index.md does not link"
+
+
+def test_an_unlinked_page_is_caught():
+    """Control for the check above."""
+    assert unreachable(["a.md", "b.md", "sub/c.md"], "[A](docs/a.md#x) and [C](docs/sub/c.md)", "docs/") == ["b.md"]
