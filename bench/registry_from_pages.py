@@ -13,8 +13,9 @@ with the command, the machine and the date the section states (its first command
 then names the figure, so the built site reads as before, and the next run of the benchmark that
 produced it writes the result file with `hybridspec.figures.write_result`.
 
-Run once per page that still types figures: `python bench/registry_from_pages.py docs/x.md ...`
-(a page with nothing left to lift is left as it is). Standard library only.
+Run on a page that still types figures: `python bench/registry_from_pages.py docs/x.md ...` (a page
+with nothing left to lift is left as it is; a section lifted before gains the new figures in its
+result file). Standard library only.
 """
 from __future__ import annotations
 
@@ -85,8 +86,9 @@ def table_rows(lines: list[str]) -> tuple[list[str], list[list[str]]]:
     return cells[0], [r for r in cells[2:]]
 
 
-def lift_section(page: str, title: str, block: list[str], name: str):
-    """The section with its figures named, and the result (figures, tables) they go to."""
+def lift_section(page: str, title: str, block: list[str], name: str, taken: set[str] = frozenset()):
+    """The section with its figures named, and the result (figures, tables) they go to; `taken`: the
+    keys its result file already holds (a page lifted again after the pattern grew)."""
     figs: dict[str, figures.Figure] = {}
     tables: dict[str, figures.Table] = {}
     out, i, fenced = [], 0, False
@@ -103,6 +105,8 @@ def lift_section(page: str, title: str, block: list[str], name: str):
             if any(figures.measured_spans(r) or re.search(r"(?<![\w.])\d+\.\d+", figures._masked(r))
                    for r in rows[2:]):
                 key = f"table-{len(tables) + 1}"
+                while key in taken:
+                    key += "b"
                 cols, body = table_rows(rows)
                 tables[key] = figures.Table(columns=cols, rows=body)
                 out.append(f'{{{{ table("{name}/{key}") }}}}')
@@ -118,7 +122,7 @@ def lift_section(page: str, title: str, block: list[str], name: str):
                 words = re.findall(r"[A-Za-z][\w-]*", before)[-4:]
                 key = base = slug(" ".join(words) + " " + typed.split()[-1] if typed.split() else typed, 40)
                 n = 2
-                while key in figs:
+                while key in figs or key in taken:
                     key, n = f"{base}-{n}", n + 1
                 quantity = (line[:a] + "…" + line[b:]).strip()
                 figs[key] = as_figure(typed, quantity[:300], setup)
@@ -135,8 +139,16 @@ def lift_page(path: Path, results_dir: Path) -> int:
     for title, start, end in sections(lines):
         block = lines[start:end]
         name = f"{Path(page).stem}-{slug(title, 40)}"
-        body, figs, tables = lift_section(page, title, block, name)
-        if figs or tables:
+        target = results_dir / f"{name}.json"
+        old = json.loads(target.read_text()) if target.exists() else None
+        taken = set(old["figures"]) | set(old["tables"]) if old else set()
+        body, figs, tables = lift_section(page, title, block, name, taken)
+        if (figs or tables) and old:          # lifted before: add what the wider pattern finds
+            old["figures"].update({k: vars(f) for k, f in figs.items()})
+            old["tables"].update({k: {"columns": t.columns, "rows": t.rows, "fmt": t.fmt} for k, t in tables.items()})
+            target.write_text(json.dumps(old, indent=1, ensure_ascii=False) + "\n")
+            lifted += len(figs) + len(tables)
+        elif figs or tables:
             command, machine, date = provenance(block, page, title)
             doc = {"name": name, "command": command, "machine": machine, "load": {"start": None, "end": None},
                    "date": date,
@@ -144,9 +156,6 @@ def lift_page(path: Path, results_dir: Path) -> int:
                            "command, machine and date it gave; the benchmark's next run replaces this file",
                    "figures": {k: vars(f) for k, f in figs.items()},
                    "tables": {k: {"columns": t.columns, "rows": t.rows, "fmt": t.fmt} for k, t in tables.items()}}
-            target = results_dir / f"{name}.json"
-            if target.exists():
-                raise SystemExit(f"{target} exists: lift a page once")
             target.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
             lifted += len(figs) + len(tables)
         new.extend(body)

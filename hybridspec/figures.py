@@ -261,7 +261,8 @@ def render_readme(text: str, registry: dict[str, Result]) -> str:
 _NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 MEASURED = re.compile(
     rf"(?<![\w.^=]){_NUM}(?:\s?(?:[–-]|/|vs\.?|and|to|or|,(?=\s))\s?{_NUM})*"
-    r"(?:×|x\b|\s?k?\s?(?:tok/s|tokens/s|tokens per second)|\s?(?:ms|µs|%)(?![\w/])|\s?s\b(?![/'’]))")
+    r"(?:×|x\b|\s?k?\s?(?:tok/s|tokens/s|tokens per second)|\s?(?:ms|µs|%)(?![\w/])|\s?s\b(?![/'’])"
+    r"|\s?(?:B up|B down|GB|MB|kB)\b|\s(?:tokens/round|tokens per round|(?:target )?passes/token|target passes per token)\b)")
 
 # Design constants: inputs a page may type (each pattern matches the constant with its context).
 ALLOWED = [

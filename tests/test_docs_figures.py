@@ -6,8 +6,8 @@ measured number with its command, machine and date. A docs page names a figure,
 which MkDocs does not build, carries marked spans that `python -m hybridspec.figures --readme`
 re-renders. So:
 
-(a) a page that types a measured ratio or rate by hand (a number with ×, tok/s, tokens/s, ms, s or %,
-    outside code and outside the registry's spans) fails, unless the number is a design constant
+(a) a page that types a measured ratio or rate by hand (a number with ×, tok/s, tokens/s, ms, s, %,
+    bytes, tokens per round or passes per token, outside code and outside the registry's spans) fails, unless the number is a design constant
     on the small allow-list below (an input such as an SLO threshold or a profile's round trip,
     not a measurement);
 (b) no two registry entries claim the same quantity for the same set-up;
@@ -51,6 +51,7 @@ def test_a_hand_typed_ratio_is_caught():
     assert hand_typed("KV idle 61–72% between rounds")
     assert hand_typed("p95 TPOT 57 vs 939 ms")
     assert hand_typed("hybrid 0.07× cloud-only per GPU")
+    assert len(hand_typed("γ = 4: 2.51 tokens/round, 156 B up; 64 sessions in 1.15–1.24 GB")) == 3
     assert not hand_typed('On 3g the hybrid is {{ fig("weak-links/x") }} faster than per-token.')
     assert not hand_typed("capacity at p95 TPOT ≤ 150 ms on 3g (300 ms RTT), γ = 5, 2^16 weights")
     assert not hand_typed("```bash\nnetsim load --slo-ms 150  # 1.42× here\n```")
