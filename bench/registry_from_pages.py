@@ -68,17 +68,44 @@ def sections(lines: list[str]) -> list[tuple[str, int, int]]:
 
 
 def provenance(block: list[str], page: str, title: str) -> tuple[str, dict, str]:
+    """(command, machine, date) as the section states them: its **Command:** line or first command
+    block, its **Machine:** line, its first date."""
     text = "\n".join(block)
     command = ""
+    stated = re.search(r"\*\*Commands?:?\*\*:?\s*(.+?)(?:\s{2,}\n|\n\*\*|\n\n)", text, flags=re.S)
+    if stated:
+        command = " ".join(stated.group(1).split())[:400]
     fence = re.search(r"^```(?:bash|sh|console)?\n(.*?)^```", text, flags=re.M | re.S)
-    if fence:
-        body = [ln for ln in fence.group(1).splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-        command = " ".join(ln.strip().rstrip("\\").strip() for ln in body[:4])[:400]
+    body = [ln for ln in fence.group(1).splitlines() if ln.strip() and not ln.lstrip().startswith("#")] if fence else []
     machine = re.search(r"\*\*Machine:?\*\*:?\s*(.+?)(?:\*\*Date|$)", text, flags=re.M)
     date = re.search(r"\b20\d\d-\d\d-\d\d\b", text)
-    return (command or f"as stated on docs/{page} § {title} (the page gives no command)",
-            {"as_stated": (machine.group(1).strip().rstrip(".") if machine else "the machine the page names")},
-            date.group(0) if date else "undated")
+    if body and not command:      # no **Command:** line: the section's first command block, said as such
+        command = ("the section's first command block: "
+                   + " ".join(ln.strip().rstrip("\\").strip() for ln in body[:4])[:400])
+    machine_text = (machine.group(1).strip().rstrip(".") if machine else
+                    "not stated in the section (the project's 2-vCPU VMs unless its text says otherwise)")
+    return (command or f"not stated on docs/{page} § {title}",
+            {"as_stated": machine_text},
+            date.group(0) if date else "undated (the section gives no date)")
+
+
+def refresh(results_dir: Path) -> int:
+    """Re-read command, machine and date for every lifted entry from its page section as it reads now."""
+    registry = figures.load(results_dir)
+    n = 0
+    for path in sorted(results_dir.glob("*.json")):
+        doc = json.loads(path.read_text())
+        m = re.match(r"lifted from docs/(\S+) § (.+): the figures as", doc.get("note", ""))
+        if not m:
+            continue
+        page, title = m.group(1), m.group(2)
+        lines = figures.render((ROOT / "docs" / page).read_text(encoding="utf-8"), registry).splitlines()
+        for t, start, end in sections(lines):
+            if t == title:
+                doc["command"], doc["machine"], doc["date"] = provenance(lines[start:end], page, title)
+                path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+                n += 1
+    return n
 
 
 def table_rows(lines: list[str]) -> tuple[list[str], list[list[str]]]:
@@ -166,8 +193,12 @@ def lift_page(path: Path, results_dir: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("pages", nargs="+", type=Path)
+    parser.add_argument("pages", nargs="*", type=Path)
+    parser.add_argument("--refresh", action="store_true",
+                        help="re-read command, machine and date of every lifted entry from its page")
     args = parser.parse_args()
+    if args.refresh:
+        print(f"{refresh(figures.RESULTS)} entries refreshed")
     for page in args.pages:
         print(f"{page}: {lift_page(page.resolve(), figures.RESULTS)} figures and tables lifted")
 

@@ -145,6 +145,7 @@ FORBIDDEN = [
     (re.compile(r"\bwe\b", re.I), "'we' as the subject (say what the code does, or what a command prints)"),
     (re.compile(r"\bcommit(?:s|ted)?\b\W{0,3}(?:\w+\W+){0,3}`?(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b|\b(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}`?\W{0,3}commit", re.I),
      "a commit hash"),
+    (re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"), "a commit hash (hex with letters and digits)"),
     (re.compile(r"\b(?:before|after) this change\b|\bwhat changed\b|\b(?:goals?|targets?) set\b|"
                 r"\b(?:tables?|figures?|runs?|numbers?|measurements?)\b[^.]{0,60}\breplaced\b|"
                 r"\breplaced\b[^.]{0,30}\b(?:tables?|figures?|runs?|ones above|ones below)\b|"
@@ -181,6 +182,7 @@ def test_the_forbidden_words_are_caught():
     assert caught("cached in /tmp/x")
     assert caught("We ran it on a Zen 4 VM")
     assert caught("see commit a4ff610 for the numbers")
+    assert caught("old proxy at dd70c89 and the new one")
     assert caught("Against the targets set for this work: not reached")
     assert not caught("tests/helpers.py holds the batcher")
     assert not caught("other sessions carry on; ~/.cache/hybridspec/vocab")
