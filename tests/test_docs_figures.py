@@ -189,3 +189,34 @@ def test_the_forbidden_words_are_caught():
     assert not caught("the edge commits 5 tokens at 12:30 a.m. western time; a web page")
     assert not caught("the committed length 1234567 is checked")
     assert not caught("otherwise replaced by a draw from p without x")
+
+
+def _hook():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("figures_hook", ROOT / "docs" / "hooks" / "figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Page:
+    def __init__(self, src_uri: str):
+        self.file = type("File", (), {"src_uri": src_uri})()
+
+
+def test_the_docs_hook_renders_and_stops_the_build_on_an_unknown_name():
+    from mkdocs.exceptions import PluginError
+    hook = _hook()
+    hook.on_config({})
+    registry = figures.load()
+    ref = next(f"{n}/{k}" for n, r in registry.items() for k in r.figures)
+    out = hook.on_page_markdown(f'x {{{{ fig("{ref}") }}}} y', _Page("x.md"), {}, None)
+    assert out == f"x {figures.figure(registry, ref).render()} y"
+    try:
+        hook.on_page_markdown('{{ fig("no-such-result/key") }}', _Page("bad.md"), {}, None)
+    except PluginError as exc:
+        assert "bad.md" in str(exc) and "no-such-result/key" in str(exc)
+    else:
+        raise AssertionError("an unknown figure name did not stop the build")
+    changelog = hook.on_page_markdown("", _Page("changelog.md"), {}, None)
+    assert changelog.startswith("# Changelog") and "](docs/" not in changelog
