@@ -140,6 +140,15 @@ def fleet_regime(folder: str, alpha: float = 0.7) -> Path:
             rows.append([targets.get(c["target"], c["target"]), ctx, c["link"],
                          f"{cloud['tokens_per_s']:,.0f} ({cloud['binds']}; {cloud['sessions']})",
                          *(f"{c['hybrid'][m]['x_cloud']:.2f}× ({c['hybrid'][m]['binds']})" for m in REGIME_MODES)])
+    where = f"regime map (mean-value model), H200, {doc['setting']} rounds, TPOT ≤ {slo_ms} ms, all 54 cells"
+    for mode in REGIME_MODES:
+        summary = doc["summary"][mode]
+        figs[f"{slug_mode(mode)}-cells-at-least-2x"] = figures.Figure(
+            summary["at_least_2x"], f"cells where the hybrid ({mode}) reaches ≥ 2× cloud-only's tokens/s per GPU",
+            where, "cells", "{}")
+        figs[f"{slug_mode(mode)}-max-sessions"] = figures.Figure(
+            round(summary["max_sessions_x"], 2), f"most sessions per GPU, hybrid ({mode}) over cloud-only",
+            where, "x", "{:.2f}×")
     date = _commit_date(src)
     return _write(f"fleet-{folder}", {
         "command": f"bash bench/fleet_regime.sh ({REGIME_COMMANDS.get(folder, folder)})",
