@@ -146,6 +146,9 @@ def fleet_regime(folder: str, alpha: float = 0.7) -> Path:
         figs[f"{slug_mode(mode)}-cells-at-least-2x"] = figures.Figure(
             summary["at_least_2x"], f"cells where the hybrid ({mode}) reaches ≥ 2× cloud-only's tokens/s per GPU",
             where, "cells", "{}")
+        figs[f"{slug_mode(mode)}-cells-above-1x"] = figures.Figure(
+            summary["above_1x"], f"cells where the hybrid ({mode}) exceeds cloud-only's tokens/s per GPU",
+            where, "cells", "{}")
         figs[f"{slug_mode(mode)}-max-sessions"] = figures.Figure(
             round(summary["max_sessions_x"], 2), f"most sessions per GPU, hybrid ({mode}) over cloud-only",
             where, "x", "{:.2f}×")
