@@ -10,8 +10,10 @@ token: rounds of one draft token) runs as a third row.
 
 Each row prints tokens/s, target passes per committed token, round trips per token and time to
 first token. Passes are the verifier's own count (its /metrics counter of target forward passes,
-read before and after each run), not derived from the rounds; round trips are the Verify rounds
-the edge sent (retries included), or cloud-only's one Generate stream.
+read before and after each run), not derived from the rounds, less the passes it spends on the
+prompt's chunks before the first token (the same prompt in every row, counted once by the verifier
+for a one-token request); round trips are the Verify requests the verifier answered (its count too,
+retries included), or cloud-only's one Generate stream.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ class Row(NamedTuple):
     wall_s: float
     ttft_s: float        # time to the first committed token
     passes: int          # target forward passes, the verifier's own count over the run
-    round_trips: int     # Verify rounds the edge sent (retries included), or 1: cloud-only's Generate stream
+    round_trips: int     # Verify requests the verifier answered (its count), or 1: cloud-only's Generate stream
 
     def per_token(self, n: int) -> float:
         return n / max(self.tokens, 1)
@@ -74,22 +76,32 @@ class Row(NamedTuple):
                 "round_trips_per_token": self.per_token(self.round_trips)}
 
 
-class PassCounter:
-    """The verifier's count of target forward passes (`hybridspec_batch_seconds_count` on its
-    Prometheus endpoint: one observation per pass, prefill or round or Generate step)."""
+class Count(NamedTuple):
+    passes: int          # target forward passes (one per prefill chunk, round or Generate step)
+    verify_requests: int  # Verify requests (unary or on a stream) the verifier answered
 
-    METRIC = re.compile(r"^hybridspec_batch_seconds_count\s+([0-9.e+]+)$", re.M)
+
+class VerifierCounters:
+    """The verifier's own counters, read from its Prometheus endpoint: target forward passes
+    (`hybridspec_batch_seconds`: one observation per pass), and the Verify requests it answered —
+    rounds it ran (`hybridspec_round_seconds`: one observation per request; a round fused into the
+    pass before has none), retries answered from its cache and pipelined rounds it dropped.
+    Refusals and connections that never reached it are not counted."""
+
+    LINE = re.compile(r"^(hybridspec_[a-z_]+)\s+([0-9.e+]+)$", re.M)
+    REQUESTS = ("hybridspec_round_seconds_count", "hybridspec_verify_retries_total",
+                "hybridspec_pipeline_discards_total")
 
     def __init__(self, port: int):
         self.url = f"http://127.0.0.1:{port}/metrics"
 
-    def read(self) -> int:
+    def read(self) -> Count:
         with urllib.request.urlopen(self.url, timeout=10) as r:
-            m = self.METRIC.search(r.read().decode())
-        return int(float(m.group(1))) if m else 0
+            values = {name: int(float(v)) for name, v in self.LINE.findall(r.read().decode())}
+        return Count(values.get("hybridspec_batch_seconds_count", 0), sum(values.get(n, 0) for n in self.REQUESTS))
 
-    def settled(self) -> int:
-        """The count once it stops moving: a pass is counted just after its answer leaves."""
+    def settled(self) -> Count:
+        """The counts once they stop moving: a pass is counted just after its answer leaves."""
         last = self.read()
         for _ in range(20):
             time.sleep(0.05)
@@ -115,12 +127,6 @@ async def heartbeat(label: str, work, every_s: float = HEARTBEAT_S):
         if done:
             return task.result()
         print(f"[demo] {label}: {time.monotonic() - t0:.0f} s so far", file=sys.stderr, flush=True)
-
-
-def round_trips(stats) -> int:
-    """Verify rounds that crossed the link: retries and dropped pipelined rounds count; a round
-    answered in the pass of the one before (fused) does not (netsim.experiment counts the same)."""
-    return stats.rounds - stats.fused_hits + stats.retries + stats.discarded_rounds
 
 
 async def cloud_only(server: str, ids: list[int], settings) -> tuple[int, float, float]:
@@ -181,21 +187,23 @@ def cmd_demo(args) -> int:
     label = args.draft if args.drafter == "gguf" else f"{args.drafter} (no model)"
     print(f"[demo] target: {Path(target).name} on llama.cpp | draft: {label} | gamma {args.gamma} | q {args.qmode} "
           f"| {args.max_tokens} tokens", file=sys.stderr)
-    rows, stats = run_rows(args, target, options, settings)
-    report(args, rows, stats)
+    rows, stats, prefill = run_rows(args, target, options, settings)
+    report(args, rows, stats, prefill)
     return 0
 
 
-def run_rows(args, target: str, options, settings) -> tuple[list[Row], object]:
-    """Start the verifier (and the link), run hybrid, per-token (with --link) and cloud-only."""
+def run_rows(args, target: str, options, settings) -> tuple[list[Row], object, int]:
+    """Start the verifier (and the link), run hybrid, per-token (with --link) and cloud-only.
+    Returns the rows, the hybrid's GenerationStats and the prompt's prefill passes."""
     from edge_client.cli import run_generate
-    from edge_client.options import Speculation
     from hybridspec.launch import spawn_verifier
     metrics_port = free_port()
     proc, server = spawn_verifier(["--model", target, "--threads", str(args.verifier_threads),
                                    "--metrics-port", str(metrics_port)])
-    passes, link = PassCounter(metrics_port), None
+    counters, link = VerifierCounters(metrics_port), None
     try:
+        ids = target_prompt_ids(args, target)
+        prefill = asyncio.run(prefill_passes(server, ids, settings, counters))
         address = server
         if args.link:
             from netsim.profiles import get_profile
@@ -206,24 +214,20 @@ def run_rows(args, target: str, options, settings) -> tuple[list[Row], object]:
             address = f"127.0.0.1:{link.port}"
             print(f"[demo] link: {profile.name} ({profile.description}) through netsim's proxy", file=sys.stderr)
         print(f"[demo] verifier on {server}; edge output follows\n", file=sys.stderr)
-        before = passes.settled()
+        before = counters.settled()
         stats = asyncio.run(run_generate(args, options.at(address), settings))
-        rows = [Row("hybrid", stats.tokens, stats.wall_s, stats.ttft_s, passes.settled() - before, round_trips(stats))]
+        rows = [measured("hybrid", stats, before, counters.settled(), prefill)]
         if args.link:
-            spec = options.speculation
-            per_token = dataclasses.replace(options.at(address), speculation=Speculation(
-                gamma=1, qmode=spec.qmode, strict_tokenizer=spec.strict_tokenizer, target_vocab=spec.target_vocab))
             print(f"[demo] per-token (one draft token per round) over {args.link} ...", file=sys.stderr, flush=True)
-            before = passes.settled()
-            st = asyncio.run(heartbeat("per-token", run_generate(args, per_token, settings, quiet=True)))
-            rows.insert(0, Row("per-token", st.tokens, st.wall_s, st.ttft_s, passes.settled() - before,
-                               round_trips(st)))
+            before = counters.settled()
+            st = asyncio.run(heartbeat("per-token", run_generate(args, per_token(options.at(address)), settings,
+                                                                 quiet=True)))
+            rows.insert(0, measured("per-token", st, before, counters.settled(), prefill))
         if not args.no_baseline:
             print("[demo] cloud-only (the target streams its own output) ...", file=sys.stderr, flush=True)
-            ids = target_prompt_ids(args, target)
-            before = passes.settled()
+            before = counters.settled()
             tokens, wall, ttft = asyncio.run(cloud_only(address, ids, settings))
-            rows.insert(0, Row("cloud-only", tokens, wall, ttft, passes.settled() - before, 1))
+            rows.insert(0, Row("cloud-only", tokens, wall, ttft, counters.settled().passes - before.passes - prefill, 1))
     finally:
         if link is not None:
             link.stop()
@@ -233,18 +237,49 @@ def run_rows(args, target: str, options, settings) -> tuple[list[Row], object]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
-    return rows, stats
+    return rows, stats, prefill
 
 
-def report(args, rows: list[Row], stats) -> None:
+def per_token(options):
+    """The same edge serving per token: one draft token per round, chains, nothing in flight."""
+    from edge_client.options import Speculation
+    spec = options.speculation
+    return dataclasses.replace(options, speculation=Speculation(
+        gamma=1, qmode=spec.qmode, strict_tokenizer=spec.strict_tokenizer, target_vocab=spec.target_vocab))
+
+
+def measured(name: str, stats, before: Count, after: Count, prefill: int) -> Row:
+    """A hybrid row: the edge's tokens and times, the verifier's passes and Verify requests."""
+    return Row(name, stats.tokens, stats.wall_s, stats.ttft_s, after.passes - before.passes - prefill,
+               after.verify_requests - before.verify_requests)
+
+
+async def prefill_passes(server: str, ids: list[int], settings, counters: VerifierCounters) -> int:
+    """The passes the verifier spends on the prompt before the pass that gives the first token:
+    it evaluates a long prompt in chunks, one pass each. Counted by the verifier for a one-token
+    Generate of the same prompt (its passes less one); every row's count leaves them out, so
+    passes per token are those of generation, the same for every row's prompt."""
+    import grpc
+    from edge_client.client import stream_cloud_only
+    from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
+    async with grpc.aio.insecure_channel(server) as ch:
+        stub = pb_grpc.VerifierStub(ch)
+        await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=60)
+        before = counters.settled().passes
+        await stream_cloud_only(stub, ids, dataclasses.replace(settings, max_new_tokens=1))
+    return max(0, counters.settled().passes - before - 1)
+
+
+def report(args, rows: list[Row], stats, prefill: int) -> None:
     s = stats
     print(f"\n[demo] hybrid: {s.tokens} tokens, {s.rounds} rounds, acceptance {s.acceptance_rate:.2f}, "
           f"{s.tokens_per_round:.2f} tokens/round (theory at this α and γ: {s.expected_tokens_per_round:.2f}), "
           f"{s.bytes_up / max(s.rounds, 1):.0f} B up / {s.bytes_down / max(s.rounds, 1):.0f} B down per round",
           file=sys.stderr)
     print(table(rows), file=sys.stderr)
-    print("[demo] passes: target forward passes the verifier counted during each run, per committed token; "
-          "round trips: Verify rounds the edge sent (or cloud-only's one stream), per token", file=sys.stderr)
+    print(f"[demo] passes: target forward passes the verifier counted during each run (its /metrics), less the "
+          f"{prefill} it spends on the prompt's chunks before its first token in every row, per committed token; "
+          "round trips: Verify requests the verifier answered (or cloud-only's one stream), per token", file=sys.stderr)
     print(f"[demo] {meaning(rows, args.link)}", file=sys.stderr)
     if args.json:
         out = s.to_json()
@@ -252,6 +287,7 @@ def report(args, rows: list[Row], stats) -> None:
         out["cloud_only"] = named.get("cloud-only")
         out["rows"] = named
         out["link"] = args.link
+        out["prefill_passes"] = prefill
         print(json.dumps(out))
 
 
@@ -268,22 +304,20 @@ def meaning(rows: list[Row], link: str | None) -> str:
     by = {r.name: r for r in rows}
     h = by["hybrid"]
     hp = h.per_token(h.passes)
-    if hp >= 1:
-        cost = "the draft was accepted too rarely here to save target passes"
-    else:
-        cost = f"the hybrid ran the target {hp:.2f} times per token where streaming runs it once per token " \
-               f"({1 / hp:.1f}x the tokens per pass of the large model: the cloud's cost)"
+    rate = lambda r: r.tokens / r.wall_s if r.wall_s else 0.0  # noqa: E731
+    passes = (f"{hp:.2f} target passes per token where the target alone needs 1.00 ({1 / hp:.1f}x the tokens per "
+              "pass of the large model)" if hp < 1 else
+              "no fewer target passes than the target alone (the draft was accepted too rarely here)")
     if link and "per-token" in by:
         p = by["per-token"]
-        rt = p.per_token(p.round_trips) / max(h.per_token(h.round_trips), 1e-9)
-        speed = (h.tokens / h.wall_s) / max(p.tokens / p.wall_s, 1e-9)
-        return (f"Over {link}, {cost}, and it needed {rt:.1f}x fewer round trips than per-token serving, which "
-                f"made it {speed:.1f}x as fast; cloud-only streams in one request, so the link costs it one round "
-                "trip: the hybrid's case is the cloud's passes and per-token collaboration, not a faster stream.")
+        fewer = p.per_token(p.round_trips) / max(h.per_token(h.round_trips), 1e-9)
+        return (f"Over {link} the hybrid needed {fewer:.1f}x fewer round trips than per-token serving "
+                f"({rate(h) / max(rate(p), 1e-9):.1f}x its tokens/s) and {passes}; cloud-only streams in one request, "
+                "so where the cloud has the capacity it stays the fastest: the hybrid saves the cloud's passes and "
+                "the round trips of per-token collaboration.")
     if "cloud-only" in by:
         c = by["cloud-only"]
-        faster = (c.tokens / c.wall_s if c.wall_s else 0) > (h.tokens / h.wall_s if h.wall_s else 0)
-        return (f"On loopback {cost}; " + ("cloud-only streams faster here because there is no round trip to "
-                                             "save and this CPU target is cheap per pass, " if faster else "")
-                + "so the saving is the large model's work per token, which is what bounds a loaded GPU server.")
-    return cost[0].upper() + cost[1:] + "."
+        lead = ("On loopback there is no round trip to save and cloud-only streams faster; what the hybrid saves is"
+                if rate(c) > rate(h) else "What the hybrid saves is")
+        return f"{lead} the large model's work: {passes}, which is what bounds a loaded GPU server."
+    return f"The hybrid ran {passes}."
