@@ -4,7 +4,8 @@ The messages are read from the source with `ast`, over whole packages (modules c
 code is refactored): every call to a helper that carries a message to a user — the verifier's gRPC
 statuses (RequestError, _bad, Refused, context.abort, ...), the OpenAI endpoint's HTTP errors
 (APIError), the edge's option refusals (OptionError, OptionConflict) and its own refusals
-(EdgeError), and the start-up refusals of the commands (SystemExit) — and every `self.message = ...`
+(EdgeError), the checks of the wire's fields whose words the verifier sends on (QError, TreeError,
+SamplingError), and the start-up refusals of the commands (SystemExit) — and every `self.message = ...`
 of an exception class. A message's stable fragment is the longest constant part of it (an f-string's
 text between the placeholders); the page must contain it. A message built wholly at run time
 (`str(e)`) has no fragment: the message it passes on is caught where that one is raised.
@@ -18,7 +19,7 @@ from typing import Iterator, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "troubleshooting.md"
-PACKAGES = ("cloud_verifier", "edge_client", "hybridspec", "llama_runtime", "netsim")
+PACKAGES = ("spec_core", "cloud_verifier", "edge_client", "hybridspec", "llama_runtime", "netsim")
 
 # Callee name -> the position of its message argument (keyword: one of MESSAGE_KEYWORDS).
 MESSAGE_ARGS = {
@@ -34,6 +35,9 @@ MESSAGE_ARGS = {
     "TokenFileError": 0, "NoChatTemplate": 0, "OSError": 0,
     # the backend's words inside a RESOURCE_EXHAUSTED or NOT_FOUND (a full KV cache, parked cells lost)
     "NoFreeState": 0, "StateLost": 0,
+    # the checks of the wire's q payload, trees and sampling settings, whose words the verifier sends
+    # on as INVALID_ARGUMENT (and the OpenAI endpoint as a 400)
+    "QError": 0, "TreeError": 0, "SamplingError": 1,
 }
 MESSAGE_KEYWORDS = ("message", "problem", "why")
 MIN_FRAGMENT = 10   # shorter constant parts ("sampling.", ": ") say nothing a reader could search for
@@ -108,7 +112,7 @@ def all_messages() -> list[Message]:
     out = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
-            if "proto" in path.relative_to(ROOT).parts:
+            if "_pb2" in path.name:   # generated protobuf code
                 continue
             out += messages_in(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
     return out
