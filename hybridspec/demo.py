@@ -5,8 +5,9 @@ The verifier runs as its own process (as it would on another machine), on 127.0.
 llama.cpp thread; the edge drafts with one thread: on a 2-core box that keeps the two "devices"
 from fighting over cores. The same verifier then serves the cloud-only baseline (the target
 streaming its own output) on the same prompt. With --link PROFILE the edge reaches the verifier
-through netsim's link proxy with that profile's link, and per-token serving (a round trip per
-token: rounds of one draft token) runs as a third row.
+through netsim's link proxy with that profile's link, and per-token serving (the hybrid with one
+draft token per round, γ = 1) runs as a third row. --max-tokens defaults to 128, and to 32 with
+--link.
 
 Each row prints tokens/s, target passes per committed token, round trips per token and time to
 first token. Passes are the verifier's own count (its /metrics counter of target forward passes,
