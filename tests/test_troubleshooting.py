@@ -19,7 +19,7 @@ from typing import Iterator, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "troubleshooting.md"
-PACKAGES = ("spec_core", "cloud_verifier", "edge_client", "hybridspec", "llama_runtime", "netsim")
+PACKAGES = ("spec_core", "cloud_verifier", "edge_client", "hybridspec", "llama_runtime", "netsim", "scripts")
 
 # Callee name -> the position of its message argument (keyword: one of MESSAGE_KEYWORDS).
 MESSAGE_ARGS = {
@@ -38,6 +38,8 @@ MESSAGE_ARGS = {
     # the checks of the wire's q payload, trees and sampling settings, whose words the verifier sends
     # on as INVALID_ARGUMENT (and the OpenAI endpoint as a 400)
     "QError": 0, "TreeError": 0, "SamplingError": 1,
+    # set-up's own steps (scripts/llama_build.py)
+    "SetupError": 0,
 }
 MESSAGE_KEYWORDS = ("message", "problem", "why")
 MIN_FRAGMENT = 10   # shorter constant parts ("sampling.", ": ") say nothing a reader could search for
@@ -102,8 +104,8 @@ def messages_in(source: str, where: str) -> Iterator[Message]:
             continue
         for alternative in _pieces(arg) or []:
             # a bare word ("cloud-verifier" of f"cloud-verifier: {e}") is a prefix, not the message
-            fragment = max((p.strip(" :;,.()") for p in alternative if " " in p.strip(" :;,.()")), key=len,
-                           default="")
+            lines = [line.strip(" :;,.()") for p in alternative for line in p.split("\n")]
+            fragment = max((line for line in lines if " " in line), key=len, default="")
             if len(fragment) >= MIN_FRAGMENT:
                 yield Message(f"{where}:{node.lineno}", helper, fragment)
 
@@ -115,7 +117,22 @@ def all_messages() -> list[Message]:
             if "_pb2" in path.name:   # generated protobuf code
                 continue
             out += messages_in(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+    for path in sorted((ROOT / "scripts").glob("*.sh")):
+        out += shell_messages_in(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
     return out
+
+
+# Set-up's shell refusals: `fail "WHAT" "WHAT TO DO"` (scripts/*.sh); $VAR and $(...) are the run-time parts.
+SHELL_FAIL = re.compile(r'\bfail "((?:[^"$]|\$\w+|\$\{\w+\})*)"')
+SHELL_VALUE = re.compile(r"\$\w+|\$\{\w+\}")
+
+
+def shell_messages_in(source: str, where: str) -> Iterator[Message]:
+    for m in SHELL_FAIL.finditer(source):
+        pieces = [p.strip(" :;,.()") for p in SHELL_VALUE.split(m.group(1))]
+        fragment = max((p for p in pieces if " " in p), key=len, default="")
+        if len(fragment) >= MIN_FRAGMENT:
+            yield Message(f"{where}:{source[:m.start()].count(chr(10)) + 1}", "fail", fragment)
 
 
 def normalise(text: str) -> str:
@@ -132,7 +149,7 @@ def test_every_refusal_message_is_on_the_troubleshooting_page():
     helpers = {m.helper for m in messages}
     # The extraction finds each kind of refusal (a rename of a helper must not empty the check).
     assert {"RequestError", "_bad", "Refused", "APIError", "OptionConflict", "EdgeError", "SystemExit",
-            "self.message", "_refusing"} <= helpers, helpers
+            "self.message", "_refusing", "QError", "SetupError", "fail"} <= helpers, helpers
     assert len(messages) > 80, len(messages)
     missing = missing_from(PAGE.read_text(encoding="utf-8"), messages)
     assert not missing, "not on docs/troubleshooting.md:\n" + "\n".join(
@@ -154,6 +171,11 @@ def check(n):
     page = PAGE.read_text(encoding="utf-8") + "\n| `the frobnication depth N exceeds what this verifier allows` |" \
                                                  "\n| `verifier full of unlisted widgets` |"
     assert missing_from(page, found) == []
+
+
+def test_set_up_failures_are_read_from_the_shell_scripts():
+    source = 'x || fail "could not create $VENV" "install the venv module"\nfail "$("$PY" --version) is too old" "y"\n'
+    assert [(m.where, m.fragment) for m in shell_messages_in(source, "s.sh")] == [("s.sh:1", "could not create")]
 
 
 def test_fragments_are_the_constant_text_between_placeholders():
