@@ -35,7 +35,7 @@ from edge_client.drafters import DEFAULT_DRAFT
 
 DEFAULT_PROMPT = "Write a Python function that reverses a list."
 MAX_TOKENS = 128        # --max-tokens when none is given
-LINK_MAX_TOKENS = 32    # ... with --link: per-token serving pays a round trip per token
+LINK_MAX_TOKENS = 32    # ... with --link: per-token serving pays a round trip per one or two tokens
 HEARTBEAT_S = 5.0       # a run that streams nothing says it is still going this often
 
 
