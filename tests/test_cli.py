@@ -97,6 +97,31 @@ def test_demo_runs_verifier_edge_and_baseline(tiny_models):
     assert "[demo] hybrid:" in r.stderr and "[demo] cloud-only:" in r.stderr
 
 
+def test_demo_over_a_3g_link_prints_three_rows_of_passes_and_round_trips(tiny_models):
+    """`hybridspec demo --link 3g`: cloud-only, per-token and hybrid side by side, each counted by the
+    verifier. The target drafts for itself at temperature 0 (a pair that agrees): a hybrid round of
+    γ = 5 commits several tokens in one pass, so it needs fewer passes per token than per-token
+    serving (γ = 1), which needs fewer than cloud-only's one per token. Counts only, no timings."""
+    target = str(tiny_models["target"])
+    r = subprocess.run([sys.executable, "-m", "hybridspec", "demo", "--target", target, "--draft", target,
+                        "--link", "3g", "--max-tokens", "12", "--prompt", "hello world", "--temperature", "0",
+                        "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout.rstrip("\n").split("\n")[-1])["rows"]
+    assert list(rows) == ["cloud-only", "per-token", "hybrid"]
+    cloud, per_token, hybrid = rows["cloud-only"], rows["per-token"], rows["hybrid"]
+    assert all(row["tokens"] == 12 for row in rows.values())
+    # Cloud-only: the verifier ran one pass per token (its prompt's prefill chunks aside), one stream.
+    assert cloud["passes"] == 12 and cloud["passes_per_token"] == 1.0 and cloud["round_trips"] == 1
+    assert hybrid["passes_per_token"] < per_token["passes_per_token"] < 1.0
+    assert hybrid["round_trips"] < per_token["round_trips"] <= 12
+    table = [line for line in r.stderr.splitlines() if line.startswith(("[demo] cloud-only:", "[demo] per-token:",
+                                                                          "[demo] hybrid:"))]
+    assert [line.split(":")[0] for line in table[-3:]] == ["[demo] cloud-only", "[demo] per-token", "[demo] hybrid"]
+    assert table[-3].split()[3] == "1.00"   # the passes/token column of cloud-only's row
+    assert "fewer round trips than per-token serving" in r.stderr
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature"),
     (["generate", "--prompt", "hi", "--top-p", "1.5"], "--top-p"),
