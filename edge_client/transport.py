@@ -39,7 +39,9 @@ CHANNEL_OPTIONS = [
     # up to a minute late (docs/operations.md has the measurement); a verifier is one known
     # address, and a connect attempt to a closed port costs a refused SYN: try every 0.1-1 s.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    # Not grpc.min_reconnect_backoff_ms: gRPC core also takes it as the shortest time a connection
+    # attempt may last (min connect timeout, 20 s by default), and at 100 ms a handshake over a
+    # 300 ms link (3g) timed out: the first call failed UNAVAILABLE and was retried.
     ("grpc.max_reconnect_backoff_ms", 1_000),
     # Several addresses (replicas): keep one connection, to the first that answers, and move to
     # the next when it goes (a drained or dead replica); round robin would spread one session's
