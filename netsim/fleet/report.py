@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from netsim.fleet.calibration import Calibration, calibrate_from_load, fleet_config, load_schedule, run_alpha
-from netsim.fleet.capacity import edges_per_verifier, simulation_meets_slo
+from netsim.fleet.capacity import edges_per_verifier
 from netsim.fleet.costs import H100, H200, LinearCost, gpu_cost, kv_sessions
 from netsim.fleet.hostpath import PATHS, HostPathTable, stream_rows
 from netsim.fleet.simulation import simulate
