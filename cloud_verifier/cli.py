@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported here, not at the top: build_parser() needs only argparse (the docs build renders it).
-    from cloud_verifier.engine import Limits
+    from cloud_verifier.validation import Limits
     from cloud_verifier.process import READY
     from cloud_verifier.server import serve_forever
     tls, tokens, policy = security_from_args(args)

@@ -7,7 +7,7 @@ import pytest
 
 from cloud_verifier.admission import ServerPolicy
 from cloud_verifier.backends.synthetic import SyntheticBackend
-from cloud_verifier.engine import QUOTE_CHARS, Limits, quoted
+from cloud_verifier.validation import QUOTE_CHARS, Limits, quoted
 from cloud_verifier.server import VerifierServer
 from helpers import running_server, stub_for
 from spec_core.proto import verifier_pb2 as pb
