@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise SystemExit(f"cloud-verifier: --prefill-chunk must be >= 1, got {args.prefill_chunk}")
     backend = backend_from_args(args)
-    max_sessions = args.max_sessions or backend.max_states or Limits.max_sessions
+    max_sessions = args.max_sessions or backend.caps.max_states or Limits.max_sessions
     limits = Limits(max_gamma=args.max_gamma, max_sessions=max_sessions, session_ttl_s=args.session_ttl,
                     default_max_new_tokens=args.max_new_tokens, steer=args.steer == "on",
                     slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms)

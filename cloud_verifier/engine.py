@@ -51,10 +51,10 @@ class VerifierEngine:
     def __init__(self, backend: Backend, limits: Limits = Limits(), version: str = "",
                  evict_idle_after_s: float = 0.0):
         self.backend, self.limits, self.version = backend, limits, version
-        self.info = backend.info
+        self.info, self.caps = backend.info, backend.caps   # the one place the engine reads what the backend can do
         # A batching backend holds sessions in one KV cache: never promise more than it holds.
-        self.max_sessions = min(limits.max_sessions, backend.max_states or limits.max_sessions)
-        self.validator = Validator(backend, limits)
+        self.max_sessions = min(limits.max_sessions, self.caps.max_states or limits.max_sessions)
+        self.validator = Validator(backend, self.caps, limits)
         self.default_slo = self.validator.default_slo
         self.sessions = SessionStore(self.max_sessions, limits.session_ttl_s, backend.release, evict_idle_after_s)
         self.lifecycle = SessionLifecycle(self.sessions, backend, self.validator, self.max_sessions)
@@ -270,7 +270,7 @@ class VerifierEngine:
         if cost is None:
             return None
         price = cost[1] * self.commits.rate(now)
-        nodes = self.limits.max_tree_nodes if self.backend.supports_trees else 0
+        nodes = self.limits.max_tree_nodes if self.caps.trees else 0
         b = draft_budget(session.acceptance.alpha, price, self.limits.max_gamma, nodes, self.limits.max_tree_branching)
         return pb.DraftBudget(max_gamma=b.max_gamma, max_tree_nodes=b.max_tree_nodes, price=b.price)
 
@@ -371,11 +371,10 @@ class VerifierEngine:
                              tokenizer_fingerprint=i.fingerprint, max_gamma=self.limits.max_gamma,
                              max_sessions=self.max_sessions, eos_token_ids=sorted(i.eos_token_ids),
                              version=self.version,
-                             max_tree_nodes=self.limits.max_tree_nodes if self.backend.supports_trees else 0,
+                             max_tree_nodes=self.limits.max_tree_nodes if self.caps.trees else 0,
                              max_tree_branching=self.limits.max_tree_branching,
-                             batching=bool(getattr(self.backend, "batching", False)),
-                             text_prompts=self.backend.has_vocabulary,
-                             chat_prompts=self.backend.has_vocabulary and self.backend.chat_prompts(),
+                             batching=self.caps.batching, text_prompts=self.caps.vocabulary,
+                             chat_prompts=self.caps.vocabulary and self.backend.chat_prompts(),
                              draft_budgets=self.limits.steer and self.backend.pass_cost() is not None,
                              slo=(pb.SessionSlo(tpot_ms=self.limits.slo_tpot_ms, ttft_ms=self.limits.slo_ttft_ms)
                                   if self.default_slo is not None else None),

@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 import grpc
 import numpy as np
 
-from cloud_verifier.backends.base import Backend, NoChatTemplate
+from cloud_verifier.backends.base import Backend, Capabilities, NoChatTemplate
 from cloud_verifier.rounds import Alternative, alternative
 from cloud_verifier.workers import run_in_thread
 from spec_core import qcodec
@@ -121,8 +121,8 @@ class Validator:
     """The checks of every field from the wire, against the target (`info`), the server's limits and
     what its backend can take (trees, text prompts)."""
 
-    def __init__(self, backend: Backend, limits: Limits):
-        self.backend, self.limits, self.info = backend, limits, backend.info
+    def __init__(self, backend: Backend, caps: Capabilities, limits: Limits):
+        self.backend, self.caps, self.limits, self.info = backend, caps, limits, backend.info
         self.default_slo = (Slo(limits.slo_tpot_ms / 1e3, limits.slo_ttft_ms / 1e3)
                             if limits.slo_tpot_ms or limits.slo_ttft_ms else None)
 
@@ -200,7 +200,7 @@ class Validator:
         """The round's tree, validated; None for a chain (no draft_parents)."""
         if not req.draft_parents:
             return None
-        if not self.backend.supports_trees or self.limits.max_tree_nodes == 0:
+        if not self.caps.trees or self.limits.max_tree_nodes == 0:
             raise bad(f"this server ({self.info.name}) verifies chains only: send the drafts without draft_parents")
         try:
             return validate_tree(drafts, list(req.draft_parents), self.info.n_vocab, self.limits.max_tree_nodes,
@@ -251,9 +251,9 @@ class Validator:
         if not len(ids):
             return
         arr = np.asarray(ids, dtype=np.int64)
-        bad = np.flatnonzero(arr >= self.info.n_vocab)
-        if len(bad):
-            i = int(bad[0])
+        outside = np.flatnonzero(arr >= self.info.n_vocab)
+        if len(outside):
+            i = int(outside[0])
             raise bad(f"{what}[{i}] = {int(arr[i])} is outside the vocabulary (n_vocab = {self.info.n_vocab})")
 
     def settings(self, sp: pb.SamplingParams, has_sampling: bool) -> SamplingSettings:
@@ -301,7 +301,7 @@ class Validator:
         """(text, messages) of a text prompt, validated; (None, None) when the prompt is ids."""
         if not text and not len(messages):
             return None, None
-        if not self.backend.has_vocabulary:
+        if not self.caps.vocabulary:
             raise RequestError(grpc.StatusCode.UNIMPLEMENTED,
                                f"this server ({self.info.name}) takes prompts as token ids only: send "
                                f"{what}prompt_token_ids")

@@ -30,10 +30,11 @@ from spec_core.drafting import QMode, draft_step  # noqa: E402
 from spec_core.qcodec import encode_fixed, encode_float  # noqa: E402
 from spec_core.synthetic import synthetic_pair  # noqa: E402
 from spec_core.tree import ROOT, DraftTree, TreeResult, TreeShape, grow_tree, verify_tree  # noqa: E402
-from spec_core.verify import RoundResult, commit_round, verify_round  # noqa: E402
+from spec_core.verify import RoundResult, commit_round  # noqa: E402
 from spec_core.warping import SamplingSettings, processed_probs  # noqa: E402
 from test_exactness_stats import L, N, P_MIN, V, chi_square_p, exact_sequence_probs  # noqa: E402
 from test_tree_exactness import SHAPE, encoder_for  # noqa: E402
+from chain_round import chain_round  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -244,7 +245,7 @@ def numpy_outcome(logits_np, rd: PassRound, uniforms_in_order) -> TreeResult:
     p = processed_probs(logits_np, rd.settings.temperature, rd.settings.top_k, rd.settings.top_p)
     rng = ScriptedRng(uniforms_in_order)
     if rd.tree.is_chain:
-        res = verify_round(p, list(rd.tree.tokens), rd.draft_probs, rng)
+        res = chain_round(p, list(rd.tree.tokens), rd.draft_probs, rng)
         return TreeResult(list(range(res.num_accepted)), res.next_token)
     return verify_tree(p, rd.tree, rd.draft_probs, rng)
 

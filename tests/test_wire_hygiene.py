@@ -2,6 +2,8 @@
 is validated before admission control looks at the load."""
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 
@@ -38,7 +40,7 @@ async def test_a_huge_unknown_session_id_is_not_found_with_a_short_message(what)
 
 async def test_a_long_chat_role_is_quoted_by_a_prefix():
     backend = SyntheticBackend(vocab=VOCAB, vocabulary=None)
-    backend.has_vocabulary = True   # text prompts reach the role check (the synthetic stand-in template)
+    backend.caps = dataclasses.replace(backend.caps, vocabulary=True)   # text prompts reach the role check (the synthetic stand-in template)
     req = open_req(prompt=())
     req.open.prompt_messages.add(role="R" * 5000, content="hi")
     async with running_server(backend) as server:

@@ -77,14 +77,15 @@ from typing import Sequence
 
 import numpy as np
 
-from cloud_verifier.backends.base import Backend, BackendInfo, BackendRound, BackendSample, NoChatTemplate
+from cloud_verifier.backends.base import (Backend, BackendInfo, BackendRound, BackendSample, Capabilities, NoChatTemplate,
+                                          round_then_continuation)
 from cloud_verifier.backends.vllm_counters import EngineCounters, read_engine_counters
 from cloud_verifier.backends.vllm_sessions import SessionRows, VllmSession, close_session, raw_row, \
     session_engine_args, session_leaves, session_round, session_verdict
 from spec_core.crossvocab import Vocabulary
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
-from spec_core.tree import ROOT, DraftTree, NodeScore, tree_tokens_needed, verify_tree_from_scores
+from spec_core.tree import ROOT, DraftTree, NodeScore, TreeResult, tree_tokens_needed, verify_tree_from_scores
 from spec_core.verify import PositionScore, RoundResult, verify_from_scores
 from spec_core.warping import SamplingSettings, processed_probs, sample
 
@@ -188,9 +189,10 @@ def _top_k_rows(settings: SamplingSettings) -> bool:
 
 
 class VllmBackend(Backend):
-    batching = True  # vLLM's scheduler mixes the rounds of all sessions in flight
-    has_vocabulary = True  # from the HF tokenizer: GetVocabulary, text and chat prompts
-    fuses = False    # its kernels work from scores: a hit continuation runs as a second request
+    # vLLM's scheduler mixes the rounds of all sessions in flight (batching); the HF tokenizer gives
+    # GetVocabulary, text and chat prompts; its maths work from scores or in its engine, not on host
+    # rows, so a hit continuation runs as a second request (fuses False).
+    caps = Capabilities(trees=True, batching=True, vocabulary=True, fuses=False)
     one_request = True  # greedy and top-k rounds: one request with prompt logprobs (False: gamma + 1 requests)
     sessions = True     # ... as a chunk of the session's own request that keeps its KV (vllm_sessions)
     whole_row_sessions = True  # top-p / plain sampled chains too: whole rows cross to Python (docs/vllm.md)
@@ -307,6 +309,21 @@ class VllmBackend(Backend):
         if whole or engine:
             return "session" + engine
         return "one-request" if rows_from_prompt else "per-position"
+
+    def verify_round(self, state, committed: Sequence[int], tree: DraftTree,
+                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
+                     rng: np.random.Generator, continuations=(), next_rng=None) -> BackendRound:
+        """Backend.verify_round: a continuation that hits runs as a second round on the session
+        (round_then_continuation: caps.fuses is False); a chain takes `verify`, a tree `verify_tree`
+        (`round_path` names the requests of each)."""
+        if continuations:
+            assert next_rng is not None
+            return round_then_continuation(self.verify_round, self.info.n_ctx, state, list(committed), tree,
+                                           draft_probs, settings, rng, continuations, next_rng)
+        if not tree.is_chain:
+            return self.verify_tree(state, committed, tree, draft_probs, settings, rng)
+        out = self.verify(state, committed, list(tree.tokens), draft_probs, settings, rng)
+        return out._replace(result=TreeResult(list(range(out.result.num_accepted)), out.result.next_token))
 
     def verify(self, state, committed: Sequence[int], draft_tokens: Sequence[int],
                draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
