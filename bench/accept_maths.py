@@ -3,7 +3,7 @@
 For each vocabulary, sampling setting and number of sessions, a pass holds every session's round
 of gamma drafts (gamma + 1 rows of logits each). Timed, side by side in one run:
 
-  numpy    today's path: per session, spec_core.verify.verify_round_on_logits (warping each row
+  numpy    today's path: per session, spec_core.tree.verify_tree_on_logits on the chain (warping each row
            as the round reaches it, then the accept tests and the corrected or bonus draw), in a
            Python loop over the sessions of the pass (what every backend's `verify` does per round)
   torch    cloud_verifier.backends.torch_accept.accept_pass: all rounds in one call on the device
@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hybridspec.machine import announce, summary as machine_summary  # noqa: E402
-from spec_core.verify import verify_round_on_logits  # noqa: E402
+from spec_core.tree import DraftTree, verify_tree_on_logits  # noqa: E402
 from spec_core.warping import SamplingSettings  # noqa: E402
 
 SETTINGS = {
@@ -74,17 +74,18 @@ def time_it(fn, reps: int, sync=lambda: None) -> float:
 
 def cell(logits: np.ndarray, sessions: int, gamma: int, s: SamplingSettings, reps: int, devices: list[str],
          numpy_too: bool = True) -> dict:
-    import torch
-    from cloud_verifier.backends.torch_accept import PassRound, accept_pass, round_uniforms
-    from spec_core.tree import DraftTree
     rows = gamma + 1
     drafts = [[int(t) for t in logits[i * rows:i * rows + gamma].argmax(axis=1)] for i in range(sessions)]
 
     def numpy_pass():
         for i in range(sessions):
-            verify_round_on_logits(logits[i * rows:(i + 1) * rows], s, drafts[i], None, np.random.default_rng(i))
+            verify_tree_on_logits(logits[i * rows:(i + 1) * rows], s, DraftTree.chain(drafts[i]), None,
+                                  np.random.default_rng(i))
 
     out = {"numpy": time_it(numpy_pass, reps)} if numpy_too else {}
+    if devices:
+        import torch
+        from cloud_verifier.backends.torch_accept import PassRound, accept_pass, round_uniforms
     for dev in devices:
         t = torch.as_tensor(logits).to(dev)
         sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
@@ -116,18 +117,24 @@ def main() -> None:
     ap.add_argument("--out", default="bench/accept_maths.md")
     args = ap.parse_args()
 
-    import torch
-    if args.threads:
+    try:
+        import torch
+    except ImportError:   # the main environment: the numpy column alone (torch is in .venv-vllm)
+        torch = None
+    if args.threads and torch is not None:
         torch.set_num_threads(args.threads)
     machine = announce()
-    devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    if torch is None:
+        devices = []
+    else:
+        devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     cpu_max = args.max_gib if args.cpu_max_gib is None else args.cpu_max_gib
     gpu = torch.cuda.get_device_name(0) if "cuda" in devices else "none"
+    versions = f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads" if torch is not None else "no torch"
     pressure = machine.get("cpu_pressure_10s")
     busy = f"load {machine.get('load_1min') or 0:.1f}" + (f", CPU pressure {pressure:.0%}" if pressure is not None else "")
-    head = (f"Machine: {machine_summary(machine)}; torch {torch.__version__}, {torch.get_num_threads()} CPU "
-            f"threads; GPU: {gpu}; {busy} at the start. gamma {args.gamma}, q none, drafts = row argmax; ms per "
-            f"pass, median of {args.reps}.")
+    head = (f"Machine: {machine_summary(machine)}; {versions}; GPU: {gpu}; {busy} at the start. gamma {args.gamma}, "
+            f"q none, drafts = row argmax; ms per pass, median of {args.reps}.")
     print(head, flush=True)
     cols = ["numpy"] + [f"{k} {d}" for d in devices for k in ("torch", "floor")]
     lines = ["| vocab | setting | sessions | " + " | ".join(cols) + " |", "|" + "---|" * (3 + len(cols))]

@@ -49,7 +49,7 @@ class Ctx:
             part = list(items[start:start + self.n_ubatch])
             n_real = len(part)
             wanted = sum(1 for it in part if it[3])
-            if self.pad and (len(part) == 1 or wanted == 1):  # as llama_runtime.invariance._pad
+            if self.pad and (len(part) == 1 or wanted == 1):  # as llama_runtime.invariance.pad_decode
                 llama_cpp.llama_memory_seq_rm(self.mem, SCRATCH, 0, -1)
                 part.append((SCRATCH, 0, 0, wanted == 1))
             b = self.batch

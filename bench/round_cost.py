@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from hybridspec.testing import warping_reference as ref  # noqa: E402  the code before the fast paths
 from hybridspec.machine import announce
 from spec_core.drafting import QMode, draft_step  # noqa: E402
-from spec_core.verify import verify_round, verify_round_on_logits  # noqa: E402
+from spec_core.tree import DraftTree, verify_tree, verify_tree_on_logits  # noqa: E402
 from spec_core.warping import SamplingSettings, processed_probs  # noqa: E402
 
 SETTINGS = [(t, k, p) for t in (0.0, 0.7, 1.0) for k in (0, 50) for p in (1.0, 0.95)]
@@ -109,7 +109,7 @@ def round_inputs(rows: np.ndarray, s: SamplingSettings, seed: int):
 def maths_table(name: str, rows: np.ndarray, decode_ms: float | None, verify6_ms: float | None,
                 repeats: int) -> list[tuple]:
     print(f"\n## {name}: {rows.shape[1]:,}-token vocabulary (CPU ms, best of {repeats})")
-    print("verifier: one gamma = 5 round; old = processed_probs on 6 rows + verify_round, new = what the verifier"
+    print("verifier: one gamma = 5 round; old = processed_probs on 6 rows + the reference chain round, new = what the verifier"
           " runs (rows warped as the round reaches them), new6 = all 6 rows warped (every draft accepted)")
     print(f"{'T':>4} {'top-k':>5} {'top-p':>5} | {'verifier round':^40} | {'edge, per drafted token':^31}")
     print(f"{'':>4} {'':>5} {'':>5} | {'old':>8} {'new':>7} {'new6':>7} {'old/new6':>8} {'%model':>6} |"
@@ -125,8 +125,9 @@ def maths_table(name: str, rows: np.ndarray, decode_ms: float | None, verify6_ms
         few = max(2, repeats // 3)
         old_v = best_of(lambda: ref.verify_round(ref.processed_probs(rows, t, k, p), drafts, qs,
                                                  np.random.default_rng(0)), few)
-        new_v = best_of(lambda: verify_round_on_logits(rows, s, drafts, qs, np.random.default_rng(0)), repeats)
-        new6_v = best_of(lambda: verify_round(processed_probs(rows, t, k, p), drafts, qs, np.random.default_rng(0)),
+        chain = DraftTree.chain(drafts)
+        new_v = best_of(lambda: verify_tree_on_logits(rows, s, chain, qs, np.random.default_rng(0)), repeats)
+        new6_v = best_of(lambda: verify_tree(processed_probs(rows, t, k, p), chain, qs, np.random.default_rng(0)),
                          repeats)
         old_e = best_of(edge(ref.draft_step), few)
         new_e = best_of(edge(draft_step), repeats)

@@ -130,7 +130,6 @@ def synthetic_tokens_per_round(gamma: int, shape_text: str, noise: float, temper
     from spec_core.drafting import QMode, draft_step
     from spec_core.synthetic import synthetic_pair
     from spec_core.tree import ROOT, DraftTree, TreeShape, grow_tree, tree_sampling, verify_tree
-    from spec_core.verify import verify_round
     from spec_core.warping import SamplingSettings, processed_probs
     target, draft = synthetic_pair(vocab=64, seed=0, noise=noise, order=2)
     s = SamplingSettings(temperature=temperature, top_p=0.95)
@@ -148,7 +147,7 @@ def synthetic_tokens_per_round(gamma: int, shape_text: str, noise: float, temper
                 tok, qq = draft_step(draft.logits(seq), s, q, rng)
                 drafts.append(tok); qs.append(qq); seq.append(tok)
             p = np.stack([p_after(committed + drafts[:i]) for i in range(gamma + 1)])
-            res = verify_round(p, drafts, qs if all(x is not None for x in qs) else None, rng)
+            res = verify_tree(p, DraftTree.chain(drafts), qs if all(x is not None for x in qs) else None, rng)
             new = drafts[:res.num_accepted] + [res.next_token]
             rows += gamma
         else:

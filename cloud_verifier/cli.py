@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported here, not at the top: build_parser() needs only argparse (the docs build renders it).
-    from cloud_verifier.engine import Limits
+    from cloud_verifier.validation import Limits
     from cloud_verifier.process import READY
     from cloud_verifier.server import serve_forever
     tls, tokens, policy = security_from_args(args)
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise SystemExit(f"cloud-verifier: --prefill-chunk must be >= 1, got {args.prefill_chunk}")
     backend = backend_from_args(args)
-    max_sessions = args.max_sessions or backend.max_states or Limits.max_sessions
+    max_sessions = args.max_sessions or backend.caps.max_states or Limits.max_sessions
     limits = Limits(max_gamma=args.max_gamma, max_sessions=max_sessions, session_ttl_s=args.session_ttl,
                     default_max_new_tokens=args.max_new_tokens, steer=args.steer == "on",
                     slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms)

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.tree import DraftTree
-
-if TYPE_CHECKING:
-    from cloud_verifier.engine import ValidOpen
 
 
 @dataclass
@@ -58,16 +55,6 @@ class FollowingRun(NamedTuple):
 
     index: int              # into the round's next_continuations
     run: RoundRun           # its own round (queue and model time: the pass it shared with the round)
-
-
-@dataclass
-class ValidRound:
-    """A VerifyRequest that passed `VerifierEngine.validate`."""
-
-    req: pb.VerifyRequest
-    alternatives: list[Alternative]   # 0: the round's own draft; then its continuations
-    open: ValidOpen | None             # the first round's `open` (None when the round names a session)
-    following: list[Alternative]       # next_continuations: round + 1 after this round's outcomes (fused)
 
 
 def round_digest(req: pb.VerifyRequest) -> bytes:

@@ -25,9 +25,11 @@ from cloud_verifier.admission import (InflightGate, Refused, ReplaysFirst, Round
                                      RETRY_AFTER_KEY)
 from cloud_verifier.auth import TokenFile
 from cloud_verifier.backends.base import Backend
-from cloud_verifier.engine import Limits, RequestError, VerifierEngine, quoted, run_in_thread
+from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.guard import CallGuard
 from cloud_verifier.sessions import current_tenant
+from cloud_verifier.validation import Limits, RequestError, quoted
+from cloud_verifier.workers import run_in_thread
 from spec_core import __version__
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
@@ -160,7 +162,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         await context.abort(r.code, r.message, trailing_metadata=r.trailing_metadata())
 
     def _check_owner(self, session_id: str) -> None:
-        s = self.engine.sessions.peek(session_id)
+        s = self.engine.session(session_id)
         if s is not None and s.tenant != current_tenant.get():
             metrics.PERMISSION_DENIED.inc()
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
@@ -168,17 +170,17 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _admit_open(self, o: pb.OpenSession) -> bool:
         """Refuse a new session for load; False for a retried first round (its session exists)."""
-        sessions = self.engine.sessions
-        if o.open_key and sessions.by_open_key(o.open_key) is not None:
+        engine = self.engine
+        if o.open_key and engine.open_key_known(o.open_key):
             return False
         cap, tenant = self.policy.tenant_max_sessions, current_tenant.get()
         # Opens admitted but not stored yet (making their KV cache) count too, or concurrent opens
         # would all pass. (A keyless open counts twice while it runs: edges always send a key.)
-        pending = sum(1 for key in self._opening[tenant] if sessions.by_open_key(key) is None)
-        if cap and sessions.unfinished(tenant) + pending >= cap:
+        pending = sum(1 for key in self._opening[tenant] if not engine.open_key_known(key))
+        if cap and engine.unfinished_sessions(tenant) + pending >= cap:
             raise Refused(f"this tenant already has {cap} unfinished sessions (its limit)",
                           self.policy.session_retry_after_s, "tenant_sessions")
-        if not sessions.has_room():
+        if not engine.has_session_room():
             raise Refused(f"all {self.engine.limits.max_sessions} session slots are in use",
                           self.policy.session_retry_after_s, "slots")
         return True
@@ -208,7 +210,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         A round queued behind many others counts as use: on a busy verifier it can wait longer than
         `idle_s`, and a session left out then would be cut by the port closing instead of handed back."""
         now = time.monotonic()
-        return sum(1 for s in self.engine.sessions.sessions()
+        return sum(1 for s in self.engine.held_sessions()
                    if s.state is not None and s.id not in self.moved
                    and (s.lock.locked() or now - s.last_used < idle_s))
 
@@ -221,7 +223,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         that the replica restores its cells instead of prefilling them. A new session is refused
         with a short hint. Both carry MOVED_KEY."""
         sid = request.session_id
-        session = self.engine.sessions.peek(sid) if sid else None
+        session = self.engine.session(sid) if sid else None
         if session is not None:
             if sid not in self.moved and self._handback is not None and self._handback.take() > 0:
                 return   # not its turn: served here
@@ -375,8 +377,7 @@ class VerifierServer:
             raise InsecureBindError(
                 f"refusing to serve plain text on {host}: give a certificate (--tls-cert/--tls-key), bind a "
                 "loopback address, or pass --insecure if a trusted proxy or mesh does TLS in front of this server")
-        self.engine = VerifierEngine(backend, limits, version=__version__)
-        self.engine.sessions.evict_idle_after_s = policy.evict_idle_after_s
+        self.engine = VerifierEngine(backend, limits, version=__version__, evict_idle_after_s=policy.evict_idle_after_s)
         self.host, self.requested_port, self.grace_s = host, port, grace_s
         self.tls, self.tokens, self.policy = tls, tokens, policy
         self.server: grpc.aio.Server | None = None
@@ -429,7 +430,7 @@ class VerifierServer:
         # whose edges are not waited for and replay wherever they go next. (A handed-back session's
         # were written just before its "moved"; writing every session's first held the first of
         # those answers up by 5.6 s, 32 sessions on a loaded machine.)
-        left = [s.state for s in self.engine.sessions.sessions() if s.state is not None and s.id not in servicer.moved]
+        left = [s.state for s in self.engine.held_sessions() if s.state is not None and s.id not in servicer.moved]
         try:
             await run_in_thread(self.engine.backend.checkpoint_all, left)
         except Exception:  # noqa: BLE001 - the sessions' replays prefill instead
@@ -439,7 +440,7 @@ class VerifierServer:
             await asyncio.sleep(0.01)
         await self.server.stop(max(0.0, deadline - time.monotonic()))
         log.info("drained in %.2f s (%d sessions handed back)", time.monotonic() - t0, len(servicer.moved))
-        self.engine.sessions.clear()
+        self.engine.drop_sessions()
         self.server = None
 
     async def __aenter__(self):

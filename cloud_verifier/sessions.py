@@ -1,4 +1,6 @@
-"""Sessions: the committed sequence the verifier agrees on, a seeded RNG, the replies of its last rounds.
+"""Sessions: the committed sequence the verifier agrees on, a seeded RNG, the replies of its last
+rounds; the store that holds them; and their lifecycle (`SessionLifecycle`: open, reopen, resolve,
+end, close, lost).
 
 Ids come from `secrets` (128 bits, unguessable). The store is an LRU bounded by `max_sessions`
 and an idle TTL; an evicted session's edge gets NOT_FOUND and replays (nothing is lost: the edge
@@ -20,12 +22,18 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
+import grpc
 import numpy as np
 
+from cloud_verifier import metrics
+from cloud_verifier.backends.base import Backend, NoFreeState
+from cloud_verifier.validation import (RequestError, ValidOpen, ValidRound, Validator, open_digest, quoted,
+                                       text_open)
+from cloud_verifier.workers import run_in_thread
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.slo import Slo
 from spec_core.steering import Acceptance
-from spec_core.warping import SamplingSettings
+from spec_core.warping import VERIFIER_STREAM, SamplingSettings, seeded_rng
 
 # The tenant the current call acts for; set per call by cloud_verifier.guard.CallGuard.
 current_tenant: contextvars.ContextVar[str] = contextvars.ContextVar("hybridspec_tenant", default="")
@@ -38,7 +46,7 @@ REPLY_CACHE_ROUNDS = 16
 
 
 class CachedReply(NamedTuple):
-    digest: bytes               # what made the request that round (engine._round_digest)
+    digest: bytes               # what made the request that round (rounds.round_digest)
     reply: pb.VerifyReply
 
 
@@ -217,3 +225,117 @@ class SessionStore:
 
     def sessions(self):
         return list(self._by_id.values())
+
+
+class ResolvedSession(NamedTuple):
+    session: Session
+    committed_length: int   # the round's committed length as the server counts it (text opens add the prompt)
+
+
+class SessionLifecycle:
+    """A session from its first round to its end: open it (a KV cache from the backend, evicting an
+    idle session when the backend's memory is full), find it again for a retried first round
+    (`reopen`) or a later round (`resolve`), and drop it when it ends, is closed or loses its state."""
+
+    def __init__(self, store: SessionStore, backend: Backend, validator: Validator, max_sessions: int):
+        self.store, self.backend, self.validator, self.max_sessions = store, backend, validator, max_sessions
+
+    async def resolve(self, valid: ValidRound) -> ResolvedSession:
+        """The session a round names, or the one its `open` makes (or made: a retried first round)."""
+        req = valid.req
+        if req.session_id:
+            session = self.store.get(req.session_id)
+            if session is None:
+                raise RequestError(grpc.StatusCode.NOT_FOUND,
+                                   f"session {quoted(req.session_id)} is unknown here (evicted, expired, or the "
+                                   "verifier restarted): resend the round with `open` to replay the committed tokens")
+            return ResolvedSession(session, req.committed_length)
+        session = self.reopen(req) or await self.open(req, valid.open)
+        # A text open: the edge counted only what follows the prompt it could not tokenize (see the .proto).
+        return ResolvedSession(session, req.committed_length + (session.prompt_len if text_open(req.open) else 0))
+
+    def reopen(self, req: pb.VerifyRequest) -> Session | None:
+        """A retried first round: the same open_key and the same `open` map to the same session."""
+        o = req.open
+        session = self.store.by_open_key(o.open_key)
+        if session is not None and session.open_digest != open_digest(o):
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "open.open_key is already used by a session with a different prompt or settings; "
+                               "draw a fresh random key per generation")
+        return session
+
+    async def open(self, req: pb.VerifyRequest, valid: ValidOpen) -> Session:
+        o = req.open
+        prompt, resume, settings, slo = valid.prompt, valid.resume, valid.settings, valid.slo
+        if valid.text is not None or valid.messages is not None:
+            prompt = await self.validator.tokenize_prompt(valid.text, valid.messages, "open.")
+            self.validator.check_context(len(prompt) + len(resume))
+        tokens = prompt + resume
+        # The verifier's stream must be independent of the edge's even when both get the same user
+        # seed (identical streams correlate draft sampling with acceptance and bias the output), and
+        # a replay must not restart a stream already used: key it by role and committed length.
+        rng = seeded_rng(settings.seed, VERIFIER_STREAM, len(tokens))
+        state = await self.new_state()
+        try:
+            reopened = self.reopen(req)  # a concurrent retry of this first round may have won the race
+        except RequestError:
+            self.backend.release(state)
+            raise
+        if reopened is not None:
+            self.backend.release(state)
+            return reopened
+        try:
+            session = self.store.add(lambda sid: Session(
+                id=sid, open_key=bytes(o.open_key), open_digest=open_digest(o), tokens=tokens,
+                prompt_len=len(prompt), settings=settings, stop_ids=self.validator.stop_ids(settings),
+                rng=rng, state=state, slo=slo))
+        except OverflowError:
+            self.backend.release(state)
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"all {self.max_sessions} session slots are in use; retry shortly",
+                               retry_after_s=1.0) from None
+        metrics.SESSIONS.set(len(self.store))
+        metrics.SESSIONS_OPENED.inc()
+        if settings.max_new_tokens <= len(resume):
+            session.finish_reason = pb.LENGTH
+        return session
+
+    async def new_state(self):
+        """A KV cache for a session or stream. Making one takes tens of milliseconds: not on the
+        event loop. When the backend's KV memory is full, the least recently used idle session
+        is evicted (its edge replays later) and the allocation retried once."""
+        try:
+            return await run_in_thread(self.backend.new_state)
+        except NoFreeState as e:
+            refusal = str(e)
+        if self.store.evict_idle(self.backend.release_frees_room):
+            metrics.SESSIONS.set(len(self.store))
+            try:
+                return await run_in_thread(self.backend.new_state)
+            except NoFreeState as e:
+                refusal = str(e)
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{refusal}, and no session is idle to make room; retry shortly", retry_after_s=1.0)
+
+    def close(self, session_id: str) -> bool:
+        closed = self.store.remove(session_id)
+        metrics.SESSIONS.set(len(self.store))
+        return closed
+
+    def alive(self, session: Session) -> bool:
+        """Still held here, and not closed or evicted while a round waited for its lock."""
+        return self.store.get(session.id) is session and not (
+            session.state is None and session.finish_reason == pb.NOT_FINISHED)
+
+    def end(self, session: Session) -> None:
+        """Generation finished: keep the (small) session for retries of its last round; free its KV cache now."""
+        self.backend.release(session.state)
+        session.state = None
+
+    def lost(self, session: Session, e: Exception) -> RequestError:
+        """The backend lost the session's state (StateLost): drop it; its edge is told to replay (NOT_FOUND)."""
+        self.store.remove(session.id)
+        metrics.SESSIONS.set(len(self.store))
+        return RequestError(grpc.StatusCode.NOT_FOUND,
+                            f"session {quoted(session.id)} lost its KV cache ({e}): resend the round with `open` to "
+                            "replay the committed tokens")

@@ -8,8 +8,8 @@ which keeps ggml's AMX/repack buffer types out of the way.
 from llama_runtime.kvcontext import KVContext
 from llama_runtime.model import (GGUFModel, ModelMissing, ModelUnloadable, bundled_model_path, default_threads,
                                  find_model)
-from llama_runtime.sharedkv import ParkedSeq, SharedKV, kv_bytes_per_token
-from llama_runtime.treejob import TreeIdsBusy, TreeJob
+from llama_runtime.sharedkv import ParkedSeq, SharedKV, TreeJob, kv_bytes_per_token
+from llama_runtime.treejob import TreeIdsBusy
 
 __all__ = ["GGUFModel", "KVContext", "ModelMissing", "ModelUnloadable", "ParkedSeq", "SharedKV", "TreeIdsBusy",
            "TreeJob", "bundled_model_path", "default_threads", "find_model", "kv_bytes_per_token"]

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import platform
-from typing import TYPE_CHECKING
-
 import llama_cpp
 import numpy as np
 
-from llama_runtime.lowlevel import _context_params, _ensure_backend, _fill_batch
+from llama_runtime.lowlevel import LoadedModel, context_params, ensure_backend, fill_batch
 from spec_core.batchplan import PassItem
-
-if TYPE_CHECKING:
-    from llama_runtime.model import GGUFModel
 
 
 # Batch-invariant evaluation on ggml's CPU backend (bench/batch_invariance.py checks it; the sizes
@@ -42,28 +37,28 @@ if TYPE_CHECKING:
 # reference against decodes of the candidate sizes, bit for bit), keeps the answer in the cache
 # folder keyed by model file, llama.cpp build, threads and CPU features, and contexts use it.
 INVARIANT_UBATCH = 32
-_PROBE_CUTS = (32, 16, 8, 6, 4, 2, 1)
+PROBE_CUTS = (32, 16, 8, 6, 4, 2, 1)
 
 
-def _probe_key(model: "GGUFModel") -> str:
+def probe_key(model: LoadedModel) -> str:
     """What the probe's answer depends on: the model file (path, size, mtime), the llama.cpp build,
     the thread count and the CPU features llama.cpp dispatches on (another CPU may take other kernels)."""
-    _ensure_backend()
+    ensure_backend()
     st = model.path.stat()
     parts = [str(model.path.resolve()), str(st.st_size), str(st.st_mtime_ns), llama_cpp.__version__,
              str(model.n_threads), platform.machine(), llama_cpp.llama_print_system_info().decode()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def _probe_invariant_ubatch(model: "GGUFModel") -> int:
-    """Largest cut in _PROBE_CUTS whose decodes (cut tokens + a padding token) give logits
+def probe_invariant_ubatch(model: LoadedModel) -> int:
+    """Largest cut in PROBE_CUTS whose decodes (cut tokens + a padding token) give logits
     bit-identical to padded one-token decodes, over a fixed 33-token sequence."""
     text = ("The quick brown fox jumps over the lazy dog. In the beginning of the history of "
             "computing, engineers built machines that filled whole rooms and consumed power.")
     toks = (model.tokenize(text) * 4)[:INVARIANT_UBATCH + 1]
     n = len(toks)
-    params = _context_params(model, n + 1, INVARIANT_UBATCH + 1, 2, True)
-    ctx = llama_cpp.llama_init_from_model(model._model, params)
+    params = context_params(model, n + 1, INVARIANT_UBATCH + 1, 2, True)
+    ctx = llama_cpp.llama_init_from_model(model.handle, params)
     if not ctx:
         raise MemoryError("llama.cpp could not create the batch-invariance probe's context")
     mem = llama_cpp.llama_get_memory(ctx)
@@ -75,8 +70,8 @@ def _probe_invariant_ubatch(model: "GGUFModel") -> int:
         for pos in range(0, n, cut):
             items = [PassItem(0, pos + i, t, True) for i, t in enumerate(toks[pos:pos + cut])]
             llama_cpp.llama_memory_seq_rm(mem, 1, 0, -1)
-            items.append(PassItem(1, 0, 0, True))  # the padding token, as _pad adds it
-            _fill_batch(batch, items)
+            items.append(PassItem(1, 0, 0, True))  # the padding token, as pad_decode adds it
+            fill_batch(batch, items)
             if llama_cpp.llama_decode(ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed in the batch-invariance probe")
             for i in range(len(items) - 1):
@@ -86,7 +81,7 @@ def _probe_invariant_ubatch(model: "GGUFModel") -> int:
 
     try:
         reference = run(1)
-        for cut in _PROBE_CUTS:
+        for cut in PROBE_CUTS:
             if cut == 1 or np.array_equal(run(cut), reference):
                 return cut
         return 1
@@ -95,7 +90,7 @@ def _probe_invariant_ubatch(model: "GGUFModel") -> int:
         llama_cpp.llama_free(ctx)
 
 
-def _pad(items: list[PassItem], scratch: int) -> list[PassItem]:
+def pad_decode(items: list[PassItem], scratch: int) -> list[PassItem]:
     """Add a scratch-sequence token when a decode would hold one token or want one row."""
     wanted = sum(1 for it in items if it.want_logits)
     if len(items) == 1 or wanted == 1:

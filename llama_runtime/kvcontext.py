@@ -2,18 +2,15 @@
 token trees in scratch sequences (the verifier's tree pass, the drafter's draft tree)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import llama_cpp
 import numpy as np
 
-from llama_runtime.invariance import _pad
-from llama_runtime.lowlevel import _context_params, _fill_batch
+from llama_runtime.invariance import pad_decode
+from llama_runtime.lowlevel import LoadedModel, context_params, fill_batch
 from spec_core.batchplan import PassItem
 from spec_core.kvreuse import reusable_prefix
-
-if TYPE_CHECKING:
-    from llama_runtime.model import GGUFModel
 
 
 class _TreeState(NamedTuple):
@@ -38,7 +35,7 @@ class KVContext:
     sequence 0 at all: the kept path is decoded in order as part of the next round (keep_tree_path),
     so the cache is the one a chain would have built."""
 
-    def __init__(self, model: GGUFModel, n_ctx: int, n_batch: int, invariant: bool = False, n_seq_max: int = 1):
+    def __init__(self, model: LoadedModel, n_ctx: int, n_batch: int, invariant: bool = False, n_seq_max: int = 1):
         self.model = model
         self.invariant = invariant
         self.n_seq_max = n_seq_max   # sequence 0 + tree scratch sequences
@@ -46,7 +43,7 @@ class KVContext:
         self.tree_batch = n_batch    # the most tokens one tree pass may hold
         if invariant:
             n_batch = min(n_batch, model.invariant_ubatch)
-        params = _context_params(model, n_ctx + (1 if invariant else 0), n_batch + (1 if invariant else 0),
+        params = context_params(model, n_ctx + (1 if invariant else 0), n_batch + (1 if invariant else 0),
                                  n_seq_max + (1 if invariant else 0), invariant)
         if n_seq_max > 1:
             params.n_batch = max(params.n_batch, self.tree_batch)  # a tree pass may span several ubatches
@@ -54,7 +51,7 @@ class KVContext:
                 params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self._tree_batch = None
         self._tree_state: _TreeState | None = None
-        self._ctx = llama_cpp.llama_init_from_model(model._model, params)
+        self._ctx = llama_cpp.llama_init_from_model(model.handle, params)
         if not self._ctx:
             raise MemoryError(f"llama.cpp could not create a context of {n_ctx} tokens")
         self.n_ctx = n_ctx if invariant else int(llama_cpp.llama_n_ctx(self._ctx))
@@ -80,8 +77,8 @@ class KVContext:
             items = [PassItem(0, pos + i, tok, pos + i >= first_row) for i, tok in enumerate(chunk)]
             if self.invariant:
                 llama_cpp.llama_memory_seq_rm(self._mem, self._pad_seq, 0, -1)
-                items = _pad(items, self._pad_seq)
-            _fill_batch(self._batch, items)
+                items = pad_decode(items, self._pad_seq)
+            fill_batch(self._batch, items)
             rc = llama_cpp.llama_decode(self._ctx, self._batch)
             if rc != 0:
                 # Leave the cache consistent with what we know it holds.

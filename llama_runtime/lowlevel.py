@@ -1,20 +1,40 @@
 """The llama.cpp C-API plumbing every context shares: the backend set up once per process (its
-log routed to logging), a context's parameters, and filling a batch from PassItems."""
+log routed to logging), a context's parameters, filling a batch from PassItems, and what a context
+needs of a loaded model (`LoadedModel`, which GGUFModel is). The bottom of llama_runtime: it
+imports nothing of the package, so the modules above it never import each other in a circle."""
 from __future__ import annotations
 
 import ctypes
 import logging
 import threading
-from typing import TYPE_CHECKING, Sequence
+from pathlib import Path
+from typing import Any, Protocol, Sequence
 
 import llama_cpp
 
 from spec_core.batchplan import PassItem
 
-if TYPE_CHECKING:
-    from llama_runtime.model import GGUFModel
-
 log = logging.getLogger(__name__)
+
+
+
+class LoadedModel(Protocol):
+    """What contexts, caches and the invariance probe use of a loaded model (llama_runtime.model.GGUFModel)."""
+
+    path: Path
+    n_threads: int
+    n_vocab: int
+
+    @property
+    def handle(self) -> Any: ...    # the llama_model pointer contexts are made from
+
+    @property
+    def invariant_ubatch(self) -> int: ...
+
+    def tokenize(self, text: str, add_special: bool = ..., parse_special: bool = ...) -> list[int]: ...
+
+    def metadata(self, key: str) -> str | None: ...
+
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -27,7 +47,7 @@ def _llama_log(level, text, user_data):  # noqa: ARG001 - ctypes signature
         log.debug("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
 
 
-def _ensure_backend() -> None:
+def ensure_backend() -> None:
     global _initialised
     with _init_lock:
         if not _initialised:
@@ -36,7 +56,7 @@ def _ensure_backend() -> None:
             _initialised = True
 
 
-def _context_params(model: GGUFModel, n_ctx: int, n_ubatch: int, n_seq_max: int, invariant: bool):
+def context_params(model: LoadedModel, n_ctx: int, n_ubatch: int, n_seq_max: int, invariant: bool):
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = n_ctx
     # Callers pass at most n_ubatch tokens per llama_decode (one ubatch, so they control its
@@ -53,7 +73,7 @@ def _context_params(model: GGUFModel, n_ctx: int, n_ubatch: int, n_seq_max: int,
     return params
 
 
-def _fill_batch(batch, items: Sequence[PassItem]) -> None:
+def fill_batch(batch, items: Sequence[PassItem]) -> None:
     """One token per item; an item's seq is an id or a tuple of ids (a token several sequences
     share; llama.cpp masks its attention by the first)."""
     for i, item in enumerate(items):

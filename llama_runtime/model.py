@@ -15,9 +15,9 @@ from typing import Sequence
 
 import llama_cpp
 
-from llama_runtime.invariance import _PROBE_CUTS, _probe_invariant_ubatch, _probe_key
+from llama_runtime.invariance import PROBE_CUTS, probe_invariant_ubatch, probe_key
 from llama_runtime.kvcontext import KVContext
-from llama_runtime.lowlevel import _ensure_backend
+from llama_runtime.lowlevel import ensure_backend
 from spec_core.crossvocab import Vocabulary
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.paths import cache_root
@@ -115,7 +115,7 @@ class GGUFModel:
     """A GGUF model loaded once. KV caches (`KVContext`) are made per sequence and share weights."""
 
     def __init__(self, path: str | os.PathLike, n_threads: int | None = None, vocab_only: bool = False):
-        _ensure_backend()
+        ensure_backend()
         self.path = Path(path)
         _check_readable(self.path)
         self.n_threads = n_threads or default_threads()
@@ -194,6 +194,11 @@ class GGUFModel:
                           special_ids=special, eog_ids=self.eog_ids, fingerprint=self.fingerprint,
                           byte_ids=frozenset(i for i, a in enumerate(attrs) if a & llama_cpp.LLAMA_TOKEN_ATTR_BYTE))
 
+    @property
+    def handle(self):
+        """The llama_model pointer contexts are made from (lowlevel.LoadedModel)."""
+        return self._model
+
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
@@ -203,11 +208,11 @@ class GGUFModel:
         model on this machine: INVARIANT_UBATCH, or less where a probe finds that a larger decode
         moves logits (Gemma 3: from 8 tokens on; see the note at INVARIANT_UBATCH in
         llama_runtime/invariance.py). The probe's answer is kept on disk, keyed by everything it
-        depends on (see _probe_key)."""
-        path = cache_root() / "invariant" / f"{_probe_key(self)}.json"
+        depends on (see probe_key)."""
+        path = cache_root() / "invariant" / f"{probe_key(self)}.json"
         try:
             cut = int(json.loads(path.read_text())["invariant_ubatch"])
-            if cut in _PROBE_CUTS:
+            if cut in PROBE_CUTS:
                 return cut
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -216,7 +221,7 @@ class GGUFModel:
         log.info("%s: checking how many tokens one decode may hold and stay batch-invariant on this CPU "
                  "(once per model, CPU and thread count; up to a minute)", self.name)
         started = time.monotonic()
-        cut = _probe_invariant_ubatch(self)
+        cut = probe_invariant_ubatch(self)
         log.info("%s: batch-invariant up to %d tokens per decode (probed in %.0f s; kept in %s)", self.name, cut,
                  time.monotonic() - started, path.parent)
         try:

@@ -1,22 +1,20 @@
 """SharedKV: one llama.cpp context whose unified KV cache holds many sessions' sequences, decoded
-together; parking a sequence's cells in host memory (ParkedSeq) and the bytes that costs."""
+together; token trees evaluated in it (TreeJob); parking a sequence's cells in host memory
+(ParkedSeq) and the bytes that costs."""
 from __future__ import annotations
 
 import ctypes
 import time
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import llama_cpp
 import numpy as np
 
-from llama_runtime.invariance import INVARIANT_UBATCH, _pad
-from llama_runtime.lowlevel import _context_params, _fill_batch
-from llama_runtime.treejob import TreeJob, tree_leaves
+from llama_runtime.invariance import INVARIANT_UBATCH, pad_decode
+from llama_runtime.lowlevel import LoadedModel, context_params, fill_batch
+from llama_runtime.treejob import TreeIdsBusy, tree_leaves
 from spec_core.batchplan import PassItem
 from spec_core.kvreuse import reusable_prefix
-
-if TYPE_CHECKING:
-    from llama_runtime.model import GGUFModel
 
 
 def _first_seq(item: PassItem) -> int:
@@ -32,10 +30,10 @@ class ParkedSeq(NamedTuple):
         return int(self.data.size)
 
 
-def kv_bytes_per_token(model: GGUFModel) -> int:
+def kv_bytes_per_token(model: LoadedModel) -> int:
     """Bytes one token's K and V take in a cache (f16, every layer), plus llama.cpp's per-cell
     header in a saved sequence: an upper estimate of a parked session's bytes per token."""
-    m = model._model
+    m = model.handle
     n_layer, n_head, n_head_kv = (int(f(m)) for f in (llama_cpp.llama_model_n_layer, llama_cpp.llama_model_n_head,
                                                       llama_cpp.llama_model_n_head_kv))
     arch = model.metadata("general.architecture") or "llama"
@@ -69,7 +67,7 @@ class SharedKV:
     drives it.
     """
 
-    def __init__(self, model: GGUFModel, n_seqs: int, seq_ctx: int, n_ubatch: int = INVARIANT_UBATCH,
+    def __init__(self, model: LoadedModel, n_seqs: int, seq_ctx: int, n_ubatch: int = INVARIANT_UBATCH,
                  invariant: bool = True, slack: int | None = None, tree_ids: int = 0,
                  on_compact: Callable[[float], None] | None = None, n_ids: int | None = None):
         # llama.cpp's LLAMA_MAX_SEQ is 256: sessions + the scratch and retired sequences + tree ids.
@@ -89,8 +87,8 @@ class SharedKV:
         reserve = n_seqs * seq_ctx
         self.slack = max(4 * (self.n_ubatch + 1), reserve // 8) if slack is None else max(slack, self.n_ubatch + 1)
         self.n_cells = reserve + self.slack
-        params = _context_params(model, self.n_cells, self.n_ubatch + 1, n_ids + 2 + tree_ids, invariant)
-        self._ctx = llama_cpp.llama_init_from_model(model._model, params)
+        params = context_params(model, self.n_cells, self.n_ubatch + 1, n_ids + 2 + tree_ids, invariant)
+        self._ctx = llama_cpp.llama_init_from_model(model.handle, params)
         if not self._ctx:
             raise MemoryError(f"llama.cpp could not create a KV cache of {n_seqs} x {seq_ctx} tokens")
         self._mem = llama_cpp.llama_get_memory(self._ctx)
@@ -291,7 +289,7 @@ class SharedKV:
         if not 1 <= len(items) <= self.n_ubatch:
             raise ValueError(f"a decode takes 1..{self.n_ubatch} tokens, got {len(items)}")
         if self.invariant:
-            items = _pad(items, self.scratch)
+            items = pad_decode(items, self.scratch)
         if self._holes or self._top + len(items) > self.n_cells:
             if self._trees:
                 raise RuntimeError("the KV cache needs compacting while trees are in flight: call maintain() "
@@ -299,7 +297,7 @@ class SharedKV:
             self.compact()
         if self.invariant:
             self._retire(self.scratch, 0)  # last pass's padding cell
-        _fill_batch(self._batch, items)
+        fill_batch(self._batch, items)
         rc = llama_cpp.llama_decode(self._ctx, self._batch)
         if rc != 0:
             for seq in {_first_seq(it) for it in items} & self.held.keys():
@@ -332,3 +330,72 @@ class SharedKV:
             self.close()
         except Exception:
             pass
+
+
+class TreeJob:
+    """A token tree evaluated in a SharedKV, in one or more passes shared with other sessions.
+
+    Leaf j of the tree gets a tree sequence id of its own (from the cache's pool), added to the
+    session's cells (llama_memory_seq_cp: metadata only). The session's uncached committed tokens
+    are evaluated on the session and every leaf id at once; a node carries the ids of the leaves
+    below it, so it attends to the committed tokens and its ancestors, in position order, as in a
+    chain: with batch-invariant evaluation its row is bit for bit the row a chain through it
+    would get. Rows: the last committed token's, then every node's, in node order.
+
+    The session's sequence ends holding exactly `committed` (the kept path is evaluated again as
+    part of the next round, as KVContext.keep_tree_path does in invariant mode). `finish` hands
+    the node cells to the retired sequence and the ids back to the pool; a compaction in between
+    drops the node cells, and `prepare` (called again by the batcher) starts the job over.
+    """
+
+    def __init__(self, kv: SharedKV, seq: int, committed: list[int], node_tokens: list[int], parents: list[int],
+                 leaves: list[int], below: list[list[int]], depth: list[int]):
+        self.kv, self.seq, self.committed, self.node_tokens, self.parents = kv, seq, committed, node_tokens, parents
+        self.leaves, self.below, self.depth = leaves, below, depth
+        self.ids: list[int] | None = None
+
+    def prepare(self) -> list[PassItem]:
+        """Take tree ids (TreeIdsBusy when the pool has too few now), roll the session back, and
+        list the items to evaluate."""
+        kv, c = self.kv, len(self.committed)
+        if self.seq in kv.parked:
+            raise RuntimeError(f"sequence {self.seq} is parked: restore it first")
+        if self.ids is None:
+            if len(self.leaves) > len(kv._tree_free):
+                raise TreeIdsBusy(f"{len(self.leaves)} tree ids wanted, {len(kv._tree_free)} free")
+            self.ids = [kv._tree_free.pop() for _ in self.leaves]
+            kv._trees.add(self)
+        # (prepared again after a compaction, the job keeps its ids: the clear left them empty)
+        held = kv.held[self.seq]
+        keep = reusable_prefix(held, self.committed, 1)
+        if keep < len(held):
+            kv._retire(self.seq, keep)
+            del held[keep:]
+        for lid in self.ids:
+            llama_cpp.llama_memory_seq_cp(kv._mem, self.seq, lid, -1, -1)
+        every = (self.seq, *self.ids)
+        items = [PassItem(every, pos, self.committed[pos], pos == c - 1) for pos in range(keep, c)]
+        items += [PassItem(tuple(self.ids[j] for j in self.below[i]), c + self.depth[i], tok, True)
+                  for i, tok in enumerate(self.node_tokens)]
+        return items
+
+    def finish(self) -> None:
+        """Retire the node cells, take the tree ids off the session's cells, free the ids."""
+        kv, c = self.kv, len(self.committed)
+        if self.ids is None:
+            return
+        # A node cell carries every leaf below it: copy each cell to the retired sequence once,
+        # from the first leaf that holds it (leaf j's own nodes are those below no earlier leaf,
+        # a suffix of its path, from depth `shared + 1` on).
+        for j, lid in enumerate(self.ids):
+            node, shared = self.leaves[j], -1
+            while node != -1:
+                if min(self.below[node]) < j:
+                    shared = max(shared, self.depth[node])
+                node = self.parents[node]
+            llama_cpp.llama_memory_seq_cp(kv._mem, lid, kv.retired, c + shared + 1, -1)
+        for lid in self.ids:
+            llama_cpp.llama_memory_seq_rm(kv._mem, lid, -1, -1)
+        kv._tree_free.extend(self.ids)
+        kv._trees.discard(self)
+        self.ids = None

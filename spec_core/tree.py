@@ -31,7 +31,8 @@ cuts as in spec_core.verify.commit_round).
 Special cases. A point mass q_i = 1[c_i] accepts with p_i(c_i) and otherwise removes c_i from p:
 for point-mass children the rule is "draw y ~ p; move to the child carrying y, else y is the
 corrected token" (deterministic trees: children chosen, not sampled). Greedy p is one-hot: follow
-the argmax child, else emit the argmax. A chain (parents[i] = i - 1) is spec_core.verify's round.
+the argmax child, else emit the argmax. A chain (parents[i] = i - 1) is the tree with one path:
+the same walk is the chain round (Leviathan et al.'s rule), one driver for both.
 After c_i is rejected p_{i+1}(c_i) = 0, so a later sibling with the same token could never win:
 the edge draws siblings without replacement (zeroing earlier siblings' weights in the shipped q,
 then sampling), and the wire refuses duplicate siblings.
@@ -43,9 +44,10 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from spec_core.acceptance import RESIDUAL_EPS, accepts, after_rejection, coin, sparse_after_rejection
+from spec_core.acceptance import (RESIDUAL_EPS, accepts, after_rejection, coin, corrected_probs,
+                                  sparse_after_rejection)
 from spec_core.qcodec import EncodedQ
-from spec_core.warping import sample
+from spec_core.warping import SamplingSettings, processed_probs, sample
 
 ROOT = -1
 
@@ -152,24 +154,55 @@ class TreeResult:
     path: list[int]   # kept nodes, root first
     next_token: int   # corrected (some child of the last kept node was tested) or bonus (a leaf)
 
+    @property
+    def num_accepted(self) -> int:
+        """Drafts kept (for spec_core.verify.commit_round, as a chain's accepted prefix)."""
+        return len(self.path)
+
 
 def verify_tree(target_probs: np.ndarray, tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
                 rng: np.random.Generator) -> TreeResult:
     """target_probs  # [n + 1, vocab]: row 0 after the committed sequence, row i + 1 after node i.
-    draft_probs  # [n] (None at a node, or None for all: point masses)."""
+    draft_probs  # [n] (None at a node, or None for all: point masses). A chain is the tree with
+    one path (DraftTree.chain)."""
     assert target_probs.shape[0] == len(tree) + 1, (target_probs.shape, len(tree))
+    return _walk(target_probs.__getitem__, tree, draft_probs, rng)
+
+
+def verify_tree_on_logits(target_logits: np.ndarray, settings: SamplingSettings, tree: DraftTree,
+                          draft_probs: Sequence[EncodedQ | None] | None, rng: np.random.Generator) -> TreeResult:
+    """verify_tree(processed_probs(target_logits, ...), ...), warping only the rows the walk reaches
+    (a chain: the rows up to its first rejection; a tree: the rows of its kept path's nodes). A row's
+    p is the same warped alone or with the others, and the draws come in the same order, so the
+    result (and the generator's state) is the same.  # target_logits: [n + 1, vocab]"""
+    assert target_logits.shape[0] == len(tree) + 1, (target_logits.shape, len(tree))
+
+    def row(i: int) -> np.ndarray:  # [vocab]
+        return processed_probs(target_logits[i], settings.temperature, settings.top_k, settings.top_p)
+
+    return _walk(row, tree, draft_probs, rng)
+
+
+def _walk(target_row: Callable[[int], np.ndarray], tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
+          rng: np.random.Generator) -> TreeResult:
+    """The one walk down a tree, given p one row at a time  # target_row(node + 1): [vocab] float64.
+    At a node the children are tested in index order against p, each rejection leaving the
+    residual for the next sibling (after_rejection); when none is kept, the corrected token is
+    drawn from what the last rejection left (corrected_probs: the same distribution, unnormalised,
+    as a chain's corrected draw); at a leaf the bonus is drawn from p."""
     children = tree.children()
     node, path = ROOT, []
     while True:
-        probs = target_probs[node + 1]  # p_1 at this node; replaced by residuals as children fail
-        for c in children[node]:
+        probs = target_row(node + 1)  # p at this node; replaced by residuals as children fail
+        kids = children[node]
+        for k, c in enumerate(kids):
             x = tree.tokens[c]
             q_c = None if draft_probs is None else draft_probs[c]
             if accepts(float(probs[x]), q_c, x, rng):
                 node = c
                 path.append(c)
                 break
-            probs = after_rejection(probs, q_c, x)
+            probs = corrected_probs(probs, q_c, x) if k == len(kids) - 1 else after_rejection(probs, q_c, x)
         else:
             return TreeResult(path, sample(probs, rng))
 

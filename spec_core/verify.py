@@ -1,4 +1,6 @@
-"""One speculative round: which drafts the target keeps, and the one token it adds.
+"""One speculative round: the glossary, what a round commits (commit_round), and the chain rule from
+per-position scores (verify_from_scores, the vLLM backend's rows-off path). The round's driver on
+target rows is spec_core.tree.verify_tree / verify_tree_on_logits: a chain is the tree with one path.
 
 Glossary (used everywhere in this project):
   target_probs  p, the target's processed distribution (spec_core.warping) at each position.
@@ -12,7 +14,7 @@ Why it is exact (Leviathan et al. 2023, Chen et al. 2023): P(out = y) = q(y) min
 + (1 - sum_x min(p(x), q(x))) * max(0, p(y) - q(y)) / sum_x max(0, p(x) - q(x)) = p(y).
 A point mass q = 1[x] gives accept with p(x), else draw from p with x removed (vLLM's n-gram rule).
 Greedy p is one-hot, so the same code accepts iff x is the argmax and corrects to the argmax.
-The accept test and the residual are spec_core.acceptance's, shared with trees and the vLLM backend.
+The accept test and the residual are spec_core.acceptance's, shared by every driver.
 """
 from __future__ import annotations
 
@@ -24,46 +26,13 @@ import numpy as np
 
 from spec_core.acceptance import accepts, corrected_probs, keeps_sample
 from spec_core.qcodec import EncodedQ
-from spec_core.warping import SamplingSettings, processed_probs, sample
+from spec_core.warping import sample
 
 
 @dataclass(frozen=True)
 class RoundResult:
     num_accepted: int  # 0..gamma
     next_token: int    # corrected (num_accepted < gamma) or bonus (num_accepted == gamma)
-
-
-def verify_round(target_probs: np.ndarray, draft_tokens: Sequence[int],
-                 draft_probs: Sequence[EncodedQ | None] | None, rng: np.random.Generator) -> RoundResult:
-    """target_probs  # [gamma + 1, vocab] float64; draft_tokens  # [gamma]; draft_probs  # [gamma] or None"""
-    assert target_probs.shape[0] == len(draft_tokens) + 1, (target_probs.shape, len(draft_tokens))
-    return _verify(target_probs.__getitem__, draft_tokens, draft_probs, rng)
-
-
-def verify_round_on_logits(target_logits: np.ndarray, settings: SamplingSettings, draft_tokens: Sequence[int],
-                           draft_probs: Sequence[EncodedQ | None] | None, rng: np.random.Generator) -> RoundResult:
-    """verify_round(processed_probs(target_logits, ...), ...), warping only the rows the round
-    reaches: the rows after the first rejection are never looked at. Each row's p is the same
-    whether it is warped alone or with the others, and the draws happen in the same order, so the
-    result (and the generator's state) is the same.  # target_logits: [gamma + 1, vocab]"""
-    assert target_logits.shape[0] == len(draft_tokens) + 1, (target_logits.shape, len(draft_tokens))
-
-    def row(i: int) -> np.ndarray:  # [vocab]
-        return processed_probs(target_logits[i], settings.temperature, settings.top_k, settings.top_p)
-
-    return _verify(row, draft_tokens, draft_probs, rng)
-
-
-def _verify(target_row: Callable[[int], np.ndarray], draft_tokens: Sequence[int],
-            draft_probs: Sequence[EncodedQ | None] | None, rng: np.random.Generator) -> RoundResult:
-    """The round, given p one row at a time  # target_row(i): [vocab] float64"""
-    gamma = len(draft_tokens)
-    for i, x in enumerate(draft_tokens):
-        q_i = None if draft_probs is None else draft_probs[i]
-        p_i = target_row(i)
-        if not accepts(float(p_i[x]), q_i, x, rng):
-            return RoundResult(i, sample(corrected_probs(p_i, q_i, x), rng))
-    return RoundResult(gamma, sample(target_row(gamma), rng))
 
 
 @dataclass(frozen=True)
@@ -78,7 +47,7 @@ class PositionScore:
 def verify_from_scores(draft_tokens: Sequence[int], draft_probs: Sequence[EncodedQ | None] | None,
                        scores: Sequence[PositionScore], full_row: Callable[[int], np.ndarray],
                        rng: np.random.Generator) -> tuple[RoundResult, bool]:
-    """verify_round's rule from per-position scores (spec_core.acceptance: keeping the sample).
+    """The chain rule from per-position scores (spec_core.acceptance: keeping the sample).
 
     draft_tokens  # [gamma]; draft_probs  # [gamma] or None; scores  # [gamma + 1]
     full_row(i) -> processed p_i over the vocabulary  # [vocab], called at most once, only when

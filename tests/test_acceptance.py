@@ -14,7 +14,8 @@ from spec_core.acceptance import (RESIDUAL_EPS, accepts, after_rejection, coin, 
                                   residual, sparse_after_rejection, support)
 from spec_core.qcodec import EncodedQ, encode_fixed, encode_float
 from spec_core.tree import DraftTree, NodeScore, TreeResult, verify_tree, verify_tree_from_scores
-from spec_core.verify import PositionScore, RoundResult, verify_from_scores, verify_round
+from spec_core.verify import PositionScore, RoundResult, verify_from_scores
+from chain_round import chain_round
 
 
 class Scripted:
@@ -157,7 +158,7 @@ def test_verify_from_scores_matches_verify_round_when_the_sample_is_not_kept():
         drafts = [int(q.token_ids[0]) for q in qs]
         scores = [PositionScore(drafts[i] if i < gamma else 0, float(p[i][drafts[i]]) if i < gamma else 0.5,
                                 float(p[i][drafts[i]]) if i < gamma else None) for i in range(gamma + 1)]
-        by_rows = verify_round(p, drafts, qs, np.random.default_rng(seed))
+        by_rows = chain_round(p, drafts, qs, np.random.default_rng(seed))
         by_scores, _ = verify_from_scores(drafts, qs, scores, lambda i: p[i], np.random.default_rng(seed))
         if by_rows.num_accepted < gamma:
             assert by_scores == by_rows

@@ -12,7 +12,6 @@ import grpc
 import numpy as np
 import pytest
 
-from cloud_verifier.backends.base import BackendRound
 from cloud_verifier.backends.llama_cpp import LlamaCppBackend
 from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
@@ -24,6 +23,7 @@ from llama_runtime import GGUFModel, SharedKV
 from spec_core.batchplan import PassItem
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.synthetic import synthetic_fingerprint, synthetic_pair
+from spec_core.tree import TreeResult
 from spec_core.warping import SamplingSettings, processed_probs
 
 PROMPTS = ["hello world, the list", "def return the list of a", "the the the", "a list of hello",
@@ -424,7 +424,7 @@ async def test_full_kv_cache_evicts_idle_sessions_or_refuses_clearly(tiny_models
     backend = batched_backend(tiny_models, kv_tokens=2 * 512)
     backend.batcher.packer = SlowPacker(backend.kv, 0.01)  # streams of 400 tokens last > 4 s
     model = GGUFModel(str(tiny_models["target"]), vocab_only=True)
-    assert backend.max_states == 2
+    assert backend.caps.max_states == 2
     async with running_server(backend, max_sessions=8) as server:
         assert server.engine.max_sessions == 2
         async with stub_for(server) as stub:
@@ -511,24 +511,22 @@ V, L = 5, 3   # as in test_exactness_stats, whose exact probabilities and chi-sq
 
 
 class AcceptEverything(SyntheticBackend):
-    """Negative control: a verifier that accepts every draft (biased toward the draft)."""
+    """Negative control: a verifier that accepts every draft of a chain (biased toward the draft)."""
 
-    def verify(self, state, committed, draft_tokens, draft_probs, settings, rng):
-        out = super().verify(state, committed, draft_tokens, draft_probs, settings, rng)
-        from spec_core.verify import RoundResult
-        return out._replace(result=RoundResult(len(draft_tokens), out.result.next_token))
+    def accept(self, logits, tree, draft_probs, settings, rng):
+        out = super().accept(logits, tree, draft_probs, settings, rng)
+        return TreeResult(list(range(len(tree))), out.next_token) if tree.is_chain else out
 
 
 class FollowFirstChild(SyntheticBackend):
     """Negative control for trees: moves to a node's first child whenever any child would win."""
 
-    def verify_tree(self, state, committed, tree, draft_probs, settings, rng):
+    def accept(self, logits, tree, draft_probs, settings, rng):
+        if tree.is_chain:
+            return super().accept(logits, tree, draft_probs, settings, rng)
         from test_tree_exactness import follow_first_child
-        logits, queue_s, model_s = self.tree_logits(state, committed, tree)
         p = processed_probs(logits, settings.temperature, settings.top_k, settings.top_p)
-        result = follow_first_child(p, tree, draft_probs, rng)
-        self.keep_tree_path(state, committed, tree, result.path)
-        return BackendRound(result, queue_s, model_s)
+        return follow_first_child(p, tree, draft_probs, rng)
 
 
 async def _sequence_counts(backend, n, concurrency=48, tree="off", **limits):

@@ -26,9 +26,10 @@ from spec_core.drafting import QMode, draft_step
 from spec_core.qcodec import encode_fixed, encode_float
 from spec_core.synthetic import synthetic_pair
 from spec_core.tree import ROOT, DraftTree, TreeShape, grow_tree, verify_tree
-from spec_core.verify import RoundResult, commit_round, verify_round
+from spec_core.verify import RoundResult, commit_round
 from spec_core.warping import SamplingSettings, processed_probs
 from test_exactness_stats import L, N, P_MIN, V, chi_square_p, exact_sequence_probs
+from chain_round import chain_round
 
 K = 6
 TREE = TreeShape(budget=4, depth=2, branching=2, width=2)
@@ -68,7 +69,7 @@ def _verify(target, d: _Draft, s, rng, rows_after=None) -> list[int]:
     ctxs = [list(ctx0)] + [list(ctx0) + [tree.tokens[j] for j in tree.path_to(i)] for i in range(len(tree))]
     p = processed_probs(np.stack([target.logits(c) for c in ctxs]), s.temperature, s.top_k, s.top_p)
     if tree.is_chain:
-        r = verify_round(p, list(tree.tokens), d.qs, rng)
+        r = chain_round(p, list(tree.tokens), d.qs, rng)
         return list(tree.tokens[: r.num_accepted]) + [r.next_token]
     res = verify_tree(p, tree, d.qs, rng)
     return [tree.tokens[i] for i in res.path] + [res.next_token]

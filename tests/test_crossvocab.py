@@ -4,7 +4,7 @@ chi-square exactness of TLI on the synthetic pair of tests/xvocab_pair.py.
 Exactness: a target LM over the 9 target ids, a draft LM over the 8 draft ids (order 2, on the
 draft's own tokenization of the committed text). N = 6000 generations of L = 3 target tokens
 (729 sequences, cells with expected count < 5 pooled) through DraftView -> restrict_logits ->
-draft_step -> to_target_q -> spec_core.verify.verify_round -> commit_round; the counts must not
+draft_step -> to_target_q -> the chain round (spec_core.tree.verify_tree on a chain) -> commit_round; the counts must not
 differ from the exact target probabilities at p < 1e-4. Negative controls (must fail, p < 1e-4):
 drafting from the UNRESTRICTED q (a token outside the intersection shipped as the first target
 token of its text) while shipping the restricted q, and shipping for a draft token a target token
@@ -21,10 +21,11 @@ from spec_core.crossvocab import (DraftView, TargetPieces, TokenMap, Vocabulary,
 from spec_core.drafting import QMode, draft_step
 from spec_core.qcodec import EncodedQ, encode_float
 from spec_core.synthetic import SyntheticLM
-from spec_core.verify import commit_round, verify_round
+from spec_core.verify import commit_round
 from spec_core.warping import SamplingSettings, processed_probs
 from test_exactness_stats import chi_square_p
 from xvocab_pair import DRAFT, TARGET, longest_match_tokenizer
+from chain_round import chain_round
 
 L, N = 3, 6000
 P_MIN = 1e-4
@@ -189,7 +190,7 @@ def generate(s, gamma, qmode, rng, m, **kw) -> tuple:
         tokens, qs = tli_draft(view, m, committed, min(gamma, left - 1), s, qmode, rng, **kw)
         ctxs = [committed + tokens[:i] for i in range(len(tokens) + 1)]
         p = processed_probs(np.stack([TARGET_LM.logits(c) for c in ctxs]), s.temperature, s.top_k, s.top_p)
-        done = commit_round(tokens, verify_round(p, tokens, qs, rng), frozenset(), remaining=left,
+        done = commit_round(tokens, chain_round(p, tokens, qs, rng), frozenset(), remaining=left,
                             context_left=10_000)
         committed.extend(done.tokens)
     return tuple(committed[len(PROMPT):])

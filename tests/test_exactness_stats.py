@@ -2,7 +2,7 @@
 
 A synthetic target over V = 5 tokens (order-1 context, exact probabilities) and a blurred draft.
 For each setting we generate N = 6000 sequences of L = 3 tokens speculatively (the same
-draft_step / verify_round / commit_round the edge and verifier use) and compare the counts of
+draft_step / verify_tree / commit_round the edge and verifier use) and compare the counts of
 the 125 possible sequences with the exact target probabilities by a chi-square test (cells with
 expected count < 5 pooled). Seeds are fixed, so each test is deterministic; a setting fails if
 p < 1e-4. The negative controls show the test has the power to catch a biased verifier.
@@ -15,8 +15,9 @@ from scipy.stats import chisquare
 
 from spec_core.drafting import QMode, draft_step
 from spec_core.synthetic import synthetic_pair
-from spec_core.verify import commit_round, verify_round
+from spec_core.verify import commit_round
 from spec_core.warping import SamplingSettings, processed_probs
+from chain_round import chain_round
 
 V, L, N = 5, 3, 6000
 P_MIN = 1e-4
@@ -33,7 +34,7 @@ def exact_sequence_probs(target, prompt, s: SamplingSettings) -> dict[tuple, flo
     return out
 
 
-def speculative_sequence(target, draft, prompt, s, gamma, qmode, rng, verify=verify_round):
+def speculative_sequence(target, draft, prompt, s, gamma, qmode, rng, verify=chain_round):
     committed = list(prompt)
     while len(committed) - len(prompt) < L:
         seq, tokens, qs = list(committed), [], []
@@ -78,7 +79,7 @@ def sequence_counts(generate, temperature, top_k, top_p, seed=0, n=N):
     return counts, exact_sequence_probs(target, [0], s)
 
 
-def run_setting(temperature, top_k, top_p, gamma, qmode, seed=0, n=N, verify=verify_round):
+def run_setting(temperature, top_k, top_p, gamma, qmode, seed=0, n=N, verify=chain_round):
     return sequence_counts(lambda t, d, p, s, rng: speculative_sequence(t, d, p, s, gamma, qmode, rng, verify),
                            temperature, top_k, top_p, seed, n)
 
@@ -128,6 +129,6 @@ def test_negative_control_sampling_from_unquantized_q_is_caught():
             qs = [encode_fixed(q.dense(V), coarse.top_k, coarse.scale_bits) for q in qs]
             if any(q.prob_of(t) == 0 for q, t in zip(qs, tokens)):
                 qs = None  # the wire would refuse it; fall back to point masses (still the wrong q)
-        return verify_round(p, tokens, qs, rng)
+        return chain_round(p, tokens, qs, rng)
     counts, probs = run_setting(1.0, 0, 1.0, 4, QMODES["full"], verify=verify_with_coarse_q)
     assert chi_square_p(counts, probs, N) < P_MIN

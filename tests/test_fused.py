@@ -18,6 +18,7 @@ committed after what really committed; (2) a continuation that reuses round r's 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 
 import numpy as np
@@ -169,10 +170,9 @@ def test_the_controls_fail(control, monkeypatch):
 
 
 def test_a_backend_that_does_not_fuse_runs_the_hit_as_a_second_round():
-    """vLLM's way (Backend.fuses False): the same rule, the continuation on a pass of its own."""
-    class Unfused(SyntheticBackend):
-        fuses = False
-    backend = Unfused(vocab=V, seed=3)
+    """vLLM's way (Capabilities.fuses False): the same rule, the continuation on a pass of its own."""
+    backend = SyntheticBackend(vocab=V, seed=3)
+    backend.caps = dataclasses.replace(backend.caps, fuses=False)
     _, draft = synthetic_pair(vocab=V, seed=3, noise=1.5)
     rng, vrng = np.random.default_rng(1), np.random.default_rng(2)
     s, hits, state = SamplingSettings(temperature=1.0), [], backend.new_state()
@@ -349,9 +349,11 @@ import asyncio  # noqa: E402
 
 
 class AcceptEverythingUnfused(AcceptEverything):
-    """The control verifier: its biased kernel is `verify`, which a fusing backend's pass bypasses
-    (Backend.fuses: a backend that overrides the kernels runs a hit as a second round)."""
-    fuses = False
+    """The control verifier, running a hit continuation as a second round (Capabilities.fuses False)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.caps = dataclasses.replace(self.caps, fuses=False)
 
 
 @pytest.mark.parametrize("tree", ["off", "budget=4,depth=2,branching=2,width=2"])

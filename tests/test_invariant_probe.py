@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 
-from llama_runtime.model import _PROBE_CUTS, GGUFModel
+from llama_runtime.invariance import PROBE_CUTS
+from llama_runtime.model import GGUFModel
 
 
 def test_the_probe_is_cached_and_a_bad_entry_is_probed_again(tiny_models, tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDSPEC_CACHE", str(tmp_path))
     probed = GGUFModel(tiny_models["target"], n_threads=1).invariant_ubatch
-    assert probed in _PROBE_CUTS
+    assert probed in PROBE_CUTS
     (entry,) = (tmp_path / "invariant").glob("*.json")
     assert json.loads(entry.read_text())["invariant_ubatch"] == probed
 
-    other = next(c for c in _PROBE_CUTS if c != probed)     # the cache is read, not the probe redone
+    other = next(c for c in PROBE_CUTS if c != probed)     # the cache is read, not the probe redone
     entry.write_text(json.dumps({"invariant_ubatch": other}))
     assert GGUFModel(tiny_models["target"], n_threads=1).invariant_ubatch == other
 

@@ -205,7 +205,7 @@ def test_two_sessions_take_turns_in_one_place(tiny_models):
     restores this one; every row bit-identical to a private context's."""
     backend = parking_backend(tiny_models, places=1)
     model = backend.model
-    assert backend.max_states == min(190, 1 + parked_capacity(1 << 30, kv_bytes_per_token(model), 512))
+    assert backend.caps.max_states == min(190, 1 + parked_capacity(1 << 30, kv_bytes_per_token(model), 512))
     backend.book.cost = ParkCost(0.0, 0.0, 0.0)   # any idle time pays for a move
     parks0, restores0 = _sample("hybridspec_kv_parks_total"), _sample("hybridspec_kv_restores_total")
     states = [backend.new_state()]
@@ -230,7 +230,7 @@ def test_two_sessions_take_turns_in_one_place(tiny_models):
 def test_without_parking_a_full_cache_refuses_and_idle_time_is_still_measured(tiny_models):
     from cloud_verifier.backends.base import NoFreeState
     backend = LlamaCppBackend(str(tiny_models["target"]), n_ctx=512, n_threads=1, batching=True, kv_tokens=512)
-    assert backend.max_states == 1
+    assert backend.caps.max_states == 1
     idle0 = _sample("hybridspec_kv_session_seconds_total", state="idle")
     state = backend.new_state()
     tokens, rows = next(_rounds(backend.model, 0))
@@ -421,7 +421,7 @@ def test_the_synthetic_target_parks_and_restores_with_its_rows_unchanged():
     """One place, two sessions whose rounds alternate: each round parks the other session and
     restores this one (counted by the metrics), and every row is the synthetic target's own."""
     backend = SyntheticBackend(vocab=16, n_ctx=64, batching=True, kv_tokens=64, kv_park=True)
-    assert backend.max_states == 1 + parked_capacity(1 << 30, 4, 64)
+    assert backend.caps.max_states == 1 + parked_capacity(1 << 30, 4, 64)
     backend.book.cost = ParkCost(0.0, 0.0, 0.0)   # any idle time pays for a move
     parks0, restores0 = _sample("hybridspec_kv_parks_total"), _sample("hybridspec_kv_restores_total")
     states = [backend.new_state()]

@@ -17,20 +17,21 @@ from helpers import edge_options, running_server, stub_for
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.synthetic import synthetic_fingerprint
 from spec_core.warping import SamplingSettings
+from chain_round import chain_round
 
 
 def first_tokens_with_user_seeds(edge_rng, verifier_rng, n=20_000):
     """One γ = 1 round per user seed 0..n-1 with the q of Leviathan-style worst cases: the draft
     prefers what the target does not."""
     from spec_core.qcodec import encode_float
-    from spec_core.verify import verify_round
+
     target = np.array([0.5, 0.3, 0.15, 0.05])
     draft = np.array([0.1, 0.2, 0.3, 0.4])
     counts = np.zeros(4)
     for seed in range(n):
         q = encode_float(draft)
         x = q.sample(edge_rng(seed))
-        res = verify_round(np.stack([target, target]), [x], [q], verifier_rng(seed))
+        res = chain_round(np.stack([target, target]), [x], [q], verifier_rng(seed))
         counts[x if res.num_accepted else res.next_token] += 1
     return counts, target * n
 

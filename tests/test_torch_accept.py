@@ -21,16 +21,18 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 torch = pytest.importorskip("torch", reason="torch is in the vLLM environment (scripts/test_vllm.sh)")
 
 from cloud_verifier.backends.torch_accept import PassRound, accept_pass, round_uniforms, warp_rows  # noqa: E402
 from spec_core import acceptance  # noqa: E402
+from spec_core import tree as spec_tree  # noqa: E402
 from spec_core.drafting import QMode, draft_step  # noqa: E402
 from spec_core.qcodec import encode_fixed, encode_float  # noqa: E402
 from spec_core.synthetic import synthetic_pair  # noqa: E402
-from spec_core.tree import ROOT, DraftTree, TreeResult, TreeShape, grow_tree, verify_tree  # noqa: E402
-from spec_core.verify import RoundResult, commit_round, verify_round  # noqa: E402
+from spec_core.tree import ROOT, DraftTree, TreeResult, TreeShape, grow_tree, verify_tree_on_logits  # noqa: E402
+from spec_core.verify import RoundResult, commit_round  # noqa: E402
 from spec_core.warping import SamplingSettings, processed_probs  # noqa: E402
 from test_exactness_stats import L, N, P_MIN, V, chi_square_p, exact_sequence_probs  # noqa: E402
 from test_tree_exactness import SHAPE, encoder_for  # noqa: E402
@@ -241,12 +243,8 @@ class ScriptedRng:
 
 
 def numpy_outcome(logits_np, rd: PassRound, uniforms_in_order) -> TreeResult:
-    p = processed_probs(logits_np, rd.settings.temperature, rd.settings.top_k, rd.settings.top_p)
-    rng = ScriptedRng(uniforms_in_order)
-    if rd.tree.is_chain:
-        res = verify_round(p, list(rd.tree.tokens), rd.draft_probs, rng)
-        return TreeResult(list(range(res.num_accepted)), res.next_token)
-    return verify_tree(p, rd.tree, rd.draft_probs, rng)
+    """The numpy driver the host backends run (spec_core.tree.verify_tree_on_logits), fed these uniforms."""
+    return verify_tree_on_logits(logits_np, rd.settings, rd.tree, rd.draft_probs, ScriptedRng(uniforms_in_order))
 
 
 def nodes_tested(rd: PassRound, result: TreeResult) -> list[int]:
@@ -262,24 +260,86 @@ def nodes_tested(rd: PassRound, result: TreeResult) -> list[int]:
     return order
 
 
-def test_same_ids_as_the_numpy_kernels_away_from_boundaries(monkeypatch):
+def agreement(logits, rd: PassRound, res: TreeResult) -> bool | None:
+    """Whether the numpy driver, fed the uniforms the batched outcome used, decides the same; None
+    when a uniform lies within 1e-6 of a decision (float order may decide it: not compared)."""
+    block = logits[rd.first_row:rd.first_row + len(rd.tree) + 1].numpy()
+    used = np.array([rd.uniforms[c] for c in nodes_tested(rd, res)] + [rd.uniforms[-1]])
+    nudged = {(tuple(o.path), o.next_token) for o in
+              (numpy_outcome(block, rd, np.clip(used + d, 0, 1 - 1e-12)) for d in (-1e-6, 0.0, 1e-6))}
+    if len(nudged) > 1:
+        return None
+    return numpy_outcome(block, rd, list(used)) == res
+
+
+@pytest.fixture
+def coin_draws_always(monkeypatch):
     # The batched path draws a uniform for every accept test; make the numpy coin do the same
     # (same outcome distribution: u < prob is certain for prob >= 1 and impossible for prob <= 0).
     monkeypatch.setattr(acceptance, "coin", lambda prob, rng: rng.random() < prob)
+
+
+def test_same_ids_as_the_numpy_kernels_away_from_boundaries(coin_draws_always):
     logits, rounds = random_rounds(2, 200)
-    results = accept_pass(logits, rounds)
-    compared = 0
-    for rd, res in zip(rounds, results):
-        block = logits[rd.first_row:rd.first_row + len(rd.tree) + 1].numpy()
-        used = [rd.uniforms[c] for c in nodes_tested(rd, res)] + [rd.uniforms[-1]]
-        nudged = {tuple(numpy_outcome(block, rd, np.clip(np.array(used) + d, 0, 1 - 1e-12)).path) +
-                  (numpy_outcome(block, rd, np.clip(np.array(used) + d, 0, 1 - 1e-12)).next_token,)
-                  for d in (-1e-6, 0.0, 1e-6)}
-        if len(nudged) > 1:
-            continue   # a uniform within 1e-6 of a decision: float order may decide it
-        assert numpy_outcome(block, rd, used) == res, (rd.settings, rd.tree, res)
-        compared += 1
-    assert compared >= 190, compared
+    verdicts = [agreement(logits, rd, res) for rd, res in zip(rounds, accept_pass(logits, rounds))]
+    assert False not in verdicts, [(rd.settings, rd.tree) for rd, v in zip(rounds, verdicts) if v is False]
+    assert verdicts.count(True) >= 190, verdicts.count(True)
+
+
+SETTINGS_DRAWN = [SamplingSettings(temperature=0.0), SamplingSettings(temperature=1.0),
+                  SamplingSettings(temperature=0.7, top_k=8), SamplingSettings(temperature=0.8, top_p=0.9),
+                  SamplingSettings(temperature=1.3, top_k=12, top_p=0.8)]
+
+
+@st.composite
+def drawn_round(draw, vocab: int = 64):
+    """One round: a random tree (siblings with distinct tokens, as the wire requires), settings, q
+    (none, sparse fixed-point, dense float; the draft token in its q's support) and logits."""
+    n = draw(st.integers(0, 7))
+    parents, tokens, used = [], [], {}
+    for i in range(n):
+        parent = draw(st.integers(-1, i - 1))
+        token = draw(st.integers(0, 15).filter(lambda t, taken=used.get(parent, set()): t not in taken))
+        used.setdefault(parent, set()).add(token)
+        parents.append(parent)
+        tokens.append(token)
+    tree = DraftTree(tuple(tokens), tuple(parents))
+    s = draw(st.sampled_from(SETTINGS_DRAWN))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    block = (rng.standard_normal((n + 1, vocab)) * 2).astype(np.float32)
+    block[:, :16] += 2.0   # the drafts' tokens are likely
+    kind = draw(st.sampled_from(["none", "fixed", "float"]))
+    qs = None
+    if kind != "none":
+        qs = []
+        for parent, x in zip(parents, tokens):
+            q_p = processed_probs(block[parent + 1] + rng.standard_normal(vocab).astype(np.float32), 1.0)
+            q_p = 0.9 * q_p + 0.1 * (np.arange(vocab) == x)   # x in the support
+            qs.append(encode_fixed(q_p, 16) if kind == "fixed" else encode_float(q_p))
+        qs = [q if q.prob_of(x) > 0 else encode_float(0.9 * q.dense(vocab) + 0.1 * (np.arange(vocab) == x))
+              for q, x in zip(qs, tokens)]
+    return torch.as_tensor(block), PassRound(0, tree, qs, s, round_uniforms(n, rng))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(drawn_round())
+def test_accept_pass_agrees_with_the_numpy_driver_draw_for_draw(coin_draws_always, drawn):
+    """Property: on the same uniforms, the batched torch pass and the numpy driver decide every round
+    the same (trees, chains and the empty draft; every setting; q none, sparse, dense), except where
+    a uniform lies within 1e-6 of a decision."""
+    logits, rd = drawn
+    res, = accept_pass(logits, [rd])
+    assert agreement(logits, rd, res) is not False, (rd.settings, rd.tree, res)
+
+
+def test_the_agreement_check_catches_a_driver_that_breaks_one_rule(coin_draws_always, monkeypatch):
+    """Negative control: a numpy driver whose rejections leave p as it was (no residual: the rejected
+    token can come out as the corrected one) must disagree with the batched pass."""
+    monkeypatch.setattr(spec_tree, "after_rejection", lambda p, q, x: p)
+    monkeypatch.setattr(spec_tree, "corrected_probs", lambda p, q, x: p)
+    logits, rounds = random_rounds(2, 200)
+    verdicts = [agreement(logits, rd, res) for rd, res in zip(rounds, accept_pass(logits, rounds))]
+    assert verdicts.count(False) >= 10, verdicts.count(False)
 
 
 def test_bfloat16_logits_give_the_outcomes_of_their_float32_values():

@@ -17,9 +17,10 @@ from spec_core.qcodec import encode_fixed, encode_float
 from spec_core.synthetic import synthetic_pair
 from spec_core.tree import (ROOT, DraftTree, TreeError, TreeResult, TreeShape, grow_tree, prune_to_fit,
                             validate_tree, verify_tree, without_tokens)
-from spec_core.verify import RoundResult, commit_round, verify_round
+from spec_core.verify import RoundResult, commit_round
 from spec_core.warping import SamplingSettings, processed_probs, sample
 from test_exactness_stats import L, N, P_MIN, V, chi_square_p, exact_sequence_probs, sequence_counts
+from hybridspec.testing import warping_reference as ref
 
 SHAPE = TreeShape(budget=8, depth=3, branching=3, width=2)
 
@@ -163,8 +164,9 @@ def test_sampled_siblings_second_wins_with_residual():
     assert outcomes == {(0,), (1,)}  # never a corrected token: one of the two always wins
 
 
-def test_chain_tree_matches_verify_round():
-    """A chain given as a tree makes the same decisions from the same random stream."""
+def test_chain_tree_matches_the_reference_chain_round():
+    """A chain given as a tree makes the decisions of the chain round (Leviathan et al.'s rule, as
+    hybridspec.testing.warping_reference writes it) from the same random stream."""
     target, draft = synthetic_pair(vocab=V, seed=3, noise=1.5)
     s = SamplingSettings(temperature=1.0)
     for seed in range(50):
@@ -173,7 +175,7 @@ def test_chain_tree_matches_verify_round():
         qs = [encode_float(processed_probs(draft.logits([0] + toks[:i]), 1.0)) for i in range(4)]
         tree = DraftTree.chain(toks)
         p = tree_target_probs(target, [0], tree, s)
-        a = verify_round(p, toks, qs, np.random.default_rng(seed))
+        a = ref.verify_round(p, toks, qs, np.random.default_rng(seed))
         b = verify_tree(p, tree, qs, np.random.default_rng(seed))
         assert (a.num_accepted, a.next_token) == (len(b.path), b.next_token)
 

@@ -2,6 +2,8 @@
 and the llama.cpp backend's single-pass tree verification (greedy = the target's greedy path)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -104,7 +106,7 @@ async def test_stop_token_inside_the_kept_path(stub):
 
 async def test_chains_only_backend_refuses_trees():
     backend = SyntheticBackend(vocab=VOCAB)
-    backend.supports_trees = False
+    backend.caps = dataclasses.replace(backend.caps, trees=False)
     async with running_server(backend) as server:
         async with stub_for(server) as stub:
             await expect(stub, tree_req((3, 4), (-1, -1)), INVALID, "verifies chains only")

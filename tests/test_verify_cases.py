@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from spec_core.qcodec import EncodedQ
-from spec_core.verify import FinishReason, RoundResult, commit_round, verify_round
+from spec_core.verify import FinishReason, RoundResult, commit_round
+from chain_round import chain_round
 
 V = 6
 
@@ -21,52 +22,52 @@ def rng():
 
 def test_greedy_all_accepted_plus_bonus():
     draft = [1, 2, 3]; target_argmax = [1, 2, 3, 4]  # all match: bonus is 4
-    assert verify_round(one_hot_rows(target_argmax), draft, None, rng()) == RoundResult(3, 4)
+    assert chain_round(one_hot_rows(target_argmax), draft, None, rng()) == RoundResult(3, 4)
 
 
 def test_greedy_rejection_at_first_position():
     draft = [1, 2, 3]; target_argmax = [5, 2, 3, 4]  # mismatch at 0: corrected to 5
-    assert verify_round(one_hot_rows(target_argmax), draft, None, rng()) == RoundResult(0, 5)
+    assert chain_round(one_hot_rows(target_argmax), draft, None, rng()) == RoundResult(0, 5)
 
 
 def test_greedy_rejection_in_the_middle():
     draft = [1, 2, 3]; target_argmax = [1, 5, 3, 4]  # mismatch at 1
-    assert verify_round(one_hot_rows(target_argmax), draft, None, rng()) == RoundResult(1, 5)
+    assert chain_round(one_hot_rows(target_argmax), draft, None, rng()) == RoundResult(1, 5)
 
 
 def test_greedy_rejection_at_the_end():
     draft = [1, 2, 3]; target_argmax = [1, 2, 0, 4]  # mismatch at the last draft
-    assert verify_round(one_hot_rows(target_argmax), draft, None, rng()) == RoundResult(2, 0)
+    assert chain_round(one_hot_rows(target_argmax), draft, None, rng()) == RoundResult(2, 0)
 
 
 def test_greedy_result_does_not_depend_on_the_seed():
-    results = {verify_round(one_hot_rows([1, 5, 3, 4]), [1, 2, 3], None, np.random.default_rng(s)) for s in range(50)}
+    results = {chain_round(one_hot_rows([1, 5, 3, 4]), [1, 2, 3], None, np.random.default_rng(s)) for s in range(50)}
     assert results == {RoundResult(1, 5)}
 
 
 def test_empty_draft_is_a_plain_sample():
     p = np.array([[0, 0, 1.0, 0, 0, 0]])
-    assert verify_round(p, [], None, rng()) == RoundResult(0, 2)
+    assert chain_round(p, [], None, rng()) == RoundResult(0, 2)
 
 
 def test_point_mass_draft_rejected_resamples_without_the_draft():
     # p(x=1) = 0 -> always rejected; the corrected token comes from p with token 1 removed.
     p = np.array([[0, 0, 0.5, 0.5, 0, 0], [1, 0, 0, 0, 0, 0]], dtype=float)
     for seed in range(20):
-        res = verify_round(p, [1], None, np.random.default_rng(seed))
+        res = chain_round(p, [1], None, np.random.default_rng(seed))
         assert res.num_accepted == 0 and res.next_token in (2, 3)
 
 
 def test_point_mass_draft_certain_accept():
     p = np.array([[0, 1.0, 0, 0, 0, 0], [0, 0, 0, 0, 1.0, 0]])
-    assert verify_round(p, [1], None, rng()) == RoundResult(1, 4)
+    assert chain_round(p, [1], None, rng()) == RoundResult(1, 4)
 
 
 def test_q_residual_excludes_where_q_exceeds_p():
     # q puts all mass on 1 where p has 0.2: on rejection the residual is p without token 1.
     p = np.array([[0.0, 0.2, 0.8, 0, 0, 0], [1.0, 0, 0, 0, 0, 0]])
     q = EncodedQ(np.array([1], dtype=np.uint32), np.array([65536]), fixed=True)
-    outs = {verify_round(p, [1], [q], np.random.default_rng(s)) for s in range(200)}
+    outs = {chain_round(p, [1], [q], np.random.default_rng(s)) for s in range(200)}
     assert outs == {RoundResult(1, 0), RoundResult(0, 2)}
 
 
@@ -74,7 +75,7 @@ def test_draft_with_zero_target_probability_always_rejected():
     p = np.array([[0.0, 0.0, 1.0, 0, 0, 0], [1.0, 0, 0, 0, 0, 0]])
     q = EncodedQ(np.array([1, 2], dtype=np.uint32), np.array([60000, 5536]), fixed=True)
     for s in range(50):
-        assert verify_round(p, [1], [q], np.random.default_rng(s)) == RoundResult(0, 2)
+        assert chain_round(p, [1], [q], np.random.default_rng(s)) == RoundResult(0, 2)
 
 
 # --- commit: stop tokens and length limits cut the round exactly where target-alone would stop ---

@@ -6,7 +6,7 @@ assert the kept set, |p - p_ref| <= 1e-9 (the contract) and bitwise equality (wh
 seeded generation's tokens). Inputs: logits recorded from the bundled SmolLM2 target (slow) and
 the tiny GGUF models, random logits at SmolLM2's and Gemma's vocabulary sizes, and adversarial
 rows: ties and near-ties at the top-k and top-p boundaries, flat rows, -inf, underflow.
-The q codec, sample() and verify_round are checked the same way, and seeded generations must
+The q codec, sample() and the chain round are checked the same way, and seeded generations must
 give the reference code's token ids, computed in the same run (never ids recorded on one CPU).
 """
 from __future__ import annotations
@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from chain_round import chain_round
 from hybridspec.testing import warping_reference as ref
 from spec_core import qcodec
 from spec_core.drafting import QMode, draft_step
 from spec_core.synthetic import synthetic_pair
-from spec_core.verify import commit_round, verify_round, verify_round_on_logits
+from spec_core.tree import DraftTree, verify_tree_on_logits
+from spec_core.verify import RoundResult, commit_round
 from spec_core.warping import (EDGE_STREAM, GENERATE_STREAM, VERIFIER_STREAM, SamplingSettings, processed_probs,
                                sample, seeded_rng)
 
@@ -221,7 +223,7 @@ def test_encode_fixed_with_ties_inside_and_at_the_kth():
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (0.7, 0, 0.95), (1.0, 50, 0.9), (0.0, 0, 1.0)])
 def test_draft_step_and_verify_round_match_the_reference(qkind, temperature, top_k, top_p):
     """Same tokens, same q, same accept/reject decisions and the same RNG state afterwards; the
-    verifier's row-by-row verify_round_on_logits too."""
+    verifier's driver on logits (rows warped as the walk reaches them) too."""
     vocab, gamma = 6000, 5
     rng = np.random.default_rng(11)
     draft_logits = (rng.standard_normal((gamma, vocab)) * 3).astype(np.float32)
@@ -246,8 +248,9 @@ def test_draft_step_and_verify_round_match_the_reference(qkind, temperature, top
         p_ref = ref.processed_probs(target_logits, temperature, top_k, top_p)
         lazy_rng = copy.deepcopy(new_rng)
         result = ref.verify_round(p_ref, drafts, qs_ref, ref_rng)
-        assert verify_round(p, drafts, qs, new_rng) == result
-        assert verify_round_on_logits(target_logits, s, drafts, qs, lazy_rng) == result
+        assert chain_round(p, drafts, qs, new_rng) == result
+        on_logits = verify_tree_on_logits(target_logits, s, DraftTree.chain(drafts), qs, lazy_rng)
+        assert RoundResult(len(on_logits.path), on_logits.next_token) == result
         assert new_rng.random() == ref_rng.random() == lazy_rng.random()
 
 
@@ -266,7 +269,7 @@ class Impl(NamedTuple):
     sample: Callable
 
 
-FAST = Impl(draft_step, processed_probs, verify_round, sample)
+FAST = Impl(draft_step, processed_probs, chain_round, sample)
 REFERENCE = Impl(ref.draft_step, ref.processed_probs, ref.verify_round, ref.sample)
 
 
@@ -365,7 +368,7 @@ def test_seeded_generation_on_tiny_gguf_logits_matches_the_reference(tiny_models
     try:
         for s in (SamplingSettings(0.7), SamplingSettings(1.0, top_k=20, top_p=0.9), SamplingSettings(0.7, top_p=0.95)):
             for qkind in ("fixed", "none", "float"):
-                new = generate(s, QMode.parse(qkind), draft_step, processed_probs, verify_round)
+                new = generate(s, QMode.parse(qkind), draft_step, processed_probs, chain_round)
                 old = generate(s, QMode.parse(qkind), ref.draft_step, ref.processed_probs, ref.verify_round)
                 assert new == old, (s, qkind)
     finally:

@@ -2,12 +2,14 @@
 is validated before admission control looks at the load."""
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 
 from cloud_verifier.admission import ServerPolicy
 from cloud_verifier.backends.synthetic import SyntheticBackend
-from cloud_verifier.engine import QUOTE_CHARS, Limits, quoted
+from cloud_verifier.validation import QUOTE_CHARS, Limits, quoted
 from cloud_verifier.server import VerifierServer
 from helpers import running_server, stub_for
 from spec_core.proto import verifier_pb2 as pb
@@ -38,7 +40,7 @@ async def test_a_huge_unknown_session_id_is_not_found_with_a_short_message(what)
 
 async def test_a_long_chat_role_is_quoted_by_a_prefix():
     backend = SyntheticBackend(vocab=VOCAB, vocabulary=None)
-    backend.has_vocabulary = True   # text prompts reach the role check (the synthetic stand-in template)
+    backend.caps = dataclasses.replace(backend.caps, vocabulary=True)   # text prompts reach the role check (the synthetic stand-in template)
     req = open_req(prompt=())
     req.open.prompt_messages.add(role="R" * 5000, content="hi")
     async with running_server(backend) as server:

@@ -1,28 +1,33 @@
-"""The backend interface: per-session state and the target's logits at the rows a round needs.
+"""The backend interface: what the engine asks of a target model for a round, and the base of the
+backends that hand over raw logits.
 
-A backend supplies raw target logits; `verify_round`, the one entry the engine calls for every
-round (a chain is a tree with one path), turns them into p with spec_core.warping and runs the
-chain or tree kernel of spec_core.verify / spec_core.tree, so exactness lives in one place
-(spec_core.acceptance). A backend that cannot return full logits cheaply (vLLM) overrides the
-kernels `verify` / `verify_tree` / `sample_next` and runs the same rule from scores
-(spec_core.verify.verify_from_scores, spec_core.tree.verify_tree_from_scores), and says `fuses = False`:
-a round's fused continuations (spec_core.continuations) otherwise share its pass through
-`tree_logits` and the host kernels, bypassing overridden `verify` / `verify_tree`.
+`Backend` is the interface (a Protocol): open and release a session's state, run a round on a
+draft tree (`verify_round`: the one entry for every round; a chain is a tree with one path),
+sample one token (the cloud-only stream), and the vocabulary and prompts for text opens; plus
+hooks with defaults for scheduling, steering and drains. What a backend can do is one value,
+`Capabilities` (trees, batching, fusing, the vocabulary, limits), that the engine reads once.
+
+`LogitsBackend` is the base of the backends that supply raw target logits (llama.cpp,
+synthetic): its `verify_round` turns them into p with spec_core.warping and runs spec_core.tree's
+one driver (`verify_tree_on_logits`, rows warped as the walk reaches them), so exactness lives in
+one place (spec_core.acceptance); a round's fused continuations (spec_core.continuations) share its
+pass. A backend whose maths work elsewhere (vLLM: from scores, or in its engine) implements
+`verify_round` itself and says `fuses = False`: a continuation that hits runs as a second round
+(`round_then_continuation`).
 Methods are synchronous and called from a worker thread; a backend serialises its own model.
 """
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
 from spec_core.continuations import fuse_tree, pick_continuation
 from spec_core.crossvocab import Vocabulary
 from spec_core.qcodec import EncodedQ
-from spec_core.tree import DraftTree, TreeResult, verify_tree
-from spec_core.verify import RoundResult, verify_round_on_logits
+from spec_core.tree import DraftTree, TreeResult, verify_tree_on_logits
 from spec_core.warping import SamplingSettings, processed_probs, sample
 
 
@@ -31,16 +36,17 @@ from spec_core.warping import SamplingSettings, processed_probs, sample
 MAX_FUSED_NODES = 400
 
 
-def rule_on_logits(logits: np.ndarray, tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
-                   settings: SamplingSettings, rng: np.random.Generator) -> TreeResult:
-    """The round rule on raw target rows  # logits: [n + 1, vocab], row 0 after the committed
-    sequence, row i + 1 after node i. A chain takes the chain kernel (rows warped as the round
-    reaches them), as `verify` does, so it draws exactly what an unfused round draws."""
-    if tree.is_chain:
-        r = verify_round_on_logits(logits, settings, list(tree.tokens), draft_probs, rng)
-        return TreeResult(list(range(r.num_accepted)), r.next_token)
-    return verify_tree(processed_probs(logits, settings.temperature, settings.top_k, settings.top_p), tree,
-                       draft_probs, rng)
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; the engine reads it once, at start."""
+
+    trees: bool = True              # tree rounds (False: refused, the backend verifies chains only)
+    batching: bool = False          # rounds of different sessions share target passes
+    vocabulary: bool = False        # `vocabulary()` exports it and `prompt_ids` takes text prompts
+    fuses: bool = True              # a round's continuations share its pass (else a hit runs as a second round)
+    max_tree_leaves: int | None = None       # leaves one tree pass may hold (None: no limit here)
+    max_fused_nodes: int = MAX_FUSED_NODES   # nodes one fused pass may hold
+    max_states: int | None = None   # sessions + Generate streams held at once (None: only the engine's limits)
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,7 @@ class ContinuationRun(NamedTuple):
 class BackendRound(NamedTuple):
     """A verified round and where its time went."""
 
-    result: RoundResult | TreeResult   # a chain's (verify) or a tree's (verify_tree)
+    result: TreeResult                 # the kept path (a chain: its accepted prefix) and the next token
     queue_s: float                     # waiting for the model (its lock, or a batched pass)
     model_s: float                     # in the model
     following: ContinuationRun | None = None   # the next round, when a continuation hit
@@ -98,142 +104,38 @@ class StateLost(Exception):
     place in the cache in time): the engine drops the session and the edge replays (NOT_FOUND)."""
 
 
-class Backend(abc.ABC):
+class Backend(Protocol):
+    """What the engine asks of a target model. Backends subclass it for the hooks' defaults."""
+
     info: BackendInfo
-    # Sessions + Generate streams the backend can hold at once; None: only the engine's limits.
-    max_states: int | None = None
-    supports_trees: bool = True  # False: tree rounds are refused (the backend verifies chains only)
-    batching: bool = False       # True: rounds of different sessions share target passes
-    has_vocabulary: bool = False  # True: `vocabulary()` exports it and `prompt_ids` takes text prompts
+    caps: Capabilities
 
     @abc.abstractmethod
     def new_state(self) -> object:
-        """Per-session state (a KV cache); may be created lazily and is released with `release`."""
+        """Per-session state (a KV cache); may be created lazily and is released with `release`.
+        NoFreeState when the backend holds no more."""
 
     def release(self, state: object) -> None:
         """Free what `new_state` made."""
 
     @abc.abstractmethod
-    def target_logits(self, state: object, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
-        """Raw logits predicting tokens[-rows+1:] and the next one  # [rows, vocab].
-
-        Returns (logits, queue_s, model_s): time spent waiting for the model and in it.
-        """
-
     def verify_round(self, state: object, committed: Sequence[int], tree: DraftTree,
                      draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                      rng: np.random.Generator, continuations: Sequence[FusedContinuation] = (),
                      next_rng: Callable[[int], np.random.Generator] | None = None) -> BackendRound:
-        """The one entry the engine calls for every round: a draft tree (a chain is a tree with one
-        path) after `committed`, each node with the q it was drawn from  # draft_probs: [n] or None.
+        """The one entry for every round: a draft tree (a chain is a tree with one path) after
+        `committed`, each node with the q it was drawn from  # draft_probs: [n] or None.
         Returns BackendRound(TreeResult(kept path, corrected or bonus token), queue_s, model_s).
-        A chain takes the chain kernel (`verify`: p warped only as far as the round reads it, one
-        row per draft); anything else the tree kernel (`verify_tree`). Both run the same rule
-        (spec_core.acceptance); backends override the kernels, not this.
 
         With `continuations` (the next round drafted after outcomes of this one): when this round
         commits exactly one's key, that one is verified too, with next_rng(committed length after
-        this round) for its draws (never `rng`), and returned as `following`. A backend that
-        `fuses` evaluates them in this round's pass (spec_core.continuations.fuse_tree); one that
-        does not runs the one that hit as a second round right after."""
-        if continuations:
-            assert next_rng is not None
-            run = self._fused_round if self.fuses else self._round_then_continuation
-            return run(state, list(committed), tree, draft_probs, settings, rng, continuations, next_rng)
-        if not tree.is_chain:
-            return self.verify_tree(state, committed, tree, draft_probs, settings, rng)
-        out = self.verify(state, committed, list(tree.tokens), draft_probs, settings, rng)
-        return out._replace(result=TreeResult(list(range(out.result.num_accepted)), out.result.next_token))
+        this round) for its draws (never `rng`), and returned as `following`: in this round's pass
+        when the backend fuses (caps.fuses), else as a second round (round_then_continuation)."""
 
-    # True: continuations share this round's pass (tree_logits on the fused tree and the rules on
-    # host rows). A backend whose kernels work from scores (vLLM) says False.
-    fuses: bool = True
-    max_tree_leaves: int | None = None   # leaves one tree pass may hold (None: no limit here)
-    max_fused_nodes: int = MAX_FUSED_NODES   # nodes one fused pass may hold
-
-    def _fused_round(self, state, committed: list[int], tree: DraftTree, draft_probs, settings: SamplingSettings,
-                     rng: np.random.Generator, continuations: Sequence[FusedContinuation],
-                     next_rng: Callable[[int], np.random.Generator]) -> BackendRound:
-        room = self.info.n_ctx - len(committed)   # a serial tree pass holds every node in the context
-
-        def fits(t: DraftTree) -> bool:
-            return len(t) < min(room, self.max_fused_nodes) and \
-                (self.max_tree_leaves is None or len(t.leaves()) <= self.max_tree_leaves)
-        fused = fuse_tree(tree, [c.key for c in continuations], [c.tree for c in continuations], fits)
-        logits, queue_s, model_s = self.tree_logits(state, committed, fused.tree)   # [n_fused + 1, vocab]
-        result = rule_on_logits(logits[: len(tree) + 1], tree, draft_probs, settings, rng)
-        kept = [tree.tokens[i] for i in result.path] + [result.next_token]
-        placed = [c.key if at is not None else () for c, at in zip(continuations, fused.placements)]
-        hit = pick_continuation(kept, 0, placed)
-        path = list(result.path)
-        following = None
-        if hit is not None:
-            c, at = continuations[hit], fused.placements[hit]
-            rows = logits[fused.continuation_rows(hit, len(c.tree))]
-            nxt = rule_on_logits(rows, c.tree, c.draft_probs, settings, next_rng(len(committed) + len(c.key)))
-            following = ContinuationRun(hit, nxt)
-            path += [at.key_node] + [at.offset + i for i in nxt.path]
-        self.keep_tree_path(state, committed, fused.tree, path)
-        return BackendRound(result, queue_s, model_s, following)
-
-    def _round_then_continuation(self, state, committed: list[int], tree: DraftTree, draft_probs,
-                                 settings: SamplingSettings, rng: np.random.Generator,
-                                 continuations: Sequence[FusedContinuation],
-                                 next_rng: Callable[[int], np.random.Generator]) -> BackendRound:
-        out = self.verify_round(state, committed, tree, draft_probs, settings, rng)
-        kept = [tree.tokens[i] for i in out.result.path] + [out.result.next_token]
-        hit = pick_continuation(kept, 0, [c.key for c in continuations])
-        if hit is None:
-            return out
-        c = continuations[hit]
-        base = committed + list(c.key)
-        if len(base) + 1 > self.info.n_ctx:
-            return out
-        nxt = self.verify_round(state, base, c.tree, c.draft_probs, settings, next_rng(len(base)))
-        return BackendRound(out.result, out.queue_s + nxt.queue_s, out.model_s + nxt.model_s,
-                            ContinuationRun(hit, nxt.result))
-
-    def verify(self, state: object, committed: Sequence[int], draft_tokens: Sequence[int],
-               draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
-               rng: np.random.Generator) -> BackendRound:
-        gamma = len(draft_tokens)
-        logits, queue_s, model_s = self.target_logits(state, list(committed) + list(draft_tokens), gamma + 1)
-        # p is warped row by row as the round reaches it (rows after a rejection are not needed).
-        return BackendRound(verify_round_on_logits(logits, settings, draft_tokens, draft_probs, rng), queue_s, model_s)
-
-    def tree_logits(self, state: object, committed: Sequence[int], tree: DraftTree) -> tuple[np.ndarray, float, float]:
-        """Raw logits after the committed sequence and after every node  # [n + 1, vocab]: row 0 predicts
-        the root's children, row i + 1 node i's. This default runs one chain per root-to-leaf path
-        (correct, not fast); backends that can verify a tree in one pass override it."""
-        rows = np.empty((len(tree) + 1, self.info.n_vocab), dtype=np.float32)
-        queue_s = model_s = 0.0
-        leaves = tree.leaves() or [None]
-        for leaf in leaves:
-            path = [] if leaf is None else tree.path_to(leaf)
-            logits, q_s, m_s = self.target_logits(state, list(committed) + [tree.tokens[i] for i in path], len(path) + 1)
-            queue_s, model_s = queue_s + q_s, model_s + m_s
-            rows[0] = logits[0]
-            for k, node in enumerate(path):
-                rows[node + 1] = logits[k + 1]
-        return rows, queue_s, model_s
-
-    def keep_tree_path(self, state: object, committed: Sequence[int], tree: DraftTree, path: Sequence[int]) -> None:
-        """After a tree round: leave only committed + the kept path's tokens in the state's cache."""
-
-    def verify_tree(self, state: object, committed: Sequence[int], tree: DraftTree,
-                    draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
-                    rng: np.random.Generator) -> BackendRound:
-        logits, queue_s, model_s = self.tree_logits(state, committed, tree)
-        target_probs = processed_probs(logits, settings.temperature, settings.top_k, settings.top_p)  # [n+1, V]
-        result = verify_tree(target_probs, tree, draft_probs, rng)
-        self.keep_tree_path(state, committed, tree, result.path)
-        return BackendRound(result, queue_s, model_s)
-
+    @abc.abstractmethod
     def sample_next(self, state: object, tokens: Sequence[int], settings: SamplingSettings,
                     rng: np.random.Generator) -> BackendSample:
-        logits, queue_s, model_s = self.target_logits(state, tokens, 1)
-        probs = processed_probs(logits[0], settings.temperature, settings.top_k, settings.top_p)
-        return BackendSample(sample(probs, rng), queue_s, model_s)
+        """One token after `tokens`, drawn from the target's processed p (the cloud-only stream)."""
 
     # --- text prompts (edges whose draft has another tokenizer) -------------------------------------
 
@@ -266,7 +168,7 @@ class Backend(abc.ABC):
         return 0
 
     def close(self) -> None:
-        pass
+        """Free the model and everything the backend holds."""
 
     def release_frees_room(self, state: object) -> bool:
         """Whether releasing `state` would let `new_state` succeed where it found no room
@@ -282,3 +184,110 @@ class Backend(abc.ABC):
     def checkpoint_all(self, states: "Sequence[object] | None" = None) -> None:
         """`checkpoint` these sessions' states, or every live session's (a drain): their files stay
         after release."""
+
+
+def round_then_continuation(verify_round, n_ctx: int, state, committed: list[int], tree: DraftTree, draft_probs,
+                            settings: SamplingSettings, rng: np.random.Generator,
+                            continuations: Sequence[FusedContinuation],
+                            next_rng: Callable[[int], np.random.Generator]) -> BackendRound:
+    """A round with continuations on a backend that does not fuse: the round, then the continuation
+    whose key it committed (if any, and if it fits the context) as a second round on the same state."""
+    out = verify_round(state, committed, tree, draft_probs, settings, rng)
+    kept = [tree.tokens[i] for i in out.result.path] + [out.result.next_token]
+    hit = pick_continuation(kept, 0, [c.key for c in continuations])
+    if hit is None:
+        return out
+    c = continuations[hit]
+    base = committed + list(c.key)
+    if len(base) + 1 > n_ctx:
+        return out
+    nxt = verify_round(state, base, c.tree, c.draft_probs, settings, next_rng(len(base)))
+    return BackendRound(out.result, out.queue_s + nxt.queue_s, out.model_s + nxt.model_s,
+                        ContinuationRun(hit, nxt.result))
+
+
+class LogitsBackend(Backend):
+    """A backend that supplies raw target logits (`target_logits`, `tree_logits`); the round's maths
+    run here on the host, with spec_core's numpy driver."""
+
+    @abc.abstractmethod
+    def target_logits(self, state: object, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
+        """Raw logits predicting tokens[-rows+1:] and the next one  # [rows, vocab].
+
+        Returns (logits, queue_s, model_s): time spent waiting for the model and in it.
+        """
+
+    def tree_logits(self, state: object, committed: Sequence[int], tree: DraftTree) -> tuple[np.ndarray, float, float]:
+        """Raw logits after the committed sequence and after every node  # [n + 1, vocab]: row 0 predicts
+        the root's children, row i + 1 node i's. This default runs one chain per root-to-leaf path
+        (correct, not fast); backends that can verify a tree in one pass override it."""
+        rows = np.empty((len(tree) + 1, self.info.n_vocab), dtype=np.float32)
+        queue_s = model_s = 0.0
+        leaves = tree.leaves() or [None]
+        for leaf in leaves:
+            path = [] if leaf is None else tree.path_to(leaf)
+            logits, q_s, m_s = self.target_logits(state, list(committed) + [tree.tokens[i] for i in path], len(path) + 1)
+            queue_s, model_s = queue_s + q_s, model_s + m_s
+            rows[0] = logits[0]
+            for k, node in enumerate(path):
+                rows[node + 1] = logits[k + 1]
+        return rows, queue_s, model_s
+
+    def keep_tree_path(self, state: object, committed: Sequence[int], tree: DraftTree, path: Sequence[int]) -> None:
+        """After a tree round: leave only committed + the kept path's tokens in the state's cache."""
+
+    def accept(self, logits: np.ndarray, tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
+               settings: SamplingSettings, rng: np.random.Generator) -> TreeResult:
+        """The round rule on raw target rows  # logits: [n + 1, vocab], row 0 after the committed
+        sequence, row i + 1 after node i (spec_core.tree.verify_tree_on_logits)."""
+        return verify_tree_on_logits(logits, settings, tree, draft_probs, rng)
+
+    def verify_round(self, state: object, committed: Sequence[int], tree: DraftTree,
+                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
+                     rng: np.random.Generator, continuations: Sequence[FusedContinuation] = (),
+                     next_rng: Callable[[int], np.random.Generator] | None = None) -> BackendRound:
+        """Backend.verify_round on this backend's logits: one pass over the tree (with the fused
+        continuations' nodes), or for a chain without continuations its rows after committed +
+        drafts (`target_logits`: no tree bookkeeping in the cache)."""
+        committed = list(committed)
+        if continuations and not self.caps.fuses:
+            assert next_rng is not None
+            return round_then_continuation(self.verify_round, self.info.n_ctx, state, committed, tree, draft_probs,
+                                           settings, rng, continuations, next_rng)
+        if not continuations and tree.is_chain:
+            logits, queue_s, model_s = self.target_logits(state, committed + list(tree.tokens), len(tree) + 1)
+            return BackendRound(self.accept(logits, tree, draft_probs, settings, rng), queue_s, model_s)
+        fused = fuse_tree(tree, [c.key for c in continuations], [c.tree for c in continuations],
+                          self._fits(len(committed))) if continuations else None
+        logits, queue_s, model_s = self.tree_logits(state, committed, fused.tree if fused else tree)  # [n' + 1, vocab]
+        result = self.accept(logits[: len(tree) + 1], tree, draft_probs, settings, rng)
+        path, following = list(result.path), None
+        if fused is not None:
+            kept = [tree.tokens[i] for i in result.path] + [result.next_token]
+            placed = [c.key if at is not None else () for c, at in zip(continuations, fused.placements)]
+            hit = pick_continuation(kept, 0, placed)
+            if hit is not None:
+                assert next_rng is not None
+                c, at = continuations[hit], fused.placements[hit]
+                rows = logits[fused.continuation_rows(hit, len(c.tree))]
+                nxt = self.accept(rows, c.tree, c.draft_probs, settings, next_rng(len(committed) + len(c.key)))
+                following = ContinuationRun(hit, nxt)
+                path += [at.key_node] + [at.offset + i for i in nxt.path]
+        self.keep_tree_path(state, committed, fused.tree if fused else tree, path)
+        return BackendRound(result, queue_s, model_s, following)
+
+    def _fits(self, n_committed: int) -> Callable[[DraftTree], bool]:
+        """Whether a fused tree fits one pass: the context (a serial tree pass holds every node in
+        it) and the caps' node and leaf limits."""
+        room, caps = self.info.n_ctx - n_committed, self.caps
+
+        def fits(t: DraftTree) -> bool:
+            return len(t) < min(room, caps.max_fused_nodes) and \
+                (caps.max_tree_leaves is None or len(t.leaves()) <= caps.max_tree_leaves)
+        return fits
+
+    def sample_next(self, state: object, tokens: Sequence[int], settings: SamplingSettings,
+                    rng: np.random.Generator) -> BackendSample:
+        logits, queue_s, model_s = self.target_logits(state, tokens, 1)
+        probs = processed_probs(logits[0], settings.temperature, settings.top_k, settings.top_p)
+        return BackendSample(sample(probs, rng), queue_s, model_s)

@@ -33,7 +33,8 @@ from typing import Sequence
 import numpy as np
 
 from cloud_verifier import metrics
-from cloud_verifier.backends.base import Backend, BackendInfo, NoChatTemplate, NoFreeState
+from cloud_verifier.backends.base import (MAX_FUSED_NODES, BackendInfo, Capabilities, LogitsBackend, NoChatTemplate,
+                                          NoFreeState)
 from cloud_verifier.backends.batcher import Batcher, BatchStep
 from cloud_verifier.backends.kvpark import (DEFAULT_KV_PARK_BYTES, DEFAULT_KV_SESSIONS, PlacePacker, SeqBook, SeqState,
                                             check_park_options)
@@ -46,7 +47,7 @@ from spec_core.kvreuse import reusable_prefix
 from spec_core.tree import DraftTree
 
 
-class LlamaCppBackend(Backend):
+class LlamaCppBackend(LogitsBackend):
     def __init__(self, model: str, n_ctx: int = 2048, n_threads: int | None = None, n_batch: int = 512,
                  batching: bool = False, kv_tokens: int | None = None, batch_window_ms: float = 0.0,
                  invariant: bool = True, max_tree_leaves: int = 64, schedule: str = "fair",
@@ -60,15 +61,13 @@ class LlamaCppBackend(Backend):
         self.model = GGUFModel(model, n_threads=n_threads)
         self.n_ctx = n_ctx
         self.n_batch = n_batch
-        self.batching, self.invariant = batching, invariant
+        self.invariant = invariant
         self.info = BackendInfo("llama.cpp", self.model.name, self.model.n_vocab, n_ctx,
                                 self.model.fingerprint, self.model.eog_ids)
         self._forwarded = 0  # tokens pushed through the target, all sessions (serial mode)
         # Serial mode: sequence 0 + a scratch id per tree leaf. Batching: a pool of as many tree
         # ids, lent to each tree round for its leaves.
         self.n_seq_max = max_tree_leaves + 1
-        self.max_tree_leaves = max_tree_leaves   # a fused round's tree too (Backend._fused_round)
-        self.max_fused_nodes = min(self.max_fused_nodes, n_batch - 1)   # a serial tree pass is one batch
         self.kv: SharedKV | None = None
         # Serial: the model in turns, prompts a chunk a turn (by default one decode of the context).
         self.turns = Turns(prefill_chunk or (self.model.invariant_ubatch if invariant else n_batch))
@@ -99,12 +98,12 @@ class LlamaCppBackend(Backend):
                 store = KVStore(kv_store, store_fingerprint(self.model, n_ctx, self.kv.n_ubatch, invariant),
                                 kv_store_bytes, kv_store_max_age_s)
                 self.checkpoints = Checkpoints(store, self.kv, self.batcher, self.book, kv_store_every_s)
-
-    @property
-    def max_states(self) -> int | None:
-        """Sessions + Generate streams the KV cache can hold at once (None: unbounded here); with
-        parking, also as many as the parked bytes hold at their full context."""
-        return self.kv.n_ids if self.kv is not None else None
+        # max_states: sessions + Generate streams the KV cache holds at once (None: unbounded here);
+        # with parking, also as many as the parked bytes hold at their full context.
+        self.caps = Capabilities(trees=True, batching=batching, vocabulary=True, fuses=True,
+                                 max_tree_leaves=max_tree_leaves,   # a fused round's tree too
+                                 max_fused_nodes=min(MAX_FUSED_NODES, n_batch - 1),   # a serial tree pass is one batch
+                                 max_states=self.kv.n_ids if self.kv is not None else None)
 
     def new_state(self):
         if self.kv is None:
@@ -189,8 +188,6 @@ class LlamaCppBackend(Backend):
             return  # the session holds `committed`; the kept path is evaluated with the next round
         with self.model.lock:
             state.keep_tree_path(path, [tree.tokens[i] for i in path])
-
-    has_vocabulary = True
 
     def vocabulary(self):
         return self.model.vocabulary

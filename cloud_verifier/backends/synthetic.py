@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from cloud_verifier import metrics
-from cloud_verifier.backends.base import Backend, BackendInfo
+from cloud_verifier.backends.base import BackendInfo, Capabilities, LogitsBackend
 from cloud_verifier.backends.batcher import Batcher, BatchStep
 from cloud_verifier.backends.kvpark import (DEFAULT_KV_PARK_BYTES, DEFAULT_KV_SESSIONS, PlacePacker, SeqBook, SeqState,
                                             check_park_options)
@@ -35,7 +35,7 @@ def _observe_step(step: BatchStep) -> None:
     metrics.observe_batch(step.tokens, step.sessions, step.seconds)
 
 
-class SyntheticBackend(Backend):
+class SyntheticBackend(LogitsBackend):
     def __init__(self, vocab: int = 64, seed: int = 0, order: int = 1, n_ctx: int = 4096,
                  step_ms: float = 0.0, per_token_ms: float = 0.0, eos_token_ids: Sequence[int] = (1,),
                  batching: bool = False, batch_tokens: int = 512, batch_window_ms: float = 0.0,
@@ -53,8 +53,6 @@ class SyntheticBackend(Backend):
         check_park_options(kv_park, batching, kv_park_bytes, kv_park_order)
         self.lm = SyntheticLM(vocab, seed, order=order)
         self._vocabulary, self._tokenize = vocabulary, tokenize
-        self.has_vocabulary = vocabulary is not None and tokenize is not None
-        self.batching = batching
         self.step_s, self.per_token_s = step_ms / 1000, per_token_ms / 1000
         fingerprint = vocabulary.fingerprint if vocabulary is not None else synthetic_fingerprint(vocab)
         self.info = BackendInfo("synthetic", f"synthetic-v{vocab}-s{seed}", vocab, n_ctx,
@@ -78,12 +76,10 @@ class SyntheticBackend(Backend):
                                    on_step=_observe_step, name="synthetic-batcher", schedule=schedule,
                                    prefill_chunk=prefill_chunk)
             self.book.batcher = self.batcher
-
-    @property
-    def max_states(self) -> int | None:
-        """Sessions + Generate streams held at once: the places, and with parking as many more as
-        the parked bytes hold at their full context (None: no bound)."""
-        return self.kv.n_ids if self.batcher is not None else None
+        # max_states: sessions + Generate streams held at once: the places, and with parking as many
+        # more as the parked bytes hold at their full context (None: no bound).
+        self.caps = Capabilities(trees=True, batching=batching, vocabulary=vocabulary is not None and tokenize is not None,
+                                 fuses=True, max_states=self.kv.n_ids if self.batcher is not None else None)
 
     def vocabulary(self):
         return self._vocabulary

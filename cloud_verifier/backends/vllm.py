@@ -73,18 +73,19 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from cloud_verifier.backends.base import Backend, BackendInfo, BackendRound, BackendSample, NoChatTemplate
+from cloud_verifier.backends.base import (Backend, BackendInfo, BackendRound, BackendSample, Capabilities, NoChatTemplate,
+                                          round_then_continuation)
 from cloud_verifier.backends.vllm_counters import EngineCounters, read_engine_counters
 from cloud_verifier.backends.vllm_sessions import SessionRows, VllmSession, close_session, raw_row, \
     session_engine_args, session_leaves, session_round, session_verdict
 from spec_core.crossvocab import Vocabulary
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
-from spec_core.tree import ROOT, DraftTree, NodeScore, tree_tokens_needed, verify_tree_from_scores
+from spec_core.tree import ROOT, DraftTree, NodeScore, TreeResult, tree_tokens_needed, verify_tree_from_scores
 from spec_core.verify import PositionScore, RoundResult, verify_from_scores
 from spec_core.warping import SamplingSettings, processed_probs, sample
 
@@ -188,9 +189,10 @@ def _top_k_rows(settings: SamplingSettings) -> bool:
 
 
 class VllmBackend(Backend):
-    batching = True  # vLLM's scheduler mixes the rounds of all sessions in flight
-    has_vocabulary = True  # from the HF tokenizer: GetVocabulary, text and chat prompts
-    fuses = False    # its kernels work from scores: a hit continuation runs as a second request
+    # vLLM's scheduler mixes the rounds of all sessions in flight (batching); the HF tokenizer gives
+    # GetVocabulary, text and chat prompts; its maths work from scores or in its engine, not on host
+    # rows, so a hit continuation runs as a second request (fuses False).
+    caps = Capabilities(trees=True, batching=True, vocabulary=True, fuses=False)
     one_request = True  # greedy and top-k rounds: one request with prompt logprobs (False: gamma + 1 requests)
     sessions = True     # ... as a chunk of the session's own request that keeps its KV (vllm_sessions)
     whole_row_sessions = True  # top-p / plain sampled chains too: whole rows cross to Python (docs/vllm.md)
@@ -291,15 +293,18 @@ class VllmBackend(Backend):
         if isinstance(state, VllmSession) and state.live and self._llm is not None:
             self._run(close_session(state))
 
-    def round_path(self, settings: SamplingSettings, tree: bool = False) -> str:
+    def round_path(self, settings: SamplingSettings, tree: bool = False, state: object = None,
+                   steady: bool = True) -> str:
         """The path a steady-state round takes: "session-engine" (any chain: a chunk of the session's request,
         decided in the engine), "tree-session-engine" (any tree: a chunk per leaf, decided alike); with engine_maths off
         "session" / "tree-session" (rows cross, decided here); without sessions "one-request" (greedy,
         top-k up to TOP_K_ONE_REQUEST), "per-position" (gamma + 1 requests), "tree-leaves" (a request per
         leaf), "tree" (a request per node and the root). The one place that decides;
-        bench/fleet_vllm_counters.py marks this path as the one shipped."""
+        bench/fleet_vllm_counters.py marks this path as the one shipped. With `steady` False, a round
+        whose `state` is no session (nothing to keep) takes the sessionless path of its kind."""
         rows_from_prompt = self.one_request and _top_k_rows(settings)
-        session = self.one_request and self.sessions and self.sessions_supported
+        session = self.one_request and self.sessions and self.sessions_supported and \
+            (steady or isinstance(state, VllmSession))
         whole = session and (rows_from_prompt or self.whole_row_sessions)   # whole rows: a session's chunk only
         engine = "-engine" if session and self.engine_maths else ""
         if tree:
@@ -308,39 +313,38 @@ class VllmBackend(Backend):
             return "session" + engine
         return "one-request" if rows_from_prompt else "per-position"
 
+    def verify_round(self, state, committed: Sequence[int], tree: DraftTree,
+                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
+                     rng: np.random.Generator, continuations=(), next_rng=None) -> BackendRound:
+        """Backend.verify_round: a continuation that hits runs as a second round on the session
+        (round_then_continuation: caps.fuses is False); a chain takes `verify`, a tree `verify_tree`
+        (`round_path` names the requests of each)."""
+        if continuations:
+            assert next_rng is not None
+            return round_then_continuation(self.verify_round, self.info.n_ctx, state, list(committed), tree,
+                                           draft_probs, settings, rng, continuations, next_rng)
+        if not tree.is_chain:
+            return self.verify_tree(state, committed, tree, draft_probs, settings, rng)
+        out = self.verify(state, committed, list(tree.tokens), draft_probs, settings, rng)
+        return out._replace(result=TreeResult(list(range(out.result.num_accepted)), out.result.next_token))
+
     def verify(self, state, committed: Sequence[int], draft_tokens: Sequence[int],
                draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                rng: np.random.Generator) -> BackendRound:
         t0 = time.perf_counter()
         gamma = len(draft_tokens)
         committed, drafts = list(committed), [int(x) for x in draft_tokens]
-        path = self.round_path(settings)
-        if path.startswith("session") and not isinstance(state, VllmSession):   # no session to keep: one request
-            path = "one-request" if _top_k_rows(settings) else "per-position"
+        path = self.round_path(settings, state=state, steady=False)
         if path == "session-engine" and committed and gamma:
             got = self._engine_round(state, committed, DraftTree.chain(drafts), [list(range(gamma))], draft_probs,
                                      settings, rng)
             return BackendRound(RoundResult(len(got.path), got.next_token), 0.0, time.perf_counter() - t0)
-        one_request = path in ("one-request", "session") and committed and gamma > 0
-        if one_request and not settings.greedy:
-            got = self._top_k_scores(state, committed, drafts, settings, rng)
+        if path in ("one-request", "session") and committed and gamma > 0:
+            got = self._greedy_scores(state, committed, drafts) if settings.greedy else \
+                self._top_k_scores(state, committed, drafts, settings, rng)
             if got is not None:
-                scores, rows = got
-
-                def local_row(i: int) -> np.ndarray:
-                    with self._stats_lock:
-                        self.local_full_rows += 1
-                    return rows[i]
-                result, _ = verify_from_scores(drafts, draft_probs, scores, local_row, rng)
-                return BackendRound(result, 0.0, time.perf_counter() - t0)
-        if one_request and settings.greedy:
-            scores = self._greedy_scores(state, committed, drafts)
-            if scores is not None:
-                def point_mass(i: int) -> np.ndarray:  # greedy p: all its mass on the argmax
-                    row = np.zeros(self.info.n_vocab)
-                    row[scores[i].sample] = 1.0
-                    return row
-                result, _ = verify_from_scores(drafts, draft_probs, scores, point_mass, rng)
+                scores, fallback = self._held_rows(got, settings, lambda i: i)
+                result, _ = verify_from_scores(drafts, draft_probs, scores, fallback, rng)
                 return BackendRound(result, 0.0, time.perf_counter() - t0)
         seeds = rng.integers(0, 2**62, size=gamma + 1)
         requests = []
@@ -349,16 +353,39 @@ class VllmBackend(Backend):
             requests.append((committed + drafts[:i], self._params(settings, int(seeds[i]), **extra)))
         outs = self._run(self._batch(requests))
         scores = [_score(out, drafts[i] if i < gamma else None, settings.greedy) for i, out in enumerate(outs)]
+        full_row = self._full_row_request(lambda i: committed + drafts[:i], settings, rng)
+        result, _ = verify_from_scores(drafts, draft_probs, scores, full_row, rng)
+        return BackendRound(result, 0.0, time.perf_counter() - t0)
 
+    def _held_rows(self, got, settings: SamplingSettings, score_index: Callable[[int], int]):
+        """(scores, fallback row) of a round whose rows are here already: greedy scores (p is a point
+        mass on each argmax), or (scores, processed rows) of a sampled round, its fallback row read
+        from them (counted in local_full_rows). score_index(position) -> the scores' index."""
+        if settings.greedy:
+            def point_mass(i: int) -> np.ndarray:  # greedy p: all its mass on the argmax
+                row = np.zeros(self.info.n_vocab)
+                row[got[score_index(i)].sample] = 1.0
+                return row
+            return got, point_mass
+        scores, rows = got
+
+        def local_row(i: int) -> np.ndarray:
+            with self._stats_lock:
+                self.local_full_rows += 1
+            return rows[i]
+        return scores, local_row
+
+    def _full_row_request(self, prompt_at: Callable[[int], list[int]], settings: SamplingSettings,
+                          rng: np.random.Generator) -> Callable[[int], np.ndarray]:
+        """The fallback row at a position or node: its whole processed row, one request after
+        prompt_at(i) (counted in full_row_requests)."""
         def full_row(i: int) -> np.ndarray:
             with self._stats_lock:
                 self.full_row_requests += 1
             params = self._params(settings, int(rng.integers(0, 2**62)), logprobs=-1, flat_logprobs=True)
-            out, = self._run(self._batch([(committed + drafts[:i], params)], kind="full"))
+            out, = self._run(self._batch([(prompt_at(i), params)], kind="full"))
             return _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
-
-        result, _ = verify_from_scores(drafts, draft_probs, scores, full_row, rng)
-        return BackendRound(result, 0.0, time.perf_counter() - t0)
+        return full_row
 
     def _round_rows(self, state, committed: list[int], drafts: list[int], params) -> SessionRows | None:
         """A round's draft rows (prompt logprobs at each draft's position) and the sample after the last
@@ -552,33 +579,17 @@ class VllmBackend(Backend):
         instead. verify_tree_from_scores runs the rule (proof there)."""
         t0 = time.perf_counter()
         committed = list(committed)
-        path = self.round_path(settings, tree=True)
-        if path.startswith("tree-session") and not isinstance(state, VllmSession):   # no session to keep
-            path = "tree-leaves" if _top_k_rows(settings) else "tree"
+        path = self.round_path(settings, tree=True, state=state, steady=False)
         if path == "tree-session-engine" and committed and len(tree):   # the first leaf last: it stays in the engine
             got = self._engine_round(state, committed, tree, [tree.path_to(leaf) for leaf in tree.leaves()][::-1],
                                      draft_probs, settings, rng)
             return BackendRound(got, 0.0, time.perf_counter() - t0)
-        leaves = path in ("tree-leaves", "tree-session") and committed and len(tree)
-        if leaves and not settings.greedy:
-            got = self._top_k_tree_scores(state, committed, tree, draft_probs, settings, rng)
+        if path in ("tree-leaves", "tree-session") and committed and len(tree):
+            got = self._greedy_tree_scores(state, committed, tree, draft_probs) if settings.greedy else \
+                self._top_k_tree_scores(state, committed, tree, draft_probs, settings, rng)
             if got is not None:
-                scores, rows = got
-
-                def local_row(node: int) -> np.ndarray:
-                    with self._stats_lock:
-                        self.local_full_rows += 1
-                    return rows[node]
-                result, _ = verify_tree_from_scores(tree, draft_probs, scores, local_row, rng)
-                return BackendRound(result, 0.0, time.perf_counter() - t0)
-        if leaves and settings.greedy:
-            scores = self._greedy_tree_scores(state, committed, tree, draft_probs)
-            if scores is not None:
-                def point_mass(node: int) -> np.ndarray:  # greedy p: all its mass on the argmax
-                    row = np.zeros(self.info.n_vocab)
-                    row[scores[0 if node == ROOT else node + 1].sample] = 1.0
-                    return row
-                result, _ = verify_tree_from_scores(tree, draft_probs, scores, point_mass, rng)
+                scores, fallback = self._held_rows(got, settings, lambda node: 0 if node == ROOT else node + 1)
+                result, _ = verify_tree_from_scores(tree, draft_probs, scores, fallback, rng)
                 return BackendRound(result, 0.0, time.perf_counter() - t0)
         nodes = [ROOT] + list(range(len(tree)))
         seeds = rng.integers(0, 2**62, size=len(nodes))
@@ -612,15 +623,8 @@ class VllmBackend(Backend):
                 row = _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
                 y = int(out.outputs[0].token_ids[0])
                 scores[k] = NodeScore(y, float(row[y]), _row_scores(row, tree, draft_probs, nodes[k]))
-
-        def full_row(node: int) -> np.ndarray:
-            with self._stats_lock:
-                self.full_row_requests += 1
-            prompt = committed + ([] if node == ROOT else [tree.tokens[j] for j in tree.path_to(node)])
-            params = self._params(settings, int(rng.integers(0, 2**62)), logprobs=-1, flat_logprobs=True)
-            out, = self._run(self._batch([(prompt, params)], kind="full"))
-            return _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
-
+        full_row = self._full_row_request(
+            lambda node: committed + ([] if node == ROOT else [tree.tokens[j] for j in tree.path_to(node)]), settings, rng)
         result, _ = verify_tree_from_scores(tree, draft_probs, scores, full_row, rng)
         return BackendRound(result, 0.0, time.perf_counter() - t0)
 

@@ -1,7 +1,7 @@
 """Capacity and goodput at the SLO on one GPU verifier, hybrid and cloud-only side by side.
 
 Each case is searched for the most edges per GPU whose simulated p95 TPOT and p95 TTFT meet the SLO
-(`report.edges_per_verifier`); at that count: committed tokens/s per GPU, goodput (tokens/s of
+(`capacity.edges_per_verifier`); at that count: committed tokens/s per GPU, goodput (tokens/s of
 requests that met the SLO), GPUs per N edges. What a hybrid round costs the GPU is what the shipped
 vLLM backend computes (`costs.RoundWork`, counted with vLLM's own counters by
 bench/fleet_vllm_counters.py); KV memory bounds the sessions a GPU holds (`costs.kv_sessions`), unless
@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from netsim.effects import Delay
 from netsim.fleet.calibration import Calibration, fleet_config
 from netsim.fleet.costs import (A100_80, QWEN3_14B, KvOffload, RooflineCost, RoundWork, kv_sessions)
-from netsim.fleet.report import edges_per_verifier
+from netsim.fleet.capacity import edges_per_verifier
 from netsim.fleet.simulation import simulate
 from netsim.link import Link
 from netsim.profiles import Profile

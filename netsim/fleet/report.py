@@ -1,7 +1,7 @@
 """The fleet report: each load run checked against the simulator calibrated on it, then capacity.
 
-Capacity (`edges_per_verifier`): the largest n whose simulated p95 time per output token meets
-the SLO, by bisection; `capacity_table` turns it into verifiers per N edges for each scenario
+Capacity (`capacity.edges_per_verifier`): the largest n whose simulated p95 time per output token
+meets the SLO, by bisection; `capacity_table` turns it into verifiers per N edges for each scenario
 (the CPU backend as measured, serial and batched, and a GPU roofline). `run_fleet` does it all
 and returns a JSON-ready dict; `fleet_markdown` and `fleet_plot` draw it.
 """
@@ -9,54 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import numpy as np
 
 from netsim.fleet.calibration import Calibration, calibrate_from_load, fleet_config, load_schedule, run_alpha
+from netsim.fleet.capacity import edges_per_verifier
 from netsim.fleet.costs import H100, H200, LinearCost, gpu_cost, kv_sessions
 from netsim.fleet.hostpath import PATHS, HostPathTable, stream_rows
-from netsim.fleet.simulation import FleetConfig, simulate
-from spec_core.slo import run_meets_slo
-
-
-def simulation_meets_slo(result: dict, slo_tpot_s: float, slo_ttft_s: float | None = None) -> bool:
-    """A simulated run meets the SLO: spec_core.slo's run verdict (p95 TPOT, and p95 TTFT when given
-    and measured), with every session's KV on the verifier (or parked: offload)."""
-    return not result.get("kv_exceeded") and run_meets_slo(result["tpot_p95_s"], result.get("ttft_p95_s"),
-                                                           slo_tpot_s, slo_ttft_s)
-
-
-def edges_per_verifier(make: Callable[[int], FleetConfig], slo_s: float, max_edges: int = 1 << 16,
-                       duration_s: float = 20.0, slo_ttft_s: float | None = None) -> tuple[int, dict | None]:
-    """The largest n whose simulation meets the SLO (`simulation_meets_slo`; 0 when even one edge misses); make(n) -> FleetConfig."""
-    def ok(n: int) -> tuple[bool, dict]:
-        result = simulate(replace(make(n), duration_s=duration_s))
-        return simulation_meets_slo(result, slo_s, slo_ttft_s), result
-    good, result = ok(1)
-    if not good:
-        return 0, result
-    lo, best = 1, result
-    hi = 2
-    while True:
-        if hi >= max_edges:
-            good, result = ok(max_edges)
-            if good:
-                return max_edges, result
-            hi = max_edges
-            break
-        good, result = ok(hi)
-        if not good:
-            break
-        lo, best, hi = hi, result, hi * 2
-    while hi - lo > max(1, lo // 32):   # to within ~3%
-        mid = (lo + hi) // 2
-        good, result = ok(mid)
-        if good:
-            lo, best = mid, result
-        else:
-            hi = mid
-    return lo, best
+from netsim.fleet.simulation import simulate
 
 
 CHECK_SEEDS = 21

@@ -280,7 +280,7 @@ def test_the_capacity_table_takes_each_verifiers_own_calibration(monkeypatch):
 from dataclasses import replace  # noqa: E402
 
 from netsim.fleet.costs import KvOffload, RoundWork  # noqa: E402
-from netsim.fleet.report import edges_per_verifier, simulation_meets_slo  # noqa: E402
+from netsim.fleet.capacity import edges_per_verifier, simulation_meets_slo  # noqa: E402
 
 
 def test_round_work_counts_the_backends_requests_and_tokens():
