@@ -619,6 +619,9 @@ class VerifierEngine:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"all {self.max_sessions} session slots are in use; retry shortly",
                                retry_after_s=1.0) from None
+        # Live rounds first (cloud_verifier.backends.prefill_budget): a replay's prefill goes ahead of
+        # new sessions', and the session's TPOT paces the prefills beside it.
+        self.backend.note_open(state, bool(resume), slo.tpot_s if slo is not None and slo.tpot_s else None)
         metrics.SESSIONS.set(len(self.sessions))
         metrics.SESSIONS_OPENED.inc()
         if settings.max_new_tokens <= len(resume):

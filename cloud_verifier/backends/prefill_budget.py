@@ -127,7 +127,7 @@ def cap_prefills(takes: list[int], pending: Sequence[int], prefill: Sequence[boo
     return out
 
 
-def vllm_chunk_args(user: dict, cpu: bool) -> dict:
+def vllm_chunk_args(user: dict, cpu: bool, max_model_len: int) -> dict:
     """vLLM engine arguments for live rounds first, where the user set none: on a GPU, chunked
     prefill with at most VLLM_GPU_CHUNK tokens of one request a step (vLLM's scheduler runs the
     running requests, our sessions' rounds, first, then fills its token budget with waiting
@@ -137,5 +137,5 @@ def vllm_chunk_args(user: dict, cpu: bool) -> dict:
         return {}
     args = {"enable_chunked_prefill": True}
     if "long_prefill_token_threshold" not in user:
-        args["long_prefill_token_threshold"] = VLLM_GPU_CHUNK
+        args["long_prefill_token_threshold"] = min(VLLM_GPU_CHUNK, max_model_len)
     return args
