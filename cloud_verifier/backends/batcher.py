@@ -42,7 +42,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from cloud_verifier.backends.prefill_budget import PrefillBudget, cap_prefills, order
+from cloud_verifier.backends.prefill_budget import PrefillBudget, cap_prefills, chunk_tokens, order
 from spec_core.batchplan import PassItem, fair_share, least_slack_first
 from spec_core.steering import PassCostLine
 
@@ -125,6 +125,8 @@ class Batcher:
         # Live rounds first (prefill_budget): the chunk follows the measured cost, unless fixed.
         self.budget: PrefillBudget | None = PrefillBudget() if prefill_chunk is None else None
         self.prefill_log: list[PrefillPass] | None = None   # set to a list to record every pass's plan
+        self._prefill_rates: tuple[float, float] | None = None   # (while live, idle) tokens/s: prefill_rate
+        self._last_round_done = float("-inf")
         self._deadlines: dict[int, float] = {}
         self._cond = threading.Condition()
         self._queue: list[_Request] = []
@@ -173,18 +175,27 @@ class Batcher:
                 self.budget.pace[seq] = tpot_s
 
     def prefill_rate(self) -> float | None:
-        """Prefill tokens a second this batcher gives new sessions now (the rule's chunk a pass while
-        sessions are live, whole passes otherwise); None until the pass cost is measured."""
+        """Prefill tokens a second this batcher gives new sessions now: the rule's chunk a pass while
+        sessions are live, whole passes otherwise; None until the pass cost is measured. Any thread
+        may ask: the batcher thread prices both after every pass (`_price_prefill`)."""
+        rates = self._prefill_rates
+        if rates is None:
+            return None
+        live = self.budget is not None and time.perf_counter() - self._last_round_done <= self.budget.live_window_s
+        return rates[0] if live else rates[1]
+
+    def _price_prefill(self) -> None:
         base_s, per_token_s = self.cost.line()
         if per_token_s <= 0:
-            return None
+            return
         n = self.packer.n_ubatch
-        chunk = n
+        idle = n / (base_s + per_token_s * n)
+        live = idle
         if self.budget is not None:
-            live = int(round(self.budget.round_tokens)) if self.budget.live(time.perf_counter()) else 0
-            chunk = self.budget.chunk((base_s, per_token_s), live, time.perf_counter(), n, self.prefill_chunk) or n
-            return chunk / (base_s + per_token_s * (live + chunk))
-        return chunk / (base_s + per_token_s * chunk)
+            rounds = min(n - 1, int(round(self.budget.round_tokens)))
+            chunk = chunk_tokens(base_s, per_token_s, rounds, self.budget.default_pace_s, self.budget.share, n)
+            live = chunk / (base_s + per_token_s * (rounds + chunk))
+        self._prefill_rates = (live, idle)
 
     def _submit(self, req: _Request) -> tuple[np.ndarray, float, float]:
         with self._cond:
@@ -359,6 +370,7 @@ class Batcher:
         seconds = time.perf_counter() - t0
         self.passes += 1
         self.cost.observe(len(items), seconds)
+        self._price_prefill()
         at = 0
         for req, n in plan:
             wanted = sum(1 for it in req.items[req.cursor:req.cursor + n] if it.want_logits)
@@ -381,6 +393,7 @@ class Batcher:
         req.error, req.t_done = error, time.perf_counter()
         if error is None and self.budget is not None:
             self.budget.done(req.seq, req.t_done)
+            self._last_round_done = req.t_done
         if req in self._active:
             self._active.remove(req)
         if req in self._waiting:
