@@ -619,9 +619,7 @@ class VerifierEngine:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"all {self.max_sessions} session slots are in use; retry shortly",
                                retry_after_s=1.0) from None
-        # Live rounds first (cloud_verifier.backends.prefill_budget): a replay's prefill goes ahead of
-        # new sessions', and the session's TPOT paces the prefills beside it.
-        self.backend.note_open(state, bool(resume), slo.tpot_s if slo is not None and slo.tpot_s else None)
+        self.backend.note_open(state, bool(resume), slo.tpot_s if slo else None)   # live rounds first: prefill_budget
         metrics.SESSIONS.set(len(self.sessions))
         metrics.SESSIONS_OPENED.inc()
         if settings.max_new_tokens <= len(resume):
@@ -629,9 +627,8 @@ class VerifierEngine:
         return session
 
     async def _new_state(self):
-        """A KV cache for a session or stream. Making one takes tens of milliseconds: not on the
-        event loop. When the backend's KV memory is full, the least recently used idle session
-        is evicted (its edge replays later) and the allocation retried once."""
+        """A KV cache for a session or stream, made off the event loop (tens of milliseconds). When KV memory
+        is full, the least recently used idle session is evicted (its edge replays later) and it is tried again."""
         try:
             return await run_in_thread(self.backend.new_state)
         except NoFreeState as e:

@@ -84,7 +84,8 @@ class PrefillBudget:
     def observe_pass(self, live_tokens: int) -> None:
         """The tokens of known sessions' rounds in a pass that had some (smoothed over ~8 passes)."""
         if live_tokens > 0:
-            self.round_tokens = live_tokens if not self.round_tokens else 0.875 * self.round_tokens + 0.125 * live_tokens
+            old = self.round_tokens or live_tokens
+            self.round_tokens = 0.875 * old + 0.125 * live_tokens
 
     def chunk(self, cost: tuple[float, float], live_tokens: int, now: float, pass_tokens: int,
               fallback: int) -> int | None:
