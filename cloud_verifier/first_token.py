@@ -6,9 +6,11 @@ tokens each must prefill. A new session's time to first token is predicted as th
 ahead of it plus its own, over the rate at which this backend prefills now (`Backend.prefill_rate`:
 the measured pass cost under the live-rounds-first budget, cloud_verifier.backends.prefill_budget):
 
-    predicted_s = (backlog + own tokens) / prefill tokens per second
+    predicted_s = (backlog + own tokens) / prefill tokens per second + overhead
     backlog     = the admitted opens' tokens, drained at that rate since (a fluid queue; empty when
                   no open is pending)
+    overhead    = what the opens answered lately took beyond their prefill prediction (smoothed:
+                  the first round's own pass, a pass in flight, the server's own work)
 
 When it is above the session's TTFT target (its SLO's ttft_ms, else the server's --slo-ttft-ms, else
 `--admit-ttft-ms`), the open is answered RESOURCE_EXHAUSTED before it takes a slot or a pass, with
@@ -37,7 +39,8 @@ class Prediction:
     """One admitted open's predicted first token, and when it came (for benches and tests)."""
     tokens: int
     replay: bool
-    predicted_s: float | None
+    predicted_s: float | None     # its first token, predicted at admission (None: costs not known yet)
+    prefill_s: float | None       # ... of which the prefill queue ahead and its own
     t_admit: float
     t_done: float | None = None
 
@@ -58,6 +61,7 @@ class FirstTokens:
         self._pending: dict[int, Prediction] = {}
         self._tickets = itertools.count()
         self.backlog, self._t = 0.0, clock()
+        self.overhead_s = 0.0
         self.history: deque[Prediction] = deque(maxlen=keep)   # admitted opens, oldest first
         self.refused = 0
 
@@ -74,7 +78,7 @@ class FirstTokens:
         self._drain(self._clock(), rate)
         if not rate or rate <= 0:
             return None
-        return (self.backlog + tokens) / rate
+        return (self.backlog + tokens) / rate + self.overhead_s
 
     def admit(self, tokens: int, replay: bool, ttft_s: float | None) -> int:
         """A ticket for an open of `tokens` prompt tokens (give it back with `done`); Refused for a new
@@ -89,7 +93,8 @@ class FirstTokens:
                           f"time-to-first-token target of {limit:.1f} s: another replica may serve it now, or this one "
                           "later", wait_s, "first_token", elsewhere=True)
         ticket = next(self._tickets)
-        self._pending[ticket] = p = Prediction(tokens, replay, predicted, self._clock())
+        prefill = None if predicted is None else predicted - self.overhead_s
+        self._pending[ticket] = p = Prediction(tokens, replay, predicted, prefill, self._clock())
         self.backlog += tokens
         self.history.append(p)
         return ticket
@@ -99,4 +104,7 @@ class FirstTokens:
         p = self._pending.pop(ticket, None)
         if p is not None:
             p.t_done = self._clock()
+            if p.prefill_s is not None:   # learn what the prefill alone does not explain
+                extra = max(0.0, p.took_s - p.prefill_s)
+                self.overhead_s = 0.8 * self.overhead_s + 0.2 * extra
         self._drain(self._clock(), self.rate())

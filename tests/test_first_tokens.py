@@ -228,6 +228,16 @@ def test_first_token_prediction_counts_the_queue_ahead_and_drains_it():
     assert gate.refused == 1
 
 
+def test_first_token_prediction_learns_what_the_prefill_does_not_explain():
+    clock = Clock()
+    gate = FirstTokens(lambda: 100.0, default_ttft_s=10.0, clock=clock)
+    t = gate.admit(100, replay=False, ttft_s=None)     # 1 s of prefill predicted ...
+    clock.t = 3.0
+    gate.done(t)                                       # ... it took 3 s: 2 s more, a fifth of it learnt
+    assert gate.overhead_s == pytest.approx(0.4)
+    assert gate.predict_s(100) == pytest.approx(1.4)
+
+
 def test_unknown_costs_admit():
     gate = FirstTokens(lambda: None, default_ttft_s=0.001)
     gate.admit(10_000, replay=False, ttft_s=None)
