@@ -109,8 +109,9 @@ async def run_phase(target: Target, args, edges: int, replicas: int, arrivals: b
     commits: list[list[float]] = [[] for _ in range(edges)]
     rng = np.random.default_rng(1)
 
-    def client(k: int, on_round=None, **transport) -> EdgeClient:
-        opts = EdgeOptions(Transport(lists[k % len(lists)], deadline_s=120, **transport), Speculation(gamma=4))
+    def client(k: int, on_round=None, ttft_ms: float = 0.0, **transport) -> EdgeClient:
+        opts = EdgeOptions(Transport(lists[k % len(lists)], deadline_s=120, **transport),
+                           Speculation(gamma=4, slo_ttft_ms=ttft_ms))
         return EdgeClient(opts, target.drafter(), target.tokenizer, on_round=on_round)
 
     async def live(k: int) -> None:
@@ -124,7 +125,7 @@ async def run_phase(target: Target, args, edges: int, replicas: int, arrivals: b
 
     async def arrival(j: int) -> None:
         await asyncio.sleep(j * args.every)
-        async with client(edges + j, max_wait_s=args.arrival_wait) as c:
+        async with client(edges + j, ttft_ms=args.arrival_ttft_ms, max_wait_s=args.arrival_wait) as c:
             gen = c.generate(target.prompt(rng, args.prompt),
                              SamplingSettings(temperature=0.0, max_new_tokens=4, ignore_eos=True))
             try:
@@ -174,6 +175,9 @@ def main() -> None:
     p.add_argument("--live-tokens", type=int, default=64, help="tokens of each live generation (then a new one)")
     p.add_argument("--arrival-wait", type=float, default=60.0,
                    help="seconds an arrival waits out refusals before it gives up")
+    p.add_argument("--arrival-ttft-ms", type=float, default=0.0,
+                   help="the arrivals' own TTFT target (0: none, the verifier's default of 10 s applies)")
+    p.add_argument("--name", default=None, help="result name (default first-tokens-BACKEND)")
     p.add_argument("--note", default="shared 2-core VM, five jobs at once")
     args = p.parse_args()
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -202,7 +206,7 @@ def main() -> None:
     table = Table(columns, rows, {"p50 ms": "{:.0f}", "p95 ms": "{:.0f}", "max ms": "{:.0f}",
                                   "TTFT p50 s": "{:.1f}", "TTFT max s": "{:.1f}", "predicted / took": "{:.2f}"})
     print(table.render())
-    write_result(f"first-tokens-{args.backend}", tables={"live-and-arrivals": table}, load_start=load_start,
+    write_result(args.name or f"first-tokens-{args.backend}", tables={"live-and-arrivals": table}, load_start=load_start,
                  note=args.note)
 
 
