@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from spec_core.wire import MOVED_KEY, RETRY_AFTER_KEY
+from spec_core.wire import ELSEWHERE_KEY, MOVED_KEY, RETRY_AFTER_KEY
 
 
 @dataclass(frozen=True)
@@ -47,21 +47,27 @@ class ServerPolicy:
                                           # restores them from the KV store: docs/operations.md)
     drain_timeout_s: float = 60.0         # ... and exits after this long even if some were never handed back
     replay_first_retry_after_s: float = 0.25   # hint to a new session while replays are being admitted
+    admit_ttft_s: float = 10.0            # a new session predicted to wait longer for its first token (and
+                                          # stating no target of its own) is refused at once (cloud_verifier.
+                                          # first_token); 0: never
 
 
 class Refused(Exception):
     """A request refused for load, not for what it says: retry after `retry_after_s`."""
 
     def __init__(self, message: str, retry_after_s: float, reason: str,
-                 code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED, moved: bool = False):
+                 code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED, moved: bool = False,
+                 elsewhere: bool = False):
         self.retry_after_ms = max(1, math.ceil(retry_after_s * 1000))
         self.message = f"{message}; retry after {self.retry_after_ms} ms"
         self.code, self.reason = code, reason   # reason: the metric label
         self.moved = moved                      # a draining verifier: another replica will take it now
+        self.elsewhere = elsewhere              # this replica is too busy: another one may take it now
         super().__init__(self.message)
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((RETRY_AFTER_KEY, str(self.retry_after_ms)),) + (((MOVED_KEY, "1"),) if self.moved else ())
+        return ((RETRY_AFTER_KEY, str(self.retry_after_ms)),) + (((MOVED_KEY, "1"),) if self.moved else ()) \
+            + (((ELSEWHERE_KEY, "1"),) if self.elsewhere else ())
 
 
 class TokenBucket:
@@ -135,7 +141,7 @@ class ReplaysFirst:
             return True
         if self.pending:
             raise Refused(f"{self.pending} sessions are being replayed here first (their verifier restarted)",
-                          self.retry_after_s, "replays_first")
+                          self.retry_after_s, "replays_first", elsewhere=True)
         return False
 
     def done(self) -> None:

@@ -60,8 +60,10 @@ def _add_serve(sub) -> None:
                    help="(batching on) how a pass is filled: fair (default) a fair share per request in arrival "
                         "order; slack: least slack before each session's SLO deadline first, prefills capped per pass")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="most prompt tokens of one request per pass while other sessions' rounds wait, under "
-                        "every schedule (default: a quarter of a pass; llama.cpp with --batching off: one decode)")
+                   help="fix the prompt tokens of one request per pass while other sessions' rounds wait (default, "
+                        "batching on: sized each pass so that a pass's prompt tokens cost at most a quarter of the "
+                        "live sessions' time per output token, docs/many-edges.md; llama.cpp with --batching off: "
+                        "one decode)")
     p.add_argument("--slo-tpot-ms", type=float, default=0.0,
                    help="latency target of sessions that state none: time per output token (0: none)")
     p.add_argument("--slo-ttft-ms", type=float, default=0.0, help="... and time to first token (0: none)")
@@ -95,6 +97,10 @@ def _add_serve(sub) -> None:
     s.add_argument("--evict-idle-after", type=float, default=5.0,
                    help="seconds a session must be idle before a new session may evict it; until then newcomers "
                         "get RESOURCE_EXHAUSTED with a retry hint")
+    s.add_argument("--admit-ttft-ms", type=float, default=ServerPolicy.admit_ttft_s * 1e3,
+                   help="a new session predicted to wait longer for its first token (and stating no target of its "
+                        "own, with no --slo-ttft-ms) is refused at once with a retry hint, so that its edge tries "
+                        "another replica (default 10000; 0: never)")
     s.add_argument("--grace", type=float, default=5.0, help="seconds for rounds in flight to finish on SIGTERM")
     s.add_argument("--drain-rate", type=float, default=ServerPolicy.drain_sessions_per_s,
                    help="on SIGTERM, hand sessions back to their edges (which replay them on another replica) this "
@@ -177,7 +183,7 @@ def security_from_args(args):
     policy = ServerPolicy(tenant_max_sessions=args.tenant_max_sessions, tenant_rounds_per_s=args.tenant_rounds_per_s,
                           tenant_burst=args.tenant_burst, max_inflight_rounds=args.max_inflight_rounds,
                           evict_idle_after_s=args.evict_idle_after, drain_sessions_per_s=args.drain_rate,
-                          drain_timeout_s=args.drain_timeout)
+                          drain_timeout_s=args.drain_timeout, admit_ttft_s=args.admit_ttft_ms / 1e3)
     return tls, tokens, policy
 
 

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_verifier import metrics
+from cloud_verifier.first_token import FirstTokens, open_tokens
 from cloud_verifier.admission import (InflightGate, Refused, ReplaysFirst, RoundLimiter, ServerPolicy, TokenBucket,
                                      RETRY_AFTER_KEY)
 from cloud_verifier.auth import TokenFile
@@ -143,6 +144,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.rounds = RoundLimiter(policy.tenant_rounds_per_s, policy.tenant_burst)
         self.inflight = InflightGate(policy.max_inflight_rounds or 4 * engine.limits.max_sessions)
         self.replays = ReplaysFirst(policy.replay_first_retry_after_s)
+        # Honest admission: a new session predicted to wait too long for its first token is told at once.
+        self.first_tokens = FirstTokens(engine.backend.prefill_rate, policy.admit_ttft_s)
         self.draining = False
         self.moved: set[str] = set()             # sessions handed back while draining
         self._saving: dict[str, asyncio.Future] = {}   # their KV checkpoints being written
@@ -182,8 +185,20 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                           self.policy.session_retry_after_s, "tenant_sessions")
         if not engine.has_session_room():
             raise Refused(f"all {self.engine.limits.max_sessions} session slots are in use",
-                          self.policy.session_retry_after_s, "slots")
+                          self.policy.session_retry_after_s, "slots", elsewhere=True)
         return True
+
+    def _admit_first_token(self, o: pb.OpenSession, replay: bool) -> int | None:
+        """A ticket for an open's first token (FirstTokens), or Refused: a new session that would wait
+        here longer than its TTFT target (its SLO's, else the server's, else policy.admit_ttft_s)."""
+        if self.policy.admit_ttft_s <= 0:
+            return None
+        ttft_s = o.slo.ttft_ms / 1e3 if o.HasField("slo") and o.slo.ttft_ms > 0 else None
+        if ttft_s is None and self.engine.default_slo is not None and self.engine.default_slo.ttft_s:
+            ttft_s = self.engine.default_slo.ttft_s
+        tokens = open_tokens(len(o.prompt_token_ids), len(o.resume_token_ids),
+                             len(o.prompt_text.encode()) + sum(len(m.content.encode()) for m in o.prompt_messages))
+        return self.first_tokens.admit(tokens, replay, ttft_s)
 
     async def Verify(self, request, context):
         try:
@@ -250,7 +265,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.rounds.admit(current_tenant.get())
         with self.inflight:
             metrics.INFLIGHT.set(self.inflight.inflight)
-            tenant, opening, replay = current_tenant.get(), None, False
+            tenant, opening, replay, first = current_tenant.get(), None, False, None
             try:
                 # Content first: a malformed round is INVALID_ARGUMENT whatever the load.
                 valid = self.engine.validate(request)
@@ -258,10 +273,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     self._check_owner(request.session_id)
                 elif self._admit_open(request.open):
                     replay = self.replays.admit(bool(request.open.resume_token_ids))
+                    first = self._admit_first_token(request.open, replay)   # cloud_verifier.first_token
                     opening = request.open.open_key
                     self._opening[tenant].append(opening)
                 return await self.engine.verify(valid)
             finally:
+                if first is not None:
+                    self.first_tokens.done(first)
                 if replay:
                     self.replays.done()
                 if opening is not None:

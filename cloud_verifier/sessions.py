@@ -294,6 +294,7 @@ class SessionLifecycle:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"all {self.max_sessions} session slots are in use; retry shortly",
                                retry_after_s=1.0) from None
+        self.backend.note_open(state, bool(resume), slo.tpot_s if slo else None)   # live rounds first: prefill_budget
         metrics.SESSIONS.set(len(self.store))
         metrics.SESSIONS_OPENED.inc()
         if settings.max_new_tokens <= len(resume):

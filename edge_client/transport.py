@@ -18,7 +18,7 @@ from edge_client.stats import CloudOnlyStats, GenerationStats
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
-from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY, RETRY_AFTER_KEY
+from spec_core.wire import ELSEWHERE_KEY, MESSAGE_SIZE_OPTIONS, MOVED_KEY, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,12 @@ def replica_targets(server: str) -> list[str]:
 def moved(e: grpc.aio.AioRpcError) -> bool:
     """Whether a draining verifier answered: the session moved, or a new one is refused there."""
     return any(key == MOVED_KEY for key, _ in e.trailing_metadata() or ())
+
+
+def elsewhere(e: grpc.aio.AioRpcError) -> bool:
+    """Whether a verifier too busy for a new session said another replica may take it now (a first
+    token predicted too late there, no session slot, replays first)."""
+    return any(key == ELSEWHERE_KEY for key, _ in e.trailing_metadata() or ())
 
 
 def retry_delay_s(attempt: int) -> float:
@@ -325,11 +331,12 @@ class Verifier:
                 return answer
             except grpc.aio.AioRpcError as e:
                 hint_s = retry_after_s(e)
-                if moved(e) and self._move_from(channel):
+                if (moved(e) or elsewhere(e)) and self._move_from(channel):
                     # A draining replica: a session it handed back is replayed on the next replica
-                    # (the caller replays on NOT_FOUND); a refused new session goes there at once,
+                    # (the caller replays on NOT_FOUND); a refused new session goes there at once
+                    # (also from a replica too busy to give it a first token in time: "elsewhere"),
                     # but not round and round: from the second move of one call on (every replica
-                    # it tried drains, or is down), the hint is waited out first.
+                    # it tried drains, is busy, or is down), the hint is waited out first.
                     moves += 1
                     log.info("%s: %s, moving to the next replica: %s", what, e.code().name, e.details())
                     if e.code() == grpc.StatusCode.NOT_FOUND:

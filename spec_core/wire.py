@@ -14,6 +14,11 @@ RETRY_AFTER_KEY = "retry-after-ms"
 # edge that knows other replicas goes to the next one at once. The value says nothing ("1").
 MOVED_KEY = "hybridspec-moved"
 
+# Trailing metadata of a refusal that another replica may not share (a verifier too busy to give a
+# new session its first token in time): the edge that knows other replicas tries the next one at
+# once; with none, it waits the retry hint. The value says nothing ("1").
+ELSEWHERE_KEY = "hybridspec-try-elsewhere"
+
 # The largest gRPC message either end sends or receives (gRPC's default is 4 MiB): a long prompt's
 # replay, a wide tree with float q, a vocabulary.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024

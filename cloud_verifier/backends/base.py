@@ -158,6 +158,16 @@ class Backend(Protocol):
         """When this state's next request is due (time.perf_counter() seconds), for a batching
         backend that orders its passes by slack; others ignore it."""
 
+    def note_open(self, state: object, replay: bool, tpot_s: float | None) -> None:
+        """A session opens on `state` (live rounds first, cloud_verifier.backends.prefill_budget): a
+        replay's prefill goes ahead of new sessions'; `tpot_s` (its SLO's time per output token, or
+        None) paces the prefills that share passes with it. A backend without a batcher ignores it."""
+
+    def prefill_rate(self) -> float | None:
+        """Prefill tokens a second a new session gets here now, from the measured pass cost and the
+        prefill budget (cloud_verifier.first_token predicts first tokens with it); None: not known."""
+        return None
+
     def pass_cost(self) -> tuple[float, float] | None:
         """(base_s, per_token_s) of a shared target pass as measured lately, for the draft budget
         (spec_core.steering); None when this backend does not batch rounds."""

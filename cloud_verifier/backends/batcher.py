@@ -12,7 +12,10 @@ slack before the request's deadline first (the engine sets each session's deadli
 tokens evaluated for the cache, not for rows) takes at most `prefill_chunk` tokens of a pass
 until every round in it got all it had (`spec_core.batchplan.chunk_prefills`): rounds are served
 as if each prompt had a chunk left to evaluate, and wait for no more of a prompt than the pass in
-flight when they arrived.
+flight when they arrived. Without a fixed `prefill_chunk` the chunk is sized pass by pass from the
+measured cost line and the live sessions' pace, and every pass holds at most that many prefill
+tokens while any session is live, prefill-only passes included
+(cloud_verifier.backends.prefill_budget: replays first, then new sessions in arrival order).
 Either way a pass is a set of tokens whose rows do not depend on each other: the order changes
 when a round is done, never what it computes.
 The batcher also keeps the line of its pass costs (`cost`, seconds over tokens) that the engine's
@@ -35,10 +38,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
+from cloud_verifier.backends.prefill_budget import PrefillBudget, cap_prefills, chunk_tokens, order
 from spec_core.batchplan import PassItem, fair_share, least_slack_first
 from spec_core.steering import PassCostLine
 
@@ -85,6 +89,13 @@ class _Request:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+class PrefillPass(NamedTuple):
+    """What one planned pass gave live rounds and prefills (Batcher.prefill_log, for tests and benches)."""
+    round_tokens: int          # tokens of requests of sessions that had a request before
+    prefill_tokens: int        # tokens of prefills (first rounds, replays)
+    chunk: int | None          # the rule's bound on prefill_tokens (None: no session was live)
+
+
 SCHEDULES = ("fair", "slack")
 
 
@@ -111,6 +122,11 @@ class Batcher:
         self.schedule = schedule
         self.prefill_chunk = max(1, prefill_chunk or packer.n_ubatch // 4)
         self.cost = PassCostLine()
+        # Live rounds first (prefill_budget): the chunk follows the measured cost, unless fixed.
+        self.budget: PrefillBudget | None = PrefillBudget() if prefill_chunk is None else None
+        self.prefill_log: list[PrefillPass] | None = None   # set to a list to record every pass's plan
+        self._prefill_rates: tuple[float, float] | None = None   # (while live, idle) tokens/s: prefill_rate
+        self._last_round_done = float("-inf")
         self._deadlines: dict[int, float] = {}
         self._cond = threading.Condition()
         self._queue: list[_Request] = []
@@ -145,6 +161,41 @@ class Batcher:
                 self._deadlines.pop(seq, None)
             else:
                 self._deadlines[seq] = deadline
+
+    # --- live rounds first (prefill_budget) ---------------------------------------------------
+    def note_open(self, seq: int, replay: bool, tpot_s: float | None) -> None:
+        """A session opens on `seq`: a replay's prefill goes ahead of new sessions'; `tpot_s`, its
+        SLO's time per output token, paces the prefills that share passes with it once it is live."""
+        if self.budget is None:
+            return
+        with self._cond:
+            if replay:
+                self.budget.replays.add(seq)
+            if tpot_s:
+                self.budget.pace[seq] = tpot_s
+
+    def prefill_rate(self) -> float | None:
+        """Prefill tokens a second this batcher gives new sessions now: the rule's chunk a pass while
+        sessions are live, whole passes otherwise; None until the pass cost is measured. Any thread
+        may ask: the batcher thread prices both after every pass (`_price_prefill`)."""
+        rates = self._prefill_rates
+        if rates is None:
+            return None
+        live = self.budget is not None and time.perf_counter() - self._last_round_done <= self.budget.live_window_s
+        return rates[0] if live else rates[1]
+
+    def _price_prefill(self) -> None:
+        base_s, per_token_s = self.cost.line()
+        if per_token_s <= 0:
+            return
+        n = self.packer.n_ubatch
+        idle = n / (base_s + per_token_s * n)
+        live = idle
+        if self.budget is not None:
+            rounds = min(n - 1, int(round(self.budget.round_tokens)))
+            chunk = chunk_tokens(base_s, per_token_s, rounds, self.budget.default_pace_s, self.budget.share, n)
+            live = chunk / (base_s + per_token_s * (rounds + chunk))
+        self._prefill_rates = (live, idle)
 
     def _submit(self, req: _Request) -> tuple[np.ndarray, float, float]:
         with self._cond:
@@ -188,6 +239,8 @@ class Batcher:
             for req in [r for r in self._active + self._waiting if r.seq == seq]:
                 self._finish(req, RuntimeError(f"sequence {seq} was released mid-request"))
             self.packer.release(seq)
+            if self.budget is not None:
+                self.budget.forget(seq)
 
     def close(self) -> None:
         with self._cond:
@@ -264,15 +317,41 @@ class Batcher:
         pending = [len(req.items) - req.cursor for req in self._active]
         # A prefill evaluates tokens for the cache, not for rows (a prompt, a replay, a tree round's
         # missing committed tokens): either schedule gives it at most a chunk while rounds wait.
-        prefill = [sum(not it.want_logits for it in req.items[req.cursor:]) > self.prefill_chunk
-                   for req in self._active]
+        cache = [sum(not it.want_logits for it in req.items[req.cursor:]) for req in self._active]
+        now = time.perf_counter()
+        chunk, prefill, live_chunk = self.prefill_chunk, [c > self.prefill_chunk for c in cache], None
+        if self.budget is not None:   # live rounds first: the chunk from the measured cost (prefill_budget)
+            # A round is a request of a session that has had one before; anything else (a first
+            # round, a replay, a catch-up longer than a fixed chunk) is a prefill.
+            prefill = [not (self.budget.known(req.seq) and c <= self.prefill_chunk)
+                       for req, c in zip(self._active, cache)]
+            live_tokens = min(self.packer.n_ubatch, sum(n for n, p in zip(pending, prefill) if not p))
+            live_chunk = self.budget.chunk(self.cost.line(), live_tokens, now, self.packer.n_ubatch,
+                                           self.prefill_chunk)
+            chunk = live_chunk or self.prefill_chunk
         if self.schedule == "slack":
-            now = time.perf_counter()
             slack = [(req.deadline if req.deadline is not None else req.t_submit) - now for req in self._active]
-            takes = least_slack_first(pending, slack, self.packer.n_ubatch, self.prefill_chunk, prefill)
+            takes = least_slack_first(pending, slack, self.packer.n_ubatch, chunk, prefill)
         else:
-            takes = fair_share(pending, self.packer.n_ubatch, prefill, self.prefill_chunk)
+            takes = fair_share(pending, self.packer.n_ubatch, prefill, chunk)
+        if self.budget is not None:
+            takes = self._prefills_in_order(takes, pending, prefill, live_chunk)
         return [(req, n) for req, n in zip(self._active, takes) if n]
+
+    def _prefills_in_order(self, takes: list[int], pending: list[int], prefill: list[bool],
+                           live_chunk: int | None) -> list[int]:
+        """The prefills' part of a pass, given to them replays first, then by arrival: `live_chunk`
+        tokens while sessions are live (none if the rounds fill the pass), else what rounds leave."""
+        rounds = sum(t for t, p in zip(takes, prefill) if not p)
+        room = self.packer.n_ubatch - rounds
+        allowed = room if live_chunk is None else (live_chunk if not rounds else min(live_chunk, room))
+        at = [i for i, p in enumerate(prefill) if p]
+        ranked = order([(self._active[i].seq in self.budget.replays, self._active[i].t_submit) for i in at])
+        takes = cap_prefills(takes, pending, prefill, [at[k] for k in ranked], max(0, allowed))
+        self.budget.observe_pass(rounds)
+        if self.prefill_log is not None:
+            self.prefill_log.append(PrefillPass(rounds, sum(t for t, p in zip(takes, prefill) if p), live_chunk))
+        return takes
 
     def _step(self) -> None:
         plan = self._plan()
@@ -291,6 +370,7 @@ class Batcher:
         seconds = time.perf_counter() - t0
         self.passes += 1
         self.cost.observe(len(items), seconds)
+        self._price_prefill()
         at = 0
         for req, n in plan:
             wanted = sum(1 for it in req.items[req.cursor:req.cursor + n] if it.want_logits)
@@ -311,6 +391,9 @@ class Batcher:
                 log.exception("cleaning up after a request failed")
                 error = error or e
         req.error, req.t_done = error, time.perf_counter()
+        if error is None and self.budget is not None:
+            self.budget.done(req.seq, req.t_done)
+            self._last_round_done = req.t_done
         if req in self._active:
             self._active.remove(req)
         if req in self._waiting:

@@ -133,6 +133,13 @@ class LlamaCppBackend(LogitsBackend):
     def pass_cost(self) -> tuple[float, float] | None:
         return self.batcher.cost.line() if self.batcher is not None else None
 
+    def note_open(self, state, replay: bool, tpot_s: float | None) -> None:   # live rounds first
+        if isinstance(state, SeqState) and state.seq is not None:
+            self.batcher.note_open(state.seq, replay, tpot_s)
+
+    def prefill_rate(self) -> float | None:   # first tokens predicted (cloud_verifier.first_token)
+        return self.batcher.prefill_rate() if self.batcher is not None else None
+
     def target_logits(self, state, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
         if isinstance(state, SeqState):
             return self._shared_round(state, tokens, rows,

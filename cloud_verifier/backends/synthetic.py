@@ -114,6 +114,13 @@ class SyntheticBackend(LogitsBackend):
     def pass_cost(self) -> tuple[float, float] | None:
         return self.batcher.cost.line() if self.batcher is not None else None
 
+    def note_open(self, state, replay: bool, tpot_s: float | None) -> None:   # live rounds first
+        if isinstance(state, SeqState) and state.seq is not None:
+            self.batcher.note_open(state.seq, replay, tpot_s)
+
+    def prefill_rate(self) -> float | None:   # first tokens predicted (cloud_verifier.first_token)
+        return self.batcher.prefill_rate() if self.batcher is not None else None
+
     def _cost(self, new_tokens: int) -> None:
         cost = self.step_s + self.per_token_s * new_tokens
         if cost > 0:

@@ -79,6 +79,7 @@ import numpy as np
 
 from cloud_verifier.backends.base import (Backend, BackendInfo, BackendRound, BackendSample, Capabilities, NoChatTemplate,
                                           round_then_continuation)
+from cloud_verifier.backends.prefill_budget import vllm_chunk_args
 from cloud_verifier.backends.vllm_counters import EngineCounters, read_engine_counters
 from cloud_verifier.backends.vllm_sessions import SessionRows, VllmSession, close_session, raw_row, \
     session_engine_args, session_leaves, session_round, session_verdict
@@ -102,6 +103,8 @@ _DEFAULTS = {"generation_config": "vllm"}
 # a seeded request's prefill is split across steps (it rewinds the generator, which CPU
 # generators cannot do). max_num_batched_tokens is raised to the context window to match.
 _CPU_DEFAULTS = {"enforce_eager": True, "block_size": 32, "enable_chunked_prefill": False}
+# On a GPU: chunked prefill, a long prompt at most VLLM_GPU_CHUNK tokens a step beside the rounds
+# (cloud_verifier.backends.prefill_budget.vllm_chunk_args).
 
 
 _EOG_TEXTS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>",
@@ -210,6 +213,7 @@ class VllmBackend(Backend):
         cpu = current_platform.is_cpu()
         args = {**_DEFAULTS, **(session_engine_args() if self.sessions else {}), **(_CPU_DEFAULTS if cpu else {}),
                 "max_model_len": n_ctx, **({"max_num_batched_tokens": max(2048, n_ctx)} if cpu else {}),
+                **vllm_chunk_args(user, cpu, n_ctx),   # live rounds first: prefill chunks beside the rounds
                 **user, **_REQUIRED, "model": model}
         self.engine_args = args
         tokenizer_dir = str(args.get("tokenizer") or model)

@@ -1,0 +1,312 @@
+"""Live rounds first and honest admission, by counting passes and recording order (never timing):
+
+- the prefill budget rule (cloud_verifier.backends.prefill_budget) on literal cases;
+- a batcher whose pass cost is fixed: every pass planned while a session is live holds at most the
+  rule's chunk of prefill tokens (a fixed chunk, the negative control, holds more);
+- prefills in order: replays first, then new sessions in arrival order;
+- the first-token prediction on a fake clock (cloud_verifier.first_token);
+- a verifier predicted too slow answers RESOURCE_EXHAUSTED with a retry hint before the session's
+  first pass (the target ran no pass for it), and an edge given two replicas moves to the other one
+  and generates exactly what that replica alone gives.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from cloud_verifier.admission import ServerPolicy
+from cloud_verifier.backends.batcher import Batcher
+from cloud_verifier.backends.prefill_budget import (PrefillBudget, cap_prefills, chunk_tokens, order,
+                                                    vllm_chunk_args)
+from cloud_verifier.backends.synthetic import SyntheticBackend
+from cloud_verifier.engine import Limits
+from cloud_verifier.first_token import FirstTokens
+from cloud_verifier.server import VerifierServer
+from edge_client import EdgeClient
+from edge_client.drafters import SyntheticDrafter
+from edge_client.text import SyntheticTokenizer
+from helpers import HeldPasses, edge_options, stub_for
+from spec_core.batchplan import PassItem
+from spec_core.proto import verifier_pb2 as pb
+from spec_core.warping import SamplingSettings
+from spec_core.wire import ELSEWHERE_KEY, RETRY_AFTER_KEY
+
+VOCAB = 64
+PER_TOKEN_S = 0.001   # the fixed cost line of the batcher tests: 1 ms a token, no base
+
+
+# --- the rule ------------------------------------------------------------------------------------
+
+def test_chunk_is_a_share_of_the_pace_in_tokens():
+    assert chunk_tokens(0.0, 0.001, 10, 0.05) == 12            # 0.25 x 50 ms at 1 ms a token
+    assert chunk_tokens(0.0, 0.001, 400, 0.05) == 100          # the live pass (400 ms) is the pace
+    assert chunk_tokens(0.0, 0.001, 10, 0.2) == 50             # a looser SLO lets more in
+    assert chunk_tokens(0.002, 0.0002, 5, 0.05, pass_tokens=32) == 27   # what the pass has left
+    assert chunk_tokens(0.0, 1.0, 5, 0.05) == 1                # a prefill always moves
+    with pytest.raises(ValueError):
+        chunk_tokens(0.0, 0.0, 5, 0.05)
+
+
+def test_prefills_take_the_budget_replays_first_then_by_arrival():
+    assert order([(False, 1.0), (True, 3.0), (False, 0.5)]) == [1, 2, 0]
+    assert cap_prefills([5, 27, 0], [5, 300, 300], [False, True, True], [2, 1], 12) == [5, 0, 12]
+    assert cap_prefills([5, 27, 0], [5, 4, 300], [False, True, True], [1, 2], 12) == [5, 4, 8]
+
+
+def test_budget_is_unbounded_with_nobody_live_and_paced_by_the_tightest_slo():
+    b = PrefillBudget()
+    assert b.chunk((0.0, PER_TOKEN_S), 0, now=0.0, pass_tokens=512, fallback=128) is None
+    b.done(1, now=0.0)
+    assert b.chunk((0.0, PER_TOKEN_S), 5, now=1.0, pass_tokens=512, fallback=128) == 12
+    b.pace[1] = 0.2
+    assert b.chunk((0.0, PER_TOKEN_S), 5, now=1.0, pass_tokens=512, fallback=128) == 50
+    assert b.chunk((0.0, 0.0), 5, now=1.0, pass_tokens=512, fallback=128) == 128   # cost not measured yet
+    assert b.chunk((0.0, PER_TOKEN_S), 0, now=1.0 + b.live_window_s + 1, pass_tokens=512, fallback=128) is None
+
+
+def test_vllm_gets_chunked_prefill_on_a_gpu_only():
+    assert vllm_chunk_args({}, cpu=False, max_model_len=4096) == {"enable_chunked_prefill": True,
+                                                                  "long_prefill_token_threshold": 256}
+    assert vllm_chunk_args({}, cpu=False, max_model_len=128)["long_prefill_token_threshold"] == 128
+    assert vllm_chunk_args({"long_prefill_token_threshold": 64}, cpu=False, max_model_len=4096) == \
+        {"enable_chunked_prefill": True}
+    assert vllm_chunk_args({}, cpu=True, max_model_len=4096) == {}
+    assert vllm_chunk_args({"enable_chunked_prefill": False}, cpu=False, max_model_len=4096) == {}
+
+
+# --- the batcher, counted ------------------------------------------------------------------------
+
+class FixedCost:
+    """A pass cost line that does not depend on the machine: PER_TOKEN_S a token."""
+
+    def line(self):
+        return 0.0, PER_TOKEN_S
+
+    def observe(self, tokens, seconds):
+        pass
+
+
+class CountingPacker:
+    """A model-free packer (rows are zeros) that records every pass's items."""
+
+    def __init__(self, n_ubatch=64):
+        self.n_ubatch = n_ubatch
+        self.passes: list[list[PassItem]] = []
+
+    def prepare(self, seq, tokens, rows):
+        return [PassItem(seq, pos, tok, pos >= len(tokens) - rows) for pos, tok in enumerate(tokens)]
+
+    def decode(self, items):
+        self.passes.append(list(items))
+        return [np.zeros(4, dtype=np.float32) for it in items if it.want_logits]
+
+    def release(self, seq):
+        pass
+
+
+def _live_session_beside_a_prompt(batcher: Batcher, prompt: int = 600) -> None:
+    """Session 1 has a round answered (it is live), then sends 5-token rounds back to back while
+    session 2 prefills `prompt` tokens; while the prompt is in, every pass waits for session 1's
+    next round, so that each carries one whatever the threads' luck."""
+    batcher.submit(1, list(range(5)), 5)
+    HeldPasses(batcher, lambda i: 2 if any(r.seq == 2 for r in list(batcher._active) + list(batcher._queue)) else 0)
+    done = threading.Event()
+
+    def prefill():
+        batcher.submit(2, list(range(prompt)), 1)
+        done.set()
+    thread = threading.Thread(target=prefill)
+    thread.start()
+    while not done.is_set():
+        batcher.submit(1, list(range(5)), 5)
+    thread.join()
+
+
+def test_a_prefill_chunk_beside_live_rounds_is_bounded_by_the_rule():
+    """Every pass planned while session 1 is live holds at most the rule's chunk of session 2's
+    prompt (12 tokens: 0.25 x the default 50 ms pace at 1 ms a token), counted in the passes the
+    packer ran; the prompt still gets in (all 600 tokens, over at least 600 / 12 passes)."""
+    packer = CountingPacker()
+    batcher = Batcher(packer)
+    batcher.cost, batcher.prefill_log = FixedCost(), []
+    try:
+        _live_session_beside_a_prompt(batcher)
+    finally:
+        batcher.close()
+    bound = chunk_tokens(0.0, PER_TOKEN_S, 5, batcher.budget.default_pace_s)
+    assert bound == 12
+    assert all(p.chunk == bound and p.prefill_tokens <= p.chunk for p in batcher.prefill_log if p.chunk is not None)
+    shared = [p for p in packer.passes if any(it.seq == 1 for it in p) and any(it.seq == 2 for it in p)]
+    assert len(shared) >= 600 // bound - 1   # the prompt went in beside live rounds (all but its first pass)
+    assert max(sum(it.seq == 2 for it in p) for p in packer.passes) <= bound
+    assert sum(it.seq == 2 for p in packer.passes for it in p) == 600
+    assert sum(1 for p in packer.passes if any(it.seq == 2 for it in p)) >= 600 // bound
+
+
+def test_negative_control_a_fixed_chunk_fills_passes_beside_live_rounds():
+    """The same workload with a fixed --prefill-chunk (the rule off): the prompt takes what the
+    rounds leave of a pass, far more than the rule's 12 tokens, in passes that carry a live round."""
+    packer = CountingPacker()
+    batcher = Batcher(packer, prefill_chunk=16)
+    batcher.cost = FixedCost()
+    try:
+        _live_session_beside_a_prompt(batcher)
+    finally:
+        batcher.close()
+    assert batcher.budget is None
+    beside = [sum(it.seq == 2 for it in p) for p in packer.passes if any(it.seq == 1 for it in p)]
+    assert max(beside) > 12
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_prefills_finish_replays_first_then_in_arrival_order(live):
+    """New sessions A (seq 3), B (seq 4) arrive in that order, then a replay R (seq 5); all three are
+    in the batcher before the pass that starts them. The passes that complete them (their first
+    tokens), as the packer recorded them: R, A, B,
+    with a live session beside them (the rule's chunk a pass) and without (whole passes)."""
+    packer = CountingPacker()
+    batcher = Batcher(packer)
+    batcher.cost = FixedCost()
+    finished: list[int] = []
+    threads = []
+    try:
+        # The pass after session 1's first waits until all three prompts are in the batcher.
+        held = HeldPasses(batcher, lambda i: 1 if i == 0 else 3 if i == 1 else 0)
+        batcher.submit(1, list(range(5)), 5)   # session 1 is live from here on ...
+        if not live:
+            batcher.release(1)                 # ... or gone before the prompts' first pass
+        batcher.note_open(5, replay=True, tpot_s=None)
+        for seq in (3, 4, 5):
+            t = threading.Thread(target=lambda s=seq: (batcher.submit(s, list(range(100)), 1), finished.append(s)))
+            t.start()
+            threads.append(t)
+            while held.held() + len(finished) < len(threads):   # queued before the next is sent: arrival order known
+                threading.Event().wait(0.001)
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        batcher.close()
+    assert held.timed_out == 0 and sorted(finished) == [3, 4, 5]
+    first_pass_of = {seq: min(i for i, p in enumerate(packer.passes) if any(it.seq == seq for it in p))
+                     for seq in (3, 4, 5)}
+    last_pass_of = {seq: max(i for i, p in enumerate(packer.passes) if any(it.seq == seq for it in p))
+                    for seq in (3, 4, 5)}
+    # The pass that completes each prompt (its first token): R, then A, then B.
+    assert last_pass_of[5] < last_pass_of[3] < last_pass_of[4]
+    if live:   # one prompt at a time: the next starts where the previous ends
+        assert last_pass_of[5] <= first_pass_of[3] and last_pass_of[3] <= first_pass_of[4]
+
+
+# --- the prediction ------------------------------------------------------------------------------
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_first_token_prediction_counts_the_queue_ahead_and_drains_it():
+    clock = Clock()
+    gate = FirstTokens(lambda: 100.0, default_ttft_s=10.0, clock=clock)   # 100 prefill tokens/s
+    a = gate.admit(500, replay=False, ttft_s=None)                           # 5 s: admitted
+    assert gate.history[-1].predicted_s == pytest.approx(5.0)
+    with pytest.raises(Exception) as refused:                                # 500 + 600 tokens: 11 s
+        gate.admit(600, replay=False, ttft_s=None)
+    assert refused.value.elsewhere and refused.value.retry_after_ms == 1000
+    assert "another replica" in refused.value.message
+    gate.admit(600, replay=True, ttft_s=None)                                # a replay is never refused
+    clock.t = 8.0                                                            # 800 tokens prefilled since
+    assert gate.predict_s(100) == pytest.approx((1100 - 800 + 100) / 100)
+    assert gate.admit(100, replay=False, ttft_s=5.0) is not None             # its own target: 4 s, in
+    gate.done(a)
+    assert gate.refused == 1
+
+
+def test_first_token_prediction_learns_what_the_prefill_does_not_explain():
+    clock = Clock()
+    gate = FirstTokens(lambda: 100.0, default_ttft_s=10.0, clock=clock)
+    t = gate.admit(100, replay=False, ttft_s=None)     # 1 s of prefill predicted ...
+    clock.t = 3.0
+    gate.done(t)                                       # ... it took 3 s: 2 s more, a fifth of it learnt
+    assert gate.overhead_s == pytest.approx(0.4)
+    assert gate.predict_s(100) == pytest.approx(1.4)
+
+
+def test_unknown_costs_admit():
+    gate = FirstTokens(lambda: None, default_ttft_s=0.001)
+    gate.admit(10_000, replay=False, ttft_s=None)
+    assert gate.refused == 0
+
+
+# --- the verifier and the edge -------------------------------------------------------------------
+
+def _server(rate: float | None, admit_ttft_s: float = 1.0) -> VerifierServer:
+    """A batching synthetic verifier whose prefill rate reads `rate` tokens/s (None: its own)."""
+    backend = SyntheticBackend(vocab=VOCAB, batching=True)
+    if rate is not None:
+        backend.prefill_rate = lambda: rate
+    return VerifierServer(backend, "127.0.0.1", 0, Limits(), grace_s=0.5,
+                          policy=ServerPolicy(admit_ttft_s=admit_ttft_s))
+
+
+def _open(prompt: int, key: bytes, resume: int = 0, ttft_ms: float = 0.0) -> pb.VerifyRequest:
+    o = pb.OpenSession(prompt_token_ids=[0] + [5] * (prompt - 1), resume_token_ids=[6] * resume, open_key=key,
+                       sampling=pb.SamplingParams(temperature=0.0, max_new_tokens=8, top_p=1.0))
+    if ttft_ms:
+        o.slo.CopyFrom(pb.SessionSlo(ttft_ms=ttft_ms))
+    return pb.VerifyRequest(round=1, committed_length=prompt + resume, draft_token_ids=[7], open=o)
+
+
+async def test_a_verifier_predicted_too_slow_answers_with_a_hint_before_the_first_pass():
+    server = await _server(rate=100.0).start()   # 100 prefill tokens/s, first token within 1 s
+    batcher = server.engine.backend.batcher
+    try:
+        async with stub_for(server) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Verify(_open(500, b"r" * 16), timeout=10)   # 5 s predicted
+            err = e.value
+            meta = dict(err.trailing_metadata() or ())
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert int(meta[RETRY_AFTER_KEY]) >= 50 and meta[ELSEWHERE_KEY] == "1"
+            assert "another replica" in err.details() and "retry after" in err.details()
+            assert batcher.passes == 0 and len(server.engine.sessions) == 0   # no pass, no session
+            small = await stub.Verify(_open(50, b"s" * 16), timeout=10)        # 0.5 s: served
+            assert small.committed_length > 50 and batcher.passes > 0
+            passes = batcher.passes
+            await stub.Verify(_open(500, b"p" * 16, resume=2), timeout=10)     # a replay: served
+            await stub.Verify(_open(500, b"t" * 16, ttft_ms=10_000), timeout=10)   # its own target: served
+            assert batcher.passes > passes
+        assert server.servicer.first_tokens.refused == 1
+    finally:
+        await server.stop()
+
+
+async def test_an_edge_refused_for_its_first_token_moves_to_the_other_replica_and_loses_nothing():
+    """Replica A predicts every first token too late (1 prefill token/s), replica B is free. An
+    edge given "A,B" is refused by A before any pass, moves to B, and generates exactly what B alone
+    gives (greedy and seeded sampling alike)."""
+    a, b = await _server(rate=1.0).start(), await _server(rate=None).start()
+    try:
+        outputs = {}
+        for label, servers in (("alone", f"127.0.0.1:{b.port}"), ("moved", f"127.0.0.1:{a.port},127.0.0.1:{b.port}")):
+            client = EdgeClient(edge_options(servers, gamma=3, deadline_s=10), SyntheticDrafter(VOCAB, noise=1.0),
+                                SyntheticTokenizer(VOCAB))
+            async with client:
+                for temperature, seed in ((0.0, None), (0.8, 11)):
+                    gen = client.generate([0, 5, 6, 7], SamplingSettings(temperature=temperature, seed=seed,
+                                                                          max_new_tokens=30, ignore_eos=True))
+                    await asyncio.wait_for(gen.text(), 20)
+                    outputs[label, temperature] = list(gen.stats.token_ids)
+        assert outputs["moved", 0.0] == outputs["alone", 0.0] and len(outputs["alone", 0.0]) == 30
+        assert outputs["moved", 0.8] == outputs["alone", 0.8] and len(outputs["alone", 0.8]) == 30
+        assert a.servicer.first_tokens.refused >= 1
+        assert a.engine.backend.batcher.passes == 0 and len(a.engine.sessions) == 0
+    finally:
+        await a.stop()
+        await b.stop()
