@@ -142,7 +142,10 @@ async def run_phase(target: Target, args, edges: int, replicas: int, arrivals: b
         await asyncio.sleep(1.0)
         t0 = time.perf_counter()
         if arrivals:
-            await asyncio.gather(*[arrival(j) for j in range(args.arrivals)])
+            try:
+                await asyncio.wait_for(asyncio.gather(*[arrival(j) for j in range(args.arrivals)]), args.phase_cap)
+            except asyncio.TimeoutError:   # arrivals still waiting for a first token count as given up
+                phase.failed = args.arrivals - len(phase.ttft)
         else:
             await asyncio.sleep(window_s)
         t1 = time.perf_counter()
@@ -177,6 +180,9 @@ def main() -> None:
                    help="seconds an arrival waits out refusals before it gives up")
     p.add_argument("--arrival-ttft-ms", type=float, default=0.0,
                    help="the arrivals' own TTFT target (0: none, the verifier's default of 10 s applies)")
+    p.add_argument("--phase-cap", type=float, default=240.0,
+                   help="seconds the arrivals of one phase may take in all; those without a first token by then "
+                        "count as given up")
     p.add_argument("--name", default=None, help="result name (default first-tokens-BACKEND)")
     p.add_argument("--note", default="shared 2-core VM, five jobs at once")
     args = p.parse_args()
@@ -201,13 +207,18 @@ def main() -> None:
                         row += [None] * 6
                     rows.append(row)
                     print(row, flush=True)
+                _write(args, rows, load_start)   # after every pair of phases: a run cut short keeps its rows
+    print(_write(args, rows, load_start).render())
+
+
+def _write(args, rows: list, load_start: list[float]) -> Table:
     columns = ["edges", "replicas", "schedule", "arrivals", "gaps", "p50 ms", "p95 ms", "max ms", "first tokens",
                "TTFT p50 s", "TTFT max s", "refused", "gave up", "predicted / took"]
     table = Table(columns, rows, {"p50 ms": "{:.0f}", "p95 ms": "{:.0f}", "max ms": "{:.0f}",
                                   "TTFT p50 s": "{:.1f}", "TTFT max s": "{:.1f}", "predicted / took": "{:.2f}"})
-    print(table.render())
-    write_result(args.name or f"first-tokens-{args.backend}", tables={"live-and-arrivals": table}, load_start=load_start,
-                 note=args.note)
+    write_result(args.name or f"first-tokens-{args.backend}", tables={"live-and-arrivals": table},
+                 load_start=load_start, note=args.note)
+    return table
 
 
 if __name__ == "__main__":

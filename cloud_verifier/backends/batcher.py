@@ -91,8 +91,8 @@ class _Request:
 
 class PrefillPass(NamedTuple):
     """What one planned pass gave live rounds and prefills (Batcher.prefill_log, for tests and benches)."""
-    round_tokens: int          # tokens of requests of sessions that had a request before
-    prefill_tokens: int        # tokens of prefills (first rounds, replays)
+    round_tokens: int          # tokens of rounds (requests with at most a base chunk of cache tokens)
+    prefill_tokens: int        # tokens of prefills (prompts, replays)
     chunk: int | None          # the rule's bound on prefill_tokens (None: no session was live)
 
 
@@ -321,10 +321,6 @@ class Batcher:
         now = time.perf_counter()
         chunk, prefill, live_chunk = self.prefill_chunk, [c > self.prefill_chunk for c in cache], None
         if self.budget is not None:   # live rounds first: the chunk from the measured cost (prefill_budget)
-            # A round is a request of a session that has had one before; anything else (a first
-            # round, a replay, a catch-up longer than a fixed chunk) is a prefill.
-            prefill = [not (self.budget.known(req.seq) and c <= self.prefill_chunk)
-                       for req, c in zip(self._active, cache)]
             live_tokens = min(self.packer.n_ubatch, sum(n for n, p in zip(pending, prefill) if not p))
             live_chunk = self.budget.chunk(self.cost.line(), live_tokens, now, self.packer.n_ubatch,
                                            self.prefill_chunk)

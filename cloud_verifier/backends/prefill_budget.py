@@ -53,10 +53,9 @@ def chunk_tokens(base_s: float, per_token_s: float, live_tokens: int, pace_s: fl
 class PrefillBudget:
     """The batcher's record of live sessions (sequence ids) and their pace, and the chunk it allows.
 
-    A sequence is *known* once one of its requests has finished: its later requests are rounds. A
-    request of an unknown sequence (a session's first round, a replay on a fresh sequence) is a
-    prefill, as is any request with more than a chunk of cache tokens pending. A known sequence is
-    *live* while its last request finished within `live_window_s`.
+    A prefill is a request with more cache tokens pending (evaluated for the cache, not for rows)
+    than the batcher's base chunk (a quarter of a pass): a prompt, a replay. A sequence is *live*
+    while one of its requests finished within `live_window_s`.
     """
     share: float = DEFAULT_SHARE
     default_pace_s: float = DEFAULT_PACE_S
@@ -65,9 +64,6 @@ class PrefillBudget:
     pace: dict = field(default_factory=dict)         # seq -> its SLO's time per output token, seconds
     replays: set = field(default_factory=set)        # sequences opened by a replay (served ahead of new ones)
     round_tokens: float = 0.0                        # live round tokens per pass, smoothed (prefill-only passes)
-
-    def known(self, seq) -> bool:
-        return seq in self.last_done
 
     def done(self, seq, now: float | None = None) -> None:
         self.last_done[seq] = time.perf_counter() if now is None else now
@@ -82,14 +78,14 @@ class PrefillBudget:
         return [s for s, t in self.last_done.items() if now - t <= self.live_window_s]
 
     def observe_pass(self, live_tokens: int) -> None:
-        """The tokens of known sessions' rounds in a pass that had some (smoothed over ~8 passes)."""
+        """The tokens of rounds (not prefills) in a pass that had some (smoothed over ~8 passes)."""
         if live_tokens > 0:
             old = self.round_tokens or live_tokens
             self.round_tokens = 0.875 * old + 0.125 * live_tokens
 
     def chunk(self, cost: tuple[float, float], live_tokens: int, now: float, pass_tokens: int,
               fallback: int) -> int | None:
-        """Prefill tokens the next pass may carry (`live_tokens`: the known rounds in it); None when
+        """Prefill tokens the next pass may carry (`live_tokens`: the rounds' tokens in it); None when
         no session is live (no bound). `fallback` until the cost line is measured."""
         live = self.live(now)
         if not live and not live_tokens:
