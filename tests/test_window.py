@@ -16,6 +16,7 @@ import asyncio
 import grpc
 import pytest
 
+import edge_client.loop as roundloop
 import edge_client.window as window
 from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
@@ -123,12 +124,12 @@ async def test_the_stream_answers_as_unary_verify_does():
 
 async def test_the_edge_uses_the_stream_when_offered_and_unary_otherwise(monkeypatch):
     used = []
-    orig = window.WindowLoop._send
+    orig = roundloop.RoundLoop._send
 
     def spy(self, req):
         used.append(self.stream is not None)
         return orig(self, req)
-    monkeypatch.setattr(window.WindowLoop, "_send", spy)
+    monkeypatch.setattr(roundloop.RoundLoop, "_send", spy)
     for offered in (True, False):
         used.clear()
         backend = SyntheticBackend(vocab=V, seed=0)
@@ -261,12 +262,12 @@ async def test_a_window_on_the_stream_replays_after_evictions(forced_depth, monk
     text; T = 1: every token once)."""
     from test_faults import VOCAB as FV, synthetic_greedy
     on_stream = []
-    orig = window.WindowLoop._send
+    orig = roundloop.RoundLoop._send
 
     def spy(self, req):
         on_stream.append(bool(req.session_id) and self.stream is not None)
         return orig(self, req)
-    monkeypatch.setattr(window.WindowLoop, "_send", spy)
+    monkeypatch.setattr(roundloop.RoundLoop, "_send", spy)
     async with running_server(SyntheticBackend(vocab=FV, step_ms=5.0)) as server:
         verify, calls, evicted = server.engine.verify, [0], []
 
