@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import dataclasses
 import logging
 import os
 import threading
@@ -30,6 +31,7 @@ from edge_client.drafts import RoundDrafts
 from edge_client.gamma import AdaptiveGamma, FixedGamma, TreePolicy
 from edge_client.options import ADAPTIVE, Speculation, Transport
 from edge_client.pairing import Pairing
+from edge_client.planner import ShapePlanner, pinned_choices
 from edge_client.protocols import GammaPolicy
 from edge_client.rounds import Flight, Guess, Prepared, extends, pass_nodes
 from edge_client.stats import GenerationStats, RoundEvent
@@ -61,6 +63,8 @@ class RoundLoop:
 
     def __init__(self, link: EdgeLink, spec: Speculation, prompt_ids: list[int], settings: SamplingSettings,
                  stats: GenerationStats, pairing: Pairing, plan: PromptPlan | None = None):
+        if spec.plan_inputs is not None and spec.planned:   # the planner chooses once, from the pinned inputs
+            spec = dataclasses.replace(spec, **pinned_choices(spec), planned=())
         self.link, self.spec, self.settings, self.st = link, spec, settings, stats
         self.pairing, self.drafter, self.verifier = pairing, pairing.drafter, link.verifier
         self.prompt_ids = prompt_ids
@@ -89,7 +93,11 @@ class RoundLoop:
         self.stop_ids = frozenset(settings.stop_token_ids) | (frozenset() if settings.ignore_eos else pairing.hidden_ids)
         self.drafts = RoundDrafts(self.drafter, spec, settings, self.planner, self.acceptance, self.stop_ids)
         self.window = window_mod.Window()
+        self.shaper = ShapePlanner(spec, self.planner, self.window)
+        if spec.plan_inputs is not None:
+            self.drafts.fixed_lengths = True   # a continuation keeps a fresh round's plan: a seed pins the output
         self.ahead: list[Guess] = []   # drafted during the last round trip for its outcomes, not sent
+        self.reused = False            # the next round's draft came from `ahead`
         self.view0 = self.drafter.retokenization()   # across tokenizers: the draft view's counters so far
         self.uplink = UplinkFit()  # the uplink's time per request byte, for the continuations' cost
         # Rounds after the first on one VerifyStream call when the verifier offers it (edge_client.stream).
@@ -122,16 +130,7 @@ class RoundLoop:
         return await self._take_head()
 
     def _depth(self) -> int:
-        """Rounds to keep in flight: 1 without pipelining; 2 with pipelined rounds; with a window,
-        what the cost model says pays (edge_client.window.window_depth)."""
-        if not self.spec.pipeline:
-            return 1
-        if self.spec.window <= 1:
-            return 2
-        if self.planner.rtt_s is None:
-            return min(2, self.spec.window)   # nothing measured yet: one pipelined round
-        return window_mod.window_depth(self.window.costs(self.planner.rtt_s, self.uplink.seconds_per_byte()),
-                                       self.spec.window)
+        return self.shaper.depth(self.uplink.seconds_per_byte())
 
     async def _next_draft(self, remaining: int) -> Prepared:
         ahead, self.ahead = self.ahead, []
@@ -139,7 +138,9 @@ class RoundLoop:
             if guess.prep.base == self.committed:   # the round trip's guess came true: this draft is ready
                 self.st.continuation_hits += 1
                 self.st.reused_drafts += len(guess.prep.tree)
+                self.reused = True
                 return guess.prep
+        self.reused = False
         return await self.link.run_drafting(self.drafts.prepare, list(self.committed), self.planner.plan(remaining))
 
     async def _fill(self) -> None:
@@ -179,9 +180,10 @@ class RoundLoop:
             return
 
     async def _fused_continuations(self, prep: Prepared, remaining: int) -> list[Guess]:
-        """With `fuse`: continuations for this round's likely outcomes, drafted before it leaves, as
+        """With `fuse` (or when the planner fuses this round): continuations for this round's likely outcomes, drafted before it leaves, as
         many as pay (edge_client.continuations.FusedBudget); none until the round trip is measured."""
-        if not (self.spec.fuse and self.session_id and len(prep.tree)) or self.planner.rtt_s is None:
+        if not (self.session_id and len(prep.tree)) or self.planner.rtt_s is None or \
+                not self.shaper.fuse(self.uplink.seconds_per_byte()):
             return []
         budget = self.drafts.fused_budget(prep, self.uplink.seconds_per_byte())
         fused = await self.link.run_drafting(self.drafts.continuations, prep, remaining, budget, threading.Event())
@@ -205,6 +207,8 @@ class RoundLoop:
             cont.assumed_tokens.extend(g.prep.base[base_len:])
             req.continuations.append(cont)
         req.next_continuations.extend(self.drafts.continuation(g) for g in fused)
+        self.shaper.record(own.prep.plan, "pipelined" if pipelined else "fused" if fused else
+                           "ahead" if self.reused else "alone")
         if pipelined:
             self.window.sent += 1
             self.st.continuations_sent += len(guesses)
@@ -425,6 +429,7 @@ class RoundLoop:
         st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
         if self.spec.window > 1:
             st.window_depth = self.window.mean_depth()
+        st.shapes, st.planned = self.shaper.describe(), list(self.spec.planned)
         view = self.drafter.retokenization()
         if view is not None and self.view0 is not None:
             st.draft_rolled_back = view.rolled_back - self.view0.rolled_back

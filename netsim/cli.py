@@ -191,8 +191,8 @@ def _add_experiment_command(subparsers) -> None:
     parser.add_argument("--profiles", default="lan,lte,3g,edge-lossy,geo-sat", help="comma-separated profile names")
     parser.add_argument("--modes", default="all", help="all, or a comma-separated subset of " + ", ".join(
         ("edge-only", "cloud-only", "cloud-stepwise", "per-token", "hybrid", "adaptive", "tree", "proactive",
-         "pipeline", "continuations", "window", "fused")) + " (hybrid, tree, proactive, pipeline, continuations, window and fused "
-        "run once per γ in --gammas)")
+         "pipeline", "continuations", "window", "fused", "auto")) + " (hybrid, tree, proactive, pipeline, continuations, "
+        "window and fused run once per γ in --gammas; auto is the default edge: the planner picks each round's shape)")
     parser.add_argument("--workloads", default="all",
                         help="all, or a subset of code,json,summarisation,translation,chat,creative")
     parser.add_argument("--prompts-per-workload", type=int, default=1, help="prompts run from each workload")

@@ -30,7 +30,7 @@ TREE = RoundPlan("tree8", 3, TreeShape(budget=8, depth=3))
 def loop(gamma) -> RoundLoop:
     drafter, tokenizer = SyntheticDrafter(V, 0, 1.0), SyntheticTokenizer(V)
     client = types.SimpleNamespace(verifier=None, on_round=None, transport=Transport(""))
-    return RoundLoop(client, Speculation(gamma=gamma), [0, 5], SamplingSettings(temperature=1.0, seed=1),
+    return RoundLoop(client, Speculation(gamma=gamma, plan="off"), [0, 5], SamplingSettings(temperature=1.0, seed=1),
                         GenerationStats(), Pairing(drafter, tokenizer, tokenizer.eog_ids))
 
 

@@ -64,12 +64,12 @@ def test_a_loopback_link_needs_no_window():
 # --- options ----------------------------------------------------------------------------------------
 
 def test_window_implies_pipeline_and_is_capped_by_the_verifier():
-    spec = Speculation(window=3)
+    spec = Speculation(window=3, plan="off")
     assert spec.pipeline
     assert spec.within(ServerLimits(max_gamma=8)).window == 2          # a verifier that does not say: 2
     assert spec.within(ServerLimits(max_gamma=8, max_window=4)).window == 3
     with pytest.raises(OptionError, match="window"):
-        Speculation(window=0)
+        Speculation(window=0, plan="off")
 
 
 # --- the stream's semantics ---------------------------------------------------------------------------
