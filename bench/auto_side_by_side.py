@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -65,6 +66,7 @@ def main() -> int:
     ap.add_argument("--pair", default=None, help="netsim pair name (e.g. gemma-smollm2); default: bundled")
     ap.add_argument("--name", required=True, help="bench/results/<name>.json")
     ap.add_argument("--out", default="results/auto")
+    ap.add_argument("--from-results", help="tabulate an earlier run's results.json instead of running")
     args = ap.parse_args()
     load_start = list(os.getloadavg())
     step, per_node = (float(x) for x in args.curve.split(","))
@@ -77,7 +79,12 @@ def main() -> int:
     cfg = ExperimentConfig(profiles=args.profiles.split(","), modes=args.modes.split(","),
                            out=Path(args.out) / args.name, workloads=args.workloads.split(","),
                            max_tokens=args.max_tokens, gammas=[args.gamma], crossover=False, **kw)
-    result = asyncio.run(run_experiment(cfg))
+    if args.from_results:
+        result = json.loads(Path(args.from_results).read_text())
+    else:
+        result = asyncio.run(run_experiment(cfg))
+        from netsim.report import write_all
+        write_all(result, cfg.out)
     cols = ["mode", "runs", "tokens", "median tok/s", "÷ per-token", "÷ best fixed", "RT / token",
             "planner's most chosen shapes"]
     fmt = ["", "d", "d", ".2f", ".2f", ".2f", ".2f", ""]
@@ -91,8 +98,10 @@ def main() -> int:
         auto = next((r for r in rows if r[0] == "auto"), None)
         if auto is not None:
             key = profile.replace("-", "_")
-            figures[f"{key}_auto_x_per_token"] = Figure(auto[4], "auto ÷ per-token, median tok/s", setup, "×", "{:.2f}×")
-            figures[f"{key}_auto_x_best_fixed"] = Figure(auto[5], "auto ÷ best fixed mode, median tok/s", setup, "×",
+            setup_p = f"{profile}, {setup}"
+            figures[f"{key}_auto_x_per_token"] = Figure(auto[4], "auto ÷ per-token, median tok/s", setup_p, "×",
+                                                        "{:.2f}×")
+            figures[f"{key}_auto_x_best_fixed"] = Figure(auto[5], "auto ÷ best fixed mode, median tok/s", setup_p, "×",
                                                          "{:.2f}×")
         print(f"\n## {profile} ({setup})\n")
         print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))

@@ -175,8 +175,8 @@ class Speculation:
             set_("pipeline", self.window > 1)   # pipelined rounds are what a window holds beyond the first
         if "window" in self.planned and self.fuse and "fuse" not in self.planned:
             set_("window", 1)   # fused rounds asked for: the planner keeps no window beside them
-        if "fuse" in self.planned and self.window > 1:
-            set_("fuse", False)   # the planner fuses a round only when the window's depth is 1 (edge_client.planner)
+        if "fuse" in self.planned:
+            set_("fuse", False)   # the planner fuses round by round when it pays (edge_client.planner)
         set_("gamma", parse_gamma(self.gamma))
         _at_least("max_gamma", self.max_gamma, 1)
         _at_least("max_tree_nodes", self.max_tree_nodes, 1)
@@ -274,7 +274,7 @@ def refuse_conflicts(spec: Speculation, drafter: str | None = None, drafter_buil
         raise OptionConflict(f"tree={_shown(spec.tree)}", f"drafter={drafter}",
                              f"the {drafter} drafter proposes chains only (it has no model to rank a tree's "
                              "branches); use tree 'off', or a model drafter (gguf, synthetic) for trees")
-    if spec.fuse and spec.window > 1 and not {"fuse", "window"} & set(spec.planned or ()):
+    if spec.fuse and spec.window > 1:
         raise OptionConflict("fuse", f"window={spec.window}",
                              "a window sends the next rounds as rounds in flight (the verifier fuses one that waits "
                              "into its predecessor's pass by itself); --fuse sends them with the round: use one")

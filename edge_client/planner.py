@@ -59,11 +59,13 @@ class ShapePlanner:
             return min(2, spec.window)   # nothing measured yet: one pipelined round
         return window_mod.window_depth(self.window.costs(self.trees.rtt_s, s_per_byte), spec.window)
 
-    def fuse(self, s_per_byte: float) -> bool:
-        """Whether this round may carry fused continuations (FusedBudget then says how many pay)."""
+    def fuse(self) -> bool:
+        """Whether this round may carry fused continuations: FusedBudget then says how many pay (none
+        when the verifier's time per node or the drafting outweighs a saved round). A round that
+        carries none has the window behind it instead."""
         if self.spec.fuse:
             return True
-        return "fuse" in self.spec.planned and not self._starved() and self.depth(s_per_byte) == 1
+        return "fuse" in self.spec.planned and not self._starved()
 
     def record(self, plan: RoundPlan, how: str) -> None:
         """A round sent: its chain or tree and how it travelled (alone, ahead, pipelined, fused)."""

@@ -245,7 +245,8 @@ def _add_load_command(subparsers) -> None:
     parser.add_argument("--profile", default="lan", help="link profile, or a comma-separated mix (edge i gets the "
                                                          "i-th, cycling)")
     parser.add_argument("--mode", default="hybrid,cloud-only", help="all, or a comma-separated subset of "
-                                                                    "hybrid, adaptive, cloud-only")
+                                                                    "hybrid, adaptive, cloud-only, auto (the "
+                                                                    "default edge: the planner's shapes)")
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds before the measured window")
     parser.add_argument("--synthetic", action="store_true", help="the synthetic pair (fast; for large N)")

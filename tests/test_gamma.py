@@ -74,5 +74,6 @@ def test_speculation_is_capped_by_the_verifier_limits():
     assert Speculation(tree="auto", max_tree_nodes=64, plan="off").within(limits).max_tree_nodes == 10
     chains_only = ServerLimits(max_gamma=8, max_tree_nodes=0)
     assert Speculation(tree="auto", plan="off").within(chains_only).tree == "off"
-    for unstated in (Speculation(gamma=20, max_gamma=30, plan="off"), Speculation(tree="budget=99,depth=20,branching=5", plan="off")):
+    for unstated in (Speculation(gamma=20, max_gamma=30, plan="off"),
+                     Speculation(tree="budget=99,depth=20,branching=5", plan="off")):
         assert unstated.within(ServerLimits()) == unstated  # a verifier that states no limits: nothing capped
