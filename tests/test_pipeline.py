@@ -94,7 +94,7 @@ async def test_greedy_gguf_default_edge_equals_cloud_only(tiny_models, prompt):
         drafter.close()
         backend.close()
     st = gen.stats
-    assert st.tokens == n and st.planned and sum(st.shapes.values()) >= st.rounds
+    assert st.tokens == n and st.planned and sum(st.shapes.values()) >= st.rounds - st.fused_hits   # rounds sent
     check_same_or_near_tie(str(tiny_models["target"]), ids, st.token_ids, reference)
 
 

@@ -218,7 +218,7 @@ async def test_the_planners_rounds_follow_the_target(forced_depth, sessions, bat
     print(f"sessions={sessions}: shapes {shapes}; chi-square p = {p:.3g}")
     assert all(st.tokens == N_TOKENS // sessions for st in stats)
     assert all(set(st.planned) == {"gamma", "tree", "window", "proactive", "pipeline", "fuse"} for st in stats)
-    assert sum(shapes.values()) >= sum(st.rounds for st in stats) and sum(st.pipelined_rounds for st in stats) > 0
+    assert sum(shapes.values()) >= sum(st.rounds - st.fused_hits for st in stats)   # every round sent has a shape
     assert p > P_MIN
 
 
