@@ -183,7 +183,7 @@ class RoundLoop:
         """With `fuse` (or when the planner fuses this round): continuations for this round's likely outcomes, drafted before it leaves, as
         many as pay (edge_client.continuations.FusedBudget); none until the round trip is measured."""
         if not (self.session_id and len(prep.tree)) or self.planner.rtt_s is None or \
-                not self.shaper.fuse():
+                not self.shaper.fuse(len(prep.tree), self.st.fused_rounds, self.st.fused_hits):
             return []
         budget = self.drafts.fused_budget(prep, self.uplink.seconds_per_byte())
         fused = await self.link.run_drafting(self.drafts.continuations, prep, remaining, budget, threading.Event())

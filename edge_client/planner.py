@@ -30,8 +30,11 @@ from edge_client import window as window_mod
 from edge_client.continuations import FusedBudget
 from edge_client.gamma import RoundPlan, TreePolicy
 from spec_core.costmodel import RoundCosts, best_gamma, expected_tokens_per_round
+from spec_core.estimates import x_varies
 
 BYTES_PER_DRAFT = 80   # a draft token with its q (fixed:16:16) on the wire, for pinned uplink costs
+FLAT_SHARE = 0.1       # fuse where one continuation's nodes add at most this share to a pass
+MIN_TRIED, MIN_HITS = 4, 0.25   # stop fusing when under a quarter of 4 or more fused rounds hit
 
 
 class ShapePlanner:
@@ -59,13 +62,25 @@ class ShapePlanner:
             return min(2, spec.window)   # nothing measured yet: one pipelined round
         return window_mod.window_depth(self.window.costs(self.trees.rtt_s, s_per_byte), spec.window)
 
-    def fuse(self) -> bool:
-        """Whether this round may carry fused continuations: FusedBudget then says how many pay (none
-        when the verifier's time per node or the drafting outweighs a saved round). A round that
-        carries none has the window behind it instead."""
+    def fuse(self, nodes: int, tried: int, hits: int) -> bool:
+        """Whether this round (of `nodes` draft nodes) may carry fused continuations; FusedBudget then
+        says how many pay. The planner fuses where the verifier's pass barely grows with its nodes:
+        one continuation's nodes (about this round's, plus its key token) cost at most FLAT_SHARE of
+        a pass, by the verifier's fitted line (over rounds of more than one size: unfitted, none).
+        `tried` / `hits`: its fused rounds so far and those whose continuation ran; under MIN_HITS
+        of them hitting after MIN_TRIED, it stops (the round's outcomes are too hard to guess). A
+        round that carries none has the window behind it instead."""
         if self.spec.fuse:
             return True
-        return "fuse" in self.spec.planned and not self._starved()
+        if "fuse" not in self.spec.planned or self._starved() or self.trees.rtt_s is None:
+            return False
+        if tried >= MIN_TRIED and hits < MIN_HITS * tried:
+            return False
+        points = self.trees.verify_points()
+        if not x_varies(points):
+            return False
+        base, per_node = self.trees.verify_line()
+        return per_node * (nodes + 1) <= FLAT_SHARE * base
 
     def record(self, plan: RoundPlan, how: str) -> None:
         """A round sent: its chain or tree and how it travelled (alone, ahead, pipelined, fused)."""
@@ -93,6 +108,7 @@ def pinned_choices(spec) -> dict:
     round_s = gamma * row + rtt + base + gamma * node
     fused = FusedBudget(round_s, up_per_byte, node / row if row else 0.0).worth(
         x.alpha ** gamma, 0.0, 0.0, (gamma + 1) * row, gamma * BYTES_PER_DRAFT)
+    flat = node * (gamma + 1) <= FLAT_SHARE * base
     choice = {"gamma": gamma, "tree": "off", "window": window, "proactive": True, "pipeline": window > 1,
-              "fuse": window == 1 and fused and expected_tokens_per_round(x.alpha, gamma) > 1}
+              "fuse": window == 1 and flat and fused and expected_tokens_per_round(x.alpha, gamma) > 1}
     return {k: v for k, v in choice.items() if k in spec.planned}
