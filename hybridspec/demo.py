@@ -64,7 +64,8 @@ def cmd_demo(args) -> int:
                   f"--out {DEFAULT_DRAFT}); using the PROMPT-LOOKUP drafter as a stand-in", file=sys.stderr)
             args.drafter, args.tokenizer = "lookup", target
     label = args.draft if args.drafter == "gguf" else f"{args.drafter} (no model)"
-    print(f"[demo] target: {Path(target).name} on llama.cpp | draft: {label} | gamma {args.gamma} | q {args.qmode}",
+    shape = f"gamma {args.gamma}" if args.gamma is not None else f"shape: planner ({args.plan})"
+    print(f"[demo] target: {Path(target).name} on llama.cpp | draft: {label} | {shape} | q {args.qmode}",
           file=sys.stderr)
     proc, server = spawn_verifier(["--model", target, "--threads", str(args.verifier_threads)])
     try:
