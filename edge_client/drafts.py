@@ -98,10 +98,9 @@ class RoundDrafts:
             t0 = time.perf_counter()
             nxt = self.prepare(prep.base + tokens, plan.within(remaining - len(tokens)))
             spent.append(time.perf_counter() - t0)
-            if out:
-                nodes += len(nxt.tree)
-                if nodes > MAX_CONTINUATION_NODES:
-                    break
+            nodes += len(nxt.tree)   # the verifier bounds all of a round's continuations together
+            if out and nodes > MAX_CONTINUATION_NODES:
+                break
             if len(nxt.tree):
                 out.append(Guess(tokens, nxt))
                 covered += outcome.prob
