@@ -73,7 +73,8 @@ class EdgeClient:
         self.token = self.verifier.token
         self.draft_executor = draft_executor
         self.on_round = on_round
-        refuse_drafter_conflicts(self.speculation, drafter)   # OptionConflict (a ValueError), before any round
+        # OptionConflict (a ValueError), before any round; a planned tree is a chain for a chain drafter
+        self.speculation = refuse_drafter_conflicts(self.speculation, drafter)
         self._pairing: Pairing | None = None   # decided at the first generation, before its first round
         self._pairing_lock = asyncio.Lock()
         # Special tokens (EOS, <|im_end|>) end generation; they are not printed.

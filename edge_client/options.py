@@ -270,7 +270,7 @@ def refuse_conflicts(spec: Speculation, drafter: str | None = None, drafter_buil
     tree or auto; proactive, pipeline, continuations, a window of rounds in flight; q none, fixed or
     float; greedy or sampled; same vocabulary or across) runs: tests/test_option_matrix.py checks it.
     `drafter` (its name, e.g. 'lookup') and whether it builds trees: checked when given."""
-    if drafter is not None and spec.tree != "off" and not drafter_builds_trees:
+    if drafter is not None and spec.tree != "off" and not drafter_builds_trees and "tree" not in (spec.planned or ()):
         raise OptionConflict(f"tree={_shown(spec.tree)}", f"drafter={drafter}",
                              f"the {drafter} drafter proposes chains only (it has no model to rank a tree's "
                              "branches); use tree 'off', or a model drafter (gguf, synthetic) for trees")
@@ -290,9 +290,13 @@ def _shown(tree: str | TreeShape) -> str:
     return ",".join(f"{f.name}={getattr(tree, f.name)}" for f in dataclasses.fields(tree))
 
 
-def refuse_drafter_conflicts(spec: Speculation, drafter) -> None:
-    """refuse_conflicts for a drafter already built (edge_client.drafters.Drafter)."""
+def refuse_drafter_conflicts(spec: Speculation, drafter) -> Speculation:
+    """refuse_conflicts for a drafter already built (edge_client.drafters.Drafter); returns the options
+    for it: trees left to the planner are chains for a drafter that builds none."""
     refuse_conflicts(spec, drafter.name, drafter.supports_trees)
+    if "tree" in (spec.planned or ()) and not drafter.supports_trees:
+        return dataclasses.replace(spec, tree="off")
+    return spec
 
 
 @dataclass(frozen=True)

@@ -60,3 +60,12 @@ def test_shapes_are_counted_by_how_they_travelled():
     p.record(RoundPlan("chain", 4), "fused")
     p.record(RoundPlan("tree2x", 3), "pipelined")
     assert p.describe() == {"chain g4 fused": 2, "tree2x g3 pipelined": 1}
+
+
+def test_a_planned_tree_is_a_chain_for_a_drafter_without_trees():
+    from edge_client.drafters import PromptLookupDrafter, SyntheticDrafter
+    from edge_client.options import OptionConflict, refuse_drafter_conflicts
+    assert refuse_drafter_conflicts(Speculation(), PromptLookupDrafter()).tree == "off"
+    assert refuse_drafter_conflicts(Speculation(), SyntheticDrafter(8)).tree == "auto"
+    with pytest.raises(OptionConflict):   # a tree asked for still conflicts with it
+        refuse_drafter_conflicts(Speculation(tree="auto"), PromptLookupDrafter())
