@@ -73,6 +73,7 @@ class Combo:
         """Edge option fields (tests/helpers.edge_options) for this combination."""
         out: dict = {"qmode": {"none": "none", "fixed": "fixed:6:12", "float": "float:6"}[self.q]}
         planner = self.work in ("auto", "auto-pinned")
+        out["plan"] = "auto" if planner else "off"   # every other work pins the round's shape
         if not (planner and self.shape == "auto"):   # auto/auto: the default edge, every shape the planner's
             out["gamma"] = "adaptive" if self.shape == "auto" else 3
             out["tree"] = {"chain": "off", "tree": TREE, "auto": "auto"}[self.shape]
