@@ -6,7 +6,6 @@ outcome of a round in flight), and a round sent and not yet answered (`Flight`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -95,10 +94,3 @@ def pass_nodes(prep: Prepared, fused: Sequence[Guess]) -> int:
 def extends(base: list[int], committed: list[int]) -> bool:
     """Whether a draft made after `base` can still run: `base` is the committed sequence and more."""
     return len(base) >= len(committed) and base[:len(committed)] == committed
-
-
-async def settle(job) -> None:
-    """Wait for background work we no longer need; its failure does not matter."""
-    if job is not None:
-        with contextlib.suppress(Exception):
-            await job
