@@ -83,7 +83,7 @@ async def run_edges(addr, mode, n_edges, args, tokenizer, make_drafter) -> tuple
     async def edge(k):
         nonlocal total
         if mode == "hybrid":
-            options = EdgeOptions(Transport(addr), Speculation(gamma=args.gamma, qmode="none"))
+            options = EdgeOptions(Transport(addr), Speculation(plan="off", gamma=args.gamma, qmode="none"))
             async with EdgeClient(options, make_drafter(), tokenizer) as c:
                 for r in range(args.reps):
                     gen = c.generate(prompt(k, r), settings)

@@ -33,7 +33,7 @@ async def run(args) -> list[dict]:
     drafter = GGUFDrafter(str(bundled_model_path()), n_threads=1, n_ctx=1024)
     rows = []
     async with VerifierServer(backend, "127.0.0.1", 0) as server:
-        options = EdgeOptions(Transport(f"127.0.0.1:{server.port}", deadline_s=120), Speculation(gamma=args.gamma))
+        options = EdgeOptions(Transport(f"127.0.0.1:{server.port}", deadline_s=120), Speculation(plan="off", gamma=args.gamma))
         async with EdgeClient(options, drafter, drafter.model) as client:
             for t in args.temperatures:
                 for arm in args.arms:

@@ -4,12 +4,13 @@ For each target (the bundled SmolLM2; Gemma 3 270M when set-up assembled it, dra
 vocabularies by the SmolLM2 draft), this starts `cloud-verifier serve` on 127.0.0.1 (llama.cpp,
 `--threads 1`) and runs `edge-client generate` as a new user would:
 
-- greedy: every combination of chain / tree × none / proactive / pipeline × q none / fixed / float:16
-  must exit 0, and all of one target's greedy runs must give the same ids; they are also compared
-  with the verifier's own cloud-only stream (Generate) for the same text prompt;
+- greedy: every combination of chain / tree / the planner's shape × none / proactive / pipeline
+  (each with --plan off) / auto (the planner's) × q none / fixed / float:16 must exit 0, and all of
+  one target's greedy runs must give the same ids; they are also compared with the verifier's own
+  cloud-only stream (Generate) for the same text prompt;
 - sampled: top-k and top-p, plain and pipelined (with the default continuations, and with one),
-  each q in --sampled-q, each run twice with the same seed: both runs must exit 0 and give the
-  same ids.
+  and the default edge with the planner's inputs pinned (--plan-inputs), each q in --sampled-q,
+  each run twice with the same seed: both runs must exit 0 and give the same ids.
 
 It prints one table row per run and a verdict per target; exit status 1 when a row fails.
 
@@ -32,13 +33,18 @@ from pathlib import Path
 from hybridspec.launch import spawn_verifier
 
 TREE = "budget=8,depth=3,branching=2,width=2"
-SHAPES = {"chain": "off", "tree": TREE}
-WORKS = {"none": [], "proactive": ["--proactive"], "pipeline": ["--pipeline"]}
+SHAPES = {"chain": ["--tree", "off"], "tree": ["--tree", TREE], "planner's": []}
+# --plan off: what is not given keeps its fixed default; auto: the planner picks what is not given.
+WORKS = {"none": ["--plan", "off"], "proactive": ["--plan", "off", "--proactive"],
+         "pipeline": ["--plan", "off", "--pipeline"], "auto": []}
+PINNED_INPUTS = "rtt_ms=40,draft_ms=5,verify_ms=30,node_ms=2,alpha=0.7"   # the planner chooses once: a seed repeats
 GREEDY_QS = ("none", "fixed", "float:16")
 SAMPLINGS = {"top-k": ["--temperature", "0.8", "--top-k", "5"], "top-p": ["--temperature", "0.8", "--top-p", "0.9"]}
 # --pipeline drafts continuations for up to 8 outcomes by default; with one, a seed pins the output
 # whatever the timings (edge_client.options.Speculation.timing_dependent).
-SAMPLED_WORKS = {"plain": [], "pipeline": ["--pipeline"], "pipeline, 1 continuation": ["--pipeline", "--continuations", "1"]}
+SAMPLED_WORKS = {"plain": ["--plan", "off"], "pipeline": ["--plan", "off", "--pipeline"],
+                 "pipeline, 1 continuation": ["--plan", "off", "--pipeline", "--continuations", "1"],
+                 "auto, pinned inputs": ["--plan-inputs", PINNED_INPUTS]}
 PROMPT = "The three primary colours are"
 
 
@@ -118,7 +124,7 @@ def run_target(name: str, path: Path, draft: Path, args) -> list[Row]:
     try:
         reference = asyncio.run(cloud_only(verifier.address, args.max_tokens))
         greedy = [one("greedy", f"{shape} / {work} / q {q}",
-                      ["--temperature", "0", "--tree", tree, "--q", q, *flags])
+                      ["--temperature", "0", *tree, "--q", q, *flags])
                   for (shape, tree), (work, flags), q in itertools.product(SHAPES.items(), WORKS.items(), GREEDY_QS)]
         first = next((r.ids for r in greedy if r.rc == 0), None)
         for r in greedy:

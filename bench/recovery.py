@@ -188,7 +188,7 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
         # Spread: edge k lists the replicas from replica k on (pick_first takes the first that answers),
         # so each replica serves its share; else every edge starts on replica 1.
         first = servers[trace.edge % len(servers)] if cfg.spread else server
-        options = EdgeOptions(Transport(first, deadline_s=cfg.deadline), Speculation(gamma=cfg.gamma))
+        options = EdgeOptions(Transport(first, deadline_s=cfg.deadline), Speculation(plan="off", gamma=cfg.gamma))
         # The drafter itself (prompt lookup, or the synthetic one), without an emulated drafting
         # cost: that needs a shared channel with an interceptor, and the edge's own channels (one
         # per replica) are what is measured.

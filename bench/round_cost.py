@@ -175,7 +175,7 @@ async def framework_figures(tokens: int) -> None:
     try:
         drafter = SyntheticDrafter(vocab=64, seed=0, noise=1.0)
         # 1. The edge's own session loop (EdgeClient), as `edge-client generate` runs it.
-        options = EdgeOptions(Transport(address), Speculation(gamma=5, qmode="fixed"))
+        options = EdgeOptions(Transport(address), Speculation(plan="off", gamma=5, qmode="fixed"))
         async with EdgeClient(options, drafter, _Vocab64()) as client:
             settings = SamplingSettings(temperature=0.7, max_new_tokens=100, ignore_eos=True, seed=1)
             await client.generate([0], settings).text()  # warm up the channel and the server

@@ -78,7 +78,7 @@ def main() -> int:
     vhost, vport = address.rsplit(":", 1)
     proxy = LinkProxy(upstream=(vhost, int(vport)), profile=get_profile(args.profile), seed=0).start_in_thread()
     edge, url, _ = spawn_edge_server(["--server", f"127.0.0.1:{proxy.port}", *drafter_args, "--threads",
-                                      str(args.threads), "--gamma", args.gamma, "--max-concurrent", str(n)])
+                                      str(args.threads), "--gamma", args.gamma, "--plan", "off", "--max-concurrent", str(n)])
     try:
         host, port = url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
         request(host, int(port), prompts[0], 4)  # warm-up: connection to the verifier, first draft context

@@ -110,7 +110,7 @@ def main() -> int:
         verifier, address = spawn_verifier(["--model", target, "--n-ctx", "1024", "--threads", str(args.threads)])
         drafter_args = ["--draft", args.draft]
     edge, url, _ = spawn_edge_server(["--server", address, *drafter_args, "--threads", str(args.threads),
-                                      "--gamma", args.gamma])
+                                      "--gamma", args.gamma, "--plan", "off"])
     try:
         host, port = url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
         oai = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
@@ -123,7 +123,7 @@ def main() -> int:
         texts: dict[str, set[str]] = {k: set() for k in results}
 
         async def run_all():
-            options = EdgeOptions(Transport(address), Speculation(gamma=args.gamma))  # "5" or "adaptive"
+            options = EdgeOptions(Transport(address), Speculation(plan="off", gamma=args.gamma))  # "5" or "adaptive"
             async with EdgeClient(options, drafter, tokenizer) as client:
                 for i in range(args.requests + 2):
                     for way in results:

@@ -32,7 +32,7 @@ async def main() -> None:
     drafter = GGUFDrafter(str(DEFAULT_DRAFT), n_threads=1, n_ctx=1024, max_tree_nodes=64)
     try:
         async with VerifierServer(backend, "127.0.0.1", 0) as server:
-            options = EdgeOptions(Transport(f"127.0.0.1:{server.port}"), Speculation(gamma=4, tree="auto"))
+            options = EdgeOptions(Transport(f"127.0.0.1:{server.port}"), Speculation(plan="off", gamma=4, tree="auto"))
             async with EdgeClient(options, drafter, drafter.model) as c:
                 gen = c.generate(render_chat(drafter.model, "Tell me about the history of the bicycle."),
                                  SamplingSettings(temperature=0.7, top_p=0.95, max_new_tokens=96, seed=1,
@@ -45,7 +45,7 @@ async def main() -> None:
         drafter.close()
         backend.close()
     async with VerifierServer(SyntheticBackend(vocab=64, step_ms=20, per_token_ms=0.05), "127.0.0.1", 0) as server:
-        options = EdgeOptions(Transport(f"127.0.0.1:{server.port}"), Speculation(gamma=4, tree="auto"))
+        options = EdgeOptions(Transport(f"127.0.0.1:{server.port}"), Speculation(plan="off", gamma=4, tree="auto"))
         async with EdgeClient(options, SyntheticDrafter(64, noise=1.0, per_token_ms=2), SyntheticTokenizer(64)) as c:
             gen = c.generate([0, 5, 6], SamplingSettings(temperature=0.0, max_new_tokens=160, ignore_eos=True))
             await gen.text()

@@ -74,7 +74,7 @@ async def part1(args) -> list[dict]:
                 for temperature in (0.0, 0.7):
                     for name, tree in shapes(args.gamma).items():
                         options = EdgeOptions(Transport(f"127.0.0.1:{server.port}"),
-                                              Speculation(gamma=args.gamma, tree=tree))
+                                              Speculation(plan="off", gamma=args.gamma, tree=tree))
                         async with EdgeClient(options, drafter, drafter.model) as c:
                             gen = c.generate(ids, SamplingSettings(temperature=temperature, top_p=0.95,
                                                                    max_new_tokens=args.max_tokens, seed=1,

@@ -25,7 +25,7 @@ is sent on every call as `authorization: Bearer <token>`.
 
 The parts: `transport` (the Verifier's calls: channel, token, retries, limits; EdgeError),
 `pairing` (same tokenizer or across vocabularies, decided once before the first round), `session`
-(the session loop and Generation), `stats` (GenerationStats, RoundEvent), `protocols` (the
+(Generation), `loop` (the round loop it runs: one commit, a window of rounds in flight), `stats` (GenerationStats, RoundEvent), `protocols` (the
 interfaces it works against).
 """
 from __future__ import annotations
@@ -73,7 +73,8 @@ class EdgeClient:
         self.token = self.verifier.token
         self.draft_executor = draft_executor
         self.on_round = on_round
-        refuse_drafter_conflicts(self.speculation, drafter)   # OptionConflict (a ValueError), before any round
+        # OptionConflict (a ValueError), before any round; a planned tree is a chain for a chain drafter
+        self.speculation = refuse_drafter_conflicts(self.speculation, drafter)
         self._pairing: Pairing | None = None   # decided at the first generation, before its first round
         self._pairing_lock = asyncio.Lock()
         # Special tokens (EOS, <|im_end|>) end generation; they are not printed.
@@ -109,14 +110,14 @@ class EdgeClient:
 
     # --- before a generation's first round ----------------------------------------------------------
 
-    async def _speculation(self, st: GenerationStats) -> Speculation:
+    async def speculation_for(self, st: GenerationStats) -> Speculation:
         """The speculation options within the verifier's limits (asked once per channel)."""
         return self.speculation.within(await self.verifier.limits(st))
 
-    def _forget_server_limits(self) -> None:
+    def forget_server_limits(self) -> None:
         self.verifier.forget_limits()
 
-    async def _pair(self, st: GenerationStats) -> Pairing:
+    async def pairing_for(self, st: GenerationStats) -> Pairing:
         """Same tokenizer or across vocabularies (edge_client.pairing): decided once, at the first
         generation (after the verifier's limits were asked, which brings its tokenizer's fingerprint);
         a refusal is raised to that generation and the next one asks again."""
@@ -124,13 +125,13 @@ class EdgeClient:
             async with self._pairing_lock:   # generations started together pair once
                 if self._pairing is None:
                     pairing = await pair(self.drafter, self.tokenizer, self.speculation, self.verifier, st,
-                                         self._in_drafter)
+                                         self.run_drafting)
                     self.drafter, self.tokenizer, self.hidden_ids = pairing.drafter, pairing.tokenizer, \
                         pairing.hidden_ids
                     self._pairing = pairing
         return self._pairing
 
-    async def _in_drafter(self, fn, *args, thread: bool = False):
+    async def run_drafting(self, fn, *args, thread: bool = False):
         """Run drafting work in the drafting executor when there is one (a server: one worker
         serialises the sessions' drafting); else inline, or in a thread for work that overlaps a
         round trip."""

@@ -170,6 +170,10 @@ class TreePolicy:
     def _take(self, plan: RoundPlan) -> RoundPlan:
         return plan
 
+    def verify_points(self) -> list[tuple[int, float]]:
+        """(nodes, model seconds) of the recent rounds the verifier's line is fitted over."""
+        return list(self._verify_points)
+
     def verify_line(self) -> tuple[float, float]:
         """(base_s, per_node_s): the verifier's time for a round over the nodes it carried, fitted."""
         return fit_line(self._verify_points)

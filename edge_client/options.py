@@ -28,6 +28,14 @@ TOKEN_ENV = "HYBRIDSPEC_TOKEN"   # the bearer token when none is given
 DEFAULT_SERVER = "127.0.0.1:50051"
 ADAPTIVE = "adaptive"
 TREE_MODES = ("off", "auto")
+PLAN_MODES = ("auto", "off")
+AUTO_WINDOW = 4   # the planner's most rounds in flight (the verifier's default max_window caps it too)
+# The shape options the planner chooses when they are left unset, its range for each, and what an
+# unset option is with the planner off.
+PLANNED = ("gamma", "tree", "window", "proactive", "pipeline", "fuse")
+PLANNER_DEFAULTS = {"gamma": ADAPTIVE, "tree": "auto", "window": AUTO_WINDOW, "proactive": True, "pipeline": True,
+                    "fuse": True}
+FIXED_DEFAULTS = {"gamma": 5, "tree": "off", "window": 1, "proactive": False, "pipeline": False, "fuse": False}
 
 
 class OptionError(ValueError):
@@ -92,17 +100,48 @@ class ServerLimits:
 
 
 @dataclass(frozen=True)
+class PlanInputs:
+    """The planner's measured inputs, pinned (`--plan-inputs 'rtt_ms=600,draft_ms=2,node_ms=0.5'`): the
+    planner chooses once from them and keeps that shape, so that a seed pins the output as it does
+    with fixed options (edge_client.planner.pinned_choices)."""
+
+    rtt_ms: float = 50.0        # the network round trip
+    draft_ms: float = 2.0       # drafting one row (one token of a chain)
+    verify_ms: float = 20.0     # the verifier's time for a round, before its nodes
+    node_ms: float = 0.5        # the verifier's time per draft node
+    up_ms_per_kb: float = 0.0   # the uplink's time per request KiB
+    alpha: float = 0.7          # per-token acceptance
+
+    @classmethod
+    def parse(cls, text: str) -> "PlanInputs":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, eq, value = part.partition("=")
+            if not eq or name not in fields:
+                raise OptionError("plan_inputs", f"{part!r}: give name=value pairs of {', '.join(sorted(fields))}")
+            try:
+                values[name] = float(value)
+            except ValueError:
+                raise OptionError("plan_inputs", f"{part!r}: {value!r} is not a number") from None
+        out = cls(**values)
+        if min(values.values(), default=0.0) < 0 or not 0 < out.alpha < 1:
+            raise OptionError("plan_inputs", f"{text!r}: times must be >= 0 and alpha in (0, 1)")
+        return out
+
+
+@dataclass(frozen=True)
 class Speculation:
     """How the edge drafts. Strings are accepted where the command line has them
     (gamma '5' or 'adaptive', qmode 'fixed:16:16', tree 'budget=16,depth=4')."""
 
-    gamma: int | str = 5                 # draft tokens per round, or "adaptive"
+    gamma: int | str | None = None       # draft tokens per round, or "adaptive" (None: the planner's)
     max_gamma: int = 12                  # upper bound for adaptive γ
     qmode: QMode | str = field(default_factory=QMode)   # q on the wire (spec_core.drafting.QMode)
-    tree: str | TreeShape = "off"        # "off" (chains), "auto" (cost model), or a TreeShape every round
+    tree: str | TreeShape | None = None  # "off" (chains), "auto" (cost model), or a TreeShape every round
     max_tree_nodes: int = 64             # largest tree "auto" may send
-    proactive: bool = False              # draft the next round during the round trip
-    pipeline: bool = False               # also send it before the reply (verified only on its base)
+    proactive: bool | None = None        # draft the next round during the round trip
+    pipeline: bool | None = None         # also send it before the reply (verified only on its base)
     strict_tokenizer: bool = False       # refuse a target with another tokenizer instead of drafting across vocabularies
     target_vocab: str | None = None      # the target's vocabulary from a file (its GGUF, or a cached .pb) instead of GetVocabulary
     steer: bool = True                   # adaptive γ / tree "auto": draft at most the verifier's budget
@@ -110,13 +149,34 @@ class Speculation:
     slo_tpot_ms: float = 0.0             # the latency target stated to the verifier (0: none; its default)
     slo_ttft_ms: float = 0.0
     max_continuations: int = 8           # outcomes drafted for per round in flight (1: the one most likely guess)
-    fuse: bool = False                   # draft continuations before a round leaves, for its own target pass
+    fuse: bool | None = None             # draft continuations before a round leaves, for its own target pass
                                          # (VerifyRequest.next_continuations), when the cost model says they pay
-    window: int = 1                      # most rounds in flight at once (1: none; 2+: a window, pipeline
+    window: int | None = None            # most rounds in flight at once (1: none; 2+: a window, pipeline
                                          # implied; the cost model picks the depth, edge_client.window)
+    plan: str = "auto"                   # "auto": the planner picks every shape option left unset (None) each
+                                         # round (edge_client.planner); "off": unset options keep fixed defaults
+                                         # (a chain of 5, nothing in flight)
+    plan_inputs: PlanInputs | str | None = None   # pin the planner's measured inputs: it chooses once from them
+    planned: tuple[str, ...] | None = None   # the options the planner chooses (set from the unset ones)
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        if self.plan not in PLAN_MODES:
+            raise OptionError("plan", f"must be 'auto' or 'off', got {self.plan!r}")
+        if isinstance(self.plan_inputs, str):
+            set_("plan_inputs", PlanInputs.parse(self.plan_inputs))
+        if self.planned is None:
+            unset = tuple(n for n in PLANNED if getattr(self, n) is None)
+            set_("planned", unset if self.plan == "auto" else ())
+        for name in PLANNED:   # what an unset option is: the planner's range, or today's fixed default
+            if getattr(self, name) is None:
+                set_(name, (PLANNER_DEFAULTS if self.plan == "auto" else FIXED_DEFAULTS)[name])
+        if "pipeline" in self.planned:
+            set_("pipeline", self.window > 1)   # pipelined rounds are what a window holds beyond the first
+        if "window" in self.planned and self.fuse and "fuse" not in self.planned:
+            set_("window", 1)   # fused rounds asked for: the planner keeps no window beside them
+        if "fuse" in self.planned:
+            set_("fuse", False)   # the planner fuses round by round when it pays (edge_client.planner)
         set_("gamma", parse_gamma(self.gamma))
         _at_least("max_gamma", self.max_gamma, 1)
         _at_least("max_tree_nodes", self.max_tree_nodes, 1)
@@ -149,13 +209,18 @@ class Speculation:
         same seed gives the same ids, with or without proactive or pipelined rounds and whichever
         outcomes got a continuation in time: a round's draft and the verifier's draws depend only on
         the seed and the committed tokens, and a continuation is drafted with the plan a fresh round
-        after its outcome would have (RoundPlan.within)."""
+        after its outcome would have (RoundPlan.within). The planner ('plan') follows measured timings
+        too, unless its inputs are pinned (plan_inputs): then it chooses once, from them."""
         out = []
-        if self.gamma == ADAPTIVE:
+        chosen_once = set(self.planned or ()) if self.plan_inputs is not None else set()
+        if self.planned and self.plan_inputs is None:
+            out.append("plan")
+        if self.gamma == ADAPTIVE and "gamma" not in chosen_once:
             out.append("gamma")
-        if self.tree == "auto":
+        if self.tree == "auto" and "tree" not in chosen_once:
             out.append("tree")
-        if (self.pipeline or self.fuse) and self.max_continuations > 1 and self.tree == "off":
+        if (self.pipeline or self.fuse) and self.max_continuations > 1 and self.tree == "off" and \
+                self.plan_inputs is None:
             out.append("max_continuations")
         return tuple(out)
 
@@ -205,7 +270,7 @@ def refuse_conflicts(spec: Speculation, drafter: str | None = None, drafter_buil
     tree or auto; proactive, pipeline, continuations, a window of rounds in flight; q none, fixed or
     float; greedy or sampled; same vocabulary or across) runs: tests/test_option_matrix.py checks it.
     `drafter` (its name, e.g. 'lookup') and whether it builds trees: checked when given."""
-    if drafter is not None and spec.tree != "off" and not drafter_builds_trees:
+    if drafter is not None and spec.tree != "off" and not drafter_builds_trees and "tree" not in (spec.planned or ()):
         raise OptionConflict(f"tree={_shown(spec.tree)}", f"drafter={drafter}",
                              f"the {drafter} drafter proposes chains only (it has no model to rank a tree's "
                              "branches); use tree 'off', or a model drafter (gguf, synthetic) for trees")
@@ -225,9 +290,13 @@ def _shown(tree: str | TreeShape) -> str:
     return ",".join(f"{f.name}={getattr(tree, f.name)}" for f in dataclasses.fields(tree))
 
 
-def refuse_drafter_conflicts(spec: Speculation, drafter) -> None:
-    """refuse_conflicts for a drafter already built (edge_client.drafters.Drafter)."""
+def refuse_drafter_conflicts(spec: Speculation, drafter) -> Speculation:
+    """refuse_conflicts for a drafter already built (edge_client.drafters.Drafter); returns the options
+    for it: trees left to the planner are chains for a drafter that builds none."""
     refuse_conflicts(spec, drafter.name, drafter.supports_trees)
+    if "tree" in (spec.planned or ()) and not drafter.supports_trees:
+        return dataclasses.replace(spec, tree="off")
+    return spec
 
 
 @dataclass(frozen=True)
@@ -310,7 +379,16 @@ def add_edge_options(p: argparse.ArgumentParser, *, server: bool = True, draftin
 
 def _add_drafting(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculation")
-    s.add_argument("--gamma", default="5", help="draft tokens per round, or 'adaptive'")
+    s.add_argument("--plan", choices=PLAN_MODES, default="auto",
+                   help="auto: before each round the planner picks every shape option not given here (gamma, tree, "
+                        "window, proactive, pipeline, fuse) from the measured round trip, uplink, drafting and "
+                        "verifier times and acceptance; off: options not given keep fixed defaults (a chain of 5, "
+                        "nothing in flight)")
+    s.add_argument("--plan-inputs", metavar="NAME=VALUE,...",
+                   help="pin the planner's measured inputs (rtt_ms, draft_ms, verify_ms, node_ms, up_ms_per_kb, "
+                        "alpha): it chooses once from them, so a --seed repeats the output")
+    s.add_argument("--gamma", default=None, help="draft tokens per round, or 'adaptive' (default: the planner's; "
+                                                 "5 with --plan off)")
     s.add_argument("--max-gamma", type=int, default=12, help="upper bound for adaptive gamma")
     s.add_argument("--q", default="fixed:16:16", dest="qmode",
                    help="q on the wire: none | fixed[:TOPK[:BITS]] | float[:TOPK] (TOPK 0 = whole vocabulary)")
@@ -328,20 +406,22 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     s.add_argument("--tokenizer", help="GGUF file or bundled model's name (smollm2, gemma) whose vocabulary to use "
                                        "with --drafter lookup (default: smollm2)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
-    s.add_argument("--tree", default="off",
+    s.add_argument("--tree", default=None,
                    help="token trees: 'off' (chains), 'auto' (the cost model picks chain or tree each round), or a "
-                        "shape 'budget=16,depth=4,branching=2,width=4' (that tree every round)")
+                        "shape 'budget=16,depth=4,branching=2,width=4' (that tree every round); default: the "
+                        "planner's ('auto'; 'off' with --plan off)")
     s.add_argument("--max-tree-nodes", type=int, default=64, help="largest tree --tree auto may send")
-    s.add_argument("--proactive", action="store_true",
+    s.add_argument("--proactive", action="store_true", default=None,
                    help="while a round is in flight, draft the next one from its most likely outcome; reuse it "
                         "when the reply matches")
-    s.add_argument("--pipeline", action="store_true",
+    s.add_argument("--pipeline", action="store_true", default=None,
                    help="also send that next round before the reply (verified only if its base was committed, "
                         "discarded and counted otherwise)")
-    s.add_argument("--window", type=int, default=1, metavar="K",
+    s.add_argument("--window", type=int, default=None, metavar="K",
                    help="keep up to K rounds in flight (implies --pipeline): round r + 2 travels while r and r + 1 "
                         "are unanswered, each keyed by the outcomes it assumes; the cost model picks the depth "
-                        "from the measured round trip, verifier, drafting and uplink times (1 = off)")
+                        "from the measured round trip, verifier, drafting and uplink times (1 = off; default: the "
+                        f"planner's, up to {AUTO_WINDOW}; 1 with --plan off)")
     s.add_argument("--no-steer", action="store_false", dest="steer",
                    help="with --gamma adaptive / --tree auto, ignore the verifier's draft budget")
     s.add_argument("--slo-tpot-ms", type=float, default=0.0,
@@ -350,7 +430,7 @@ def _add_drafting(p: argparse.ArgumentParser) -> None:
     s.add_argument("--continuations", type=int, default=8, metavar="N",
                    help="with --proactive / --pipeline: draft the next round for up to N likely outcomes of the "
                         "round in flight (the cost model picks how many pay; 1 = only 'every draft accepted')")
-    s.add_argument("--fuse", action="store_true",
+    s.add_argument("--fuse", action="store_true", default=None,
                    help="draft the next round for the likely outcomes of a round before sending it, so that the "
                         "verifier runs the one that comes true in the same target pass and answers both in one "
                         "reply (only while the cost model says the saved round outweighs the drafting delay)")
@@ -380,7 +460,8 @@ FLAGS = {"gamma": "--gamma", "max_gamma": "--max-gamma", "qmode": "--q", "tree":
          "max_tree_nodes": "--max-tree-nodes", "deadline_s": "--deadline", "max_retries": "--retries",
          "tls_cert": "--tls-cert/--tls-key", "slo_tpot_ms": "--slo-tpot-ms", "slo_ttft_ms": "--slo-ttft-ms",
          "max_continuations": "--continuations", "drafter": "--drafter", "target_vocab": "--target-vocab",
-         "strict_tokenizer": "--strict-tokenizer", "window": "--window", "fuse": "--fuse"}
+         "strict_tokenizer": "--strict-tokenizer", "window": "--window", "fuse": "--fuse", "plan": "--plan",
+         "plan_inputs": "--plan-inputs"}
 
 
 def _flag(option: str) -> str:
@@ -409,7 +490,8 @@ def options_from_args(args: argparse.Namespace) -> EdgeOptions:
             strict_tokenizer=getattr(args, "strict_tokenizer", False), target_vocab=getattr(args, "target_vocab", None),
             steer=getattr(args, "steer", True), slo_tpot_ms=getattr(args, "slo_tpot_ms", 0.0),
             slo_ttft_ms=getattr(args, "slo_ttft_ms", 0.0), max_continuations=args.continuations,
-            window=getattr(args, "window", 1), fuse=getattr(args, "fuse", False)))
+            window=getattr(args, "window", None), fuse=getattr(args, "fuse", None), plan=getattr(args, "plan", "auto"),
+            plan_inputs=getattr(args, "plan_inputs", None)))
         if hasattr(args, "drafter"):
             _as_flag(lambda: refuse_conflicts(spec, args.drafter, _drafter_class(args.drafter).supports_trees))
     transport = _as_flag(lambda: Transport(

@@ -25,7 +25,7 @@ from edge_client.transport import EdgeError, Verifier
 
 log = logging.getLogger(__name__)
 
-InDrafter = Callable[..., Awaitable]   # EdgeClient._in_drafter: drafting work where drafting runs
+InDrafter = Callable[..., Awaitable]   # EdgeClient.run_drafting: drafting work where drafting runs
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,9 @@ class GenerationStats:
     window_depth: float = 0.0       # a window (Speculation.window > 1): mean rounds in flight when one was sent
     fused_rounds: int = 0           # rounds sent with continuations for their own pass (--fuse)
     fused_hits: int = 0             # rounds verified in the pass of the round before (no pass of their own)
+    shapes: dict[str, int] = field(default_factory=dict)   # rounds sent per shape: "chain g5 alone", "tree2x g4
+                                    # pipelined", "chain g3 fused", "chain g4 ahead" (drafted during the last trip)
+    planned: list[str] = field(default_factory=list)   # the options the planner chose (those not pinned)
     token_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:

@@ -186,7 +186,8 @@ def cmd_demo(args) -> int:
     if target is None:
         return 2
     label = args.draft if args.drafter == "gguf" else f"{args.drafter} (no model)"
-    print(f"[demo] target: {Path(target).name} on llama.cpp | draft: {label} | gamma {args.gamma} | q {args.qmode} "
+    shape = f"gamma {args.gamma}" if args.gamma is not None else f"shape: planner ({args.plan})"
+    print(f"[demo] target: {Path(target).name} on llama.cpp | draft: {label} | {shape} | q {args.qmode} "
           f"| {args.max_tokens} tokens", file=sys.stderr)
     rows, stats, prefill = run_rows(args, target, options, settings)
     report(args, rows, stats, prefill)
@@ -246,7 +247,7 @@ def per_token(options):
     from edge_client.options import Speculation
     spec = options.speculation
     return dataclasses.replace(options, speculation=Speculation(
-        gamma=1, qmode=spec.qmode, strict_tokenizer=spec.strict_tokenizer, target_vocab=spec.target_vocab))
+        gamma=1, plan="off", qmode=spec.qmode, strict_tokenizer=spec.strict_tokenizer, target_vocab=spec.target_vocab))
 
 
 def measured(name: str, stats, before: Count, after: Count, prefill: int) -> Row:

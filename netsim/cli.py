@@ -191,8 +191,8 @@ def _add_experiment_command(subparsers) -> None:
     parser.add_argument("--profiles", default="lan,lte,3g,edge-lossy,geo-sat", help="comma-separated profile names")
     parser.add_argument("--modes", default="all", help="all, or a comma-separated subset of " + ", ".join(
         ("edge-only", "cloud-only", "cloud-stepwise", "per-token", "hybrid", "adaptive", "tree", "proactive",
-         "pipeline", "continuations", "window", "fused")) + " (hybrid, tree, proactive, pipeline, continuations, window and fused "
-        "run once per γ in --gammas)")
+         "pipeline", "continuations", "window", "fused", "auto")) + " (hybrid, tree, proactive, pipeline, continuations, "
+        "window and fused run once per γ in --gammas; auto is the default edge: the planner picks each round's shape)")
     parser.add_argument("--workloads", default="all",
                         help="all, or a subset of code,json,summarisation,translation,chat,creative")
     parser.add_argument("--prompts-per-workload", type=int, default=1, help="prompts run from each workload")
@@ -245,7 +245,8 @@ def _add_load_command(subparsers) -> None:
     parser.add_argument("--profile", default="lan", help="link profile, or a comma-separated mix (edge i gets the "
                                                          "i-th, cycling)")
     parser.add_argument("--mode", default="hybrid,cloud-only", help="all, or a comma-separated subset of "
-                                                                    "hybrid, adaptive, cloud-only")
+                                                                    "hybrid, adaptive, cloud-only, auto (the "
+                                                                    "default edge: the planner's shapes)")
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds before the measured window")
     parser.add_argument("--synthetic", action="store_true", help="the synthetic pair (fast; for large N)")

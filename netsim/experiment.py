@@ -19,7 +19,8 @@ WINDOW rounds in flight over VerifyStream, round r + 2 travelling while r and r 
 each keyed by the outcomes it assumes; the cost model picks the depth: edge_client.window) and
 fused-gN (as continuations, and when the cost model says it pays the continuations leave with the
 round itself: the verifier runs the matching one in that round's pass and answers both in one
-reply; such a round counts no round trip and no pass of its own).
+reply; such a round counts no round trip and no pass of its own), and auto (the default edge, no
+speculation option: the planner picks each round's shape, edge_client.planner).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 # Sampling per workload category: creative writing runs hot, structured output cold.
 TEMPERATURE = {"code": 0.2, "json": 0.2, "summarisation": 0.7, "translation": 0.7, "chat": 0.7, "creative": 1.0}
 ALL_MODES = ("edge-only", "cloud-only", "cloud-stepwise", "per-token", "hybrid", "adaptive", "tree", "proactive",
-             "pipeline", "continuations", "window", "fused")
+             "pipeline", "continuations", "window", "fused", "auto")
 PER_GAMMA_MODES = ("hybrid", "tree", "proactive", "pipeline", "continuations", "window", "fused")
 WINDOW = 4   # the window mode's most rounds in flight (the verifier's default max_window)  # one run per γ in --gammas (mode-gN)
 
@@ -116,6 +117,7 @@ class Row:
     continuation_hits: int = 0             # rounds whose outcome had a continuation (sent and kept, or reused)
     fused_rounds: int = 0                  # rounds sent with continuations for their own pass (fused mode)
     fused_hits: int = 0                    # rounds verified in the pass of the round before (no round trip)
+    shapes: dict | None = None             # auto: rounds sent per shape the planner chose (GenerationStats.shapes)
     draft_s: float = 0.0                   # the edge's time drafting (hidden or not)
     server_model_s: float = 0.0            # the verifier's time in the target (its own timing)
 
@@ -225,13 +227,15 @@ class Runner:
                 rounds, acc, alpha, tpr, theory, passes, retries, replays = 1, None, None, None, None, tokens, 0, 0
             else:
                 g = {"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)
+                # Every mode but auto pins its round's shape; auto is the default edge (the planner).
                 extra = {"proactive": {"proactive": True}, "pipeline": {"pipeline": True, "max_continuations": 1},
                          "continuations": {"pipeline": True}, "window": {"window": WINDOW},
                          "fused": {"pipeline": True, "fuse": True}}.get(mode, {})
                 if mode == "tree":
                     extra = {"tree": f"budget={4 * int(gamma)},depth={gamma},branching=2,width=2"}
+                shape = {"plan": "auto"} if mode == "auto" else {"plan": "off", "gamma": g, **extra}
                 options = EdgeOptions(Transport(f"127.0.0.1:{port}", deadline_s=120),
-                                      Speculation(gamma=g, qmode=self.cfg.qmode, **extra))
+                                      Speculation(qmode=self.cfg.qmode, **shape))
                 async with EdgeClient(options, self.drafter, self.tokenizer, channel=channel) as client:
                     from edge_client.crossvocab import Chat
                     cross = not self.cfg.synthetic and self.cross_vocabulary and chat is not None
@@ -261,6 +265,7 @@ class Runner:
                 st.continuation_rounds, st.continuations_sent, st.continuation_hits)
             row.window_depth = st.window_depth or None
             row.fused_rounds, row.fused_hits = st.fused_rounds, st.fused_hits
+            row.shapes = st.shapes or None
             row.draft_s, row.server_model_s = st.draft_s, st.server_model_s
         return row
 
@@ -299,7 +304,7 @@ async def run_experiment(cfg: ExperimentConfig, progress=None) -> dict:
         if m in PER_GAMMA_MODES:
             modes += [(m, g) for g in cfg.gammas]
         else:
-            modes.append((m, "adaptive" if m == "adaptive" else 1))
+            modes.append((m, {"adaptive": "adaptive", "auto": "auto"}.get(m, 1)))
     rows: list[Row] = []
     total = len(cfg.profiles) * len(modes) * len(workloads)
     crossover_points = (len(cfg.crossover_rtts_ms) * len(cfg.crossover_steps_ms) * 2) if cfg.crossover else 0

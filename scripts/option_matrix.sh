@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole option matrix (issue 24), beyond what CI runs:
-#   1. the option matrix in process: 972 combinations on the synthetic pair and 486 on llama.cpp's
+#   1. the option matrix in process: 1134 combinations on the synthetic pair and 567 on llama.cpp's
 #      tiny models (tests/test_option_matrix.py; CI runs hypothesis-drawn samples of it);
 #   2. the command-line check with real models (bench/option_matrix.py): the bundled SmolLM2 target,
 #      and Gemma 3 270M across vocabularies when `scripts/setup.sh --with gemma` assembled it.

@@ -76,7 +76,10 @@ class HeldPasses:
 
 def edge_options(server: str, **fields) -> EdgeOptions:
     """EdgeOptions for the verifier at `server`, each keyword given to the record with that field
-    (gamma=4, qmode="none": Speculation; deadline_s=10: Transport; token="t": Security)."""
+    (gamma=4, qmode="none": Speculation; deadline_s=10: Transport; token="t": Security). The tests
+    pin each round's shape by the options they give (plan="off": options not given keep their fixed
+    defaults) unless they ask for the planner (plan="auto")."""
+    fields.setdefault("plan", "off")
     parts = {}
     for record in (Transport, Speculation, Security):
         names = {f.name for f in dataclasses.fields(record)}

@@ -41,11 +41,12 @@ from spec_core.warping import SamplingSettings, processed_probs
 from xvocab_pair import DRAFT, TARGET, DraftTokenizer, longest_match_tokenizer
 
 SAME_V = 16
+PINNED_INPUTS = "rtt_ms=40,draft_ms=1,verify_ms=2,node_ms=0.1,alpha=0.7"   # a window of rounds pays at these
 TREE = "budget=6,depth=3,branching=2,width=2"
 
 VOCABS = ("same", "cross")
 SHAPES = ("chain", "tree", "auto")
-WORKS = ("none", "proactive", "pipeline", "continuations", "window", "fused")
+WORKS = ("none", "proactive", "pipeline", "continuations", "window", "fused", "auto")
 QS = ("none", "fixed", "float")
 SAMPLINGS = ("greedy", "top-k", "top-p")
 BATCHINGS = ("batched", "serial", "kv-park")   # kv-park: batching with KV parking on
@@ -55,7 +56,7 @@ BATCHINGS = ("batched", "serial", "kv-park")   # kv-park: batching with KV parki
 class Combo:
     vocab: str = "same"        # VOCABS
     shape: str = "chain"       # SHAPES: chain (tree off), a fixed tree, or auto (adaptive γ, the cost model picks)
-    work: str = "none"         # WORKS: what the edge does while a round is in flight
+    work: str = "none"         # WORKS: what the edge does while a round is in flight (auto: the planner's choice)
     q: str = "float"           # QS: q on the wire (sparse supports: narrower than the vocabulary)
     sampling: str = "greedy"   # SAMPLINGS
     batching: str = "serial"   # BATCHINGS: the verifier's batcher on or off, or on with KV parking
@@ -71,15 +72,21 @@ class Combo:
     def edge_fields(self) -> dict:
         """Edge option fields (tests/helpers.edge_options) for this combination."""
         out: dict = {"qmode": {"none": "none", "fixed": "fixed:6:12", "float": "float:6"}[self.q]}
-        out["gamma"] = "adaptive" if self.shape == "auto" else 3
-        out["tree"] = {"chain": "off", "tree": TREE, "auto": "auto"}[self.shape]
+        planner = self.work in ("auto", "auto-pinned")
+        out["plan"] = "auto" if planner else "off"   # every other work pins the round's shape
+        if not (planner and self.shape == "auto"):   # auto/auto: the default edge, every shape the planner's
+            out["gamma"] = "adaptive" if self.shape == "auto" else 3
+            out["tree"] = {"chain": "off", "tree": TREE, "auto": "auto"}[self.shape]
         if self.shape == "auto":
             out["max_tree_nodes"] = 8
         out.update({"none": {}, "proactive": {"proactive": True, "max_continuations": 1},
                     "pipeline": {"pipeline": True, "max_continuations": 1},
                     "continuations": {"pipeline": True, "max_continuations": 8},
                     "window": {"window": 3, "max_continuations": 8},
-                    "fused": {"fuse": True, "max_continuations": 8}}[self.work])
+                    "fused": {"fuse": True, "max_continuations": 8},
+                    "auto": {"plan": "auto"},
+                    # not in WORKS: the planner with its inputs pinned (a seed then pins the output)
+                    "auto-pinned": {"plan": "auto", "plan_inputs": PINNED_INPUTS}}[self.work])
         return out
 
     def settings(self, max_new_tokens: int, seed: int | None = None) -> SamplingSettings:
@@ -89,18 +96,18 @@ class Combo:
 
 
 def all_combos():
-    """The synthetic matrix (972 combinations)."""
+    """The synthetic matrix (1134 combinations)."""
     return [Combo(*c) for c in itertools.product(VOCABS, SHAPES, WORKS, QS, SAMPLINGS, BATCHINGS)]
 
 
 def llama_combos():
-    """The llama.cpp matrix (486 combinations: one vocabulary, three verifier modes)."""
+    """The llama.cpp matrix (567 combinations: one vocabulary, three verifier modes)."""
     return [Combo("same", *c, backend="llama.cpp")
             for c in itertools.product(SHAPES, WORKS, QS, SAMPLINGS, BATCHINGS)]
 
 
 def vllm_combos():
-    """The vLLM matrix (162 combinations: one vocabulary; vLLM batches by itself, its KV is its own)."""
+    """The vLLM matrix (189 combinations: one vocabulary; vLLM batches by itself, its KV is its own)."""
     return [Combo("same", *c, "batched", backend="vllm") for c in itertools.product(SHAPES, WORKS, QS, SAMPLINGS)]
 
 

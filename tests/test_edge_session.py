@@ -12,7 +12,8 @@ from edge_client.drafters import SyntheticDrafter
 from edge_client.gamma import AdaptiveGamma, RoundPlan
 from edge_client.options import Speculation, Transport
 from edge_client.pairing import Pairing
-from edge_client.session import _Prepared, _SessionLoop
+from edge_client.loop import RoundLoop
+from edge_client.rounds import Prepared
 from edge_client.stats import GenerationStats
 from edge_client.text import SyntheticTokenizer
 from edge_client.transport import EdgeError
@@ -26,15 +27,15 @@ CHAIN = RoundPlan("chain", 4)
 TREE = RoundPlan("tree8", 3, TreeShape(budget=8, depth=3))
 
 
-def loop(gamma) -> _SessionLoop:
+def loop(gamma) -> RoundLoop:
     drafter, tokenizer = SyntheticDrafter(V, 0, 1.0), SyntheticTokenizer(V)
     client = types.SimpleNamespace(verifier=None, on_round=None, transport=Transport(""))
-    return _SessionLoop(client, Speculation(gamma=gamma), [0, 5], SamplingSettings(temperature=1.0, seed=1),
+    return RoundLoop(client, Speculation(gamma=gamma, plan="off"), [0, 5], SamplingSettings(temperature=1.0, seed=1),
                         GenerationStats(), Pairing(drafter, tokenizer, tokenizer.eog_ids))
 
 
-def chain(base, tokens) -> _Prepared:
-    return _Prepared(list(base), CHAIN, DraftTree.chain(tokens), None, 0.001, len(tokens))
+def chain(base, tokens) -> Prepared:
+    return Prepared(list(base), CHAIN, DraftTree.chain(tokens), None, 0.001, len(tokens))
 
 
 def reply(base_len: int, accepted: int, next_token: int | None = 9, kept=()) -> pb.VerifyReply:
@@ -58,31 +59,31 @@ def test_the_alpha_for_outcomes_is_the_verifier_rule_whatever_the_gamma_policy(g
         base = list(s.committed)
         n = int(rng.integers(0, 5))
         prep = chain(base, [7, 8, 9, 10])
-        s._apply(prep, reply(len(base), n, 11), 0.01)
+        s._commit(prep, reply(len(base), n, 11), 0.01)
         reference.observe(4, n, rejected=n < 4)
         accepted_all, rejections = accepted_all + n, rejections + (n < 4)
-    assert s._alpha() == pytest.approx(reference.alpha)
+    assert s.acceptance.alpha == pytest.approx(reference.alpha)
     if isinstance(s.policy, AdaptiveGamma):
-        assert s._alpha() == pytest.approx(s.policy.alpha)
-    assert abs(s._alpha() - (accepted_all + 1) / (accepted_all + rejections + 2)) > 1e-3
+        assert s.acceptance.alpha == pytest.approx(s.policy.alpha)
+    assert abs(s.acceptance.alpha - (accepted_all + 1) / (accepted_all + rejections + 2)) > 1e-3
 
 
 def test_a_chain_is_a_tree_with_one_path_and_stays_a_chain_on_the_wire():
     s = loop(4)
-    prep = s._prepare(list(s.committed), CHAIN)
+    prep = s.drafts.prepare(list(s.committed), CHAIN)
     assert prep.tree.is_chain and len(prep.tree) == 4 and prep.guess_nodes() == [0, 1, 2, 3]
     req = s._request(prep, 1)
     assert list(req.draft_token_ids) == list(prep.tree.tokens) and not req.draft_parents
     # A tree that came out as one path goes on the wire as the chain it is.
-    path = _Prepared([0, 5], TREE, DraftTree((3, 4), (-1, 0)), None, 0.001, 2, [0.5, 0.25])
+    path = Prepared([0, 5], TREE, DraftTree((3, 4), (-1, 0)), None, 0.001, 2, [0.5, 0.25])
     assert not s._request(path, 1).draft_parents and path.kept_path(reply(2, 2, None)) == [0, 1]
-    tree = s._prepare([0, 5], TREE)
+    tree = s.drafts.prepare([0, 5], TREE)
     assert not tree.tree.is_chain and list(s._request(tree, 1).draft_parents) == list(tree.tree.parents)
 
 
 def test_the_kept_path_is_checked_against_the_tree():
     #            0:3   1:4          two children of the root; node 2 under node 0
-    tree = _Prepared([0, 5], TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
+    tree = Prepared([0, 5], TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
     assert tree.guess_path() == [3, 6]
     assert tree.kept_path(reply(2, 2, None, kept=[0, 2])) == [0, 2]
     for bad in ([1, 2], [2], [0, 7]):
@@ -96,12 +97,12 @@ def test_a_round_that_ends_at_a_shallow_leaf_is_a_bonus_not_a_rejection():
     """Tree (depth 2 on one branch, 1 on the other) planned at depth 3: keeping the shallow leaf
     and drawing the bonus after it is no rejection; stopping above drafts still on offer is."""
     s = loop(4)
-    shallow = _Prepared([0, 5], TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
-    s._apply(shallow, reply(2, 1, 9, kept=[1]), 0.01)
+    shallow = Prepared([0, 5], TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
+    s._commit(shallow, reply(2, 1, 9, kept=[1]), 0.01)
     assert s.st.rejections == 0 and s.st.tree_rounds == 1 and s.gammas == [2]
     base = list(s.committed)
-    deep = _Prepared(base, TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
-    s._apply(deep, reply(len(base), 1, 9, kept=[0]), 0.01)   # node 0 kept, its child 2 rejected
+    deep = Prepared(base, TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
+    s._commit(deep, reply(len(base), 1, 9, kept=[0]), 0.01)   # node 0 kept, its child 2 rejected
     assert s.st.rejections == 1
 
 

@@ -53,12 +53,17 @@ def _unavailable():
                                 details="reply lost (injected)")
 
 
+# plan "auto": the default edge, every round's shape the planner's (rounds in flight included)
+SHAPES = {"off": dict(gamma=4), "auto": dict(plan="auto")}
+
+
+@pytest.mark.parametrize("plan", ["off", "auto"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-async def test_lost_replies_are_retried_without_double_commit(temperature):
+async def test_lost_replies_are_retried_without_double_commit(temperature, plan):
     backend = SyntheticBackend(vocab=VOCAB)
     async with VerifierServer(backend, "127.0.0.1", 0, Limits()) as server:
         # stream=False: the faults are injected into unary Verify (the stream's own: tests/test_window.py)
-        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=4, stream=False),
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", stream=False, **SHAPES[plan]),
                               SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB)) as c:
             c._stub = LosingReplies(c._stub)
             gen = c.generate("5 6 7", SamplingSettings(temperature=temperature, max_new_tokens=N, ignore_eos=True,
@@ -93,10 +98,12 @@ async def generate_across_a_restart(client_for, settings: SamplingSettings):
     return gen.stats
 
 
+@pytest.mark.parametrize("plan", ["off", "auto"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-async def test_verifier_restart_is_survived_by_replay(temperature):
+async def test_verifier_restart_is_survived_by_replay(temperature, plan):
     st = await generate_across_a_restart(
-        lambda port: EdgeClient(edge_options(f"127.0.0.1:{port}", gamma=3, deadline_s=10),
+        lambda port: EdgeClient(edge_options(f"127.0.0.1:{port}", deadline_s=10,
+                                             **({"gamma": 3} if plan == "off" else {"plan": "auto"})),
                                 SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB)),
         SamplingSettings(temperature=temperature, max_new_tokens=N, ignore_eos=True, seed=4))
     assert st.replays >= 1

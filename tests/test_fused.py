@@ -437,8 +437,8 @@ async def test_a_pipelined_round_waiting_when_its_predecessor_starts_shares_its_
 
 def test_fused_chains_with_several_continuations_are_timing_dependent():
     from edge_client.options import Speculation
-    assert Speculation(gamma=4, fuse=True, max_continuations=8).timing_dependent() == ("max_continuations",)
-    assert Speculation(gamma=4, fuse=True, max_continuations=1).timing_dependent() == ()
+    assert Speculation(gamma=4, fuse=True, max_continuations=8, plan="off").timing_dependent() == ("max_continuations",)
+    assert Speculation(gamma=4, fuse=True, max_continuations=1, plan="off").timing_dependent() == ()
 
 
 # --- a pipelined round waiting when its predecessor's pass starts: statistics over the wire ------

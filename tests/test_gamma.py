@@ -58,21 +58,22 @@ def test_gamma_is_parsed_in_one_place():
         with pytest.raises(OptionError) as e:
             parse_gamma(bad)
         assert e.value.option == "gamma"
-    assert Speculation(gamma="7").gamma == 7
+    assert Speculation(gamma="7", plan="off").gamma == 7
 
 
 def test_speculation_is_capped_by_the_verifier_limits():
     from edge_client.options import ServerLimits, Speculation
     from spec_core.tree import TreeShape
     limits = ServerLimits(max_gamma=8, max_tree_nodes=10, max_tree_branching=2)
-    adaptive = Speculation(gamma="adaptive", max_gamma=12).within(limits)
+    adaptive = Speculation(gamma="adaptive", max_gamma=12, plan="off").within(limits)
     assert adaptive.gamma == "adaptive" and adaptive.max_gamma == 8
-    assert Speculation(gamma=10).within(limits).gamma == 8
-    assert Speculation(gamma=4).within(limits) == Speculation(gamma=4, max_gamma=8)
-    tree = Speculation(gamma=4, tree="budget=16,depth=9,branching=3,width=4").within(limits).tree
+    assert Speculation(gamma=10, plan="off").within(limits).gamma == 8
+    assert Speculation(gamma=4, plan="off").within(limits) == Speculation(gamma=4, max_gamma=8, plan="off")
+    tree = Speculation(gamma=4, tree="budget=16,depth=9,branching=3,width=4", plan="off").within(limits).tree
     assert tree == TreeShape(budget=10, depth=8, branching=2, width=4)
-    assert Speculation(tree="auto", max_tree_nodes=64).within(limits).max_tree_nodes == 10
+    assert Speculation(tree="auto", max_tree_nodes=64, plan="off").within(limits).max_tree_nodes == 10
     chains_only = ServerLimits(max_gamma=8, max_tree_nodes=0)
-    assert Speculation(tree="auto").within(chains_only).tree == "off"
-    for unstated in (Speculation(gamma=20, max_gamma=30), Speculation(tree="budget=99,depth=20,branching=5")):
+    assert Speculation(tree="auto", plan="off").within(chains_only).tree == "off"
+    for unstated in (Speculation(gamma=20, max_gamma=30, plan="off"),
+                     Speculation(tree="budget=99,depth=20,branching=5", plan="off")):
         assert unstated.within(ServerLimits()) == unstated  # a verifier that states no limits: nothing capped

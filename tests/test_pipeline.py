@@ -76,6 +76,28 @@ async def test_greedy_gguf_hybrid_with_rounds_in_flight_equals_target(tiny_model
     check_same_or_near_tie(str(tiny_models["target"]), ids, st.token_ids, reference)
 
 
+@pytest.mark.parametrize("prompt", PROMPTS)
+async def test_greedy_gguf_default_edge_equals_cloud_only(tiny_models, prompt):
+    """The default edge (every shape the planner's) on llama.cpp: greedy output is the target's own
+    (the verifier's cloud-only stream), up to near-ties."""
+    n = 40
+    backend = LlamaCppBackend(str(tiny_models["target"]), n_ctx=512, n_threads=1, max_tree_leaves=16)
+    drafter = GGUFDrafter(str(tiny_models["draft"]), n_threads=1, n_ctx=512, max_tree_nodes=64)
+    try:
+        async with running_server(backend) as server:
+            async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", plan="auto"), drafter, drafter.model) as c:
+                gen = c.generate(prompt, SamplingSettings(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+                await gen.text()
+            ids = drafter.model.tokenize(prompt)
+            reference = await target_greedy(server, ids, n)
+    finally:
+        drafter.close()
+        backend.close()
+    st = gen.stats
+    assert st.tokens == n and st.planned and sum(st.shapes.values()) >= st.rounds - st.fused_hits   # rounds sent
+    check_same_or_near_tie(str(tiny_models["target"]), ids, st.token_ids, reference)
+
+
 async def test_sampled_pipeline_commits_every_token_once():
     """T = 1 with lost replies (retried, pipelined rounds too) and pipelining: the count adds up,
     nothing doubled. A 10 ms verifier pass lets the next round leave before the reply."""

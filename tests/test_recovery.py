@@ -347,11 +347,11 @@ async def test_a_long_generation_survives_more_restarts_than_max_replays():
 
 def test_replays_in_a_row_without_progress_are_bounded():
     """The control: the same budget stops a verifier that loses the session before anything commits."""
-    from edge_client.session import _SessionLoop
+    from edge_client.loop import RoundLoop
     from edge_client.stats import GenerationStats
     from edge_client.transport import EdgeError
-    loop = _SessionLoop.__new__(_SessionLoop)
-    loop.c = type("Client", (), {"transport": edge_options("x:1", max_replays=3).transport})()
+    loop = RoundLoop.__new__(RoundLoop)
+    loop.link = type("Client", (), {"transport": edge_options("x:1", max_replays=3).transport})()
     loop.st, loop.committed, loop.prompt_len = GenerationStats(), [0, 5, 6, 9], 3
     loop.session_id, loop.last_round, loop.replays_in_a_row, loop.replayed_at = "s", 4, 0, -1
     loop.stream = None

@@ -14,10 +14,10 @@ Checked here:
   continuations sent, on session rounds;
 - seeded T 0.7 with continuations gives the same ids twice;
 - the option matrix's vLLM rows (tests/option_matrix.py: chain / tree / auto × no work / proactive /
-  pipeline / continuations / window / fused × q × greedy / top-k / top-p): each one runs and gives the
-  equal result (greedy: the Generate stream; sampled: the same seed twice), none is refused. The
-  vLLM suite runs 42 of them (every chain / tree × work × sampling, auto × every work; about 4 min
-  on 2 busy cores); the whole (162) with HYBRIDSPEC_MATRIX=all.
+  pipeline / continuations / window / fused / the planner's × q × greedy / top-k / top-p): each one
+  runs and gives the equal result (greedy: the Generate stream; sampled: the same seed twice), none
+  is refused. The vLLM suite runs 49 of them (every chain / tree × work × sampling, auto × every
+  work); the whole (189) with HYBRIDSPEC_MATRIX=all.
 Marked `vllm` (scripts/test_vllm.sh); skipped when vllm is not importable.
 """
 from __future__ import annotations
@@ -181,7 +181,7 @@ def test_seeded_sampling_with_continuations_is_reproducible(vllm_backend, tiny_v
     options = dict(WORK[work], gamma=CHAIN_GAMMA, **(dict(tree=TREE) if shape == "tree" else {}))
     if shape == "chain":
         options["max_continuations"] = 1
-    assert Speculation(**options).timing_dependent() == ()
+    assert Speculation(**options, plan="off").timing_dependent() == ()
     settings = SamplingSettings(temperature=0.7, top_p=0.9, max_new_tokens=24, ignore_eos=True, seed=11)
 
     async def twice():
@@ -209,7 +209,7 @@ def test_no_vllm_row_of_the_matrix_is_refused():
     """Every vLLM row runs (none is refused before its first round): the one refusal rule passes
     each, so the run below is the expected outcome of each row."""
     rows = vllm_combos()
-    assert len(rows) == len(SHAPES) * len(WORKS) * len(QS) * len(SAMPLINGS) == 162
+    assert len(rows) == len(SHAPES) * len(WORKS) * len(QS) * len(SAMPLINGS) == 189
     for combo in rows:
         refuse_conflicts(Speculation(**combo.edge_fields()), "gguf", True)
 
@@ -229,7 +229,7 @@ def test_verifier_options_that_cannot_work_on_vllm_are_refused_naming_both(argv,
 
 
 def _sample_rows() -> list[Combo]:
-    """Chain and tree × each work × each sampling (36), and auto × each work (6, sampling rotating):
+    """Chain and tree × each work × each sampling (42), and auto × each work (7, sampling rotating):
     q rotates over none / fixed / float so that each sampling meets each q."""
     rows = []
     for i, (shape, work) in enumerate((sh, w) for sh in SHAPES for w in WORKS):

@@ -16,6 +16,7 @@ import asyncio
 import grpc
 import pytest
 
+import edge_client.loop as roundloop
 import edge_client.window as window
 from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
@@ -23,7 +24,7 @@ from edge_client.drafters import SyntheticDrafter
 from edge_client.options import OptionError, ServerLimits, Speculation
 from edge_client.text import SyntheticTokenizer
 from edge_client.window import WindowCosts, window_depth
-from helpers import edge_options, running_server, stub_for
+from helpers import edge_options, generate_many, running_server, stub_for
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.warping import SamplingSettings
 from test_batching import AcceptEverything
@@ -63,12 +64,12 @@ def test_a_loopback_link_needs_no_window():
 # --- options ----------------------------------------------------------------------------------------
 
 def test_window_implies_pipeline_and_is_capped_by_the_verifier():
-    spec = Speculation(window=3)
+    spec = Speculation(window=3, plan="off")
     assert spec.pipeline
     assert spec.within(ServerLimits(max_gamma=8)).window == 2          # a verifier that does not say: 2
     assert spec.within(ServerLimits(max_gamma=8, max_window=4)).window == 3
     with pytest.raises(OptionError, match="window"):
-        Speculation(window=0)
+        Speculation(window=0, plan="off")
 
 
 # --- the stream's semantics ---------------------------------------------------------------------------
@@ -123,12 +124,12 @@ async def test_the_stream_answers_as_unary_verify_does():
 
 async def test_the_edge_uses_the_stream_when_offered_and_unary_otherwise(monkeypatch):
     used = []
-    orig = window.WindowLoop._send
+    orig = roundloop.RoundLoop._send
 
     def spy(self, req):
         used.append(self.stream is not None)
         return orig(self, req)
-    monkeypatch.setattr(window.WindowLoop, "_send", spy)
+    monkeypatch.setattr(roundloop.RoundLoop, "_send", spy)
     for offered in (True, False):
         used.clear()
         backend = SyntheticBackend(vocab=V, seed=0)
@@ -187,6 +188,44 @@ async def test_the_window_test_catches_a_biased_verifier(forced_depth):
     seq, st = await _windowed(AcceptEverything(vocab=V, seed=0, step_ms=5.0, n_ctx=N_TOKENS + 64), 3, "off")
     assert st.tokens == N_TOKENS
     assert transition_p([seq]) < P_MIN
+
+
+# --- the planner (the default edge) -------------------------------------------------------------------
+
+async def _planned(backend, sessions: int, tokens: int):
+    """`sessions` generations (8: together, batched by the verifier) of the default edge: every shape
+    option the planner's (only q pinned, as float, so that the synthetic pair's q is exact)."""
+    settings = SamplingSettings(temperature=1.0, max_new_tokens=tokens, ignore_eos=True)   # unseeded
+    async with running_server(backend, max_new_tokens_cap=tokens, max_sessions=16) as server:
+        async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", plan="auto", qmode="float:0"),
+                              SyntheticDrafter(V, seed=0, noise=1.0), SyntheticTokenizer(V)) as c:
+            stats = await generate_many(c, sessions, settings, concurrency=sessions)
+    return [[0] + st.token_ids for st in stats], stats
+
+
+@pytest.mark.parametrize("sessions, batching", [(1, False), (8, True)])
+async def test_the_planners_rounds_follow_the_target(forced_depth, sessions, batching):
+    """N_TOKENS tokens in all (one session, or eight batched by the verifier), every shape the
+    planner's, with the window kept full: the token transitions against the target's by chi-square
+    (p > P_MIN); the stats say which shapes it chose."""
+    backend = SyntheticBackend(vocab=V, seed=0, step_ms=5.0, n_ctx=N_TOKENS + 64, batching=batching)
+    seqs, stats = await _planned(backend, sessions, N_TOKENS // sessions)
+    p = transition_p(seqs)
+    shapes: dict[str, int] = {}
+    for st in stats:
+        for k, v in st.shapes.items():
+            shapes[k] = shapes.get(k, 0) + v
+    print(f"sessions={sessions}: shapes {shapes}; chi-square p = {p:.3g}")
+    assert all(st.tokens == N_TOKENS // sessions for st in stats)
+    assert all(set(st.planned) == {"gamma", "tree", "window", "proactive", "pipeline", "fuse"} for st in stats)
+    assert sum(shapes.values()) >= sum(st.rounds - st.fused_hits for st in stats)   # every round sent has a shape
+    assert p > P_MIN
+
+
+async def test_the_planner_test_catches_a_biased_verifier(forced_depth):
+    seqs, stats = await _planned(AcceptEverything(vocab=V, seed=0, step_ms=5.0, n_ctx=N_TOKENS + 64), 1, N_TOKENS)
+    assert stats[0].tokens == N_TOKENS
+    assert transition_p(seqs) < P_MIN
 
 
 # --- faults through the stream ------------------------------------------------------------------------
@@ -261,12 +300,12 @@ async def test_a_window_on_the_stream_replays_after_evictions(forced_depth, monk
     text; T = 1: every token once)."""
     from test_faults import VOCAB as FV, synthetic_greedy
     on_stream = []
-    orig = window.WindowLoop._send
+    orig = roundloop.RoundLoop._send
 
     def spy(self, req):
         on_stream.append(bool(req.session_id) and self.stream is not None)
         return orig(self, req)
-    monkeypatch.setattr(window.WindowLoop, "_send", spy)
+    monkeypatch.setattr(roundloop.RoundLoop, "_send", spy)
     async with running_server(SyntheticBackend(vocab=FV, step_ms=5.0)) as server:
         verify, calls, evicted = server.engine.verify, [0], []
 

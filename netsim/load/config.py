@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MODES = ("hybrid", "adaptive", "cloud-only")
+MODES = ("hybrid", "adaptive", "cloud-only", "auto")   # auto: the default edge (the planner picks each round)
 SYNTHETIC_VOCAB = 64
 
 

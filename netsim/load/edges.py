@@ -245,7 +245,9 @@ async def _one_request(mode, stub, channel, drafter, edges, prompt, settings, re
         return
     gamma = "adaptive" if mode == "adaptive" else edges.cfg.gamma
     from edge_client.options import EdgeOptions, Speculation, Transport
-    options = EdgeOptions(Transport("", deadline_s=120), Speculation(gamma=gamma, qmode=edges.cfg.qmode))
+    # auto is the default edge (the planner); hybrid and adaptive pin a plain chain
+    shape = {} if mode == "auto" else {"gamma": gamma, "plan": "off"}
+    options = EdgeOptions(Transport("", deadline_s=120), Speculation(qmode=edges.cfg.qmode, **shape))
     async with EdgeClient(options, drafter, edges.tokenizer, channel=channel) as client:
         generation = client.generate(prompt, settings)
         try:
