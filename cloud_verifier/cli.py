@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here, not at the top: build_parser() needs only argparse (the docs build renders it).
     from cloud_verifier.validation import Limits
     from cloud_verifier.process import READY
-    from cloud_verifier.server import serve_forever
+    from cloud_verifier.server import BindError, serve_forever
     tls, tokens, policy = security_from_args(args)
     for flag in ("slo_tpot_ms", "slo_ttft_ms"):
         value = getattr(args, flag)
@@ -218,9 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     limits = Limits(max_gamma=args.max_gamma, max_sessions=max_sessions, session_ttl_s=args.session_ttl,
                     default_max_new_tokens=args.max_new_tokens, steer=args.steer == "on",
                     slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms)
-    asyncio.run(serve_forever(backend, args.host, args.port, limits, args.metrics_port,
-                              on_ready=lambda port: print(f"{READY} {args.host}:{port}", flush=True),
-                              tls=tls, tokens=tokens, policy=policy, insecure=args.insecure, grace_s=args.grace))
+    try:
+        asyncio.run(serve_forever(backend, args.host, args.port, limits, args.metrics_port,
+                                  on_ready=lambda port: print(f"{READY} {args.host}:{port}", flush=True),
+                                  tls=tls, tokens=tokens, policy=policy, insecure=args.insecure, grace_s=args.grace))
+    except BindError as e:
+        raise SystemExit(f"cloud-verifier: {e}") from None
     return 0
 
 

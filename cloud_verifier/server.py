@@ -45,6 +45,10 @@ class InsecureBindError(ValueError):
     pass
 
 
+class BindError(OSError):
+    """The server could not listen on its address: the port is in use, or the address is not this machine's."""
+
+
 @dataclass(frozen=True)
 class ServerTLS:
     """PEM bytes: the server's certificate chain and key; a client CA turns on mutual TLS.
@@ -409,16 +413,21 @@ class VerifierServer:
             # Edges on weak links keep connections alive with pings; let them.
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # gRPC sets SO_REUSEPORT by default: a second verifier on the same port would start and
+            # take half of the new connections (sessions it does not hold). Refuse it instead.
+            ("grpc.so_reuseport", 0),
         ])
         pb_grpc.add_VerifierServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"{self.host}:{self.requested_port}"
-        if self.tls is not None:
-            self.port = self.server.add_secure_port(address, self.tls.credentials())
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:   # grpc raises RuntimeError("Failed to bind ...") or returns port 0, by version
+            self.port = (self.server.add_secure_port(address, self.tls.credentials()) if self.tls is not None
+                         else self.server.add_insecure_port(address))
+        except RuntimeError:
+            self.port = 0
         if not self.port:
-            raise OSError(f"could not bind {self.host}:{self.requested_port}")
+            raise BindError(f"could not bind {address}: the port is in use (another verifier, or one still shutting "
+                            "down) or the address is not this machine's; pick another --port (0: a free one)")
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -468,7 +468,12 @@ async def serve(app: FastAPI, host: str, port: int, on_ready: Callable[[int], No
     import uvicorn
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"edge-client serve: could not bind {host}:{port}: {e.strerror} (the port is in use, or "
+                         "the address is not this machine's); pick another --port (0: a free one)") from None
     # uvicorn logs through the root logger as configured by the CLI (-v shows the access log).
     config = uvicorn.Config(app, loop="asyncio", log_config=None, log_level=logging.getLogger().getEffectiveLevel(),
                             timeout_graceful_shutdown=5)

@@ -24,7 +24,7 @@ PACKAGES = ("spec_core", "cloud_verifier", "edge_client", "hybridspec", "llama_r
 # Callee name -> the position of its message argument (keyword: one of MESSAGE_KEYWORDS).
 MESSAGE_ARGS = {
     # the verifier's gRPC statuses (status details)
-    "RequestError": 1, "_bad": 0, "Refused": 0, "abort": 1, "_refusing": 2, "_stream_error": 1,
+    "RequestError": 1, "_bad": 0, "bad": 0, "Refused": 0, "abort": 1, "_refusing": 2, "_stream_error": 1,
     # the OpenAI endpoint's HTTP errors
     "APIError": 1, "unsupported": 1,
     # the edge: option values and conflicts refused before the first round, and its own refusals
@@ -148,7 +148,7 @@ def test_every_refusal_message_is_on_the_troubleshooting_page():
     messages = all_messages()
     helpers = {m.helper for m in messages}
     # The extraction finds each kind of refusal (a rename of a helper must not empty the check).
-    assert {"RequestError", "_bad", "Refused", "APIError", "OptionConflict", "EdgeError", "SystemExit",
+    assert {"RequestError", "bad", "Refused", "APIError", "OptionConflict", "EdgeError", "SystemExit",
             "self.message", "_refusing", "QError", "SetupError", "fail"} <= helpers, helpers
     assert len(messages) > 80, len(messages)
     missing = missing_from(PAGE.read_text(encoding="utf-8"), messages)
