@@ -126,6 +126,10 @@ class RegimeConfig:
     offload: KvOffload = field(default_factory=KvOffload)
     pcie_max_busy: float = 0.9
     prefetch: bool = False             # restore parked KV ahead of the forecast round (the verifier does not)
+    # The hybrid parks waiting sessions' KV in host memory. Off by default: the baselines could offload
+    # too (vLLM's KV offloading connector), and the simulation's parked points fall short of this
+    # model's near its bound (netsim.fleet.simcheck).
+    parking: bool = False
     gpu: str = "h200"
     kv_dtype: str = "bf16"
     # Achieved / peak: 0.7 of HBM bandwidth (what vLLM's decode kernels reach on large batches), 0.6 of
@@ -164,7 +168,7 @@ class RegimeConfig:
                 "prompt_tokens": self.prompt_tokens, "guess": self.guess_(), "window": self.window_(),
                 "bytes_per_continuation": self.bytes_per_continuation_(), "continuations": list(self.continuations),
                 "gammas": list(self.gammas), "ngram_alpha": self.ngram_alpha, "measured": self.inputs().describe(),
-                "round_work": self.round_work.describe(), "offload": self.offload.describe()}
+                "round_work": self.round_work.describe(), "offload": self.offload.describe(), "parking": self.parking}
 
 
 _hit = functools.lru_cache(maxsize=65536)(hit_probability)
@@ -424,7 +428,7 @@ def hybrid(cost: RooflineCost, alpha: float, link: str, cfg: RegimeConfig, in_fl
     best: Point | None = None
     for gamma in cfg.gammas:
         for c in (cfg.continuations if in_flight else (0,)):
-            for parking in (False, True):
+            for parking in ((False, True) if cfg.parking else (False,)):
                 point = _hybrid_point(cost, alpha, link, cfg, gamma, c, parking, kv_slots, host_slots)
                 if best is None or point.tokens_per_s > best.tokens_per_s * (1 + 1e-9):
                     best = point
@@ -492,12 +496,14 @@ def regime_cell(key: str, context: int, link: str, alpha: float, cfg: RegimeConf
         points[mode] = hybrid(cost, alpha, link, cfg, mode.endswith("in flight"), kv_slots, host_slots)
     cloud = points["cloud-only"].tokens_per_s
     spec = max(points[m].tokens_per_s for m in SPEC_MODES)
+    baseline = max(cloud, spec)   # what the operator would run: plain decoding or its best speculation
     best_spec = max(SPEC_MODES, key=lambda m: points[m].tokens_per_s)
     out = {"gpu": cfg.gpu, "target": key, "kv_dtype": cfg.kv_dtype, "context": context, "link": link, "alpha": alpha,
            "kv_slots": kv_slots, "host_slots": host_slots, "best_spec": best_spec, "modes": {}}
     for mode, p in points.items():
         out["modes"][mode] = {**p.__dict__, "x_cloud": p.tokens_per_s / cloud if cloud else None,
-                              "x_spec": p.tokens_per_s / spec if spec else None}
+                              "x_spec": p.tokens_per_s / spec if spec else None,
+                              "x_best": p.tokens_per_s / baseline if baseline else None}
     return out
 
 
@@ -548,14 +554,14 @@ def ratio_rows(result: dict, gpu: str) -> list[list]:
         rows.append([c["target"], f"{c['context'] // 1024}k", c["link"], c["alpha"],
                      round(m["cloud-only"]["tokens_per_s"]), f"{m['cloud-only']['binds']}, n {m['cloud-only']['sessions']}",
                      *[m[k]["x_cloud"] for k in SPEC_MODES], *[m[k]["x_cloud"] for k in HYBRID_MODES],
-                     m[best]["x_spec"], f"{m[best]['binds']}, γ {m[best]['gamma']}, n {m[best]['sessions']}"
+                     m[best]["x_spec"], m[best]["x_best"], f"{m[best]['binds']}, γ {m[best]['gamma']}, n {m[best]['sessions']}"
                      + (f", c {m[best]['continuations']}" if m[best]["continuations"] else "")])
     return rows
 
 
 RATIO_COLUMNS = ["target", "context", "link", "α", "cloud-only tok/s", "cloud-only binds",
                  "draft model ×", "EAGLE ×", "n-gram ×", "hybrid one round ×", "hybrid in flight ×",
-                 "hybrid ÷ best vLLM spec", "hybrid binds"]
+                 "hybrid ÷ best vLLM spec", "hybrid ÷ better baseline", "hybrid binds"]
 
 
 def gap_rows(result: dict, gpu: str) -> list[list]:
@@ -587,6 +593,7 @@ def summary(result: dict) -> dict:
         out[gpu] = {"cells": len(cells),
                     "hybrid_beats_cloud": sum((h["x_cloud"] or 0) > 1.0 for h in hyb),
                     "hybrid_beats_spec": sum((h["x_spec"] or 0) > 1.0 for h in hyb),
+                    "hybrid_beats_best": sum((h["x_best"] or 0) > 1.0 for h in hyb),
                     "hybrid_2x_cloud": sum((h["x_cloud"] or 0) >= 2.0 for h in hyb),
                     "max_x_cloud": max((h["x_cloud"] or 0) for h in hyb),
                     "max_x_spec": max((h["x_spec"] or 0) for h in hyb),
@@ -609,7 +616,7 @@ def regime_markdown(result: dict) -> str:
         lines += [f"## {GPUS[gpu].name}", "", "| " + " | ".join(RATIO_COLUMNS) + " |",
                   "|" + "---|" * len(RATIO_COLUMNS)]
         for row in ratio_rows(result, gpu):
-            lines.append("| " + " | ".join(_x(v) if isinstance(v, float) and i >= 6 else
+            lines.append("| " + " | ".join(_x(v) if i >= 6 and not isinstance(v, str) else
                                            (f"{v:g}" if isinstance(v, float) else str(v))
                                            for i, v in enumerate(row)) + " |")
         lines += ["", "| " + " | ".join(GAP_COLUMNS) + " |", "|" + "---|" * len(GAP_COLUMNS)]
@@ -618,3 +625,133 @@ def regime_markdown(result: dict) -> str:
                                            for v in row) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def regime_arguments(parser) -> None:
+    """The map's inputs as options (shared with netsim.fleet.simcheck): each is printed with the result."""
+    d = RegimeConfig()
+    parser.add_argument("--setting", default="greedy", choices=("greedy", "top-k", "top-p"),
+                        help="the rounds' sampling setting (picks the host-path rows)")
+    parser.add_argument("--slo-ms", type=float, default=d.slo_tpot_s * 1e3, help="the latency SLO (ms)")
+    parser.add_argument("--slo-on", default=d.slo_on, choices=("p95-gap", "mean-tpot"),
+                        help="judge the SLO on the p95 gap between bursts reaching the user, or on the mean TPOT")
+    parser.add_argument("--kv-dtype", default=d.kv_dtype, choices=KV_DTYPES, help="the KV cache's dtype")
+    parser.add_argument("--flops-efficiency", type=float, default=d.flops_efficiency, help="achieved / peak FLOPs")
+    parser.add_argument("--bw-efficiency", type=float, default=d.bw_efficiency, help="achieved / peak HBM bandwidth")
+    parser.add_argument("--draft-ms", type=float, default=d.draft_s * 1e3, help="device drafting time per token (ms)")
+    parser.add_argument("--edge-ms", type=float, default=d.edge_s * 1e3, help="the edge's own time per round (ms)")
+    parser.add_argument("--window", type=int, default=None, help="rounds in flight (default: the measured depth)")
+    parser.add_argument("--guess", type=float, default=None,
+                        help="a continuation's guessed token is right with this probability (default: measured)")
+    parser.add_argument("--bytes-per-continuation", type=float, default=None,
+                        help="upload bytes a continuation adds to its round (default: measured)")
+    parser.add_argument("--continuations", default=",".join(map(str, d.continuations)),
+                        help="continuations per round in flight to try (comma-separated)")
+    parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens generated per request")
+    parser.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="new prompt tokens per request")
+    parser.add_argument("--ngram-alpha", type=float, default=d.ngram_alpha, help="α of vLLM's n-gram drafts")
+    parser.add_argument("--parking", action="store_true",
+                        help="let the hybrid park waiting sessions' KV in host memory (off: every mode holds its "
+                             "sessions' KV on the GPU, as the baselines do)")
+    parser.add_argument("--host-path-table", default=None,
+                        help="host-path table (JSON; default bench/fleet/host_path.json)")
+
+
+def config_from_args(args) -> RegimeConfig:
+    return RegimeConfig(slo_tpot_s=args.slo_ms / 1e3, slo_on=args.slo_on, kv_dtype=args.kv_dtype,
+                        flops_efficiency=args.flops_efficiency, bw_efficiency=args.bw_efficiency,
+                        draft_s=args.draft_ms / 1e3, edge_s=args.edge_ms / 1e3, window=args.window, guess=args.guess,
+                        bytes_per_continuation=args.bytes_per_continuation,
+                        continuations=tuple(int(c) for c in args.continuations.split(",")),
+                        max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, ngram_alpha=args.ngram_alpha,
+                        parking=args.parking)
+
+
+def _cell_figures(result: dict, setup: str) -> dict:
+    """Headline figures per GPU: the counts of `summary`."""
+    from hybridspec.figures import Figure
+    figs = {}
+    for gpu, s in summary(result).items():
+        where = f"{GPUS[gpu].name}, {s['cells']} cells; {setup}"
+        figs[f"{gpu}-hybrid-beats-spec"] = Figure(s["hybrid_beats_spec"], "cells where the hybrid's tokens/s per GPU "
+                                                  "beats the best of vLLM's own speculative decoding", where, "cells")
+        figs[f"{gpu}-hybrid-beats-best"] = Figure(s["hybrid_beats_best"], "cells where the hybrid's tokens/s per GPU "
+                                                  "beats both plain decoding and vLLM's best speculative decoding",
+                                                  where, "cells")
+        figs[f"{gpu}-hybrid-beats-cloud"] = Figure(s["hybrid_beats_cloud"], "cells where the hybrid's tokens/s per "
+                                                   "GPU beats plain decoding", where, "cells")
+        figs[f"{gpu}-spec-beats-cloud"] = Figure(s["spec_beats_cloud"], "cells where vLLM's best speculative "
+                                                 "decoding beats plain decoding", where, "cells")
+        figs[f"{gpu}-max-x-spec"] = Figure(round(s["max_x_spec"], 4), "the hybrid's best tokens/s per GPU over the "
+                                           "best vLLM speculative decoding", where, "x", "{:.2f}×")
+        figs[f"{gpu}-max-x-cloud"] = Figure(round(s["max_x_cloud"], 4), "the hybrid's best tokens/s per GPU over "
+                                            "plain decoding", where, "x", "{:.2f}×")
+        figs[f"{gpu}-hybrid-zero"] = Figure(s["hybrid_zero"], "cells where no hybrid session meets the SLO", where,
+                                            "cells")
+        figs[f"{gpu}-cells"] = Figure(s["cells"], "cells in the map", where, "cells")
+    return figs
+
+
+def write_results(result: dict, name: str, command: str | None = None, load_start=None):
+    """The map into the figures registry: a ratio table and a gap table per GPU, the headline counts,
+    the measured runs the rounds in flight are charged from."""
+    from hybridspec.figures import Table, write_result
+    from netsim.fleet.measured import MEASURED_GAMMA
+    cfg = result["config"]
+    setup = (f"SLO {cfg['slo_on']} <= {cfg['slo_s'] * 1e3:g} ms, KV {cfg['kv_dtype']}, FLOPs x "
+             f"{cfg['flops_efficiency']:g}, HBM x {cfg['bw_efficiency']:g}, {result['setting']} rounds"
+             + (", hybrid parks KV in host memory" if cfg["parking"] else ""))
+    fmt = {c: "{:.2f}×" for c in RATIO_COLUMNS[6:13]}
+    fmt["cloud-only tok/s"] = "{:,}"
+    tables = {}
+    for gpu in dict.fromkeys(c["gpu"] for c in result["cells"]):
+        tables[gpu] = Table(RATIO_COLUMNS, ratio_rows(result, gpu), fmt)
+        tables[f"{gpu}-gaps"] = Table(GAP_COLUMNS, gap_rows(result, gpu))
+    m = RegimeConfig().inputs()
+    tables["measured-hits"] = Table(
+        ["pair", "profile", "mode", "α", "rounds", "continuations per round", "hits", "hit rate measured",
+         "model's hit rate at the fitted guess"],
+        [[r.pair, r.profile, r.mode, round(r.alpha, 3), r.rounds, round(r.continuations, 2), r.hits,
+          round(r.hits / r.rounds, 2), round(hit_probability(r.alpha, MEASURED_GAMMA, m.guess,
+                                                             max(1, round(r.continuations))), 2)] for r in m.runs])
+    return write_result(name, figures=_cell_figures(result, setup), tables=tables, command=command,
+                        load_start=load_start,
+                        note=f"a model: its figures do not depend on the machine. {setup}. {cfg['measured']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m netsim.fleet.regime`: the map as regime.json and regime.md in --out, and its tables
+    and headline figures in the registry (bench/results/<--result>.json)."""
+    import argparse
+    import json
+    import logging
+    import os
+    from pathlib import Path
+
+    from netsim.fleet.hostpath import HostPathTable
+    parser = argparse.ArgumentParser(prog="python -m netsim.fleet.regime", description=__doc__.split("\n")[0])
+    regime_arguments(parser)
+    parser.add_argument("--gpus", default="h100,h200", help="comma-separated: h100, h200")
+    parser.add_argument("--out", default="results/regime", help="output folder for regime.json and regime.md")
+    parser.add_argument("--result", default="", help="also write bench/results/<RESULT>.json (the figures registry)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    load = [round(x, 2) for x in os.getloadavg()]
+    cfg = config_from_args(args)
+    table = HostPathTable.load(args.host_path_table) if args.host_path_table else HostPathTable.load()
+    result = regime_map(gpus=tuple(args.gpus.split(",")), setting=args.setting, cfg=cfg, table=table)
+    result["summary"] = summary(result)
+    markdown = regime_markdown(result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "regime.json").write_text(json.dumps(result, indent=1))
+    (out / "regime.md").write_text(markdown)
+    logging.info("%s", markdown)
+    logging.info("wrote %s and %s", out / "regime.json", out / "regime.md")
+    if args.result:
+        logging.info("wrote %s", write_results(result, args.result, load_start=load))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
