@@ -298,6 +298,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
                        gpu_alpha=args.gpu_alpha, gpu_draft_s=args.gpu_draft_ms / 1000.0, gpu_context=args.gpu_context,
                        gpu_overhead_s=args.gpu_overhead_ms / 1000.0, cpu_cost=cpu_cost, cpu_ubatch=args.cpu_ubatch,
                        slo_ttft_s=args.slo_ttft_ms / 1000.0, gpu_duration_s=args.gpu_duration,
+                       gpu_max_tokens=args.gpu_max_tokens, gpu_prompt_tokens=args.gpu_prompt_tokens,
                        gpu_cases=gpu_cases(args.gpu_block_size) if args.gpu_table == "on" else None,
                        specedge=dict(tokens_per_round=[3.0, 3.5, 4.0], batches=[2, 4, 8, 16]) if args.specedge else None,
                        progress=lambda name: log.info("%s", name))
@@ -340,6 +341,10 @@ def _add_fleet_command(subparsers) -> None:
     parser.add_argument("--gpu-alpha", type=float, default=0.7, help="per-token acceptance of the GPU case's pair")
     parser.add_argument("--gpu-draft-ms", type=float, default=10.0, help="device drafting time per token (ms)")
     parser.add_argument("--gpu-context", type=int, default=1024, help="mean context per session (tokens)")
+    parser.add_argument("--gpu-max-tokens", type=int, default=256,
+                        help="tokens generated per request in the GPU table (the regime map's workload)")
+    parser.add_argument("--gpu-prompt-tokens", type=int, default=128,
+                        help="new prompt tokens per request in the GPU table (the regime map's workload)")
     parser.add_argument("--gpu-overhead-ms", type=float, default=0.05,
                         help="server CPU per round on the GPU verifier (ms; one at a time; streams stay in the batch)")
     parser.add_argument("--gpu-table", choices=["on", "off"], default="on",

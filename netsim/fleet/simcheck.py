@@ -118,16 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     load = [round(x, 2) for x in os.getloadavg()]
     cfg = config_from_args(args)
-    rows = sim_check(cfg=cfg, setting=args.setting, table=HostPathTable.load(args.host_path_table),
+    table = HostPathTable.load(args.host_path_table) if args.host_path_table else HostPathTable.load()
+    rows = sim_check(cfg=cfg, setting=args.setting, table=table,
                      duration_s=args.duration, progress=logging.info)
-    table = Table(SIM_COLUMNS, sim_rows(rows), {"map tok/s": "{:,}", "simulated tok/s": "{:,}"})
-    logging.info("%s", table.render())
+    cells = Table(SIM_COLUMNS, sim_rows(rows), {"map tok/s": "{:,}", "simulated tok/s": "{:,}"})
+    logging.info("%s", cells.render())
     errors = [abs(r["error"]) for r in rows if "error" in r]
     if args.result:
         setup = (f"{len(CHECK_CELLS)} cells of the regime map, {len(SIM_MODES)} modes each, at the map's points; "
                  f"SLO {cfg.slo_on} <= {cfg.slo_tpot_s * 1e3:g} ms; {args.duration:g} s simulated per point")
         path = write_result(args.result, load_start=load, note="a model: the figures do not depend on the machine",
-                            tables={"cells": table},
+                            tables={"cells": cells},
                             figures={"max-error": Figure(max(errors), "largest |simulated / map - 1| of tokens/s per GPU",
                                                          setup, "", "{:.1%}"),
                                      "tolerance": Figure(TOLERANCE, "the agreement the test requires", setup, "",
