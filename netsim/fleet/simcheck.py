@@ -5,8 +5,13 @@ point: sessions n, γ, parked sessions. Here the simulator (netsim.fleet.simulat
 links with their jitter and loss, one pass at a time, acceptance drawn per round) runs that point
 with the same cost, the same workload (prompt and generated tokens per request) and the same inputs,
 and reports its tokens/s, p95 gap between bursts and TTFT beside the map's. The two agree on
-tokens/s within `TOLERANCE` (tests/netsim/test_netsim_fleet_regime.py checks it). The simulation has
-no window of rounds in flight, so the hybrid is checked one round at a time.
+tokens/s within `TOLERANCE` (tests/netsim/test_netsim_fleet_regime.py checks it): 5% for streams
+(plain decoding, vLLM spec), 8% for the hybrid, whose wait at the verifier the map takes as half a
+pass while the simulation queues each round behind the pass it finds (few sessions wait less, many
+more), and where a pass's compute and memory terms vary from pass to pass (the map charges the
+mean pass, the simulation the max of each pass's two terms). The simulation has no window of rounds
+in flight, so the hybrid is checked one round at a time; the map's p95 gap has no pass-to-pass
+variation, the simulation's does (it is the larger).
 
 `python -m netsim.fleet.simcheck` writes bench/results/gpu-sim.json (the registry's tables).
 """
@@ -19,7 +24,11 @@ from netsim.fleet.hostpath import HostPath, HostPathTable
 from netsim.fleet.regime import SPEC_MODES, RegimeConfig, cell_costs, regime_cell, spec_cost
 from netsim.fleet.simulation import FleetConfig, simulate
 
-TOLERANCE = 0.05     # relative, on committed tokens/s per GPU
+TOLERANCE = {"streams": 0.05, "hybrid": 0.08}   # relative, on committed tokens/s per GPU
+
+
+def tolerance(mode: str) -> float:
+    return TOLERANCE["hybrid" if mode.startswith("hybrid") else "streams"]
 SIM_MODES = ("cloud-only", *SPEC_MODES, "hybrid, one round")
 CHECK_CELLS = (("h200", "8b-bf16", 1024, "lte", 0.7), ("h200", "8b-bf16", 8192, "lan", 0.7),
                ("h200", "70b-fp8", 32768, "lan", 0.85), ("h100", "8b-bf16", 8192, "3g", 0.5),
@@ -123,16 +132,20 @@ def main(argv: list[str] | None = None) -> int:
                      duration_s=args.duration, progress=logging.info)
     cells = Table(SIM_COLUMNS, sim_rows(rows), {"map tok/s": "{:,}", "simulated tok/s": "{:,}"})
     logging.info("%s", cells.render())
-    errors = [abs(r["error"]) for r in rows if "error" in r]
+    errors = {kind: max((abs(r["error"]) for r in rows if "error" in r
+                         and r["mode"].startswith("hybrid") == (kind == "hybrid")), default=0.0)
+              for kind in TOLERANCE}
     if args.result:
         setup = (f"{len(CHECK_CELLS)} cells of the regime map, {len(SIM_MODES)} modes each, at the map's points; "
                  f"SLO {cfg.slo_on} <= {cfg.slo_tpot_s * 1e3:g} ms; {args.duration:g} s simulated per point")
         path = write_result(args.result, load_start=load, note="a model: the figures do not depend on the machine",
                             tables={"cells": cells},
-                            figures={"max-error": Figure(max(errors), "largest |simulated / map - 1| of tokens/s per GPU",
-                                                         setup, "", "{:.1%}"),
-                                     "tolerance": Figure(TOLERANCE, "the agreement the test requires", setup, "",
-                                                         "{:.0%}")})
+                            figures={**{f"max-error-{kind}": Figure(
+                                         round(err, 4), f"largest |simulated / map - 1| of tokens/s per GPU, {kind}",
+                                         setup, "", "{:.1%}") for kind, err in errors.items()},
+                                     **{f"tolerance-{kind}": Figure(t, f"the agreement the test requires, {kind}",
+                                                                    "tests/netsim/test_netsim_fleet_regime.py", "",
+                                                                    "{:.0%}") for kind, t in TOLERANCE.items()}})
         logging.info("wrote %s", path)
     return 0
 

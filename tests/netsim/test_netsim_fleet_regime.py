@@ -337,15 +337,16 @@ def test_the_map_writes_its_tables_into_the_registry(tmp_path, monkeypatch):
 def test_the_map_and_the_simulation_agree_on_each_modes_tokens_per_s():
     # 8B at 1k on an H200 over lte (825 sessions: the cell where a simulation of 64-token requests and the
     # map once gave 18,625 and 21,710 cloud-only tok/s) and 70B at 32k over lan (5 sessions): at the
-    # map's points, each mode simulated 6 s after 4 s of warm-up, tokens/s within TOLERANCE (5%).
-    from netsim.fleet.simcheck import TOLERANCE, sim_cell
+    # map's points, each mode simulated 6 s after 4 s of warm-up, tokens/s within the stated tolerance
+    # (5% for streams, 8% for the hybrid).
+    from netsim.fleet.simcheck import sim_cell, tolerance
     cfg = RegimeConfig()
     for cell in (("h200", "8b-bf16", 1024, "lte", 0.7), ("h200", "70b-fp8", 32768, "lan", 0.85)):
         rows = sim_cell(*cell, cfg, DEVICE, duration_s=6.0)
         assert {r["mode"] for r in rows} >= {"cloud-only", "vLLM spec, EAGLE", "hybrid, one round"}
         for row in rows:
             assert row["parked"] == 0 and row["sessions"] > 0
-            assert abs(row["error"]) <= TOLERANCE, row
+            assert abs(row["error"]) <= tolerance(row["mode"]), row
     # Control: the hybrid simulated on 3g against the map on lan disagrees by far more.
     (hyb,) = sim_cell("h200", "8b-bf16", 8192, "lan", 0.7, cfg, DEVICE, modes=("hybrid, one round",),
                       duration_s=6.0, sim_link="3g")
