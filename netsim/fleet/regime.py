@@ -590,6 +590,9 @@ def summary(result: dict) -> dict:
     for gpu in dict.fromkeys(c["gpu"] for c in result["cells"]):
         cells = [c for c in result["cells"] if c["gpu"] == gpu]
         hyb = [c["modes"][hybrid_best(c)] for c in cells]
+        # EAGLE ÷ the hybrid at 8k-32k context, where both serve
+        long = [c["modes"]["vLLM spec, EAGLE"]["tokens_per_s"] / h["tokens_per_s"] for c, h in zip(cells, hyb)
+                if c["context"] >= 8192 and h["tokens_per_s"] and c["modes"]["vLLM spec, EAGLE"]["tokens_per_s"]]
         out[gpu] = {"cells": len(cells),
                     "hybrid_beats_cloud": sum((h["x_cloud"] or 0) > 1.0 for h in hyb),
                     "hybrid_beats_spec": sum((h["x_spec"] or 0) > 1.0 for h in hyb),
@@ -599,6 +602,7 @@ def summary(result: dict) -> dict:
                     "max_x_spec": max((h["x_spec"] or 0) for h in hyb),
                     "spec_beats_cloud": sum((c["modes"][c["best_spec"]]["x_cloud"] or 0) > 1.0 for c in cells),
                     "hybrid_zero": sum(h["tokens_per_s"] == 0 for h in hyb),
+                    "eagle_over_hybrid_long": [min(long), max(long)] if long else None,
                     "beats_spec_cells": [f"{c['target']} {c['context'] // 1024}k {c['link']} α {c['alpha']:g}"
                                          for c, h in zip(cells, hyb) if (h["x_spec"] or 0) > 1.0]}
     return out
@@ -689,6 +693,11 @@ def _cell_figures(result: dict, setup: str) -> dict:
         figs[f"{gpu}-hybrid-zero"] = Figure(s["hybrid_zero"], "cells where no hybrid session meets the SLO", where,
                                             "cells")
         figs[f"{gpu}-cells"] = Figure(s["cells"], "cells in the map", where, "cells")
+        if s["eagle_over_hybrid_long"]:
+            for end, v in zip(("min", "max"), s["eagle_over_hybrid_long"]):
+                figs[f"{gpu}-eagle-over-hybrid-long-{end}"] = Figure(
+                    round(v, 4), f"vLLM with an EAGLE head over the hybrid, tokens/s per GPU at the same α, the "
+                    f"{end} over the 8k-32k cells where both serve", where, "x", "{:.2f}×")
     return figs
 
 
