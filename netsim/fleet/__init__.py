@@ -13,7 +13,11 @@ verifier with N/V edges). The parts, one job each:
   calibration  the simulator's parameters from a `netsim load` run (`Calibration`)
   report       each load run checked against its calibration; verifiers per N edges at an SLO
   gpu          capacity and goodput per GPU for each path of the vLLM backend; SpecEdge's set-up
-  regime       the regime map: hybrid / cloud-only per GPU across target, context, link and α, what binds
+  serverspec   the second baseline: vLLM speculating for itself (draft model, EAGLE, n-gram), its cost on the GPU
+  measured     the rounds-in-flight inputs, from the project's own measurements
+  regime       the regime map: the hybrid per GPU against both baselines across GPU, target, context, link
+               and α, what binds, the p95 gap and TTFT
+  simcheck     the map's points run in the simulation: one model answer per cell
 """
 from netsim.fleet.calibration import (LLAMA_CPP_UBATCH, SYNTHETIC_UBATCH, Calibration, alpha_from_tokens_per_round,
                                       calibrate_from_load, cpu_per_unit, fleet_config, load_batching,

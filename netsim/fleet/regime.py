@@ -271,8 +271,7 @@ def stream_state(n: int, cost, link: str, cfg: RegimeConfig, gamma: int = 0, alp
     k, step = float(n), 0.0
     for _ in range(60):
         step_tokens = k * tokens_per_request / steps
-        step = cost.pass_s(max(1.0, step_tokens), max(1.0, k), False) if gamma else \
-            cost.pass_s(max(1.0, step_tokens), max(1.0, k), hybrid=False)
+        step = cost.pass_s(max(1.0, step_tokens), max(1.0, k), hybrid=False)   # a ServerSpecCost ignores hybrid
         cycle = steps * step + up + down + 0.5 * step
         k_new = n * steps * step / cycle
         if abs(k_new - k) < 1e-6 * max(k, 1.0):
