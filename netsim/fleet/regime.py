@@ -554,7 +554,7 @@ def ratio_rows(result: dict, gpu: str) -> list[list]:
                      round(m["cloud-only"]["tokens_per_s"]), f"{m['cloud-only']['binds']}, n {m['cloud-only']['sessions']}",
                      *[m[k]["x_cloud"] for k in SPEC_MODES], *[m[k]["x_cloud"] for k in HYBRID_MODES],
                      m[best]["x_spec"], m[best]["x_best"], f"{m[best]['binds']}, γ {m[best]['gamma']}, n {m[best]['sessions']}"
-                     + (f", c {m[best]['continuations']}" if m[best]["continuations"] else "")])
+                     + (f", c {m[best]['continuations']}, hit {m[best]['hit']:.2f}" if m[best]["continuations"] else "")])
     return rows
 
 
@@ -602,6 +602,8 @@ def summary(result: dict) -> dict:
                     "spec_beats_cloud": sum((c["modes"][c["best_spec"]]["x_cloud"] or 0) > 1.0 for c in cells),
                     "hybrid_zero": sum(h["tokens_per_s"] == 0 for h in hyb),
                     "eagle_over_hybrid_long": [min(long), max(long)] if long else None,
+                    "max_x_best_3g": max([(h["x_best"] or 0) for c, h in zip(cells, hyb) if c["link"] == "3g"],
+                                         default=None),
                     "beats_spec_cells": [f"{c['target']} {c['context'] // 1024}k {c['link']} α {c['alpha']:g}"
                                          for c, h in zip(cells, hyb) if (h["x_spec"] or 0) > 1.0]}
     return out
@@ -692,6 +694,9 @@ def _cell_figures(result: dict, setup: str) -> dict:
         figs[f"{gpu}-hybrid-zero"] = Figure(s["hybrid_zero"], "cells where no hybrid session meets the SLO", where,
                                             "cells")
         figs[f"{gpu}-cells"] = Figure(s["cells"], "cells in the map", where, "cells")
+        if s["max_x_best_3g"] is not None:
+            figs[f"{gpu}-max-x-best-3g"] = Figure(round(s["max_x_best_3g"], 4), "the hybrid's best tokens/s per GPU "
+                                                  "over the better baseline on 3g", where, "x", "{:.2f}×")
         if s["eagle_over_hybrid_long"]:
             for end, v in zip(("min", "max"), s["eagle_over_hybrid_long"]):
                 figs[f"{gpu}-eagle-over-hybrid-long-{end}"] = Figure(
