@@ -307,6 +307,12 @@ def _run_fleet(args: argparse.Namespace) -> int:
     (out / "fleet.json").write_text(json.dumps(result, indent=1))
     (out / "fleet.md").write_text(fleet_markdown(result))
     fleet_plot(result, out / "verifiers_vs_edges.png")
+    if args.result and result.get("gpu_capacity"):
+        from hybridspec.figures import write_result
+
+        from .fleet.gpu import gpu_registry
+        figures, tables = gpu_registry(result)
+        print(f"wrote {write_result(args.result, figures=figures, tables=tables, note='a model: its figures do not depend on the machine')}")
     print((out / "fleet.md").read_text())
     print(f"wrote {out / 'fleet.json'}, {out / 'fleet.md'}, {out / 'verifiers_vs_edges.png'}")
     return 0
@@ -355,6 +361,8 @@ def _add_fleet_command(subparsers) -> None:
     parser.add_argument("--specedge", action="store_true",
                         help="also SpecEdge's published set-up (Qwen3-14B on an A100, RTX 4090 edges, 14 ms RTT)")
     parser.add_argument("--out", default="results/fleet", help="output folder")
+    parser.add_argument("--result", default="",
+                        help="also write the GPU table to bench/results/RESULT.json (the figures registry)")
     parser.set_defaults(run=_run_fleet)
 
 

@@ -251,3 +251,34 @@ def specedge_markdown(result: dict) -> list[str]:
                   f"{result['capacity_tokens_per_round']:g} tokens per round): "
               + "; ".join(f"{mode} {c['edges']} edges, {_f(c['tokens_per_s'])} tok/s" for mode, c in cap.items()), ""]
     return lines
+
+
+def gpu_registry(result: dict) -> tuple[dict, dict]:
+    """The GPU table as the figures registry's tables and figures (hybridspec.figures)."""
+    from hybridspec.figures import Figure, Table
+    gpu = result["gpu_capacity"]
+    setup = (f"{gpu['cost'].split('; host path')[0]}; edges on {', '.join(gpu['profiles'])}, α {gpu['alpha']:.3g}, γ {gpu['gamma']}, p95 TPOT <= "
+             f"{gpu['slo_tpot_s'] * 1e3:g} ms, p95 TTFT <= {gpu['slo_ttft_s'] * 1e3:g} ms, {gpu['max_tokens']} tokens a request")
+    columns = ["case", "edges per GPU", "committed tok/s per GPU", "× cloud-only", "p95 TPOT ms", "p95 TTFT ms",
+               "target tokens / committed"]
+    rows = [[r["case"], f"{r['edges_per_gpu']}{' (bound)' if r['bound'] else ''}",
+             round(r["committed_tokens_per_s"]) if r["committed_tokens_per_s"] is not None else None,
+             r["committed_tokens_per_s_vs_cloud"], _ms(r["tpot_p95_s"]), _ms(r["ttft_p95_s"]),
+             r["target_tokens_per_committed_token"]] for r in gpu["rows"]]
+    tables = {"capacity": Table(columns, rows, {"committed tok/s per GPU": "{:,}", "× cloud-only": "{:.2f}",
+                                                "target tokens / committed": "{:.2f}"})}
+    figures = {}
+    for r in gpu["rows"]:
+        key = {"cloud-only": "cloud"}.get(r["mode"], None)
+        if r["case"].startswith("hybrid, vLLM session, maths in the engine (what ships)"):
+            key = "hybrid-shipped"
+        elif r["mode"] == "server-spec":
+            key = "spec-" + r["case"].split(": ")[-1].replace(" ", "-").lower()
+        if key and r["committed_tokens_per_s"] is not None:
+            figures[f"{key}-tokens-per-s"] = Figure(round(r["committed_tokens_per_s"]), f"committed tokens/s per GPU at "
+                                                    f"the SLO, {r['case']}", setup, "tok/s", "{:,.0f}")
+    return figures, tables
+
+
+def _ms(x):
+    return None if x is None else round(x * 1e3, 1)

@@ -581,3 +581,8 @@ def test_the_gpu_table_charges_vllm_spec_its_drafts_memory():
                           duration_s=2.0, hosts=hosts)
     edges = {r["case"]: r["edges_per_gpu"] for r in result["rows"]}
     assert edges == {"cloud": 8, "draft model": 2, "EAGLE": 6, "n-gram": 8}
+    # ... and the table goes to the figures registry as it is (one row a case).
+    from netsim.fleet.gpu import gpu_registry
+    _, tables = gpu_registry({"gpu_capacity": result})
+    assert [row[0] for row in tables["capacity"].rows] == ["cloud", "draft model", "EAGLE", "n-gram"]
+    assert [row[1] for row in tables["capacity"].rows] == ["8 (bound)", "2 (bound)", "6 (bound)", "8 (bound)"]
