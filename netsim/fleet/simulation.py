@@ -188,6 +188,7 @@ class _Edge:
     committed: int = 0                  # tokens of the current request
     request_start: float = 0.0
     started: bool = False               # its first request has begun
+    first_committed: int = 0            # tokens the current request began with (stagger), not its own
     token_times: list = field(default_factory=list)   # (time, tokens) of the current request
     budget: int | None = None           # the draft budget of the verifier's last reply
     acceptance: Acceptance = field(default_factory=Acceptance)   # the verifier's α of its rounds
@@ -287,7 +288,7 @@ class _Simulation:
             return
         self.verdicts.append(met)
         if met:
-            before = 0
+            before = e.first_committed   # a staggered first request began with tokens already made
             for t, n in e.token_times:
                 if self.in_window(t):
                     self.good_tokens += n - before
@@ -319,7 +320,7 @@ class _Simulation:
             self.close_request(e)
         done = self.stagger_rng.randint(0, cfg.max_tokens - 1) if cfg.stagger and not e.started else 0
         e.started = True
-        e.committed, e.request_start, e.token_times = done, t, []
+        e.committed, e.request_start, e.token_times, e.first_committed = done, t, [], done
         # A new session on the verifier: no α measured, no first token yet.
         e.acceptance, e.first_token_at = Acceptance(), None
         if self.hybrid:

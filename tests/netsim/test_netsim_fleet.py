@@ -586,3 +586,15 @@ def test_the_gpu_table_charges_vllm_spec_its_drafts_memory():
     _, tables = gpu_registry({"gpu_capacity": result})
     assert [row[0] for row in tables["capacity"].rows] == ["cloud", "draft model", "EAGLE", "n-gram"]
     assert [row[1] for row in tables["capacity"].rows] == ["8 (bound)", "2 (bound)", "6 (bound)", "8 (bound)"]
+
+
+def test_staggered_first_requests_do_not_count_their_head_start_as_goodput():
+    # Each edge's first request starts with up to max_tokens - 1 tokens "already made" (stagger): those
+    # were never committed in the run, so goodput (tokens of requests that met the SLO) cannot exceed
+    # the tokens committed in the window.
+    # 4 edges, 1,000-token requests, 2 s of 20 ms passes: about 100 tokens each in the window, against
+    # head starts of hundreds of tokens (uniform on 0..999).
+    cost = LinearCost(0.020, 0.0)
+    result = simulate(FleetConfig(edges=4, mode="cloud-only", cost=cost, batching=True, max_tokens=1000,
+                                  duration_s=2.0, warmup_s=0.001, stagger=True, slo_tpot_s=1.0, slo_ttft_s=5.0))
+    assert result["goodput_tokens_per_s"] == pytest.approx(result["committed_tokens_per_s"], rel=0.02)
