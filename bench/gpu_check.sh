@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU verifier's check, on a lent GPU in at most 8 minutes:
+# The GPU verifier's check, on a lent GPU in at most 9½ minutes:
 #
 #   bash bench/gpu_check.sh            full sizes; results in $OUT/gpu_results.txt (or ./gpu_results.txt)
-#   bash bench/gpu_check.sh --short    the same steps at small sizes, on CPU in < 3 min on 2 cores
+#   bash bench/gpu_check.sh --short    the same steps at small sizes, on CPU in < 4 min on 2 cores
 #                                      (tests/test_gpu_check.py runs it in the vLLM suite, so it cannot rot)
 #
 # 1. the Python: $PYTHON, else $VENV_GPU (default .venv-gpu) or .venv-vllm if it imports vllm, else
@@ -13,9 +13,13 @@
 # 3. many edges: hybrid against cloud-only at 64 and 256 edges on lte, synthetic edges (netsim load
 #    --synthetic: the synthetic verifier, drafting emulated per edge);
 # 4. what a round costs vLLM, from its own counters (bench/fleet_vllm_counters.py), every setting and path;
-# 5. on a GPU: step 3 again with a vLLM verifier (SmolLM2 dequantized, started here) and
+# 5. vLLM speculating for itself beside plain decoding (bench/vllm_self_spec.py: n-gram and a draft
+#    model, the same prompts, one engine each): the second baseline of the per-GPU comparison
+#    (docs/operators.md), measured; --short: plain and n-gram at tiny sizes (a vLLM that refuses
+#    speculative decoding on CPU is reported as refused, not failed);
+# 6. on a GPU: step 3 again with a vLLM verifier (SmolLM2 dequantized, started here) and
 #    prompt-lookup edges (--drafter lookup, drafting emulated).
-# Every step is time-boxed by what is left of the budget (470 s; --short 170 s); a step that fails
+# Every step is time-boxed by what is left of the budget (560 s; --short 240 s); a step that fails
 # or runs out of time is reported and the script goes on. Exit status: the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +31,7 @@ for arg in "$@"; do
   esac
 done
 RESULTS=${OUT:-.}/gpu_results.txt
-BUDGET=$([ $SHORT = 1 ] && echo 170 || echo 470)
+BUDGET=$([ $SHORT = 1 ] && echo 240 || echo 560)
 START=$(date +%s)
 FAILED=0
 mkdir -p "$(dirname "$RESULTS")"
@@ -109,7 +113,21 @@ else
   say "## vLLM counters per round: skipped (vllm is not importable by $PY)"; FAILED=$((FAILED + 1))
 fi
 
-# --- 5. many edges with the vLLM verifier (a GPU only: its start and 2 x 2 runs do not fit --short) ---
+# --- 5. vLLM speculating for itself, beside plain decoding ------------------------------------------
+if has vllm; then
+  if [ $SHORT = 1 ]; then
+    step "vLLM speculating for itself" 70 "$PY" bench/vllm_self_spec.py --prompts 2 --max-tokens 8 \
+      --methods none,ngram --vllm-arg dtype=float32 --out "$(dirname "$RESULTS")/vllm_self_spec_short.json"
+  else
+    step "vLLM speculating for itself" 150 "$PY" bench/vllm_self_spec.py --prompts 64 --max-tokens 128 \
+      --vllm-arg gpu_memory_utilization=0.3 --vllm-arg enforce_eager=true \
+      --out "$(dirname "$RESULTS")/vllm_self_spec_gpu.json"
+  fi
+else
+  say "## vLLM speculating for itself: skipped (vllm is not importable by $PY)"; FAILED=$((FAILED + 1))
+fi
+
+# --- 6. many edges with the vLLM verifier (a GPU only: its start and 2 x 2 runs do not fit --short) ---
 # The verifier runs here, in its own process group, and netsim load talks to it (--server): vLLM's
 # shutdown can outlast netsim's wait for a verifier it started. VLLM_LOAD=1 runs this step without
 # CUDA too (VLLM_LOAD_EDGES=2: a CPU check of the step itself).

@@ -9,9 +9,11 @@ LOAD=${LOAD:-bench/load}
 PY=${PYTHON:-python}
 fleet() { nice -n 10 "$PY" -m netsim fleet "$@"; }
 # The headline: capacity and goodput at the SLO per H200 for each path of the vLLM backend, with and
-# without KV offload and the draft budget, hybrid beside cloud-only; and SpecEdge's set-up.
+# without KV offload and the draft budget, hybrid beside plain decoding and vLLM speculating for itself
+# (the regime map's cell: 8B, 1k, lte, α 0.7, its workload); and SpecEdge's set-up. The GPU table also
+# goes to the figures registry (bench/results/gpu-fleet.json).
 fleet --calibrate "$LOAD/synth-lan/load.json" --calibrate "$LOAD/synth-lan-batched/load.json" \
-    --profile lte --slo-tpot-ms 150 --slo-ttft-ms 2000 --specedge --out "$OUT/gpu"
+    --profile lte --slo-tpot-ms 150 --slo-ttft-ms 2000 --specedge --out "$OUT/gpu" --result gpu-fleet
 # The synthetic pair on lan, serial and batching verifier; capacity with edges on lte at p95 <= 150 ms.
 fleet --calibrate "$LOAD/synth-lan/load.json" --calibrate "$LOAD/synth-lan-batched/load.json" \
     --profile lte --slo-ms 150 --gpu-table off --out "$OUT/synthetic"

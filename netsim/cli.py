@@ -299,6 +299,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
                        gpu_alpha=args.gpu_alpha, gpu_draft_s=args.gpu_draft_ms / 1000.0, gpu_context=args.gpu_context,
                        gpu_overhead_s=args.gpu_overhead_ms / 1000.0, cpu_cost=cpu_cost, cpu_ubatch=args.cpu_ubatch,
                        slo_ttft_s=args.slo_ttft_ms / 1000.0, gpu_duration_s=args.gpu_duration,
+                       gpu_max_tokens=args.gpu_max_tokens, gpu_prompt_tokens=args.gpu_prompt_tokens,
                        gpu_cases=gpu_cases(args.gpu_block_size) if args.gpu_table == "on" else None,
                        specedge=dict(tokens_per_round=[3.0, 3.5, 4.0], batches=[2, 4, 8, 16]) if args.specedge else None,
                        progress=lambda name: log.info("%s", name))
@@ -307,6 +308,12 @@ def _run_fleet(args: argparse.Namespace) -> int:
     (out / "fleet.json").write_text(json.dumps(result, indent=1))
     (out / "fleet.md").write_text(fleet_markdown(result))
     fleet_plot(result, out / "verifiers_vs_edges.png")
+    if args.result and result.get("gpu_capacity"):
+        from hybridspec.figures import write_result
+
+        from .fleet.gpu import gpu_registry
+        figures, tables = gpu_registry(result)
+        print(f"wrote {write_result(args.result, figures=figures, tables=tables, note='a model: its figures do not depend on the machine')}")
     print((out / "fleet.md").read_text())
     print(f"wrote {out / 'fleet.json'}, {out / 'fleet.md'}, {out / 'verifiers_vs_edges.png'}")
     return 0
@@ -341,6 +348,10 @@ def _add_fleet_command(subparsers) -> None:
     parser.add_argument("--gpu-alpha", type=float, default=0.7, help="per-token acceptance of the GPU case's pair")
     parser.add_argument("--gpu-draft-ms", type=float, default=10.0, help="device drafting time per token (ms)")
     parser.add_argument("--gpu-context", type=int, default=1024, help="mean context per session (tokens)")
+    parser.add_argument("--gpu-max-tokens", type=int, default=256,
+                        help="tokens generated per request in the GPU table (the regime map's workload)")
+    parser.add_argument("--gpu-prompt-tokens", type=int, default=128,
+                        help="new prompt tokens per request in the GPU table (the regime map's workload)")
     parser.add_argument("--gpu-overhead-ms", type=float, default=0.05,
                         help="server CPU per round on the GPU verifier (ms; one at a time; streams stay in the batch)")
     parser.add_argument("--gpu-table", choices=["on", "off"], default="on",
@@ -351,6 +362,8 @@ def _add_fleet_command(subparsers) -> None:
     parser.add_argument("--specedge", action="store_true",
                         help="also SpecEdge's published set-up (Qwen3-14B on an A100, RTX 4090 edges, 14 ms RTT)")
     parser.add_argument("--out", default="results/fleet", help="output folder")
+    parser.add_argument("--result", default="",
+                        help="also write the GPU table to bench/results/RESULT.json (the figures registry)")
     parser.set_defaults(run=_run_fleet)
 
 

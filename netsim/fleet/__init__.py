@@ -13,15 +13,20 @@ verifier with N/V edges). The parts, one job each:
   calibration  the simulator's parameters from a `netsim load` run (`Calibration`)
   report       each load run checked against its calibration; verifiers per N edges at an SLO
   gpu          capacity and goodput per GPU for each path of the vLLM backend; SpecEdge's set-up
-  regime       the regime map: hybrid / cloud-only per GPU across target, context, link and α, what binds
+  serverspec   the second baseline: vLLM speculating for itself (draft model, EAGLE, n-gram), its cost on the GPU
+  measured     the rounds-in-flight inputs, from the project's own measurements
+  regime       the regime map: the hybrid per GPU against both baselines across GPU, target, context, link
+               and α, what binds, the p95 gap and TTFT
+  simcheck     the map's points run in the simulation: one model answer per cell
 """
 from netsim.fleet.calibration import (LLAMA_CPP_UBATCH, SYNTHETIC_UBATCH, Calibration, alpha_from_tokens_per_round,
                                       calibrate_from_load, cpu_per_unit, fleet_config, load_batching,
                                       pass_cost_from_histograms, run_alpha)
 from netsim.fleet.costs import H100, H200, LLAMA_8B, LinearCost, RooflineCost, gpu_cost, kv_sessions
 from netsim.fleet.links import MAX_CHUNK_BYTES, RECONNECT_S, ROUND_BYTES, STREAM_BYTES, EdgeLink
+from netsim.fleet.capacity import edges_per_verifier
 from netsim.fleet.report import (CHECK_SEEDS, GPU_BATCH_TOKENS, Scenario, capacity_table, check_against_load,
-                                 edges_per_verifier, fleet_markdown, fleet_plot, run_fleet)
+                                 fleet_markdown, fleet_plot, run_fleet)
 from netsim.fleet.simulation import FleetConfig, simulate
 
 __all__ = [

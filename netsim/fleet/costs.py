@@ -45,7 +45,7 @@ class RooflineCost:
     memory bandwidth, and the FLOPs of `tokens` at the achieved compute rate; then the host path.
 
     pass_s = max((model_bytes + sessions·context·kv_bytes_per_token) / (bw·bw_eff),
-                 (2·params + attention_flops_per_context_token·context)·tokens / (flops·flops_eff))
+                 (2·params / flops + attention_flops_per_context_token·context / attention_flops)·tokens / flops_eff)
              + host(rounds) + overhead_s
 
     The host path is what we run after the pass, from the measured table (netsim.fleet.hostpath):
@@ -63,6 +63,9 @@ class RooflineCost:
     flops_efficiency: float = 0.5  # achieved / peak FLOPs (our assumption)
     overhead_s: float = 0.0        # anything else per pass (none charged: the host path is measured)
     attention_flops_per_context_token: float = 0.0   # per query token: 4·layers·hidden (QK^T and AV)
+    # Attention runs at the KV cache's dtype (a bf16 cache: bf16 tensor cores, whatever the weights);
+    # None: the weights' rate.
+    attention_flops_per_s: float | None = None
     host: HostPath | None = None          # the hybrid rounds' acceptance maths per pass
     stream_host: HostPath | None = None   # the cloud-only streams' sampling per pass
     name: str = "roofline"
@@ -70,8 +73,9 @@ class RooflineCost:
     def parts(self, tokens: int, sessions: int, hybrid: bool = True) -> PassParts:
         memory_s = (self.model_bytes + sessions * self.context_tokens * self.kv_bytes_per_token) / (
             self.hbm_bytes_per_s * self.bw_efficiency)
-        flops_per_token = 2.0 * self.params + self.attention_flops_per_context_token * self.context_tokens
-        compute_s = flops_per_token * tokens / (self.flops_per_s * self.flops_efficiency)
+        attention = self.attention_flops_per_context_token * self.context_tokens
+        compute_s = tokens * (2.0 * self.params / self.flops_per_s
+                              + attention / (self.attention_flops_per_s or self.flops_per_s)) / self.flops_efficiency
         host = self.host if hybrid else self.stream_host
         return PassParts(memory_s, compute_s, host.pass_s(sessions) if host else 0.0, self.overhead_s)
 
@@ -102,6 +106,8 @@ H100 = dict(hbm_bytes_per_s=3.35e12, flops_per_s=989e12)
 H200 = dict(hbm_bytes_per_s=4.8e12, flops_per_s=989e12)
 H200_MEMORY = 141e9
 H200_FP8_FLOPS = 1979e12   # dense FP8 (3958 with sparsity)
+H100_MEMORY = 80e9
+H100_FP8_FLOPS = 1979e12   # H100 SXM5 datasheet: dense FP8 (3958 with sparsity)
 
 
 def gpu_cost(gpu: dict = H200, context_tokens: int = 1024, host: HostPath | None = None,

@@ -23,6 +23,7 @@ from netsim.effects import Delay
 from netsim.fleet.calibration import Calibration, fleet_config
 from netsim.fleet.costs import (A100_80, QWEN3_14B, KvOffload, RooflineCost, RoundWork, kv_sessions)
 from netsim.fleet.capacity import edges_per_verifier
+from netsim.fleet.serverspec import DRAFTS, ServerSpecCost, draft_cost
 from netsim.fleet.simulation import simulate
 from netsim.link import Link
 from netsim.profiles import Profile
@@ -36,6 +37,7 @@ class GpuCase:
     offload: bool = False               # hybrid: park waiting sessions' KV in host memory
     steer: bool = False                 # hybrid: the verifier's draft budget
     host_path: str | None = None        # hybrid: the acceptance maths (netsim.fleet.hostpath.PATHS); None: the cost's own
+    draft: str | None = None            # server-spec: vLLM's proposer (netsim.fleet.serverspec.METHODS)
 
 
 def gpu_cases(block_size: int = 16) -> list[GpuCase]:
@@ -47,6 +49,8 @@ def gpu_cases(block_size: int = 16) -> list[GpuCase]:
     device, numpy_ = "batched-on-device", "numpy-per-session"
     return [
         GpuCase("cloud-only (vLLM decode)", "cloud-only"),
+        *[GpuCase(f"vLLM speculating for itself: {m}", "server-spec", host_path=device, draft=m)
+          for m in ("draft model", "EAGLE", "n-gram")],
         GpuCase("hybrid, vLLM session, maths in the engine (what ships)", "hybrid", session, host_path=device),
         GpuCase("hybrid, session, maths in the engine + KV offload + draft budget", "hybrid", session,
                 offload=True, steer=True, host_path=device),
@@ -63,9 +67,13 @@ def gpu_cases(block_size: int = 16) -> list[GpuCase]:
 
 def gpu_capacity(params: Calibration, cost: RooflineCost, memory_bytes: float, cases: list[GpuCase],
                  offload: KvOffload, totals: list[int], slo_tpot_s: float, slo_ttft_s: float,
-                 duration_s: float = 6.0, progress=None, hosts: dict | None = None) -> dict:
+                 duration_s: float = 6.0, progress=None, hosts: dict | None = None, workload: dict | None = None,
+                 ngram_alpha: float = 0.3) -> dict:
     """Per case: edges per GPU at the SLO and the figures there; ratios to the first cloud-only case.
-    `hosts`: path name -> HostPath, for the cases that name their acceptance maths' path."""
+    `hosts`: path name -> HostPath, for the cases that name their acceptance maths' path. `workload`:
+    FleetConfig fields every case shares (prompt tokens per request, ...). A server-spec case is vLLM
+    speculating for itself (netsim.fleet.serverspec): its draft's weights and KV take their share of
+    the GPU's memory, its passes their share of each step."""
     kv = kv_sessions(memory_bytes, cost)
     host = offload.host_sessions(cost)
     session_bytes = cost.kv_bytes_per_token * cost.context_tokens
@@ -75,22 +83,28 @@ def gpu_capacity(params: Calibration, cost: RooflineCost, memory_bytes: float, c
             progress(f"GPU capacity: {case.name}")
         hybrid = case.mode == "hybrid"
         parks = case.offload and hybrid
-        case_params = params
-        if hybrid and case.host_path is not None:
+        case_params, case_kv = params, kv
+        if case.mode == "server-spec":
+            spec = ServerSpecCost(replace(cost, host=hosts[case.host_path]),
+                                  draft_cost(DRAFTS["8b-bf16"][case.draft], cost, 1.0), params.gamma)
+            case_params = replace(params, cost=spec, alpha=ngram_alpha if case.draft == "n-gram" else params.alpha)
+            case_kv = kv_sessions(memory_bytes, spec)
+        elif hybrid and case.host_path is not None:
             if not hosts or case.host_path not in hosts:
                 raise ValueError(f"GPU case {case.name!r} names host path {case.host_path!r}, which no table row gives")
             case_params = replace(params, cost=replace(params.cost, host=hosts[case.host_path]))
 
         def make(n: int, case=case, parks=parks, hybrid=hybrid, case_params=case_params):
             return fleet_config(case_params, n, case.mode, True, packing="fcfs", round_work=case.work if hybrid else None,
-                                steer=case.steer and hybrid, kv_capacity=kv, kv_bytes_per_session=session_bytes,
-                                offload=offload if parks else None, slo_tpot_s=slo_tpot_s, slo_ttft_s=slo_ttft_s)
-        n, sim = edges_per_verifier(make, slo_tpot_s, max_edges=host if parks else kv, duration_s=duration_s,
+                                steer=case.steer and hybrid, kv_capacity=case_kv, kv_bytes_per_session=session_bytes,
+                                offload=offload if parks else None, slo_tpot_s=slo_tpot_s, slo_ttft_s=slo_ttft_s,
+                                **(workload or {}))
+        n, sim = edges_per_verifier(make, slo_tpot_s, max_edges=host if parks else case_kv, duration_s=duration_s,
                                     slo_ttft_s=slo_ttft_s)
         row = {"case": case.name, "mode": case.mode, "work": case.work.describe() if case.work and hybrid else None,
                "host_path": case_params.cost.host.describe() if hybrid and getattr(case_params.cost, "host", None) else None,
                "offload": parks, "steer": case.steer and hybrid, "edges_per_gpu": n,
-               "bound": n >= (host if parks else kv)}
+               "bound": n >= (host if parks else case_kv)}
         for key in ("committed_tokens_per_s", "goodput_tokens_per_s", "tpot_p50_s", "tpot_p95_s", "ttft_p95_s",
                     "target_tokens_per_committed_token", "engine_requests_per_committed_token", "budget_mean",
                     "kv_copies_per_s", "host_link_utilisation", "verifier_utilisation"):
@@ -237,3 +251,34 @@ def specedge_markdown(result: dict) -> list[str]:
                   f"{result['capacity_tokens_per_round']:g} tokens per round): "
               + "; ".join(f"{mode} {c['edges']} edges, {_f(c['tokens_per_s'])} tok/s" for mode, c in cap.items()), ""]
     return lines
+
+
+def gpu_registry(result: dict) -> tuple[dict, dict]:
+    """The GPU table as the figures registry's tables and figures (hybridspec.figures)."""
+    from hybridspec.figures import Figure, Table
+    gpu = result["gpu_capacity"]
+    setup = (f"{gpu['cost'].split('; host path')[0]}; edges on {', '.join(gpu['profiles'])}, α {gpu['alpha']:.3g}, γ {gpu['gamma']}, p95 TPOT <= "
+             f"{gpu['slo_tpot_s'] * 1e3:g} ms, p95 TTFT <= {gpu['slo_ttft_s'] * 1e3:g} ms, {gpu['max_tokens']} tokens a request")
+    columns = ["case", "edges per GPU", "committed tok/s per GPU", "× cloud-only", "p95 TPOT ms", "p95 TTFT ms",
+               "target tokens / committed"]
+    rows = [[r["case"], f"{r['edges_per_gpu']}{' (bound)' if r['bound'] else ''}",
+             round(r["committed_tokens_per_s"]) if r["committed_tokens_per_s"] is not None else None,
+             r["committed_tokens_per_s_vs_cloud"], _ms(r["tpot_p95_s"]), _ms(r["ttft_p95_s"]),
+             r["target_tokens_per_committed_token"]] for r in gpu["rows"]]
+    tables = {"capacity": Table(columns, rows, {"committed tok/s per GPU": "{:,}", "× cloud-only": "{:.2f}",
+                                                "target tokens / committed": "{:.2f}"})}
+    figures = {}
+    for r in gpu["rows"]:
+        key = {"cloud-only": "cloud"}.get(r["mode"], None)
+        if r["case"].startswith("hybrid, vLLM session, maths in the engine (what ships)"):
+            key = "hybrid-shipped"
+        elif r["mode"] == "server-spec":
+            key = "spec-" + r["case"].split(": ")[-1].replace(" ", "-").lower()
+        if key and r["committed_tokens_per_s"] is not None:
+            figures[f"{key}-tokens-per-s"] = Figure(round(r["committed_tokens_per_s"]), f"committed tokens/s per GPU at "
+                                                    f"the SLO, {r['case']}", setup, "tok/s", "{:,.0f}")
+    return figures, tables
+
+
+def _ms(x):
+    return None if x is None else round(x * 1e3, 1)

@@ -1,93 +1,182 @@
-"""The regime map: hybrid against cloud-only tokens/s per GPU at a TPOT SLO, and what binds.
+"""The regime map: the hybrid per GPU against both baselines an operator would run, at a latency SLO.
 
-A mean-value model (steady state, means, no queueing tails), not the discrete-event simulation: one
-cell is a target on one GPU (`Target`, `costs.RooflineCost` with the measured host path of
-netsim.fleet.hostpath), a mean context, a link (its profile's round trip and transmission), and α.
-Its figures are counts and a roofline, so the map says *where* each mode is bound, not what a GPU
-will measure. Terms:
+A mean-value model (steady state, means, no queueing tails), not the discrete-event simulation
+(netsim.fleet.simcheck runs that on the same cells and checks that the two agree). One cell is a GPU
+(H100 or H200) and a target on it (`Target`: weights, KV cache dtype, `costs.RooflineCost` with the
+measured host path of netsim.fleet.hostpath), a mean context, a link (its profile's delays and
+transmission) and α. Its figures are counts and a roofline: the map says *where* each mode is bound,
+not what a GPU will measure.
 
-  cloud-only  n streams in the batch, one token each per step: TPOT = step(n) = pass(n tokens, n
-              sessions' KV) + vLLM's sampler on the device. The most n with step <= SLO and every
-              session's KV on the GPU; tokens/s = n / step.
-  hybrid      n sessions, each a cycle of: link wait W (round trip + transmission of a round and its
-              reply + γ drafts on the device + the edge's own time), then at the verifier: on average
-              half a pass waiting for the running one to end, then its own pass P (back-to-back
-              passes; k rounds per pass = n·P / period, Little's law, solved by fixed point). A pass
-              charges k·(tokens per round) tokens, k sessions' KV and the host path for k rounds.
-              E = (1 − α^(γ+1)) / (1 − α) tokens commit per round; TPOT = period / E; tokens/s = n·E / period.
-  rounds in flight   (window w > 1) the edge ships the next round, with continuations for the most
-              probable outcomes of the one in flight (spec_core.continuations.chain_outcomes, each
-              corrected or bonus token guessed right with probability `guess`), before the reply:
-              a hit (probability h, the outcomes covered) answers one pass after the round before it,
-              a miss costs the full cycle: period = (1 − h)·cycle + h·max(cycle / w, γ·draft, P).
-              A miss costs no target pass (the verifier runs only the continuation that matches).
-  KV parking  a session's KV is on the GPU only from its restore until its pass ends; it waits on its
-              link parked in host memory (write-through: the host holds every session, parking
-              copies nothing, a restore copies the whole context over PCIe). spec_core.kvpark's rules:
-              park only when a place is needed (as few sessions as make the rest fit), and only a
-              session whose idle gap is longer than its move (`worth_moving`); the restore starts when
-              its round arrives, so it lengthens that session's cycle by the copy (`prefetch=True`:
-              started ahead, at the forecast of its next round, hidden while the copy fits in the
-              link wait; not what the verifier does). Bounds: resident sessions n·(copy + at
-              verifier)/period <= the GPU's KV slots, PCIe busy n·copy/period <= `pcie_max_busy`,
-              every parked session in host memory.
+The workload, the same in every mode and in the simulation: a session keeps its context's KV on the
+GPU (`context` tokens on average); a request adds `prompt_tokens` new tokens (prefilled in its first
+pass) and generates `max_tokens`; the next request follows at once.
+
+  cloud-only  n streams; a step computes one token for each stream in the batch (and the prompts of
+              new requests): step = pass(tokens, KV of the streams in it) + vLLM's sampler. Between
+              requests a stream is out of the batch for its last token's way down, the next request's
+              way up and half a step.
+  vLLM spec   the same streams, vLLM speculating for itself (netsim.fleet.serverspec: a draft model,
+              an EAGLE head, n-gram): a step is the draft's γ passes and the target's pass over γ + 1
+              tokens per sequence, and commits E = (1 − α^(γ+1)) / (1 − α) tokens per sequence in one
+              burst. The draft's weights and KV take their place in GPU memory.
+  hybrid      n sessions, each a cycle of: link wait (round trip, transmission of a round and its
+              reply), γ drafts on the device and the edge's own time, then at the verifier on average
+              half a pass waiting for the running one, then its own pass P (k rounds per pass = n·P /
+              period, Little's law, solved by fixed point). E tokens commit per round.
+  in flight   a window of w rounds: the edge ships the next round with c continuations for the most
+              probable outcomes of the one in flight (netsim.fleet.measured: hit rate h from the
+              measured guess, w from the measured window depth, upload and drafting of every
+              continuation charged): period = max((1 − h)·cycle + h·max(cycle / w, P), (1 + c)·γ·draft).
+  KV parking  (hybrid) a session's KV is on the GPU only from its restore until its pass ends
+              (spec_core.kvpark's rules; write-through, a restore copies the context over PCIe).
+
+The SLO as a reader feels it (`slo_on="p95-gap"`, the default): the p95 of the gaps between bursts of
+tokens reaching the user, a burst counting as one gap. A cloud-only stream's gap is its step; vLLM
+spec's is its step (E tokens at once); the hybrid's is its period, and with rounds in flight a miss
+waits the whole cycle, so the p95 gap is the cycle unless 95% of rounds hit. `slo_on="mean-tpot"`
+judges the mean time per output token instead. Each point also reports TTFT (mean, with the
+request's prefill).
 
 What binds: the constraint that stops n from growing — "KV capacity" (the GPU's slots, or host
-memory with parking), "host link (PCIe)" (restores), or, where the TPOT SLO stops it: "link" when
-the wait on the link and drafting alone spend the SLO's time for a round, else what grows with n, the
-pass's largest part: "compute", "HBM bandwidth" or "host path" (the acceptance maths); for cloud-only
-the step's largest part. A cell whose hybrid cannot meet the SLO with one session says so (0 tok/s).
+memory with parking), "host link (PCIe)" (restores), or, where the SLO stops it: "link" when the wait
+on the link and drafting alone spend the SLO, else the pass's largest part: "compute", "HBM bandwidth"
+or "host path". A mode that cannot meet the SLO with one session says so (0 tok/s).
 
-Left out, in both modes alike: prefill of new requests, TTFT, vLLM's limits on sequences and tokens
-per step (an operator raises them), p95 against mean.
+Left out in every mode alike: vLLM's limits on sequences and tokens per step, CUDA graphs and kernel
+launch overheads, queueing tails (the simulation has them).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
-from netsim.fleet.costs import (H200, H200_FP8_FLOPS, H200_MEMORY, LLAMA_8B, LLAMA_8B_ATTENTION, LLAMA_70B_ATTENTION,
-                                LLAMA_70B_FP8, KvOffload, RooflineCost, RoundWork, kv_sessions)
-from netsim.fleet.hostpath import DEFAULT_TABLE as DEFAULT_TABLE_PATH
-from netsim.fleet.hostpath import HostPath, HostPathTable, stream_rows
-from netsim.fleet.links import ROUND_BYTES
+from netsim.fleet.costs import (H100, H100_FP8_FLOPS, H100_MEMORY, H200, H200_FP8_FLOPS, H200_MEMORY, LLAMA_8B,
+                                LLAMA_8B_ATTENTION, LLAMA_70B_ATTENTION, LLAMA_70B_FP8, KvOffload, RooflineCost,
+                                RoundWork, kv_sessions)
+from netsim.fleet.hostpath import HostPath
+from netsim.fleet.links import ROUND_BYTES, STREAM_BYTES
+from netsim.fleet.measured import MeasuredInputs, hit_probability, load_measured
+from netsim.fleet.serverspec import DRAFTS, ServerSpecCost, draft_cost
 from netsim.profiles import get_profile
-from spec_core.continuations import chain_outcomes
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.kvpark import ParkCandidate, ParkCost, worth_moving
 
 
 @dataclass(frozen=True)
+class Gpu:
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops_per_s: float      # dense
+    fp8_flops_per_s: float       # dense
+    memory_bytes: float
+
+
+GPUS = {"h100": Gpu("H100 SXM", H100["hbm_bytes_per_s"], H100["flops_per_s"], H100_FP8_FLOPS, H100_MEMORY),
+        "h200": Gpu("H200 SXM", H200["hbm_bytes_per_s"], H200["flops_per_s"], H200_FP8_FLOPS, H200_MEMORY)}
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
-    weights: dict                # costs.LLAMA_8B-style: params, model_bytes, kv_bytes_per_token
+    weights: dict                # costs.LLAMA_8B-style: params, model_bytes, kv_bytes_per_token (at the KV dtype)
     attention_flops: float       # per query token per context token
     flops_per_s: float           # the GPU's dense FLOP/s at the weights' precision
+    attention_flops_per_s: float  # ... at the KV cache's precision
+    kv_dtype: str = "bf16"
 
 
-TARGETS = {
-    "8b-bf16": Target("Llama-3.1-8B bf16", LLAMA_8B, LLAMA_8B_ATTENTION, H200["flops_per_s"]),
-    "70b-fp8": Target("Llama-3.1-70B fp8", LLAMA_70B_FP8, LLAMA_70B_ATTENTION, H200_FP8_FLOPS),
-}
+# key: (name, weights at a bf16 KV cache, attention FLOPs, weight precision)
+TARGET_MODELS = {"8b-bf16": ("Llama-3.1-8B bf16", LLAMA_8B, LLAMA_8B_ATTENTION, "bf16"),
+                 "70b-fp8": ("Llama-3.1-70B fp8", LLAMA_70B_FP8, LLAMA_70B_ATTENTION, "fp8")}
+KV_DTYPES = ("bf16", "fp8")
+
+
+def make_target(key: str, gpu: str = "h200", kv_dtype: str = "bf16") -> Target:
+    """The target on `gpu` with its KV cache in `kv_dtype` (vLLM's kv_cache_dtype "auto" keeps the
+    model's bf16 activations; "fp8" halves the bytes). Attention runs at the KV dtype's rate."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    name, weights, attention, precision = TARGET_MODELS[key]
+    g = GPUS[gpu]
+    rate = {"bf16": g.bf16_flops_per_s, "fp8": g.fp8_flops_per_s}
+    kv = weights["kv_bytes_per_token"] * (0.5 if kv_dtype == "fp8" else 1.0)
+    return Target(f"{name}, KV {kv_dtype}", dict(weights, kv_bytes_per_token=kv), attention, rate[precision],
+                  rate[kv_dtype], kv_dtype)
+
+
+TARGETS = {key: make_target(key) for key in TARGET_MODELS}
 
 
 @dataclass(frozen=True)
 class RegimeConfig:
-    """The assumptions of a map (units in the names)."""
+    """The assumptions of a map (units in the names). Fields left None take the measured inputs
+    (netsim.fleet.measured)."""
 
-    slo_tpot_s: float = 0.150
-    gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)   # the best for each cell is reported
-    draft_s: float = 0.010             # the device's time per draft token (our assumption)
+    slo_tpot_s: float = 0.150          # the SLO, on the p95 gap or the mean TPOT (`slo_on`)
+    slo_on: str = "p95-gap"            # "p95-gap" (as a reader feels it) or "mean-tpot"
+    gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)   # the best for each cell and mode is reported
+    draft_s: float = 0.010             # the device's time per draft token (our assumption: a phone-class CPU)
     edge_s: float = 0.002              # the edge's own time per round outside drafting
-    guess: float = 0.5                 # a guessed corrected or bonus token is right (our assumption)
-    max_continuations: int = 8         # the edge's default
-    window: int = 4                    # rounds in flight, when in flight
-    round_work: RoundWork = RoundWork("ideal")   # gamma + 1 tokens in one request (issue 25 item 1)
+    continuations: tuple[int, ...] = (1, 2, 4, 8)   # per round in flight; the best is reported
+    guess: float | None = None         # None: measured (netsim.fleet.measured)
+    window: int | None = None          # rounds in flight; None: the measured depth
+    bytes_per_continuation: float | None = None     # upload per continuation; None: measured
+    round_work: RoundWork = RoundWork("ideal")   # gamma + 1 tokens in one request, as the vLLM session ships
     offload: KvOffload = field(default_factory=KvOffload)
     pcie_max_busy: float = 0.9
     prefetch: bool = False             # restore parked KV ahead of the forecast round (the verifier does not)
-    memory_bytes: float = H200_MEMORY
-    gpu: dict = field(default_factory=lambda: dict(H200))
+    # The hybrid parks waiting sessions' KV in host memory. Off by default: the baselines could offload
+    # too (vLLM's KV offloading connector), and the simulation's parked points fall short of this
+    # model's near its bound (netsim.fleet.simcheck).
+    parking: bool = False
+    gpu: str = "h200"
+    kv_dtype: str = "bf16"
+    # Achieved / peak: 0.7 of HBM bandwidth (what vLLM's decode kernels reach on large batches), 0.6 of
+    # dense tensor FLOPs (cuBLAS reaches 0.7–0.8 on large GEMMs; vLLM's mixed passes, attention and
+    # the smaller GEMMs of a decode batch less). Our assumptions, stated in every result.
+    bw_efficiency: float = 0.7
+    flops_efficiency: float = 0.6
+    max_tokens: int = 256              # generated per request
+    prompt_tokens: int = 128           # new tokens per request (the session's earlier context is cached)
+    ngram_alpha: float = 0.3           # n-gram (prompt lookup) drafts' α on free text (our assumption)
+    measured: MeasuredInputs | None = None
+
+    def inputs(self) -> MeasuredInputs:
+        return self.measured or _measured()
+
+    def guess_(self) -> float:
+        return self.inputs().guess if self.guess is None else self.guess
+
+    def window_(self) -> int:
+        return self.inputs().window if self.window is None else self.window
+
+    def bytes_per_continuation_(self) -> float:
+        m = self.inputs().bytes_per_continuation
+        return m if self.bytes_per_continuation is None else self.bytes_per_continuation
+
+    @property
+    def memory_bytes(self) -> float:
+        return GPUS[self.gpu].memory_bytes
+
+    def describe(self) -> dict:
+        g = GPUS[self.gpu]
+        return {"gpu": g.name, "memory_gb": g.memory_bytes / 1e9, "hbm_tb_s": g.hbm_bytes_per_s / 1e12,
+                "kv_dtype": self.kv_dtype, "bw_efficiency": self.bw_efficiency,
+                "flops_efficiency": self.flops_efficiency, "slo_s": self.slo_tpot_s, "slo_on": self.slo_on,
+                "draft_ms": self.draft_s * 1e3, "edge_ms": self.edge_s * 1e3, "max_tokens": self.max_tokens,
+                "prompt_tokens": self.prompt_tokens, "guess": self.guess_(), "window": self.window_(),
+                "bytes_per_continuation": self.bytes_per_continuation_(), "continuations": list(self.continuations),
+                "gammas": list(self.gammas), "ngram_alpha": self.ngram_alpha, "measured": self.inputs().describe(),
+                "round_work": self.round_work.describe(), "offload": self.offload.describe(), "parking": self.parking}
+
+
+_hit = functools.lru_cache(maxsize=65536)(hit_probability)
+
+
+@functools.lru_cache(maxsize=1)
+def _measured() -> MeasuredInputs:
+    return load_measured()
 
 
 @dataclass(frozen=True)
@@ -96,50 +185,149 @@ class Point:
 
     tokens_per_s: float
     sessions: int
-    tpot_s: float | None
+    tpot_s: float | None       # mean time per output token
     binds: str
     gamma: int = 0
-    parked: int = 0          # sessions parked in host memory at this point
+    parked: int = 0            # sessions parked in host memory at this point
     hit: float = 0.0
+    gap_p95_s: float | None = None   # p95 gap between bursts reaching the user
+    ttft_s: float | None = None      # mean, with the prefill
+    continuations: int = 0
 
 
 def target_cost(target: Target, context: int, cfg: RegimeConfig, host: HostPath | None,
                 stream_host: HostPath | None) -> RooflineCost:
-    gpu = dict(cfg.gpu, flops_per_s=target.flops_per_s)
-    return RooflineCost(**target.weights, **gpu, context_tokens=context,
+    g = GPUS[cfg.gpu]
+    return RooflineCost(**target.weights, hbm_bytes_per_s=g.hbm_bytes_per_s, flops_per_s=target.flops_per_s,
+                        attention_flops_per_s=target.attention_flops_per_s, bw_efficiency=cfg.bw_efficiency,
+                        flops_efficiency=cfg.flops_efficiency, context_tokens=context,
                         attention_flops_per_context_token=target.attention_flops, host=host,
-                        stream_host=stream_host, name=f"H200, {target.name}")
+                        stream_host=stream_host, name=f"{g.name.split()[0]}, {target.name}")
 
 
-def link_wait_s(profile_name: str) -> float:
-    """A round's time on the link: the round trip and the transmission of a round and its reply."""
+def one_way_s(profile_name: str, up_bytes: float, down_bytes: float) -> tuple[float, float]:
+    """A message's mean way up and its answer's way down (delays, transmission, loss stalls)."""
     profile = get_profile(profile_name)
     rtt = profile.rtt_ms()
-    return (profile.uplink.expected_delay_ms(ROUND_BYTES[0], rtt)
-            + profile.downlink.expected_delay_ms(ROUND_BYTES[1], rtt)) / 1000.0
+    return (profile.uplink.expected_delay_ms(int(up_bytes), rtt) / 1000.0,
+            profile.downlink.expected_delay_ms(int(down_bytes), rtt) / 1000.0)
 
 
-def hit_probability(alpha: float, gamma: int, guess: float, continuations: int) -> float:
-    """The chance that one of the edge's continuations is what the round in flight commits."""
-    candidates = [(1000 + i, guess * (1.0 - guess) ** i) for i in range(4)]
-    outcomes = chain_outcomes(list(range(1, gamma + 1)), alpha, [candidates] * gamma, candidates, continuations)
-    return min(1.0, sum(o.prob for o in outcomes))
+def link_wait_s(profile_name: str, up_bytes: float = ROUND_BYTES[0], down_bytes: float = ROUND_BYTES[1]) -> float:
+    """A round's time on the link: the round trip and the transmission of a round and its reply."""
+    return sum(one_way_s(profile_name, up_bytes, down_bytes))
 
 
-# --- cloud-only ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)
+def rounds_per_request(alpha: float, gamma: int, tokens: int) -> float:
+    """Expected rounds (or spec steps) to commit `tokens`, each committing 1 + accepted within what is
+    left (γ capped at the tokens left − 1, as the edge and the simulation cap it)."""
+    f = [0.0] * (tokens + 1)
+    for r in range(1, tokens + 1):
+        g = max(0, min(gamma, r - 1))
+        total = 1.0
+        for a in range(g + 1):   # a accepted: α^a (1 − α), the last one α^g
+            p = alpha ** a * ((1.0 - alpha) if a < g else 1.0)
+            total += p * f[r - min(a + 1, r)]
+        f[r] = total
+    return f[tokens]
 
-def cloud_only(cost: RooflineCost, kv_slots: int, slo_s: float) -> Point:
-    def step(n: int) -> float:
-        return cost.pass_s(n, n, hybrid=False)
-    if step(1) > slo_s:
-        return Point(0.0, 0, step(1), cost.parts(1, 1, hybrid=False).binds())
-    lo, hi = 1, max(kv_slots, 1)
-    if step(hi) <= slo_s:
-        return Point(hi / step(hi), hi, step(hi), "KV capacity")
+
+def _p95_gap(gaps: list[tuple[float, float]]) -> float:
+    """The 95th percentile of gaps given as (gap, probability) pairs, one per burst."""
+    acc = 0.0
+    for gap, prob in sorted(gaps):
+        acc += prob
+        if acc >= 0.95 - 1e-12:
+            return gap
+    return max(g for g, _ in gaps)
+
+
+def _meets(cfg: RegimeConfig, tpot_s: float, gap_s: float) -> bool:
+    return (gap_s if cfg.slo_on == "p95-gap" else tpot_s) <= cfg.slo_tpot_s
+
+
+# --- cloud-only and vLLM speculating for itself: streams in the GPU's batch ------------------
+
+@dataclass(frozen=True)
+class StreamState:
+    step_s: float
+    tokens_per_s: float
+    tpot_s: float
+    gap_p95_s: float
+    ttft_s: float
+    parts: object
+
+
+def stream_state(n: int, cost, link: str, cfg: RegimeConfig, gamma: int = 0, alpha: float = 0.0) -> StreamState:
+    """n streams; gamma 0: plain decoding (one token a step), else vLLM speculating with `cost` a
+    ServerSpecCost. A request: its prompt's pass makes its first token, then steps of E tokens."""
+    up, down = one_way_s(link, *STREAM_BYTES)
+    L, P = cfg.max_tokens, cfg.prompt_tokens
+    steps = 1.0 + (rounds_per_request(alpha, gamma, L - 1) if gamma else L - 1)   # per request
+    per_step = 1.0 + gamma                  # target tokens per sequence in a step (after the prompt's)
+    tokens_per_request = P + per_step * (steps - 1)
+    target = cost.target if gamma else cost
+    k, step = float(n), 0.0
+    for _ in range(60):
+        step_tokens = k * tokens_per_request / steps
+        step = cost.pass_s(max(1.0, step_tokens), max(1.0, k), hybrid=False)   # a ServerSpecCost ignores hybrid
+        cycle = steps * step + up + down + 0.5 * step
+        k_new = n * steps * step / cycle
+        if abs(k_new - k) < 1e-6 * max(k, 1.0):
+            break
+        k = 0.5 * k + 0.5 * k_new
+    cycle = steps * step + up + down + 0.5 * step
+    e = L / steps if gamma else 1.0
+    parts = target.parts(max(1.0, k * tokens_per_request / steps), max(1.0, k), hybrid=bool(gamma))
+    return StreamState(step, n * L / cycle, step / max(e, 1.0) if gamma else step, step, up + 1.5 * step + down,
+                       parts)
+
+
+def _stream_point(n_max: int, state, cfg: RegimeConfig, gamma: int = 0) -> Point:
+    """The most streams within n_max that meet the SLO (state(n) -> StreamState)."""
+    def ok(n: int) -> bool:
+        s = state(n)
+        return _meets(cfg, s.tpot_s, s.gap_p95_s)
+    if n_max < 1:
+        return Point(0.0, 0, None, "KV capacity", gamma)
+    if not ok(1):
+        s = state(1)
+        return Point(0.0, 0, s.tpot_s, s.parts.binds(), gamma, gap_p95_s=s.gap_p95_s, ttft_s=s.ttft_s)
+    lo, hi = 1, n_max
+    if ok(hi):
+        s = state(hi)
+        return Point(s.tokens_per_s, hi, s.tpot_s, "KV capacity", gamma, gap_p95_s=s.gap_p95_s, ttft_s=s.ttft_s)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if step(mid) <= slo_s else (lo, mid)
-    return Point(lo / step(lo), lo, step(lo), cost.parts(hi, hi, hybrid=False).binds())
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    s = state(lo)
+    return Point(s.tokens_per_s, lo, s.tpot_s, state(hi).parts.binds(), gamma, gap_p95_s=s.gap_p95_s,
+                 ttft_s=s.ttft_s)
+
+
+def cloud_only(cost: RooflineCost, kv_slots: int, link: str, cfg: RegimeConfig) -> Point:
+    return _stream_point(kv_slots, lambda n: stream_state(n, cost, link, cfg), cfg)
+
+
+def spec_cost(target: Target, key: str, method: str, cost: RooflineCost, gamma: int, cfg: RegimeConfig) -> ServerSpecCost:
+    draft = DRAFTS[key][method]
+    return ServerSpecCost(cost, draft_cost(draft, cost, 0.5 if cfg.kv_dtype == "fp8" else 1.0), gamma)
+
+
+def server_spec(target: Target, key: str, method: str, cost: RooflineCost, alpha: float, link: str,
+                cfg: RegimeConfig) -> Point:
+    """vLLM speculating for itself with `method`: the best γ; the draft's weights and KV take their
+    share of memory (every session holds both caches)."""
+    best = None
+    for gamma in cfg.gammas:
+        sc = spec_cost(target, key, method, cost, gamma, cfg)
+        slots = kv_sessions(cfg.memory_bytes, sc)
+        point = _stream_point(slots, lambda n, sc=sc, gamma=gamma: stream_state(n, sc, link, cfg, gamma, alpha), cfg,
+                              gamma)
+        if best is None or point.tokens_per_s > best.tokens_per_s * (1 + 1e-9):
+            best = point
+    return best
 
 
 # --- hybrid ----------------------------------------------------------------------------------
@@ -153,33 +341,41 @@ class HybridState:
     parked: int            # sessions that wait on their link with their KV in host memory
     pcie_busy: float       # share of the host link's time restoring KV
     shares: dict           # the cycle's parts: link, compute, HBM bandwidth, host path, host link (PCIe)
+    gap_p95_s: float = 0.0
+    ttft_s: float = 0.0
+    hit: float = 0.0
 
 
-def _period(cycle: float, hit: float, window: int, gamma: int, cfg: RegimeConfig, pass_s: float) -> float:
-    return (1.0 - hit) * cycle + hit * max(cycle / window, gamma * cfg.draft_s, pass_s)
+def _period(cycle: float, hit: float, window: int, edge_busy: float, pass_s: float) -> float:
+    return max((1.0 - hit) * cycle + hit * max(cycle / window, pass_s), edge_busy)
 
 
-def hybrid_state(n: int, gamma: int, alpha: float, cost: RooflineCost, wait_s: float, cfg: RegimeConfig,
-                 window: int, kv_slots: int | None = None) -> HybridState:
-    """n sessions at γ; with `kv_slots`, the sessions beyond them park while they wait on their link
-    (as few as make the rest fit: spec_core.kvpark parks only when it needs a place)."""
+def hybrid_state(n: int, gamma: int, alpha: float, cost: RooflineCost, link: str, cfg: RegimeConfig,
+                 continuations: int = 0, kv_slots: int | None = None) -> HybridState:
+    """n sessions at γ, with `continuations` per round in flight (0: one round at a time); with
+    `kv_slots`, the sessions beyond them park while they wait on their link (as few as make the rest
+    fit: spec_core.kvpark parks only when it needs a place)."""
     work = cfg.round_work
-    tokens = work.tokens(gamma, 1) if work.path == "ideal" else work.mean_tokens(gamma)
-    link = wait_s + gamma * cfg.draft_s + cfg.edge_s
-    hit = hit_probability(alpha, gamma, cfg.guess, cfg.max_continuations) if window > 1 else 0.0
+    window = cfg.window_() if continuations else 1
+    up_bytes = ROUND_BYTES[0] + continuations * cfg.bytes_per_continuation_()
+    rounds = rounds_per_request(alpha, gamma, cfg.max_tokens)
+    tokens = (work.tokens(gamma, 1) if work.path == "ideal" else work.mean_tokens(gamma)) + cfg.prompt_tokens / rounds
+    link_s = link_wait_s(link, up_bytes) + gamma * cfg.draft_s + cfg.edge_s
+    edge_busy = (1 + continuations) * gamma * cfg.draft_s + cfg.edge_s
+    hit = _hit(alpha, gamma, cfg.guess_(), continuations) if continuations else 0.0
     nbytes = cost.kv_bytes_per_token * cost.context_tokens
     copy_s = cfg.offload.copy_s(nbytes)
     # Write-through: parking copies nothing, a restore the whole context (as the simulation prices it).
     move = ParkCost(park_s_per_byte=0.0, restore_s_per_byte=copy_s / nbytes)
-    exposed = max(0.0, copy_s - link) if cfg.prefetch else copy_s
-    k, parked, share = 1.0, 0, 1.0
+    exposed = max(0.0, copy_s - link_s) if cfg.prefetch else copy_s
+    k, parked = 1.0, 0
     for _ in range(80):
         parts = cost.parts(k * tokens, k, hybrid=True)
         pass_s = parts.total_s
         at_verifier = pass_s * (1.0 + 0.5 * min(1.0, k))
-        cycle = link + at_verifier
-        period = _period(cycle, hit, window, gamma, cfg, pass_s)
-        period_parked = _period(cycle + exposed, hit, window, gamma, cfg, pass_s)
+        cycle = link_s + at_verifier
+        period = _period(cycle, hit, window, edge_busy, pass_s)
+        period_parked = _period(cycle + exposed, hit, window, edge_busy, pass_s)
         share = min(1.0, (copy_s + at_verifier) / period_parked)   # of its time a parked session is resident
         gap = ParkCandidate(0, 0.0, int(nbytes), max(0.0, period - at_verifier))   # its mean idle gap
         if kv_slots is not None and n > kv_slots and worth_moving(gap, 0.0, move) and share < 1.0:
@@ -191,16 +387,20 @@ def hybrid_state(n: int, gamma: int, alpha: float, cost: RooflineCost, wait_s: f
         if abs(k_new - k) < 1e-5 * max(k, 1.0):
             break
         k = 0.5 * k + 0.5 * max(k_new, 1e-6)
-    e = expected_tokens_per_round(alpha, gamma)
+    e = cfg.max_tokens / rounds
     slow = period_parked if parked else period
     cycle_slow = cycle + (exposed if parked else 0.0)
     gpu = max(parts.memory_s, parts.compute_s) / pass_s * at_verifier
     scale = slow / cycle_slow
-    shares = {"link": link * scale, "host link (PCIe)": (exposed if parked else 0.0) * scale,
+    shares = {"link": link_s * scale, "host link (PCIe)": (exposed if parked else 0.0) * scale,
               "compute" if parts.compute_s >= parts.memory_s else "HBM bandwidth": gpu * scale,
               "host path": parts.host_s / pass_s * at_verifier * scale}
+    # Gaps between replies: a miss (or every round, one at a time) waits the cycle; a hit follows its
+    # round by the rest of the period's share.
+    short = max(cycle_slow / window, pass_s, edge_busy) if hit else cycle_slow
+    gap95 = _p95_gap([(cycle_slow, 1.0 - hit), (short, hit)] if hit else [(max(cycle_slow, edge_busy), 1.0)])
     return HybridState(slow, slow / e, e * rounds_per_s, (n - parked) + parked * share, parked,
-                       parked * copy_s / period_parked, shares)
+                       parked * copy_s / period_parked, shares, gap95, cycle_slow, hit)
 
 
 def _hybrid_fails(state: HybridState, n: int, kv_slots: int, host_slots: int, cfg: RegimeConfig) -> str | None:
@@ -211,224 +411,358 @@ def _hybrid_fails(state: HybridState, n: int, kv_slots: int, host_slots: int, cf
         return "KV capacity (host memory)"
     if state.pcie_busy > cfg.pcie_max_busy:
         return "host link (PCIe)"
-    if state.tpot_s > cfg.slo_tpot_s:
+    if not _meets(cfg, state.tpot_s, state.gap_p95_s):
         # The link when its wait alone (with drafting) spends the SLO; else what grows with n: the pass's
         # largest part, or the restores parked sessions wait for.
-        if state.shares["link"] >= state.period_s * cfg.slo_tpot_s / state.tpot_s:
+        judged = state.gap_p95_s if cfg.slo_on == "p95-gap" else state.tpot_s
+        if state.shares["link"] * judged / state.period_s >= cfg.slo_tpot_s:
             return "link"
         return max(((k, v) for k, v in state.shares.items() if k != "link"), key=lambda kv: kv[1])[0]
     return None
 
 
-def hybrid(cost: RooflineCost, alpha: float, wait_s: float, cfg: RegimeConfig, window: int, kv_slots: int,
+def hybrid(cost: RooflineCost, alpha: float, link: str, cfg: RegimeConfig, in_flight: bool, kv_slots: int,
            host_slots: int) -> Point:
-    """The best γ and parking choice: the most tokens/s per GPU at the SLO."""
+    """The best γ, continuations and parking choice: the most tokens/s per GPU at the SLO."""
     best: Point | None = None
     for gamma in cfg.gammas:
-        for parking in (False, True):
-            bound = kv_slots + host_slots if parking else kv_slots
-            slots = kv_slots if parking else None
-
-            def fails(n: int, gamma=gamma, slots=slots) -> str | None:
-                return _hybrid_fails(hybrid_state(n, gamma, alpha, cost, wait_s, cfg, window, slots), n, kv_slots,
-                                     host_slots, cfg)
-            first = fails(1)
-            if first:
-                point = Point(0.0, 0, hybrid_state(1, gamma, alpha, cost, wait_s, cfg, window, slots).tpot_s,
-                              first, gamma)
-            else:
-                lo, hi = 1, max(bound, 1)
-                why = fails(hi)
-                if why is None:
-                    lo, why = hi, ("KV capacity (host memory)" if parking else "KV capacity")
-                else:
-                    while hi - lo > 1:
-                        mid = (lo + hi) // 2
-                        reason = fails(mid)
-                        if reason is None:
-                            lo = mid
-                        else:
-                            hi, why = mid, reason
-                state = hybrid_state(lo, gamma, alpha, cost, wait_s, cfg, window, slots)
-                point = Point(state.tokens_per_s, lo, state.tpot_s, why, gamma, state.parked,
-                              hit_probability(alpha, gamma, cfg.guess, cfg.max_continuations) if window > 1 else 0.0)
-            if best is None or point.tokens_per_s > best.tokens_per_s * (1 + 1e-9):
-                best = point
+        for c in (cfg.continuations if in_flight else (0,)):
+            for parking in ((False, True) if cfg.parking else (False,)):
+                point = _hybrid_point(cost, alpha, link, cfg, gamma, c, parking, kv_slots, host_slots)
+                if best is None or point.tokens_per_s > best.tokens_per_s * (1 + 1e-9):
+                    best = point
     assert best is not None
     return best
 
 
+def _hybrid_point(cost, alpha, link, cfg, gamma, c, parking, kv_slots, host_slots) -> Point:
+    bound = kv_slots + host_slots if parking else kv_slots
+    slots = kv_slots if parking else None
+
+    def state(n: int) -> HybridState:
+        return hybrid_state(n, gamma, alpha, cost, link, cfg, c, slots)
+
+    def fails(n: int) -> str | None:
+        return _hybrid_fails(state(n), n, kv_slots, host_slots, cfg)
+    if bound < 1:
+        return Point(0.0, 0, None, "KV capacity", gamma, continuations=c)
+    first = fails(1)
+    if first:
+        s = state(1)
+        return Point(0.0, 0, s.tpot_s, first, gamma, gap_p95_s=s.gap_p95_s, ttft_s=s.ttft_s, continuations=c)
+    lo, hi = 1, bound
+    why = fails(hi)
+    if why is None:
+        lo, why = hi, ("KV capacity (host memory)" if parking else "KV capacity")
+    else:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            reason = fails(mid)
+            if reason is None:
+                lo = mid
+            else:
+                hi, why = mid, reason
+    s = state(lo)
+    return Point(s.tokens_per_s, lo, s.tpot_s, why, gamma, s.parked, s.hit, s.gap_p95_s, s.ttft_s, c)
+
+
 # --- the map ---------------------------------------------------------------------------------
 
-HOST_VARIANTS = ("numpy-per-session", "batched-on-device")
+SPEC_MODES = tuple(f"vLLM spec, {m}" for m in ("draft model", "EAGLE", "n-gram"))
+HYBRID_MODES = ("hybrid, one round", "hybrid, in flight")
+MODES = ("cloud-only", *SPEC_MODES, *HYBRID_MODES)
 
 
-def regime_map(targets=("8b-bf16", "70b-fp8"), contexts=(1024, 8192, 32768), links=("lan", "lte", "3g"),
-               alphas=(0.5, 0.7, 0.85), setting: str = "greedy", cfg: RegimeConfig | None = None,
-               table: HostPathTable | None = None) -> dict:
-    """Every cell: cloud-only and four hybrids (host path as shipped or batched on the device; without
-    and with rounds in flight), tokens/s per GPU at the SLO and what binds."""
+def cell_costs(key: str, context: int, cfg: RegimeConfig, device: HostPath) -> tuple[Target, RooflineCost]:
+    """The target's cost in a cell: the rounds' maths batched on the device (`device`, the hybrid's and
+    vLLM's rejection sampler), vLLM's own sampler for plain decoding."""
+    from netsim.fleet.hostpath import stream_rows
+    target = make_target(key, cfg.gpu, cfg.kv_dtype)
+    return target, target_cost(target, context, cfg, device, stream_rows(device, 4))
+
+
+def regime_cell(key: str, context: int, link: str, alpha: float, cfg: RegimeConfig, device: HostPath) -> dict:
+    """Every mode's best point in one cell, and the hybrid's ratios to both baselines."""
+    target, cost = cell_costs(key, context, cfg, device)
+    kv_slots = kv_sessions(cfg.memory_bytes, cost)
+    host_slots = cfg.offload.host_sessions(cost)
+    points = {"cloud-only": cloud_only(cost, kv_slots, link, cfg)}
+    for mode in SPEC_MODES:
+        method = mode.split(", ", 1)[1]
+        points[mode] = server_spec(target, key, method, cost, cfg.ngram_alpha if method == "n-gram" else alpha,
+                                   link, cfg)
+    for mode in HYBRID_MODES:
+        points[mode] = hybrid(cost, alpha, link, cfg, mode.endswith("in flight"), kv_slots, host_slots)
+    cloud = points["cloud-only"].tokens_per_s
+    spec = max(points[m].tokens_per_s for m in SPEC_MODES)
+    baseline = max(cloud, spec)   # what the operator would run: plain decoding or its best speculation
+    best_spec = max(SPEC_MODES, key=lambda m: points[m].tokens_per_s)
+    out = {"gpu": cfg.gpu, "target": key, "kv_dtype": cfg.kv_dtype, "context": context, "link": link, "alpha": alpha,
+           "kv_slots": kv_slots, "host_slots": host_slots, "best_spec": best_spec, "modes": {}}
+    for mode, p in points.items():
+        out["modes"][mode] = {**p.__dict__, "x_cloud": p.tokens_per_s / cloud if cloud else None,
+                              "x_spec": p.tokens_per_s / spec if spec else None,
+                              "x_best": p.tokens_per_s / baseline if baseline else None}
+    return out
+
+
+def regime_map(gpus=("h100", "h200"), targets=("8b-bf16", "70b-fp8"), contexts=(1024, 8192, 32768),
+               links=("lan", "lte", "3g"), alphas=(0.5, 0.7, 0.85), setting: str = "greedy",
+               cfg: RegimeConfig | None = None, table=None, progress=None) -> dict:
+    """Every cell: plain decoding, vLLM speculating for itself (three proposers) and the hybrid (one
+    round at a time; rounds in flight), tokens/s per GPU at the SLO, what binds, the p95 gap and TTFT."""
+    from dataclasses import replace
+
+    from netsim.fleet.hostpath import HostPathTable
     cfg = cfg or RegimeConfig()
     table = table or HostPathTable.load()
     device = table.get("batched-on-device", setting)
-    hosts = {name: table.get(name, setting) for name in HOST_VARIANTS}
     cells = []
-    for tname in targets:
-        target = TARGETS[tname]
-        for context in contexts:
-            cloud_cost = target_cost(target, context, cfg, None, stream_rows(device, 4))
-            kv_slots = kv_sessions(cfg.memory_bytes, cloud_cost)
-            host_slots = cfg.offload.host_sessions(cloud_cost)
-            cloud = cloud_only(cloud_cost, kv_slots, cfg.slo_tpot_s)
-            for link in links:
-                wait = link_wait_s(link)
-                for alpha in alphas:
-                    cell = {"target": tname, "context": context, "link": link, "alpha": alpha,
-                            "kv_slots": kv_slots, "host_slots": host_slots, "link_wait_s": wait,
-                            "cloud": cloud.__dict__, "hybrid": {}}
-                    for host_name, host in hosts.items():
-                        cost = target_cost(target, context, cfg, host, None)
-                        for window in (1, cfg.window):
-                            point = hybrid(cost, alpha, wait, cfg, window, kv_slots, host_slots)
-                            key = f"{host_name}, {'in flight' if window > 1 else 'one round'}"
-                            cell["hybrid"][key] = {**point.__dict__, "x_cloud": (point.tokens_per_s / cloud.tokens_per_s
-                                                                                  if cloud.tokens_per_s else None)}
-                    cells.append(cell)
-    return {"setting": setting, "slo_tpot_s": cfg.slo_tpot_s, "draft_s": cfg.draft_s, "edge_s": cfg.edge_s,
-            "guess": cfg.guess, "window": cfg.window, "max_continuations": cfg.max_continuations,
-            "gammas": list(cfg.gammas), "round_work": cfg.round_work.describe(), "offload": cfg.offload.describe(),
-            "pcie_max_busy": cfg.pcie_max_busy, "hosts": {k: v.describe() for k, v in hosts.items()},
-            "stream_host": stream_rows(device, 4).describe(), "machine": table.machine, "cells": cells}
+    for gpu in gpus:
+        gcfg = replace(cfg, gpu=gpu)
+        for key in targets:
+            if progress:
+                progress(f"{gpu} {key}")
+            for context in contexts:
+                for link in links:
+                    for alpha in alphas:
+                        cells.append(regime_cell(key, context, link, alpha, gcfg, device))
+    return {"setting": setting, "config": cfg.describe(), "host": device.describe(), "cells": cells}
 
+
+# --- what the map says -----------------------------------------------------------------------
 
 def _x(v) -> str:
     return "–" if v is None else f"{v:.2f}×"
 
 
-def regime_markdown(result: dict) -> str:
-    keys = list(result["cells"][0]["hybrid"]) if result["cells"] else []
-    lines = [f"# Regime map: hybrid / cloud-only tokens/s per H200 at TPOT <= {result['slo_tpot_s'] * 1e3:g} ms "
-             f"({result['setting']} rounds)", "",
-             "A mean-value model (netsim/fleet/regime.py), not a measurement. Per cell: cloud-only tok/s per GPU "
-             "and what binds it; each hybrid as × cloud-only, what binds it, its best γ, the sessions n and "
-             "how many of them wait with their KV parked in host memory where parking was the best choice.", "",
-             "Assumptions: " + "; ".join([
-                 f"drafting {result['draft_s'] * 1e3:g} ms/token on the device, {result['edge_s'] * 1e3:g} ms edge time per round",
-                 f"a round computes {result['round_work']}",
-                 f"rounds in flight: a window of {result['window']}, up to {result['max_continuations']} continuations, "
-                 f"each guessed token right with probability {result['guess']:g}",
-                 result["offload"], f"PCIe busy at most {result['pcie_max_busy']:g}",
-                 "host path: " + "; ".join(result["hosts"].values()),
-                 "cloud-only sampling: " + result["stream_host"]]) + ".", "",
-             "| target | context | link | α | cloud-only tok/s (binds) | " + " | ".join(keys) + " |",
-             "|---|---|---|---|---|" + "---|" * len(keys)]
-    for c in result["cells"]:
-        cloud = c["cloud"]
-        row = [c["target"], f"{c['context'] // 1024}k", c["link"], f"{c['alpha']:g}",
-               f"{cloud['tokens_per_s']:,.0f} ({cloud['binds']}, n {cloud['sessions']})"]
-        for key in keys:
-            h = c["hybrid"][key]
-            row.append(f"**{_x(h['x_cloud'])}** {h['binds']}, γ {h['gamma']}, n {h['sessions']}"
-                       + (f" ({h['parked']} parked)" if h["parked"] else "")
-                       if h["tokens_per_s"] else f"0 ({h['binds']})")
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
+def _ms(v) -> str:
+    return "–" if v is None else f"{v * 1e3:.0f}"
 
 
-def summary(result: dict) -> dict:
-    """Counts for the prose: cells where a hybrid reaches 2× cloud-only's tokens/s, its most sessions per GPU
-    against cloud-only's, and the cells where cloud-only is KV-bound."""
-    out = {}
-    for key in (result["cells"][0]["hybrid"] if result["cells"] else {}):
-        xs = [c["hybrid"][key]["x_cloud"] or 0.0 for c in result["cells"]]
-        sessions = [c["hybrid"][key]["sessions"] / c["cloud"]["sessions"] for c in result["cells"] if c["cloud"]["sessions"]]
-        out[key] = {"cells": len(xs), "at_least_2x": sum(x >= 2.0 for x in xs), "above_1x": sum(x > 1.0 for x in xs),
-                    "max_x": max(xs) if xs else None, "max_sessions_x": max(sessions) if sessions else None}
-    out["cloud_kv_bound_cells"] = sum(c["cloud"]["binds"] == "KV capacity" for c in result["cells"])
-    return out
+def hybrid_best(cell: dict) -> str:
+    return max(HYBRID_MODES, key=lambda m: cell["modes"][m]["tokens_per_s"])
 
 
-
-CHECK_CELLS = (("8b-bf16", 8192, "lan", 0.7), ("8b-bf16", 8192, "lte", 0.7), ("8b-bf16", 1024, "lte", 0.7),
-               ("70b-fp8", 32768, "lte", 0.85))
-
-
-def des_check(cells=CHECK_CELLS, setting: str = "greedy", gamma: int = 4, cfg: RegimeConfig | None = None,
-              table: HostPathTable | None = None, duration_s: float = 5.0, sim_link: str | None = None) -> list[dict]:
-    """The mean-value model against the discrete-event simulation (netsim.fleet.simulation, the proxy's
-    own links, jitter and loss) at the GPU's KV slots, one round at a time, nothing parked, the device
-    host path: tokens/s and TPOT side by side. (The simulation has no window of rounds in flight, and
-    the check parks nothing: those parts of the model are not checked here.)
-    `sim_link` simulates another link than the model's (a control)."""
-    from netsim.fleet.simulation import FleetConfig, simulate
-    cfg = cfg or RegimeConfig()
-    table = table or HostPathTable.load()
-    device = table.get("batched-on-device", setting)
+def ratio_rows(result: dict, gpu: str) -> list[list]:
+    """One row per cell of `gpu`: cloud-only tok/s, each mode × cloud-only, the hybrid ÷ the best vLLM spec."""
     rows = []
-    for tname, context, link, alpha in cells:
-        cost = target_cost(TARGETS[tname], context, cfg, device, stream_rows(device, gamma))
-        n = kv_sessions(cfg.memory_bytes, cost)
-        model = {"hybrid": hybrid_state(n, gamma, alpha, cost, link_wait_s(link), cfg, 1),
-                 "cloud-only": cloud_only(cost, n, float("inf"))}
-        for mode, m in model.items():
-            sim = simulate(FleetConfig(edges=n, mode=mode, cost=cost, batching=True, profiles=[sim_link or link],
-                                       gamma=gamma, alpha=alpha, draft_s=cfg.draft_s,
-                                       edge_overhead_s=cfg.edge_s if mode == "hybrid" else 0.0, max_tokens=256,
-                                       packing="fcfs", max_batch_tokens=1 << 20, round_work=cfg.round_work,
-                                       duration_s=duration_s, warmup_s=2.0))
-            rows.append({"target": tname, "context": context, "link": link, "alpha": alpha, "mode": mode,
-                         "sessions": n, "model_tokens_per_s": m.tokens_per_s, "model_tpot_s": m.tpot_s,
-                         "sim_tokens_per_s": sim["committed_tokens_per_s"], "sim_tpot_p50_s": sim["tpot_p50_s"],
-                         "sim_tpot_p95_s": sim["tpot_p95_s"]})
+    for c in (c for c in result["cells"] if c["gpu"] == gpu):
+        m = c["modes"]
+        best = hybrid_best(c)
+        rows.append([c["target"], f"{c['context'] // 1024}k", c["link"], c["alpha"],
+                     round(m["cloud-only"]["tokens_per_s"]), f"{m['cloud-only']['binds']}, n {m['cloud-only']['sessions']}",
+                     *[m[k]["x_cloud"] for k in SPEC_MODES], *[m[k]["x_cloud"] for k in HYBRID_MODES],
+                     m[best]["x_spec"], m[best]["x_best"], f"{m[best]['binds']}, γ {m[best]['gamma']}, n {m[best]['sessions']}"
+                     + (f", c {m[best]['continuations']}, hit {m[best]['hit']:.2f}" if m[best]["continuations"] else "")])
     return rows
 
 
-def des_check_markdown(rows: list[dict]) -> str:
-    lines = ["## The model against the discrete-event simulation", "",
-             "At the GPU's KV slots, one round at a time, nothing parked, host path batched on the device, γ 4; "
-             "the simulation runs the proxy's own links (jitter, loss) for 5 s after 2 s of warm-up.", "",
-             "| target | context | link | α | mode | sessions | model tok/s | simulated tok/s | model TPOT ms | "
-             "simulated TPOT p50 / p95 ms |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['target']} | {r['context'] // 1024}k | {r['link']} | {r['alpha']:g} | {r['mode']} | "
-                     f"{r['sessions']} | {r['model_tokens_per_s']:,.0f} | {r['sim_tokens_per_s']:,.0f} | "
-                     f"{r['model_tpot_s'] * 1e3:.1f} | {r['sim_tpot_p50_s'] * 1e3:.1f} / {r['sim_tpot_p95_s'] * 1e3:.1f} |")
+RATIO_COLUMNS = ["target", "context", "link", "α", "cloud-only tok/s", "cloud-only binds",
+                 "draft model ×", "EAGLE ×", "n-gram ×", "hybrid one round ×", "hybrid in flight ×",
+                 "hybrid ÷ best vLLM spec", "hybrid ÷ better baseline", "hybrid binds"]
+
+
+def gap_rows(result: dict, gpu: str) -> list[list]:
+    """One row per cell of `gpu`: the p95 gap and mean TTFT (ms) of plain decoding, the best vLLM spec
+    and the best hybrid at their points."""
+    rows = []
+    for c in (c for c in result["cells"] if c["gpu"] == gpu):
+        m = c["modes"]
+        spec, hyb = m[c["best_spec"]], m[hybrid_best(c)]
+        rows.append([c["target"], f"{c['context'] // 1024}k", c["link"], c["alpha"],
+                     *[round(p[k] * 1e3, 1) if p[k] is not None else None
+                       for p in (m["cloud-only"], spec, hyb) for k in ("gap_p95_s", "ttft_s")],
+                     round(hyb["tpot_s"] * 1e3, 1) if hyb["tpot_s"] else None])
+    return rows
+
+
+GAP_COLUMNS = ["target", "context", "link", "α", "cloud-only p95 gap ms", "cloud-only TTFT ms",
+               "best vLLM spec p95 gap ms", "best vLLM spec TTFT ms", "hybrid p95 gap ms", "hybrid TTFT ms",
+               "hybrid mean TPOT ms"]
+
+
+def summary(result: dict) -> dict:
+    """Counts for the prose, per GPU: cells where the hybrid (its better mode) beats plain decoding and
+    the best vLLM spec, its best ratio to each, and the cells where vLLM spec beats plain decoding."""
+    out = {}
+    for gpu in dict.fromkeys(c["gpu"] for c in result["cells"]):
+        cells = [c for c in result["cells"] if c["gpu"] == gpu]
+        hyb = [c["modes"][hybrid_best(c)] for c in cells]
+        # EAGLE ÷ the hybrid at 8k-32k context, where both serve
+        long = [c["modes"]["vLLM spec, EAGLE"]["tokens_per_s"] / h["tokens_per_s"] for c, h in zip(cells, hyb)
+                if c["context"] >= 8192 and h["tokens_per_s"] and c["modes"]["vLLM spec, EAGLE"]["tokens_per_s"]]
+        out[gpu] = {"cells": len(cells),
+                    "hybrid_beats_cloud": sum((h["x_cloud"] or 0) > 1.0 for h in hyb),
+                    "hybrid_beats_spec": sum((h["x_spec"] or 0) > 1.0 for h in hyb),
+                    "hybrid_beats_best": sum((h["x_best"] or 0) > 1.0 for h in hyb),
+                    "hybrid_2x_cloud": sum((h["x_cloud"] or 0) >= 2.0 for h in hyb),
+                    "max_x_cloud": max((h["x_cloud"] or 0) for h in hyb),
+                    "max_x_spec": max((h["x_spec"] or 0) for h in hyb),
+                    "spec_beats_cloud": sum((c["modes"][c["best_spec"]]["x_cloud"] or 0) > 1.0 for c in cells),
+                    "hybrid_zero": sum(h["tokens_per_s"] == 0 for h in hyb),
+                    "eagle_over_hybrid_long": [min(long), max(long)] if long else None,
+                    "max_x_best_3g": max([(h["x_best"] or 0) for c, h in zip(cells, hyb) if c["link"] == "3g"],
+                                         default=None),
+                    "beats_spec_cells": [f"{c['target']} {c['context'] // 1024}k {c['link']} α {c['alpha']:g}"
+                                         for c, h in zip(cells, hyb) if (h["x_spec"] or 0) > 1.0]}
+    return out
+
+
+def regime_markdown(result: dict) -> str:
+    cfg = result["config"]
+    lines = [f"# Regime map: the hybrid per GPU against plain decoding and vLLM's own speculative decoding",
+             "", f"A mean-value model (netsim/fleet/regime.py), not a measurement; {result['setting']} rounds. SLO: "
+             f"{cfg['slo_on']} <= {cfg['slo_s'] * 1e3:g} ms. KV cache {cfg['kv_dtype']}; HBM × {cfg['bw_efficiency']:g}, "
+             f"FLOPs × {cfg['flops_efficiency']:g}. Requests: {cfg['prompt_tokens']} new tokens, {cfg['max_tokens']} "
+             f"generated. Edge: drafting {cfg['draft_ms']:g} ms/token, {cfg['edge_ms']:g} ms a round. Rounds in flight: "
+             f"{cfg['measured']}. n-gram α {cfg['ngram_alpha']:g}. {result['host']}.", ""]
+    for gpu in dict.fromkeys(c["gpu"] for c in result["cells"]):
+        lines += [f"## {GPUS[gpu].name}", "", "| " + " | ".join(RATIO_COLUMNS) + " |",
+                  "|" + "---|" * len(RATIO_COLUMNS)]
+        for row in ratio_rows(result, gpu):
+            lines.append("| " + " | ".join(_x(v) if i >= 6 and not isinstance(v, str) else
+                                           (f"{v:g}" if isinstance(v, float) else str(v))
+                                           for i, v in enumerate(row)) + " |")
+        lines += ["", "| " + " | ".join(GAP_COLUMNS) + " |", "|" + "---|" * len(GAP_COLUMNS)]
+        for row in gap_rows(result, gpu):
+            lines.append("| " + " | ".join("–" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
+                                           for v in row) + " |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
+def regime_arguments(parser) -> None:
+    """The map's inputs as options (shared with netsim.fleet.simcheck): each is printed with the result."""
+    d = RegimeConfig()
+    parser.add_argument("--setting", default="greedy", choices=("greedy", "top-k", "top-p"),
+                        help="the rounds' sampling setting (picks the host-path rows)")
+    parser.add_argument("--slo-ms", type=float, default=d.slo_tpot_s * 1e3, help="the latency SLO (ms)")
+    parser.add_argument("--slo-on", default=d.slo_on, choices=("p95-gap", "mean-tpot"),
+                        help="judge the SLO on the p95 gap between bursts reaching the user, or on the mean TPOT")
+    parser.add_argument("--kv-dtype", default=d.kv_dtype, choices=KV_DTYPES, help="the KV cache's dtype")
+    parser.add_argument("--flops-efficiency", type=float, default=d.flops_efficiency, help="achieved / peak FLOPs")
+    parser.add_argument("--bw-efficiency", type=float, default=d.bw_efficiency, help="achieved / peak HBM bandwidth")
+    parser.add_argument("--draft-ms", type=float, default=d.draft_s * 1e3, help="device drafting time per token (ms)")
+    parser.add_argument("--edge-ms", type=float, default=d.edge_s * 1e3, help="the edge's own time per round (ms)")
+    parser.add_argument("--window", type=int, default=None, help="rounds in flight (default: the measured depth)")
+    parser.add_argument("--guess", type=float, default=None,
+                        help="a continuation's guessed token is right with this probability (default: measured)")
+    parser.add_argument("--bytes-per-continuation", type=float, default=None,
+                        help="upload bytes a continuation adds to its round (default: measured)")
+    parser.add_argument("--continuations", default=",".join(map(str, d.continuations)),
+                        help="continuations per round in flight to try (comma-separated)")
+    parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens generated per request")
+    parser.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="new prompt tokens per request")
+    parser.add_argument("--ngram-alpha", type=float, default=d.ngram_alpha, help="α of vLLM's n-gram drafts")
+    parser.add_argument("--parking", action="store_true",
+                        help="let the hybrid park waiting sessions' KV in host memory (off: every mode holds its "
+                             "sessions' KV on the GPU, as the baselines do)")
+    parser.add_argument("--host-path-table", default=None,
+                        help="host-path table (JSON; default bench/fleet/host_path.json)")
+
+
+def config_from_args(args) -> RegimeConfig:
+    return RegimeConfig(slo_tpot_s=args.slo_ms / 1e3, slo_on=args.slo_on, kv_dtype=args.kv_dtype,
+                        flops_efficiency=args.flops_efficiency, bw_efficiency=args.bw_efficiency,
+                        draft_s=args.draft_ms / 1e3, edge_s=args.edge_ms / 1e3, window=args.window, guess=args.guess,
+                        bytes_per_continuation=args.bytes_per_continuation,
+                        continuations=tuple(int(c) for c in args.continuations.split(",")),
+                        max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, ngram_alpha=args.ngram_alpha,
+                        parking=args.parking)
+
+
+def _cell_figures(result: dict, setup: str) -> dict:
+    """Headline figures per GPU: the counts of `summary`."""
+    from hybridspec.figures import Figure
+    figs = {}
+    for gpu, s in summary(result).items():
+        where = f"{GPUS[gpu].name}, {s['cells']} cells; {setup}"
+        figs[f"{gpu}-hybrid-beats-spec"] = Figure(s["hybrid_beats_spec"], "cells where the hybrid's tokens/s per GPU "
+                                                  "beats the best of vLLM's own speculative decoding", where, "cells")
+        figs[f"{gpu}-hybrid-beats-best"] = Figure(s["hybrid_beats_best"], "cells where the hybrid's tokens/s per GPU "
+                                                  "beats both plain decoding and vLLM's best speculative decoding",
+                                                  where, "cells")
+        figs[f"{gpu}-hybrid-beats-cloud"] = Figure(s["hybrid_beats_cloud"], "cells where the hybrid's tokens/s per "
+                                                   "GPU beats plain decoding", where, "cells")
+        figs[f"{gpu}-spec-beats-cloud"] = Figure(s["spec_beats_cloud"], "cells where vLLM's best speculative "
+                                                 "decoding beats plain decoding", where, "cells")
+        figs[f"{gpu}-max-x-spec"] = Figure(round(s["max_x_spec"], 4), "the hybrid's best tokens/s per GPU over the "
+                                           "best vLLM speculative decoding", where, "x", "{:.2f}×")
+        figs[f"{gpu}-max-x-cloud"] = Figure(round(s["max_x_cloud"], 4), "the hybrid's best tokens/s per GPU over "
+                                            "plain decoding", where, "x", "{:.2f}×")
+        figs[f"{gpu}-hybrid-zero"] = Figure(s["hybrid_zero"], "cells where no hybrid session meets the SLO", where,
+                                            "cells")
+        figs[f"{gpu}-cells"] = Figure(s["cells"], "cells in the map", where, "cells")
+        if s["max_x_best_3g"] is not None:
+            figs[f"{gpu}-max-x-best-3g"] = Figure(round(s["max_x_best_3g"], 4), "the hybrid's best tokens/s per GPU "
+                                                  "over the better baseline on 3g", where, "x", "{:.2f}×")
+        if s["eagle_over_hybrid_long"]:
+            for end, v in zip(("min", "max"), s["eagle_over_hybrid_long"]):
+                figs[f"{gpu}-eagle-over-hybrid-long-{end}"] = Figure(
+                    round(v, 4), f"vLLM with an EAGLE head over the hybrid, tokens/s per GPU at the same α, the "
+                    f"{end} over the 8k-32k cells where both serve", where, "x", "{:.2f}×")
+    return figs
+
+
+def write_results(result: dict, name: str, command: str | None = None, load_start=None):
+    """The map into the figures registry: a ratio table and a gap table per GPU, the headline counts,
+    the measured runs the rounds in flight are charged from."""
+    from hybridspec.figures import Table, write_result
+    from netsim.fleet.measured import MEASURED_GAMMA
+    cfg = result["config"]
+    setup = (f"SLO {cfg['slo_on']} <= {cfg['slo_s'] * 1e3:g} ms, KV {cfg['kv_dtype']}, FLOPs x "
+             f"{cfg['flops_efficiency']:g}, HBM x {cfg['bw_efficiency']:g}, {result['setting']} rounds"
+             + (", hybrid parks KV in host memory" if cfg["parking"] else ""))
+    fmt = {c: "{:.2f}×" for c in RATIO_COLUMNS[6:13]}
+    fmt["cloud-only tok/s"] = "{:,}"
+    tables = {}
+    for gpu in dict.fromkeys(c["gpu"] for c in result["cells"]):
+        tables[gpu] = Table(RATIO_COLUMNS, ratio_rows(result, gpu), fmt)
+        tables[f"{gpu}-gaps"] = Table(GAP_COLUMNS, gap_rows(result, gpu))
+    m = RegimeConfig().inputs()
+    tables["measured-hits"] = Table(
+        ["pair", "profile", "mode", "α", "rounds", "continuations per round", "hits", "hit rate measured",
+         "model's hit rate at the fitted guess"],
+        [[r.pair, r.profile, r.mode, round(r.alpha, 3), r.rounds, round(r.continuations, 2), r.hits,
+          round(r.hits / r.rounds, 2), round(hit_probability(r.alpha, MEASURED_GAMMA, m.guess,
+                                                             max(1, round(r.continuations))), 2)] for r in m.runs])
+    return write_result(name, figures=_cell_figures(result, setup), tables=tables, command=command,
+                        load_start=load_start,
+                        note=f"a model: its figures do not depend on the machine. {setup}. {cfg['measured']}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m netsim.fleet.regime`: the map as regime.json and regime.md in --out."""
+    """`python -m netsim.fleet.regime`: the map as regime.json and regime.md in --out, and its tables
+    and headline figures in the registry (bench/results/<--result>.json)."""
     import argparse
     import json
     import logging
+    import os
     from pathlib import Path
 
+    from netsim.fleet.hostpath import HostPathTable
     parser = argparse.ArgumentParser(prog="python -m netsim.fleet.regime", description=__doc__.split("\n")[0])
-    parser.add_argument("--setting", default="greedy", choices=("greedy", "top-k", "top-p"),
-                        help="the rounds' sampling setting (picks the host-path rows)")
-    parser.add_argument("--slo-tpot-ms", type=float, default=150.0, help="TPOT SLO (ms)")
-    parser.add_argument("--draft-ms", type=float, default=10.0, help="device drafting time per token (ms)")
-    parser.add_argument("--window", type=int, default=4, help="rounds in flight, when in flight")
-    parser.add_argument("--host-path-table", default=str(DEFAULT_TABLE_PATH),
-                        help="host-path table (JSON; bench/accept_maths.py's rows or fitted lines)")
-    parser.add_argument("--check", action="store_true",
-                        help="also run the discrete-event simulation at a few cells beside the model (about a minute)")
-    parser.add_argument("--out", default="results/regime", help="output folder")
+    regime_arguments(parser)
+    parser.add_argument("--gpus", default="h100,h200", help="comma-separated: h100, h200")
+    parser.add_argument("--out", default="results/regime", help="output folder for regime.json and regime.md")
+    parser.add_argument("--result", default="", help="also write bench/results/<RESULT>.json (the figures registry)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = RegimeConfig(slo_tpot_s=args.slo_tpot_ms / 1000.0, draft_s=args.draft_ms / 1000.0, window=args.window)
-    result = regime_map(setting=args.setting, cfg=cfg, table=HostPathTable.load(args.host_path_table))
+    load = [round(x, 2) for x in os.getloadavg()]
+    cfg = config_from_args(args)
+    table = HostPathTable.load(args.host_path_table) if args.host_path_table else HostPathTable.load()
+    result = regime_map(gpus=tuple(args.gpus.split(",")), setting=args.setting, cfg=cfg, table=table)
     result["summary"] = summary(result)
     markdown = regime_markdown(result)
-    if args.check:
-        result["des_check"] = des_check(setting=args.setting, cfg=cfg, table=HostPathTable.load(args.host_path_table))
-        markdown += "\n" + des_check_markdown(result["des_check"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "regime.json").write_text(json.dumps(result, indent=1))
     (out / "regime.md").write_text(markdown)
-    logging.info("%s", (out / "regime.md").read_text())
+    logging.info("%s", markdown)
     logging.info("wrote %s and %s", out / "regime.json", out / "regime.md")
+    if args.result:
+        logging.info("wrote %s", write_results(result, args.result, load_start=load))
     return 0
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from netsim.fleet.calibration import Calibration, calibrate_from_load, fleet_config, load_schedule, run_alpha
 from netsim.fleet.capacity import edges_per_verifier
-from netsim.fleet.costs import H100, H200, LinearCost, gpu_cost, kv_sessions
+from netsim.fleet.costs import H100, H200, LinearCost, kv_sessions
 from netsim.fleet.hostpath import PATHS, HostPathTable, stream_rows
 from netsim.fleet.simulation import simulate
 
@@ -94,7 +94,8 @@ def run_fleet(load_results: list[dict], *, slo_s: float, totals: list[int], prof
               gpu_alpha: float, gpu_draft_s: float, gpu_context: int, gpu_overhead_s: float,
               capacity_duration_s: float = 12.0, progress=None, slo_ttft_s: float | None = None,
               gpu_cases: list | None = None, gpu_duration_s: float = 6.0, specedge: dict | None = None,
-              host_path: str = "batched-on-device", host_setting: str = "greedy") -> dict:
+              host_path: str = "batched-on-device", host_setting: str = "greedy", gpu_max_tokens: int = 256,
+              gpu_prompt_tokens: int = 128) -> dict:
     """Calibrate on each load result and check against it; then the capacity table, whose serial rows take
     the first serial calibration's parameters and whose batched rows (and the GPU case's edges) the first
     batched one's (either falls back to the first calibration). The GPU's host path per pass is the
@@ -124,15 +125,19 @@ def run_fleet(load_results: list[dict], *, slo_s: float, totals: list[int], prof
     gpu_spec, memory = (H200, 141e9) if gpu == "h200" else (H100, 80e9)
     table = HostPathTable.load()
     device_row = table.get("batched-on-device", host_setting)
-    gpu_model = gpu_cost(gpu_spec, gpu_context, host=table.get(host_path, host_setting),
-                         stream_host=stream_rows(device_row, calibrations[batched].gamma))
+    # The GPU case is the regime map's cell (netsim.fleet.regime: its efficiencies, its workload of
+    # `gpu_prompt_tokens` new and `gpu_max_tokens` generated tokens a request), so both give one answer.
+    from netsim.fleet.regime import RegimeConfig, cell_costs
+    gpu_model = replace(cell_costs("8b-bf16", gpu_context, RegimeConfig(gpu=gpu), device_row)[1],
+                        host=table.get(host_path, host_setting),
+                        stream_host=stream_rows(device_row, calibrations[batched].gamma))
     # The GPU verifier's CPU per round is our assumption and nothing else is left of the Python
     # server's time; a GPU engine keeps its streams in its batch (their next token is in the next
     # step, the streaming runs beside the GPU). The edges keep their calibrated figures.
     gpu_scenario = Scenario(f"{gpu.upper()} roofline, batched", replace(
         calibrations[batched], profiles=profiles, cost=gpu_model, alpha=gpu_alpha, draft_s=gpu_draft_s,
         server_cpu_s=gpu_overhead_s, cloud_server_cpu_s=0.0, server_overhead_s=0.0, cloud_server_overhead_s=0.0,
-        max_batch_tokens=GPU_BATCH_TOKENS), True, packing="fcfs")
+        max_batch_tokens=GPU_BATCH_TOKENS, max_tokens=gpu_max_tokens), True, packing="fcfs")
     batched_packing = load_schedule(load_results[batched])["packing"]   # the batched verifier's schedule, as it ran
     scenarios = [Scenario("CPU as measured, serial", cpu_serial, False),
                  Scenario("CPU as measured, batched" + (", least slack first" if batched_packing == "slack" else ""),
@@ -151,7 +156,8 @@ def run_fleet(load_results: list[dict], *, slo_s: float, totals: list[int], prof
         out["gpu_capacity"] = gpu_capacity(gpu_scenario.params, gpu_model, memory, gpu_cases, KvOffload(), totals,
                                            slo_s, slo_ttft_s if slo_ttft_s is not None else 2.0,
                                            duration_s=gpu_duration_s, progress=progress,
-                                           hosts={p: table.get(p, host_setting) for p in PATHS})
+                                           hosts={p: table.get(p, host_setting) for p in PATHS},
+                                           workload={"prompt_tokens": gpu_prompt_tokens, "stagger": True})
     if specedge:
         from netsim.fleet.gpu import specedge_table
         out["specedge"] = specedge_table(**specedge, slo_tpot_s=slo_s,

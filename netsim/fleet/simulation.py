@@ -4,7 +4,11 @@ Per edge, per round (hybrid): draft γ tokens on the device, the request crosses
 waits for the verifier, is verified, the reply crosses the downlink, and 1 + k tokens commit, k
 drawn from the geometric acceptance model (per-token acceptance α, capped at γ). Cloud-only: the
 request crosses the uplink once and the verifier streams one token per pass, each crossing the
-downlink. Links are the proxy's own (netsim.fleet.links).
+downlink. Server-spec (vLLM speculating for itself, netsim.fleet.serverspec): the same streams, but
+each pass verifies γ + 1 tokens per stream after the draft's passes on the GPU (`cost` a
+`ServerSpecCost`), and 1 + k tokens cross the downlink together. Links are the proxy's own
+(netsim.fleet.links). Every burst of tokens reaching an edge after its first is a gap (`gap_p95_s`:
+a burst counts as one gap, as a reader waits for it).
 
 The verifier, serial (`batching=False`): one round, or one stream's token, per pass, first come
 first served (the model's lock: a random order put 64 cloud-only streams' p95 74% above the
@@ -53,7 +57,7 @@ from netsim.profiles import Profile, get_profile
 @dataclass
 class FleetConfig:
     edges: int                          # edges on this one verifier
-    mode: str                           # "hybrid" or "cloud-only"
+    mode: str                           # "hybrid", "cloud-only" or "server-spec" (vLLM speculating for itself)
     cost: object                        # LinearCost or RooflineCost
     batching: bool = False
     profiles: list = field(default_factory=lambda: ["lan"])   # profile names (or Profile objects)
@@ -97,6 +101,9 @@ class FleetConfig:
     duration_s: float = 30.0
     warmup_s: float = 3.0
     seed: int = 1
+    # Each edge's first request starts with a uniformly drawn share of its tokens already made, so the
+    # edges' requests are out of step from the start (a steady state; else they all end together).
+    stagger: bool = False
 
 
 # --- the verifier's work --------------------------------------------------------------------
@@ -141,9 +148,10 @@ class Reply:
 
 @dataclass(slots=True)
 class Token:
-    """A streamed token reaches its edge."""
+    """A streamed token (or a server-spec step's burst) reaches its edge."""
     edge: int
     last: bool                          # the stream's last
+    tokens: int = 1
 
 
 @dataclass(slots=True)
@@ -179,6 +187,8 @@ class _Edge:
     link: EdgeLink
     committed: int = 0                  # tokens of the current request
     request_start: float = 0.0
+    started: bool = False               # its first request has begun
+    first_committed: int = 0            # tokens the current request began with (stagger), not its own
     token_times: list = field(default_factory=list)   # (time, tokens) of the current request
     budget: int | None = None           # the draft budget of the verifier's last reply
     acceptance: Acceptance = field(default_factory=Acceptance)   # the verifier's α of its rounds
@@ -195,8 +205,8 @@ class _Simulation:
     """One run of `simulate`: the state, a handler per event, and the figures measured."""
 
     def __init__(self, cfg: FleetConfig) -> None:
-        if cfg.mode not in ("hybrid", "cloud-only"):
-            raise ValueError(f"mode must be hybrid or cloud-only, got {cfg.mode!r}")
+        if cfg.mode not in ("hybrid", "cloud-only", "server-spec"):
+            raise ValueError(f"mode must be hybrid, cloud-only or server-spec, got {cfg.mode!r}")
         if cfg.packing not in PACKINGS:
             raise ValueError(f"packing must be one of {PACKINGS}, got {cfg.packing!r}")
         if cfg.steer and not cfg.batching:
@@ -211,6 +221,7 @@ class _Simulation:
         self.t_measure, self.t_end = cfg.warmup_s, cfg.warmup_s + cfg.duration_s
         self.finished_tpots: list[float] = []
         self.ttfts: list[float] = []
+        self.gaps: list[float] = []           # between bursts reaching an edge, a burst one gap
         self.server_times: list[float] = []   # from reaching the verifier to its answer leaving
         self.committed_in_window = 0
         self.passes = self.target_tokens = 0
@@ -220,6 +231,7 @@ class _Simulation:
         self.streams: dict[int, int] = {}   # cloud-only: edge -> tokens still to generate
         self.verifier_free = True
         self.hybrid = cfg.mode == "hybrid"
+        self.spec = cfg.mode == "server-spec"
         self.up_bytes, self.down_bytes = cfg.round_bytes if self.hybrid else cfg.stream_bytes
         self.server_cpu, self.proxy_cpu = _Cpu(), _Cpu()
         shared_edge_cpu = _Cpu()
@@ -229,6 +241,7 @@ class _Simulation:
         self.prefill_chunk = max(1, cfg.prefill_chunk or cfg.max_batch_tokens // 4)
         self.steering = Steering(cfg.gamma) if cfg.steer else None
         self.work_rng = random.Random(cfg.seed * 7_919 + 1)   # its own, so the acceptance draws stay as they were
+        self.stagger_rng = random.Random(cfg.seed * 104_729 + 3)
         self.good_tokens = 0                 # committed in the window by requests that met the SLO
         self.verdicts: list[bool] = []
         self.requests_sent = 0               # engine requests (RoundWork.requests) in the window
@@ -275,7 +288,7 @@ class _Simulation:
             return
         self.verdicts.append(met)
         if met:
-            before = 0
+            before = e.first_committed   # a staggered first request began with tokens already made
             for t, n in e.token_times:
                 if self.in_window(t):
                     self.good_tokens += n - before
@@ -285,6 +298,8 @@ class _Simulation:
         e = self.edges[i]
         if not e.token_times and self.in_window(e.request_start):
             self.ttfts.append(t - e.request_start)
+        elif e.token_times and self.in_window(t):
+            self.gaps.append(t - e.token_times[-1][0])
         e.committed += n
         e.token_times.append((t, e.committed))
         if self.in_window(t):
@@ -303,13 +318,15 @@ class _Simulation:
         cfg, e = self.cfg, self.edges[i]
         if e.token_times:
             self.close_request(e)
-        e.committed, e.request_start, e.token_times = 0, t, []
+        done = self.stagger_rng.randint(0, cfg.max_tokens - 1) if cfg.stagger and not e.started else 0
+        e.started = True
+        e.committed, e.request_start, e.token_times, e.first_committed = done, t, [], done
         # A new session on the verifier: no α measured, no first token yet.
         e.acceptance, e.first_token_at = Acceptance(), None
         if self.hybrid:
-            self.send_round(i, t, self.gamma_for(e, cfg.max_tokens), cfg.prompt_tokens)
+            self.send_round(i, t, self.gamma_for(e, cfg.max_tokens - done), cfg.prompt_tokens)
         else:
-            self.streams[i] = cfg.max_tokens
+            self.streams[i] = cfg.max_tokens - done
             self.push(t + cfg.edge_overhead_s, Send(i, "up", self.up_bytes, Arrive(_Job(i, cfg.prompt_tokens))))
 
     def next_pass(self, t: float) -> None:
@@ -451,14 +468,19 @@ class _Simulation:
                     self.idle_resident.add(i)
                 self.push(out, Send(i, "down", self.down_bytes, Reply(i, committed)))
             else:
-                self.streams[i] -= 1
+                accepted = 0
+                while accepted < job.gamma and self.rng.random() < cfg.alpha:
+                    accepted += 1
+                made = min(accepted + 1, self.streams[i])
+                self.streams[i] -= made
                 if e.first_token_at is None:
                     e.first_token_at = (t, cfg.max_tokens - self.streams[i])
                 if self.steering:
-                    self.steering.observe_commit(t, 1)
-                self.push(out, Send(i, "down", self.down_bytes, Token(i, self.streams[i] == 0)))
+                    self.steering.observe_commit(t, made)
+                self.push(out, Send(i, "down", self.down_bytes, Token(i, self.streams[i] == 0, made)))
                 if self.streams[i] > 0:   # the stream asks for its next token (at once: it is in the next pass)
-                    nxt = _Job(i, 1)
+                    gamma = min(cfg.gamma, self.streams[i] - 1) if self.spec else 0
+                    nxt = _Job(i, gamma + 1, gamma=gamma, rows=gamma + 1)
                     if out <= t:
                         self.reach_verifier(nxt, out)
                         self.waiting.append(nxt)
@@ -480,7 +502,7 @@ class _Simulation:
 
     def on_token(self, t: float, token: Token) -> None:
         ready = self.edge_cpus[token.edge].run(t, self.cfg.edge_cpu_s)
-        self.commit(token.edge, ready, 1)
+        self.commit(token.edge, ready, token.tokens)
         if token.last:
             self.start_request(token.edge, ready)
 
@@ -509,6 +531,10 @@ class _Simulation:
                 "tpot_p50_s": pct(50), "tpot_p95_s": pct(95), "tpot_p99_s": pct(99),
                 "ttft_p50_s": float(np.percentile(self.ttfts, 50)) if self.ttfts else None,
                 "ttft_p95_s": float(np.percentile(self.ttfts, 95)) if self.ttfts else None,
+                "ttft_mean_s": float(np.mean(self.ttfts)) if self.ttfts else None,
+                "gap_p50_s": float(np.percentile(self.gaps, 50)) if self.gaps else None,
+                "gap_p95_s": float(np.percentile(self.gaps, 95)) if self.gaps else None,
+                "gap_mean_s": float(np.mean(self.gaps)) if self.gaps else None,
                 "goodput_tokens_per_s": self.good_tokens / cfg.duration_s,
                 "slo_met_share": sum(self.verdicts) / len(self.verdicts) if self.verdicts else None,
                 "engine_requests_per_committed_token": self.requests_sent / committed if self.hybrid else None,

@@ -538,3 +538,63 @@ def test_the_gpu_pass_charges_the_host_path_per_round_in_the_simulation():
     cloud_bare = simulate(_gpu_like(64, mode="cloud-only", cost=bare, duration_s=4.0))
     cloud_charged = simulate(_gpu_like(64, mode="cloud-only", cost=charged, duration_s=4.0))
     assert cloud_charged["committed_tokens_per_s"] == pytest.approx(cloud_bare["committed_tokens_per_s"])
+
+
+# --- vLLM speculating for itself (server-spec) -------------------------------------------------
+
+@pytest.mark.parametrize("alpha, tokens_per_step", [(1.0, 4), (0.0, 1)])
+def test_a_server_spec_stream_commits_a_burst_per_step_and_pays_the_drafts(alpha, tokens_per_step):
+    # One stream on lan, a toy GPU: the target's pass reads 1 GB at 100 GB/s (10 ms), the draft's 0.1 GB
+    # (1 ms); γ 3: a step is 10 + 3 x 1 = 13 ms and commits 4 tokens at α 1, 1 at α 0, in one burst.
+    from netsim.fleet.costs import RooflineCost
+    from netsim.fleet.serverspec import ServerSpecCost
+    target = RooflineCost(params=1e6, model_bytes=1e9, kv_bytes_per_token=0.0, context_tokens=1,
+                          hbm_bytes_per_s=1e11, flops_per_s=1e18, bw_efficiency=1.0)
+    cost = ServerSpecCost(target, RooflineCost(**{**target.__dict__, "model_bytes": 1e8}), 3)
+    result = simulate(FleetConfig(edges=1, mode="server-spec", cost=cost, batching=True, gamma=3, alpha=alpha,
+                                  max_tokens=100_000, duration_s=10.0, packing="fcfs"))
+    assert result["committed_tokens_per_s"] == pytest.approx(tokens_per_step / 0.013, rel=0.02)
+    assert result["gap_p50_s"] == pytest.approx(0.013, rel=0.05)   # a gap per burst, not per token
+    # Control: plain decoding on the same target, one token a 10 ms pass.
+    plain = simulate(FleetConfig(edges=1, mode="cloud-only", cost=target, batching=True, max_tokens=100_000,
+                                 duration_s=10.0, packing="fcfs"))
+    assert plain["committed_tokens_per_s"] == pytest.approx(100.0, rel=0.02)
+
+
+def test_the_gpu_table_charges_vllm_spec_its_drafts_memory():
+    # 10k-token sessions of 640 MB on an 8 GB GPU with 2 GB of weights: 8 sessions for plain decoding and
+    # n-gram; the 1B draft (2.47 GB, 33 kB a token) leaves 2, an EAGLE head (0.85 GB, 4 kB a token) 6.
+    from netsim.fleet.calibration import Calibration
+    from netsim.fleet.costs import RooflineCost
+    from netsim.fleet.gpu import GpuCase, gpu_capacity
+    from netsim.fleet.hostpath import HostPath
+    cost = RooflineCost(params=1e9, model_bytes=2e9, kv_bytes_per_token=64_000, context_tokens=10_000,
+                        hbm_bytes_per_s=1e12, flops_per_s=1e14)
+    params = Calibration(cost=cost, batching=True, alpha=0.7, gamma=3, draft_s=0.005, server_cpu_s=0.0,
+                         server_overhead_s=0.0, edge_cpu_s=0.0, edge_overhead_s=0.0, cloud_server_cpu_s=0.0,
+                         cloud_server_overhead_s=0.0, cloud_edge_cpu_s=0.0, proxy_cpu_s=0.0, cloud_proxy_cpu_s=0.0,
+                         max_tokens=32, max_batch_tokens=4096, profiles=["lan"], tokens_per_round=0.0)
+    hosts = {"batched-on-device": HostPath("batched-on-device", "test", "greedy", 1000, 0.0, 1e-6)}
+    cases = [GpuCase("cloud", "cloud-only")] + [GpuCase(m, "server-spec", host_path="batched-on-device", draft=m)
+                                                for m in ("draft model", "EAGLE", "n-gram")]
+    result = gpu_capacity(params, cost, 8e9, cases, KvOffload(), [1000], slo_tpot_s=1.0, slo_ttft_s=5.0,
+                          duration_s=2.0, hosts=hosts)
+    edges = {r["case"]: r["edges_per_gpu"] for r in result["rows"]}
+    assert edges == {"cloud": 8, "draft model": 2, "EAGLE": 6, "n-gram": 8}
+    # ... and the table goes to the figures registry as it is (one row a case).
+    from netsim.fleet.gpu import gpu_registry
+    _, tables = gpu_registry({"gpu_capacity": result})
+    assert [row[0] for row in tables["capacity"].rows] == ["cloud", "draft model", "EAGLE", "n-gram"]
+    assert [row[1] for row in tables["capacity"].rows] == ["8 (bound)", "2 (bound)", "6 (bound)", "8 (bound)"]
+
+
+def test_staggered_first_requests_do_not_count_their_head_start_as_goodput():
+    # Each edge's first request starts with up to max_tokens - 1 tokens "already made" (stagger): those
+    # were never committed in the run, so goodput (tokens of requests that met the SLO) cannot exceed
+    # the tokens committed in the window.
+    # 4 edges, 1,000-token requests, 2 s of 20 ms passes: about 100 tokens each in the window, against
+    # head starts of hundreds of tokens (uniform on 0..999).
+    cost = LinearCost(0.020, 0.0)
+    result = simulate(FleetConfig(edges=4, mode="cloud-only", cost=cost, batching=True, max_tokens=1000,
+                                  duration_s=2.0, warmup_s=0.001, stagger=True, slo_tpot_s=1.0, slo_ttft_s=5.0))
+    assert result["goodput_tokens_per_s"] == pytest.approx(result["committed_tokens_per_s"], rel=0.02)
