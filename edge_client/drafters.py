@@ -117,6 +117,7 @@ class GGUFDrafter(Drafter):
         # Trees decode each expanded node once, in one batch per level, on scratch sequence ids.
         self.ctx = self.model.new_context(n_ctx, n_seq_max=max_tree_nodes + 1)
         self.max_tree_nodes = max_tree_nodes
+        self.supports_trees = max_tree_nodes > 0   # made without scratch sequences: chains only
         self.fingerprint = self.model.fingerprint
         self.tokens_decoded = 0
 

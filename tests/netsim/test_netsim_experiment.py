@@ -21,7 +21,7 @@ def test_experiment_writes_results_report_and_plots(tmp_path):
     per_gamma = {f"{m}-g{g}" for m in ("hybrid", "tree", "proactive", "pipeline", "continuations", "fused", "window")
                  for g in (2, 4)}
     assert modes == {"edge-only", "cloud-only", "cloud-stepwise", "per-token", "adaptive", "auto"} | per_gamma
-    assert len(rows) == 2 * 20 * 2   # 6 modes without gamma, 7 with (2 gammas), 2 profiles x 2 workloads
+    assert len(rows) == 2 * 20 * 2   # 6 modes without gamma (auto: the planner's), 7 with (2 gammas), 2 profiles x 2 workloads
     assert all(row["window_depth"] >= 1 for row in rows if row["mode"].startswith("window"))
     for row in rows:
         assert REQUIRED <= row.keys()
