@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from edge_client.client import EdgeClient, EdgeError, GenerationStats, RoundEvent
@@ -342,105 +342,128 @@ async def unless_disconnected(request: Request, awaitable):
 
 
 def create_app(service: EdgeService) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        async with service:
-            yield
-
+    """The OpenAI API on `service`, which the app starts and stops with itself (its lifespan)."""
     app = FastAPI(title="hybridspec edge", summary="OpenAI-compatible API: drafted here, verified in the cloud",
-                  lifespan=lifespan)
-    metrics = service.metrics
-
-    @app.exception_handler(APIError)
-    async def api_error(_request: Request, e: APIError):
-        metrics.errors.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(ClientGone)
-    async def client_gone(_request: Request, _e: ClientGone):
-        metrics.disconnects.inc()
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-
-    @app.get("/health")
-    async def health():
-        try:
-            info = await service.server_info(fresh=True, timeout_s=HEALTH_TIMEOUT_S)
-        except APIError as e:
-            return JSONResponse({"status": "unavailable", "verifier": service.server, "reason": e.message},
-                                status_code=503)
-        return {"status": "ok", "verifier": service.server, "model": service.model_name(info)}
-
-    @app.get("/v1/models")
-    async def models():
-        info = await service.server_info()
-        return {"object": "list", "data": [{
-            "id": service.model_name(info), "object": "model", "created": service.started, "owned_by": "hybridspec",
-            "root": info.model, "max_model_len": info.n_ctx, "backend": info.backend}]}
-
-    async def body_of(request: Request) -> object:
-        try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = parse(ChatRequest, await body_of(request))
-        return await respond(request, req, chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = parse(CompletionRequest, await body_of(request))
-        return await respond(request, req, chat=False)
-
-    async def respond(request: Request, req: SamplingRequest, chat: bool):
-        metrics.requests.labels("chat" if chat else "completions", str(req.stream).lower()).inc()
-        info = await service.server_info()
-        ids, n_prompt = service.prompt(req, info)
-        settings = service.settings(req, n_prompt, info)
-        out = Outcome(prompt_tokens=n_prompt)
-        shape = ResponseShape(chat, service.model_name(info))
-        pieces = service.generate(ids, settings, req.stops, info.n_ctx, out)
-        if not req.stream:
-            async def collect() -> str:
-                async with contextlib.aclosing(pieces):
-                    return "".join([p async for p in pieces])
-            text = await unless_disconnected(request, collect())
-            return JSONResponse(shape.full(text, out.finish_reason, out.usage, out.hybridspec()))
-        # Wait for the first text before answering, so a verifier that is down or refuses the
-        # request gets its HTTP status (503, 4xx) instead of a 200 with an error inside the stream.
-        try:
-            first = await unless_disconnected(request, anext(pieces, None))
-        except BaseException:
-            await pieces.aclose()
-            raise
-        return StreamingResponse(stream(shape, pieces, first, out, req.include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    async def stream(shape: ResponseShape, pieces, first: str | None, out: Outcome, include_usage: bool):
-        ended = False
-        try:
-            async with contextlib.aclosing(pieces):
-                if shape.chat:
-                    yield sse(shape.chunk("", first=True, with_usage_field=include_usage))
-                if first is not None:
-                    yield sse(shape.chunk(first, with_usage_field=include_usage))
-                async for piece in pieces:
-                    yield sse(shape.chunk(piece, with_usage_field=include_usage))
-            yield sse(shape.chunk(None, out.finish_reason, with_usage_field=include_usage, extra=out.hybridspec()))
-            if include_usage:
-                yield sse(shape.usage_chunk(out.usage))
-            ended = True
-        except APIError as e:  # the verifier failed mid-stream: say so in the stream, as OpenAI does
-            metrics.errors.labels(str(e.status)).inc()
-            yield sse(e.body())
-            ended = True
-        finally:
-            if not ended:
-                metrics.disconnects.inc()
-        yield sse("[DONE]")
-
+                  lifespan=_lifespan)
+    # The handlers are module-level functions that find the service here, so that one router
+    # serves every app and each handler reads (and tests) on its own.
+    app.state.service = service
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(ClientGone, _client_gone)
+    app.include_router(router)
     return app
+
+
+router = APIRouter()
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    async with app.state.service:
+        yield
+
+
+def _service(request: Request) -> EdgeService:
+    return request.app.state.service
+
+
+async def _api_error(request: Request, e: APIError):
+    _service(request).metrics.errors.labels(str(e.status)).inc()
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _client_gone(request: Request, _e: ClientGone):
+    _service(request).metrics.disconnects.inc()
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
+@router.get("/health")
+async def health(request: Request):
+    service = _service(request)
+    try:
+        info = await service.server_info(fresh=True, timeout_s=HEALTH_TIMEOUT_S)
+    except APIError as e:
+        return JSONResponse({"status": "unavailable", "verifier": service.server, "reason": e.message},
+                            status_code=503)
+    return {"status": "ok", "verifier": service.server, "model": service.model_name(info)}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    service = _service(request)
+    info = await service.server_info()
+    return {"object": "list", "data": [{
+        "id": service.model_name(info), "object": "model", "created": service.started, "owned_by": "hybridspec",
+        "root": info.model, "max_model_len": info.n_ctx, "backend": info.backend}]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    req = parse(ChatRequest, await _body_of(request))
+    return await _respond(_service(request), request, req, chat=True)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    req = parse(CompletionRequest, await _body_of(request))
+    return await _respond(_service(request), request, req, chat=False)
+
+
+async def _body_of(request: Request) -> object:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+async def _respond(service: EdgeService, request: Request, req: SamplingRequest, chat: bool):
+    service.metrics.requests.labels("chat" if chat else "completions", str(req.stream).lower()).inc()
+    info = await service.server_info()
+    ids, n_prompt = service.prompt(req, info)
+    settings = service.settings(req, n_prompt, info)
+    out = Outcome(prompt_tokens=n_prompt)
+    shape = ResponseShape(chat, service.model_name(info))
+    pieces = service.generate(ids, settings, req.stops, info.n_ctx, out)
+    if not req.stream:
+        async def collect() -> str:
+            async with contextlib.aclosing(pieces):
+                return "".join([p async for p in pieces])
+        text = await unless_disconnected(request, collect())
+        return JSONResponse(shape.full(text, out.finish_reason, out.usage, out.hybridspec()))
+    # Wait for the first text before answering, so a verifier that is down or refuses the
+    # request gets its HTTP status (503, 4xx) instead of a 200 with an error inside the stream.
+    try:
+        first = await unless_disconnected(request, anext(pieces, None))
+    except BaseException:
+        await pieces.aclose()
+        raise
+    return StreamingResponse(_stream(service.metrics, shape, pieces, first, out, req.include_usage),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _stream(metrics: EdgeMetrics, shape: ResponseShape, pieces, first: str | None, out: Outcome,
+                  include_usage: bool):
+    ended = False
+    try:
+        async with contextlib.aclosing(pieces):
+            if shape.chat:
+                yield sse(shape.chunk("", first=True, with_usage_field=include_usage))
+            if first is not None:
+                yield sse(shape.chunk(first, with_usage_field=include_usage))
+            async for piece in pieces:
+                yield sse(shape.chunk(piece, with_usage_field=include_usage))
+        yield sse(shape.chunk(None, out.finish_reason, with_usage_field=include_usage, extra=out.hybridspec()))
+        if include_usage:
+            yield sse(shape.usage_chunk(out.usage))
+        ended = True
+    except APIError as e:  # the verifier failed mid-stream: say so in the stream, as OpenAI does
+        metrics.errors.labels(str(e.status)).inc()
+        yield sse(e.body())
+        ended = True
+    finally:
+        if not ended:
+            metrics.disconnects.inc()
+    yield sse("[DONE]")
 
 
 # --- process ------------------------------------------------------------------------------------

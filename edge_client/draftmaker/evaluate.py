@@ -419,123 +419,198 @@ def evaluate_drafts(target_path: str | os.PathLike, draft_paths: Sequence[str | 
     """One report per draft. The target's continuations, its logits and its speed are computed
     once and shared, so comparing several drafts costs little more than scoring one. A draft of
     another tokenizer is scored across vocabularies (TLI) unless `cross_vocab` is False."""
-    from llama_runtime import GGUFModel
-
     if continuation not in ("sampled", "greedy"):
         raise ValueError(f"continuation must be 'sampled' or 'greedy', not {continuation!r}")
     if not draft_paths:
         raise ValueError("no draft to evaluate")
-    temperatures = sorted({float(t) for t in temperatures} | {0.0, float(fom_temperature)})
+    plan = _Plan(max_new_tokens, sorted({float(t) for t in temperatures} | {0.0, float(fom_temperature)}),
+                 continuation, seed, fom_temperature)
     note = progress or (lambda msg: log.info("%s", msg))
     t_start = time.perf_counter()
     if prompts is None:
         prompts_file = str(prompts_file or DEFAULT_PROMPTS)
         prompts = load_prompts(prompts_file)
-    prompts = list(prompts)
+    scored = _score_all(target_path, draft_paths, list(prompts), plan, threads, cross_vocab, note)
 
+    settings = {"max_new_tokens": max_new_tokens, "continuation": continuation,
+                "temperatures": [float(t) for t in plan.temperatures], "seed": seed, "threads": threads,
+                "prompts_file": prompts_file}
+    reports = [_report(target_path, scored.target_fingerprint, path, score, settings)
+               for path, score in zip(draft_paths, scored.drafts)]
+    if measure_speed:
+        _speed_and_merit(reports, target_path, draft_paths, scored.speed_prompt,
+                         [s.payload_rows for s in scored.drafts], fom_temperature, speed_tokens, speed_repeats,
+                         sorted(set(speed_threads) | {draft_threads}), verify_threads, verify_repeats, link,
+                         draft_threads, max_gamma, note)
+    for r in reports:
+        r.elapsed_s = time.perf_counter() - t_start
+    return reports
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Which continuations are scored and at which temperatures (evaluate_drafts' arguments)."""
+    max_new_tokens: int
+    temperatures: list[float]   # sorted; always holds 0 and fom_temperature
+    continuation: str           # "sampled" or "greedy"
+    seed: int
+    fom_temperature: float
+
+
+class _Acceptance(NamedTuple):
+    """One draft scored on one continuation at one temperature."""
+    values: np.ndarray               # [positions] acceptance per position
+    payload: np.ndarray | None       # [≤32, vocab] q rows shipped, for the payload size (only when asked)
+    covered: int | None = None       # positions whose target token the draft has (across tokenizers)
+
+
+@dataclass
+class _DraftScore:
+    """One draft's sums over the prompts scored so far."""
+    fingerprint: str
+    cross: CrossVocab | None                    # None: the target's tokenizer; else its TLI mapping
+    overall: _Tally = field(default_factory=_Tally)
+    by_category: dict[str, _Tally] = field(default_factory=dict)
+    per_prompt: list[dict] = field(default_factory=list)
+    payload_rows: np.ndarray | None = None      # q shipped at the figure of merit's T, for the payload size
+
+    def record(self, category: str, row: dict, t: str, acc: _Acceptance) -> None:
+        self.overall.add(t, acc.values, acc.covered)
+        self.by_category[category].add(t, acc.values, acc.covered)
+        row["positions"][t] = len(acc.values)
+        row["alpha"][t] = float(acc.values.mean())
+        if acc.payload is not None and len(acc.payload):
+            self.payload_rows = acc.payload
+
+
+class _SpeedPrompt(NamedTuple):
+    """What decode speed and verify cost are measured on: the first prompt and its greedy continuation."""
+    target_ids: list[int]
+    continuation: list[int]
+    draft_ids: list[list[int]]   # per draft: the prompt in its own tokens
+
+
+class _Scored(NamedTuple):
+    target_fingerprint: str
+    drafts: list[_DraftScore]
+    speed_prompt: _SpeedPrompt | None
+
+
+def _score_all(target_path, draft_paths, prompts: list[Prompt], plan: _Plan, threads: int, cross_vocab: bool,
+               note: Progress) -> _Scored:
+    """Load the target and the drafts, score every prompt, close them all."""
+    from llama_runtime import GGUFModel
     target = GGUFModel(target_path, n_threads=threads)
-    drafts = []
-    crosses: list[CrossVocab | None] = []   # per draft: None (same tokenizer) or its TLI mapping
+    drafts: list = []
     try:
-        for path in draft_paths:
-            drafts.append(GGUFModel(path, n_threads=threads))
-            if drafts[-1].fingerprint == target.fingerprint:
-                crosses.append(None)
-            elif not cross_vocab:
-                raise ValueError(f"{drafts[-1].name} and {target.name} do not share a tokenizer "
-                                 "(fingerprints differ) and cross-vocabulary scoring is off")
-            else:
-                note(f"{drafts[-1].name}: another tokenizer; mapping vocabularies (TLI)")
-                crosses.append(CrossVocab(target, drafts[-1]))
+        crosses = _open_drafts(target, draft_paths, threads, cross_vocab, note, drafts)
+        scores = [_DraftScore(m.fingerprint, c) for m, c in zip(drafts, crosses)]
         target_ctx = target.new_context(n_ctx=2048)
         draft_ctxs = [d.new_context(n_ctx=2048) for d in drafts]
-        stop_ids = target.eog_ids
-        overall = [_Tally() for _ in drafts]
-        by_cat: list[dict[str, _Tally]] = [{} for _ in drafts]
-        per_prompt: list[list[dict]] = [[] for _ in drafts]
-        bytes_rows: list[np.ndarray | None] = [None for _ in drafts]  # q shipped at fom T, for payload size
-        first_ids, first_cont, speed_prompts = None, None, []
+        speed_prompt = None
         for i, prompt in enumerate(prompts):
             note(f"prompt {i + 1}/{len(prompts)} ({prompt.category})")
-            ids = prompt_ids(target, prompt)
-            draft_prompts = [prompt_ids(m, prompt) if c is not None else None for m, c in zip(drafts, crosses)]
-            cross_rows: dict[tuple[int, float], np.ndarray] = {}   # (draft, continuation T) -> logits
-            rows = [{"category": prompt.category, "prompt_tokens": len(ids), "positions": {}, "alpha": {}}
-                    for _ in drafts]
-            for d in range(len(drafts)):
-                by_cat[d].setdefault(prompt.category, _Tally()).prompts += 1
-                overall[d].prompts += 1
-            conts: dict[float, list[int]] = {}
-            for temp in temperatures:
-                sample_temp = 0.0 if continuation == "greedy" else temp
-                if sample_temp not in conts:
-                    rng = np.random.default_rng([seed, i, int(round(sample_temp * 1000))])
-                    conts[sample_temp] = target_continuation(target_ctx, ids, max_new_tokens, sample_temp,
-                                                             rng, stop_ids)
-                cont = conts[sample_temp]
-                if first_ids is None and sample_temp == 0.0:
-                    first_ids, first_cont = ids, cont
-                    speed_prompts = [list(ids) if c is None else list(p) for c, p in zip(crosses, draft_prompts)]
-                target_logits = teacher_forced_logits(target_ctx, ids, cont)
-                t = tkey(temp)
-                for d, ctx in enumerate(draft_ctxs):
-                    cross, covered = crosses[d], None
-                    want_bytes = bytes_rows[d] is None and temp == fom_temperature
-                    if cross is None:
-                        draft_logits = teacher_forced_logits(ctx, ids, cont)
-                        values = acceptance(target_logits, draft_logits, temp)
-                        payload = processed_probs(draft_logits[:32], temp) if want_bytes else None
-                    else:
-                        key = (d, sample_temp)
-                        if key not in cross_rows:
-                            cross_rows[key] = cross_draft_logits(ctx, cross, ids, draft_prompts[d], cont)
-                        values, payload = cross_acceptance(target_logits, cross_rows[key], temp, cross,
-                                                           keep_q=32 if want_bytes else 0)
-                        covered = int(cross.target_has[np.asarray(cont, dtype=np.int64)].sum())
-                        rows[d].setdefault("coverage", {})[t] = covered / max(len(cont), 1)
-                    overall[d].add(t, values, covered)
-                    by_cat[d][prompt.category].add(t, values, covered)
-                    rows[d]["positions"][t] = len(values)
-                    rows[d]["alpha"][t] = float(values.mean())
-                    if want_bytes and payload is not None and len(payload):
-                        bytes_rows[d] = payload
-            for d in range(len(drafts)):
-                per_prompt[d].append(rows[d])
+            first = _score_prompt(i, prompt, target, target_ctx, drafts, draft_ctxs, scores, plan)
+            speed_prompt = speed_prompt or first
         target_ctx.close()
         for ctx in draft_ctxs:
             ctx.close()
-        target_fp = target.fingerprint
-        draft_fps = [m.fingerprint for m in drafts]
+        return _Scored(target.fingerprint, scores, speed_prompt)
     finally:
         target.close()
         for m in drafts:
             m.close()
 
-    settings = {"max_new_tokens": max_new_tokens, "continuation": continuation,
-                "temperatures": [float(t) for t in temperatures], "seed": seed, "threads": threads,
-                "prompts_file": prompts_file}
-    reports = []
-    for d, path in enumerate(draft_paths):
-        summary = overall[d].summary()
-        summary["greedy_agreement"] = summary["alpha"][tkey(0.0)]
-        reports.append(EvalReport(
-            target={"path": str(target_path), "name": Path(target_path).name, "fingerprint": target_fp},
-            draft={"path": str(path), "name": Path(path).name, "fingerprint": draft_fps[d]},
-            settings=settings,
-            overall=summary,
-            categories={c: t.summary() for c, t in by_cat[d].items()},
-            per_prompt=per_prompt[d],
-            expected_tokens_per_round={t: {str(g): expected_tokens_per_round(a, g) for g in GAMMAS}
-                                       for t, a in summary["alpha"].items()},
-            vocabulary=_vocabulary_json(crosses[d]),
-        ))
-    if measure_speed:
-        _speed_and_merit(reports, target_path, draft_paths, first_ids, first_cont, speed_prompts, bytes_rows, fom_temperature,
-                         speed_tokens, speed_repeats, sorted(set(speed_threads) | {draft_threads}), verify_threads,
-                         verify_repeats, link, draft_threads, max_gamma, note)
-    for r in reports:
-        r.elapsed_s = time.perf_counter() - t_start
-    return reports
+
+def _open_drafts(target, draft_paths, threads: int, cross_vocab: bool, note: Progress,
+                 opened: list) -> list[CrossVocab | None]:
+    """Load each draft into `opened` (at once, so that the caller closes it should a later one
+    fail) and map its vocabulary onto the target's where the tokenizers differ."""
+    from llama_runtime import GGUFModel
+    crosses: list[CrossVocab | None] = []
+    for path in draft_paths:
+        opened.append(GGUFModel(path, n_threads=threads))
+        if opened[-1].fingerprint == target.fingerprint:
+            crosses.append(None)
+        elif not cross_vocab:
+            raise ValueError(f"{opened[-1].name} and {target.name} do not share a tokenizer "
+                             "(fingerprints differ) and cross-vocabulary scoring is off")
+        else:
+            note(f"{opened[-1].name}: another tokenizer; mapping vocabularies (TLI)")
+            crosses.append(CrossVocab(target, opened[-1]))
+    return crosses
+
+
+def _score_prompt(i: int, prompt: Prompt, target, target_ctx, drafts, draft_ctxs, scores: list[_DraftScore],
+                  plan: _Plan) -> _SpeedPrompt | None:
+    """Score every draft on prompt `i` at every temperature; the prompt and its greedy
+    continuation are returned for the speed measurements."""
+    ids = prompt_ids(target, prompt)
+    draft_prompts = [prompt_ids(m, prompt) if s.cross is not None else None for m, s in zip(drafts, scores)]
+    # Across tokenizers the draft's logits depend on the continuation only, not on T: computed
+    # once per continuation (greedy mode scores one continuation at every T).
+    cross_rows: dict[tuple[int, float], np.ndarray] = {}   # (draft, continuation T) -> logits
+    rows = [{"category": prompt.category, "prompt_tokens": len(ids), "positions": {}, "alpha": {}} for _ in drafts]
+    for s in scores:
+        s.by_category.setdefault(prompt.category, _Tally()).prompts += 1
+        s.overall.prompts += 1
+    conts: dict[float, list[int]] = {}
+    speed_prompt = None
+    for temp in plan.temperatures:
+        sample_temp = 0.0 if plan.continuation == "greedy" else temp
+        if sample_temp not in conts:
+            rng = np.random.default_rng([plan.seed, i, int(round(sample_temp * 1000))])
+            conts[sample_temp] = target_continuation(target_ctx, ids, plan.max_new_tokens, sample_temp, rng,
+                                                     target.eog_ids)
+        cont = conts[sample_temp]
+        if speed_prompt is None and sample_temp == 0.0:
+            speed_prompt = _SpeedPrompt(ids, cont, [list(ids) if s.cross is None else list(p)
+                                                    for s, p in zip(scores, draft_prompts)])
+        target_logits = teacher_forced_logits(target_ctx, ids, cont)
+        t = tkey(temp)
+        for d, (ctx, score) in enumerate(zip(draft_ctxs, scores)):
+            want_payload = score.payload_rows is None and temp == plan.fom_temperature
+            if score.cross is None:
+                acc = _same_vocab_acceptance(ctx, ids, cont, target_logits, temp, want_payload)
+            else:
+                key = (d, sample_temp)
+                if key not in cross_rows:
+                    cross_rows[key] = cross_draft_logits(ctx, score.cross, ids, draft_prompts[d], cont)
+                acc = _cross_vocab_acceptance(score.cross, cross_rows[key], cont, target_logits, temp, want_payload)
+                rows[d].setdefault("coverage", {})[t] = acc.covered / max(len(cont), 1)
+            score.record(prompt.category, rows[d], t, acc)
+    for s, row in zip(scores, rows):
+        s.per_prompt.append(row)
+    return speed_prompt
+
+
+def _same_vocab_acceptance(ctx, ids, cont, target_logits: np.ndarray, temp: float, want_payload: bool) -> _Acceptance:
+    draft_logits = teacher_forced_logits(ctx, ids, cont)
+    return _Acceptance(acceptance(target_logits, draft_logits, temp),
+                       processed_probs(draft_logits[:32], temp) if want_payload else None)
+
+
+def _cross_vocab_acceptance(cross: CrossVocab, draft_logits: np.ndarray, cont, target_logits: np.ndarray,
+                            temp: float, want_payload: bool) -> _Acceptance:
+    values, payload = cross_acceptance(target_logits, draft_logits, temp, cross, keep_q=32 if want_payload else 0)
+    covered = int(cross.target_has[np.asarray(cont, dtype=np.int64)].sum())
+    return _Acceptance(values, payload, covered)
+
+
+def _report(target_path, target_fingerprint: str, draft_path, score: _DraftScore, settings: dict) -> EvalReport:
+    summary = score.overall.summary()
+    summary["greedy_agreement"] = summary["alpha"][tkey(0.0)]
+    return EvalReport(
+        target={"path": str(target_path), "name": Path(target_path).name, "fingerprint": target_fingerprint},
+        draft={"path": str(draft_path), "name": Path(draft_path).name, "fingerprint": score.fingerprint},
+        settings=settings,
+        overall=summary,
+        categories={c: t.summary() for c, t in score.by_category.items()},
+        per_prompt=score.per_prompt,
+        expected_tokens_per_round={t: {str(g): expected_tokens_per_round(a, g) for g in GAMMAS}
+                                   for t, a in summary["alpha"].items()},
+        vocabulary=_vocabulary_json(score.cross),
+    )
 
 
 def _vocabulary_json(cross: CrossVocab | None) -> dict | None:
@@ -545,13 +620,14 @@ def _vocabulary_json(cross: CrossVocab | None) -> dict | None:
             "rolled_back_per_sync": cross.rolled_back / cross.syncs if cross.syncs else 0.0}
 
 
-def _speed_and_merit(reports, target_path, draft_paths, ids, cont, draft_ids, bytes_rows, fom_temperature, speed_tokens,
-                     speed_repeats, speed_threads, verify_threads, verify_repeats, link, draft_threads,
+def _speed_and_merit(reports, target_path, draft_paths, speed_prompt: _SpeedPrompt, bytes_rows, fom_temperature,
+                     speed_tokens, speed_repeats, speed_threads, verify_threads, verify_repeats, link, draft_threads,
                      max_gamma, note) -> None:
+    ids, cont = speed_prompt.target_ids, speed_prompt.continuation
     speeds: dict[str, list[float]] = {}
     for threads in speed_threads:
         note(f"decode speed, {threads} thread(s): target and {len(draft_paths)} draft(s), interleaved")
-        speeds[str(threads)] = decode_speeds([target_path, *draft_paths], threads, [list(ids), *draft_ids],
+        speeds[str(threads)] = decode_speeds([target_path, *draft_paths], threads, [list(ids), *speed_prompt.draft_ids],
                                              speed_tokens, speed_repeats)
     note(f"verify cost: target, {verify_threads} thread(s)")
     by_rows = verify_cost(target_path, verify_threads, list(ids) + list(cont), cont[::-1] or [0],

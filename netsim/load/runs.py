@@ -8,8 +8,9 @@ import logging
 import os
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -33,7 +34,66 @@ def percentile(values: list[float], q: float) -> float | None:
 
 async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstream: tuple[str, int],
                    metrics_url: str | None, verifier_pid: int | None) -> dict:
+    """One run: `n_edges` edges in `mode` through their links for warm-up plus the measured window;
+    the run's record for load.json."""
     profiles = [get_profile(cfg.profiles[i % len(cfg.profiles)]) for i in range(n_edges)]
+    traffic = await _drive(cfg, edges, mode, n_edges, upstream, metrics_url, verifier_pid, profiles)
+    requests = _request_figures(cfg, traffic.requests, traffic.window)
+    before, after = traffic.measured.before, traffic.measured.after
+    rounds = metric_delta(before, after, "hybridspec_verify_rounds_total")
+    batch = {name: histogram_delta(before, after, name) for name in BATCH_HISTOGRAMS}
+    verifier_errors = {key.split('code="')[1].rstrip('"}'): metric_delta(before, after, key)
+                       for key in after if key.startswith("hybridspec_request_errors_total{")}
+    lateness = [s["late_s"] / s["chunks"] for s in traffic.proxy_stats if s.get("chunks")]
+    return {
+        "edges": n_edges, "mode": mode, "profiles": sorted({p.name for p in profiles}),
+        "duration_s": cfg.duration_s, "warmup_s": traffic.warmup_s,
+        **requests,
+        **_target_cost(mode, requests["committed_tokens"], before, after, rounds, batch, metrics_url),
+        "verify_rounds": rounds,
+        "errors": traffic.errors, "verifier_errors": verifier_errors,
+        "session_replays": sum(r.replays for r in traffic.requests),
+        "sessions_opened": metric_delta(before, after, "hybridspec_sessions_opened_total"),
+        "model_seconds": metric_delta(before, after, "hybridspec_model_seconds_sum"),
+        "round_seconds": metric_delta(before, after, "hybridspec_round_seconds_sum"),
+        "kv": kv_between_rounds(before, after, rounds),
+        "gamma": cfg.gamma if mode == "hybrid" else None, "draft_ms": cfg.draft_ms if cfg.synthetic else None,
+        "batch_histograms": {k: v for k, v in batch.items() if v is not None},
+        **traffic.measured.cpu,
+        "proxy_mean_lateness_ms": 1000 * statistics.fmean(lateness) if lateness else None,
+        "proxy_max_lateness_ms": 1000 * max((s["late_max_s"] for s in traffic.proxy_stats), default=0.0),
+    }
+
+
+class _Meters(NamedTuple):
+    """CPU meters over the measured window. This process runs every edge (one event loop) and the
+    proxy process every link: their CPU says how close the harness itself is to its limits (the
+    fleet simulator calibrates on it)."""
+    verifier: ProcessMeter
+    edges: ProcessMeter
+    proxy: ProcessMeter
+
+
+class _Measured(NamedTuple):
+    before: dict   # the verifier's metrics when the window opened
+    after: dict    # and when it closed
+    cpu: dict      # cores kept busy over the window (verifier, edges, proxy) and the verifier's peak RSS
+
+
+@dataclass
+class _Traffic:
+    """What one run's edges did, and what was measured around them."""
+    requests: list[Request]
+    errors: dict[str, int]      # the edges' errors by kind
+    window: Window              # start_s, end_s: the measured window on the event loop's clock
+    warmup_s: float             # from the first request to the measured window
+    measured: _Measured
+    proxy_stats: list[dict]     # per link, from the proxy process
+
+
+async def _drive(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstream: tuple[str, int],
+                 metrics_url: str | None, verifier_pid: int | None, profiles: list) -> _Traffic:
+    """Run the edges through their links until the measured window closes."""
     costs = [DraftCost() for _ in range(n_edges)]
     drafters = [edges.drafter(costs[i], i) for i in range(n_edges)]   # loaded before the clock starts
     with ProxyHost([LinkSpec(profile, upstream, seed=cfg.seed * 100_003 + i) for i, profile in enumerate(profiles)]) as host:
@@ -42,38 +102,43 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
         errors: dict[str, int] = {}
         t_start = loop.time()
         window = Window(n_edges, cfg.warmup_s, cfg.duration_s)
-        meter = ProcessMeter(verifier_pid)
-        # This process runs every edge (one event loop) and the proxy process every link: their CPU
-        # says how close the harness itself is to its limits (the fleet simulator calibrates on it).
-        edge_meter, proxy_meter = ProcessMeter(os.getpid()), ProcessMeter(host.process.pid)
-
-        async def measure_window() -> dict:
-            await asyncio.sleep(cfg.warmup_s)
-            try:
-                await asyncio.wait_for(window.all_started.wait(), timeout=window.max_wait_s)
-            except asyncio.TimeoutError:
-                log.warning("%d of %d edges committed nothing in %.0f s; measuring anyway",
-                            n_edges - len(window.started), n_edges, cfg.warmup_s + window.max_wait_s)
-            window.start_s = loop.time()
-            window.end_s = window.start_s + cfg.duration_s
-            before = await loop.run_in_executor(None, scrape, metrics_url)
-            for m in (meter, edge_meter, proxy_meter):
-                m.start()
-            await asyncio.sleep(max(0.0, window.end_s - loop.time()))
-            after = await loop.run_in_executor(None, scrape, metrics_url)
-            window.stop.set()
-            verifier = meter.stop()
-            return {"before": before, "after": after,
-                    "cpu": {"verifier_cpu_cores": verifier["cpu_cores"], "verifier_peak_rss_mb": verifier["peak_rss_mb"],
-                            "edges_cpu_cores": edge_meter.stop()["cpu_cores"],
-                            "proxy_cpu_cores": proxy_meter.stop()["cpu_cores"]}}
-
-        measuring = asyncio.create_task(measure_window())
+        meters = _Meters(ProcessMeter(verifier_pid), ProcessMeter(os.getpid()), ProcessMeter(host.process.pid))
+        measuring = asyncio.create_task(_measure_window(cfg, window, n_edges, metrics_url, meters))
         await asyncio.gather(*(run_edge(edges, mode, i, host.ports[i], window, requests, errors,
                                         np.random.default_rng([cfg.seed, n_edges, i]), costs[i], drafters[i])
                                for i in range(n_edges)))
         measured = await measuring
         proxy_stats = host.stop()
+    return _Traffic(requests, errors, window, window.start_s - t_start, measured, proxy_stats)
+
+
+async def _measure_window(cfg: LoadConfig, window: Window, n_edges: int, metrics_url: str | None,
+                          meters: _Meters) -> _Measured:
+    """Open the window once every edge has committed (or the warm-up ran out), scrape the
+    verifier's metrics and meter the CPU across it, then tell the edges to stop."""
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(cfg.warmup_s)
+    try:
+        await asyncio.wait_for(window.all_started.wait(), timeout=window.max_wait_s)
+    except asyncio.TimeoutError:
+        log.warning("%d of %d edges committed nothing in %.0f s; measuring anyway",
+                    n_edges - len(window.started), n_edges, cfg.warmup_s + window.max_wait_s)
+    window.start_s = loop.time()
+    window.end_s = window.start_s + cfg.duration_s
+    before = await loop.run_in_executor(None, scrape, metrics_url)
+    for m in meters:
+        m.start()
+    await asyncio.sleep(max(0.0, window.end_s - loop.time()))
+    after = await loop.run_in_executor(None, scrape, metrics_url)
+    window.stop.set()
+    verifier = meters.verifier.stop()
+    return _Measured(before, after, {
+        "verifier_cpu_cores": verifier["cpu_cores"], "verifier_peak_rss_mb": verifier["peak_rss_mb"],
+        "edges_cpu_cores": meters.edges.stop()["cpu_cores"], "proxy_cpu_cores": meters.proxy.stop()["cpu_cores"]})
+
+
+def _request_figures(cfg: LoadConfig, requests: list[Request], window: Window) -> dict:
+    """Throughput, latency and goodput of the requests inside the measured window (run record keys)."""
     t_measure, t_end = window.start_s, window.end_s
     # Tokens committed inside the measured window, whatever request they belong to.
     committed = sum(r.tokens_by(t_end) - r.tokens_by(t_measure) for r in requests)
@@ -91,28 +156,9 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
     for r in requests:
         if tpot_of[id(r)] is not None:
             per_edge_tpot.setdefault(r.edge, []).append(tpot_of[id(r)])
-    before, after = measured["before"], measured["after"]
-    rounds = metric_delta(before, after, "hybridspec_verify_rounds_total")
-    drafts = metric_delta(before, after, "hybridspec_draft_tokens_total")
-    batch = {name: histogram_delta(before, after, name) for name in BATCH_HISTOGRAMS}
-    if batch["hybridspec_batch_tokens"] is not None:
-        passes, target_tokens, source = batch["hybridspec_batch_tokens"]["count"], batch["hybridspec_batch_tokens"]["sum"], "batch histograms"
-    elif mode == "cloud-only":
-        passes = target_tokens = float(committed)
-        source = "derived: one pass per generated token"
-    elif metrics_url:
-        passes, target_tokens, source = rounds, drafts + rounds, "derived: one pass of γ+1 tokens per Verify round"
-    else:
-        passes = target_tokens = None
-        source = "no metrics endpoint"
-    verifier_errors = {key.split('code="')[1].rstrip('"}'): metric_delta(before, after, key)
-                       for key in after if key.startswith("hybridspec_request_errors_total{")}
-    duration = cfg.duration_s
-    lateness = [s["late_s"] / s["chunks"] for s in proxy_stats if s.get("chunks")]
     return {
-        "edges": n_edges, "mode": mode, "profiles": sorted({p.name for p in profiles}),
-        "duration_s": duration, "warmup_s": t_measure - t_start, "requests": len(requests), "requests_completed": sum(r.done for r in requests),
-        "committed_tokens": committed, "committed_tokens_per_s": committed / duration,
+        "requests": len(requests), "requests_completed": sum(r.done for r in requests),
+        "committed_tokens": committed, "committed_tokens_per_s": committed / cfg.duration_s,
         "tpot_p50_s": percentile(tpots, 50), "tpot_p95_s": percentile(tpots, 95), "tpot_p99_s": percentile(tpots, 99),
         "tpot_per_edge_mean_s": {str(e): statistics.fmean(v) for e, v in sorted(per_edge_tpot.items())},
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95), "ttft_p99_s": percentile(ttfts, 99),
@@ -122,23 +168,29 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
         # so goodput can be judged again at other SLOs (goodput_at).
         "per_request": [[tpot_of[id(r)], r.ttft_s() if t_measure <= r.arrival_s <= t_end else None,
                          r.tokens_by(t_end) - r.tokens_by(t_measure)] for r in requests],
+    }
+
+
+def _target_cost(mode: str, committed: int, before: dict, after: dict, rounds: float, batch: dict,
+                 metrics_url: str | None) -> dict:
+    """The target's forward passes and tokens over the window, from the verifier's batch histograms
+    where it has them, else derived from the mode and the Verify rounds (run record keys)."""
+    if batch["hybridspec_batch_tokens"] is not None:
+        passes, target_tokens, source = batch["hybridspec_batch_tokens"]["count"], batch["hybridspec_batch_tokens"]["sum"], "batch histograms"
+    elif mode == "cloud-only":
+        passes = target_tokens = float(committed)
+        source = "derived: one pass per generated token"
+    elif metrics_url:
+        drafts = metric_delta(before, after, "hybridspec_draft_tokens_total")
+        passes, target_tokens, source = rounds, drafts + rounds, "derived: one pass of γ+1 tokens per Verify round"
+    else:
+        passes = target_tokens = None
+        source = "no metrics endpoint"
+    return {
         "target_forward_passes": passes, "target_tokens": target_tokens, "target_cost_source": source,
         "target_forward_passes_per_committed_token": passes / committed if passes is not None and committed else None,
         "target_tokens_per_committed_token": target_tokens / committed if target_tokens is not None and committed else None,
-        "verify_rounds": rounds,
-        "errors": errors, "verifier_errors": verifier_errors,
-        "session_replays": sum(r.replays for r in requests),
-        "sessions_opened": metric_delta(before, after, "hybridspec_sessions_opened_total"),
-        "model_seconds": metric_delta(before, after, "hybridspec_model_seconds_sum"),
-        "round_seconds": metric_delta(before, after, "hybridspec_round_seconds_sum"),
-        "kv": kv_between_rounds(before, after, rounds),
-        "gamma": cfg.gamma if mode == "hybrid" else None, "draft_ms": cfg.draft_ms if cfg.synthetic else None,
-        "batch_histograms": {k: v for k, v in batch.items() if v is not None},
-        **measured["cpu"],
-        "proxy_mean_lateness_ms": 1000 * statistics.fmean(lateness) if lateness else None,
-        "proxy_max_lateness_ms": 1000 * max((s["late_max_s"] for s in proxy_stats), default=0.0),
     }
-
 
 
 def verifier_args(cfg: LoadConfig, metrics_port: int, max_edges: int) -> list[str]:
