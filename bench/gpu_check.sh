@@ -19,7 +19,7 @@
 #    speculative decoding on CPU is reported as refused, not failed);
 # 6. on a GPU: step 3 again with a vLLM verifier (SmolLM2 dequantized, started here) and
 #    prompt-lookup edges (--drafter lookup, drafting emulated).
-# Every step is time-boxed by what is left of the budget (560 s; --short 240 s); a step that fails
+# Every step is time-boxed by what is left of the budget (560 s; --short 480 s: the short run starts vLLM four times on a CPU); a step that fails
 # or runs out of time is reported and the script goes on. Exit status: the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +31,7 @@ for arg in "$@"; do
   esac
 done
 RESULTS=${OUT:-.}/gpu_results.txt
-BUDGET=$([ $SHORT = 1 ] && echo 240 || echo 560)
+BUDGET=$([ $SHORT = 1 ] && echo 480 || echo 560)
 START=$(date +%s)
 FAILED=0
 mkdir -p "$(dirname "$RESULTS")"
@@ -116,7 +116,7 @@ fi
 # --- 5. vLLM speculating for itself, beside plain decoding ------------------------------------------
 if has vllm; then
   if [ $SHORT = 1 ]; then
-    step "vLLM speculating for itself" 70 "$PY" bench/vllm_self_spec.py --prompts 2 --max-tokens 8 \
+    step "vLLM speculating for itself" 260 "$PY" bench/vllm_self_spec.py --prompts 2 --max-tokens 8 \
       --methods none,ngram --vllm-arg dtype=float32 --out "$(dirname "$RESULTS")/vllm_self_spec_short.json"
   else
     step "vLLM speculating for itself" 150 "$PY" bench/vllm_self_spec.py --prompts 64 --max-tokens 128 \
