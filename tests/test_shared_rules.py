@@ -107,8 +107,8 @@ def test_the_verifier_takes_its_wire_constants_from_spec_core():
 
 
 def test_the_edge_takes_its_wire_constants_from_spec_core():
-    from edge_client import crossvocab, session, transport
+    from edge_client import crossvocab, loop, transport
     from spec_core import wire
     assert transport.RETRY_AFTER_KEY is wire.RETRY_AFTER_KEY
     assert set(wire.MESSAGE_SIZE_OPTIONS) <= set(transport.CHANNEL_OPTIONS)
-    assert session.OPEN_KEY_BYTES is wire.OPEN_KEY_BYTES and crossvocab.VOCABULARY_MAX_BYTES == wire.MAX_MESSAGE_BYTES
+    assert loop.OPEN_KEY_BYTES is wire.OPEN_KEY_BYTES and crossvocab.VOCABULARY_MAX_BYTES == wire.MAX_MESSAGE_BYTES
