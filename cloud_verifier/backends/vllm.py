@@ -103,10 +103,6 @@ _DEFAULTS = {"generation_config": "vllm"}
 # a seeded request's prefill is split across steps (it rewinds the generator, which CPU
 # generators cannot do). max_num_batched_tokens is raised to the context window to match.
 _CPU_DEFAULTS = {"enforce_eager": True, "block_size": 32, "enable_chunked_prefill": False}
-# On a GPU: chunked prefill, a long prompt at most VLLM_GPU_CHUNK tokens a step beside the rounds
-# (cloud_verifier.backends.prefill_budget.vllm_chunk_args).
-
-
 _EOG_TEXTS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>",
                         "<EOT>", "<|return|>", "<|call|>", "</s>"})
 
