@@ -313,10 +313,11 @@ def meaning(rows: list[Row], link: str | None) -> str:
     if link and "per-token" in by:
         p = by["per-token"]
         fewer = p.per_token(p.round_trips) / max(h.per_token(h.round_trips), 1e-9)
-        return (f"Over {link} the hybrid needed {fewer:.1f}x fewer round trips than per-token serving "
-                f"({rate(h) / max(rate(p), 1e-9):.1f}x its tokens/s) and {passes}; cloud-only streams in one request, "
-                "so where the cloud has the capacity it stays the fastest: the hybrid saves the cloud's passes and "
-                "the round trips of per-token collaboration.")
+        trips = (f"{fewer:.1f}x fewer round trips than per-token serving" if fewer >= 1 else
+                 f"{1 / fewer:.1f}x the round trips of per-token serving (rounds sent ahead that were not kept)")
+        return (f"Over {link} the hybrid needed {trips} ({rate(h) / max(rate(p), 1e-9):.1f}x its tokens/s) and "
+                f"{passes}; cloud-only streams in one request, so where the cloud has the capacity it stays the "
+                "fastest: the hybrid saves the cloud's passes and the round trips of per-token collaboration.")
     if "cloud-only" in by:
         c = by["cloud-only"]
         lead = ("On loopback there is no round trip to save and cloud-only streams faster; what the hybrid saves is"
