@@ -272,8 +272,9 @@ def refuse_conflicts(spec: Speculation, drafter: str | None = None, drafter_buil
     `drafter` (its name, e.g. 'lookup') and whether it builds trees: checked when given."""
     if drafter is not None and spec.tree != "off" and not drafter_builds_trees and "tree" not in (spec.planned or ()):
         raise OptionConflict(f"tree={_shown(spec.tree)}", f"drafter={drafter}",
-                             f"the {drafter} drafter proposes chains only (it has no model to rank a tree's "
-                             "branches); use tree 'off', or a model drafter (gguf, synthetic) for trees")
+                             f"the {drafter} drafter here proposes chains only (prompt lookup has no model to rank "
+                             "a tree's branches; a GGUF drafter made without tree drafting builds none); use tree "
+                             "'off', or a drafter that builds trees (gguf, synthetic)")
     if spec.fuse and spec.window > 1:
         raise OptionConflict("fuse", f"window={spec.window}",
                              "a window sends the next rounds as rounds in flight (the verifier fuses one that waits "

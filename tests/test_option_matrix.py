@@ -86,7 +86,7 @@ def test_a_tree_with_the_lookup_drafter_is_refused_naming_both():
     with pytest.raises(OptionConflict) as e:
         refuse_drafter_conflicts(Speculation(tree="auto", plan="off"), PromptLookupDrafter())
     assert e.value.options == ("tree=auto", "drafter=lookup")
-    assert str(e.value).startswith("tree=auto conflicts with drafter=lookup: the lookup drafter proposes chains only")
+    assert str(e.value).startswith("tree=auto conflicts with drafter=lookup: the lookup drafter here proposes chains only")
     refuse_drafter_conflicts(Speculation(tree="off", plan="off"), PromptLookupDrafter())            # chains: fine
     refuse_drafter_conflicts(Speculation(tree="auto", plan="off"), SyntheticDrafter(8))             # a model drafter: fine
 
