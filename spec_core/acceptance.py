@@ -1,8 +1,8 @@
 """The acceptance rule, written once: the accept test, the residual, and their score-based forms.
 
 Terms as in spec_core/verify.py (target_probs p, draft_probs q, accepted, corrected, bonus).
-Every verifier calls these: spec_core.verify (chains), spec_core.tree (trees), and through them
-every backend, the vLLM one included.
+Every verifier calls these through spec_core.tree's one walk (a chain is the tree with one path)
+or torch_accept's batched pass: every backend, the vLLM one included.
 
 From full rows of p:
   accept     draft token x survives with probability min(1, p(x) / q(x)). No q (None) is a point
@@ -18,8 +18,9 @@ target's own sampler, independently of our uniforms):
              from the full row (one extra request). With r = sum_t max(0, p(t) - q(t)):
                  P(keep, y = t) = p(t) a(t) = max(0, p(t) - q(t)) = r R(t),  P(fall through) = 1 - r,
                  so P(out = t) = r R(t) + (1 - r) R(t) = R(t).
-  sparse residual   for trees, p is known on a set T holding the children and their q supports;
-             a residual step changes only tokens of q's support and divides the rest by
+  sparse residual   for trees, p is known on a set T holding the children and the q supports of
+             every child but the last (the last one's rejection only decides the corrected token,
+             which keeps the sample above); a residual step changes only tokens of q's support and divides the rest by
              r = 1 - sum_{t in supp q} min(p(t), q(t)) (see spec_core.tree.verify_tree_from_scores).
 
 Every coin draws a uniform only when its outcome is uncertain (0 < probability < 1): seeded runs
@@ -90,15 +91,25 @@ def after_rejection(target_probs: np.ndarray, draft_probs: EncodedQ | None, toke
 # --- the same rule from scores ------------------------------------------------------------------
 
 def keeps_sample(sample: int, sample_prob: float, draft_probs: EncodedQ | None, token: int,
-                 rng: np.random.Generator) -> bool:
+                 rng: np.random.Generator, current_prob: float | None = None, scale: float = 1.0) -> bool:
     """After `token` was rejected: whether the target's sample y ~ p (p(y) = sample_prob) is the
-    corrected token, with probability max(0, 1 - q(y) / p(y)). When false, the corrected token is
-    a draw from corrected_probs(full row of p, ...)."""
+    corrected token. When false, the corrected token is a draw from corrected_probs(full row, ...).
+
+    A chain (the rejected token was the first tested at its node): keep y with probability
+    a(y) = max(0, 1 - q(y) / p(y)). After earlier siblings were rejected, p_k (what `token` was
+    tested against) is known as `current_prob` = p_k(y) when y is among the tokens p was read at,
+    and as p * scale off them (scale = 1 / prod of the earlier siblings' r, sparse_after_rejection):
+    a(y) = max(0, p_k(y) - q(y)) / (p(y) scale) = p_{k+1}(y) prod r / p(y) <= 1, which only needs
+    p_k at y, not on q's support (spec_core.tree.verify_tree_from_scores has the proof)."""
     if sample_prob >= 1.0:
-        # p is a point mass on y (greedy, or all other mass rounded away): so is the residual.
+        # p is a point mass on y (greedy, or all other mass rounded away): so is every residual.
         return True
     q_y = (1.0 if sample == token else 0.0) if draft_probs is None else draft_probs.prob_of(sample)
-    return coin(1.0 - q_y / sample_prob if sample_prob > 0.0 else 0.0, rng)
+    base = sample_prob * scale
+    if base <= 0.0:
+        return False
+    now = base if current_prob is None else current_prob
+    return coin(now / base - q_y / base, rng)   # a chain: exactly 1 - q(y) / p(y)
 
 
 def support(draft_probs: EncodedQ | None, token: int) -> dict[int, float]:

@@ -44,7 +44,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from spec_core.acceptance import (RESIDUAL_EPS, accepts, after_rejection, coin, corrected_probs,
+from spec_core.acceptance import (RESIDUAL_EPS, accepts, after_rejection, corrected_probs, keeps_sample,
                                   sparse_after_rejection)
 from spec_core.qcodec import EncodedQ
 from spec_core.warping import SamplingSettings, processed_probs, sample
@@ -219,11 +219,14 @@ class NodeScore:
 
 
 def tree_tokens_needed(tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None, node: int) -> list[int] | None:
-    """Tokens whose p the rule may read after `node`: its children and their q supports.
-    None when a child's q is dense (then the whole processed row is needed for that node)."""
-    need: set[int] = set()
-    for c in tree.children().get(node, []):
-        need.add(tree.tokens[c])
+    """Tokens whose p the rule may read after `node`: its children, and the q supports of every
+    child but the last (a rejection's residual step is read by the next sibling; the last child's
+    rejection only decides the corrected token, from p at the target's sample: keeps_sample). A
+    chain reads one token per node. None when such a q is dense (then the whole processed row is
+    needed for that node)."""
+    kids = tree.children().get(node, [])
+    need: set[int] = {tree.tokens[c] for c in kids}
+    for c in kids[:-1]:
         q = None if draft_probs is None else draft_probs[c]
         if q is not None:
             if q.token_ids is None:
@@ -235,16 +238,18 @@ def tree_tokens_needed(tree: DraftTree, draft_probs: Sequence[EncodedQ | None] |
 def verify_tree_from_scores(tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
                             scores: Sequence[NodeScore], full_row: Callable[[int], np.ndarray],
                             rng: np.random.Generator) -> tuple[TreeResult, bool]:
-    """verify_tree's rule from per-node scores instead of full rows.
+    """verify_tree's rule from per-node scores instead of full rows (a chain is the tree with one path).
 
-    At a node, p is known on T (the children and their q supports); every residual step
-    p_{i+1} = norm(max(0, p_i - q_i)) changes only tokens in q_i's support (a subset of T) and
-    divides the rest by r_i = 1 - sum_{t in supp q_i} min(p_i(t), q_i(t)), so outside T
-    p_{k+1}(t) = p(t) / prod r (spec_core.acceptance.sparse_after_rejection). The accept tests
-    read p_i at the children (in T). The corrected token: keep the target's y ~ p with probability
-    a(y) = p_{k+1}(y) prod r / p(y) (<= 1), else draw from p_{k+1} built from the full row:
+    At a node, p is known on T (tree_tokens_needed: the children and the q supports of all but the
+    last); every residual step p_{i+1} = norm(max(0, p_i - q_i)) changes only tokens in q_i's support
+    (a subset of T) and divides the rest by r_i = 1 - sum_{t in supp q_i} min(p_i(t), q_i(t)), so
+    outside T p_{k}(t) = p(t) / prod_{i<k} r_i (spec_core.acceptance.sparse_after_rejection). The
+    accept tests read p_i at the children (in T). The corrected token once the last child k was
+    rejected: keep the target's y ~ p with probability a(y) = p_{k+1}(y) prod_{i<=k} r_i / p(y) (<= 1),
+    else draw from p_{k+1} built from the full row:
         P(out = t) = p(t) a(t) + (1 - prod r) p_{k+1}(t) = prod r p_{k+1}(t) + (1 - prod r) p_{k+1}(t).
-    Outside T, a = 1: the full row is needed only when y lands on a child or a q support.
+    With p_{k+1}(y) r_k = max(0, p_k(y) - q_k(y)), a(y) needs p_k only at y (keeps_sample), and it is
+    1 off T and off q_k's support: the full row is needed only when y lands on a child or a q support.
     scores  # [n + 1]: index 0 the root, i + 1 node i. full_row(node) -> processed p  # [vocab].
     Returns (result, whether full_row was needed).
     """
@@ -254,27 +259,29 @@ def verify_tree_from_scores(tree: DraftTree, draft_probs: Sequence[EncodedQ | No
         s = scores[node + 1]
         cur = dict(s.probs)   # p_i on T, kept normalised
         scale = 1.0           # p_i(t) = p(t) * scale outside T
-        rejected = []
-        for c in children.get(node, []):
+        kids = children.get(node, [])
+        for k, c in enumerate(kids):
             x = tree.tokens[c]
             q = None if draft_probs is None else draft_probs[c]
             if accepts(cur[x], q, x, rng):
                 node = c
                 path.append(c)
                 break
-            rejected.append(c)
-            cur, r = sparse_after_rejection(cur, q, x)
-            scale /= r
+            if k + 1 < len(kids):   # the next sibling is tested against the residual
+                cur, r = sparse_after_rejection(cur, q, x)
+                scale /= r
         else:
-            y, p_y = s.sample, s.sample_prob
-            if not rejected:  # a leaf (or a node without children): y ~ p is the bonus
-                return TreeResult(path, y), False
-            p_cur_y = cur[y] if y in cur else p_y * scale
-            if coin(p_cur_y / (p_y * scale) if p_y > 0.0 else 0.0, rng):
+            if not kids:   # a leaf (or a node without children): y ~ p is the bonus
+                return TreeResult(path, s.sample), False
+            last = kids[-1]
+            q_last = None if draft_probs is None else draft_probs[last]
+            y = s.sample
+            if keeps_sample(y, s.sample_prob, q_last, tree.tokens[last], rng, cur.get(y), scale):
                 return TreeResult(path, y), False
             probs = full_row(node)  # [vocab]
-            for c in rejected:
-                probs = after_rejection(probs, None if draft_probs is None else draft_probs[c], tree.tokens[c])
+            for k, c in enumerate(kids):
+                q = None if draft_probs is None else draft_probs[c]
+                probs = (corrected_probs if k == len(kids) - 1 else after_rejection)(probs, q, tree.tokens[c])
             return TreeResult(path, sample(probs, rng)), True
 
 

@@ -1,6 +1,6 @@
-"""One speculative round: the glossary, what a round commits (commit_round), and the chain rule from
-per-position scores (verify_from_scores, the vLLM backend's rows-off path). The round's driver on
-target rows is spec_core.tree.verify_tree / verify_tree_on_logits: a chain is the tree with one path.
+"""One speculative round: the glossary and what a round commits (commit_round). The round's one
+driver is spec_core.tree's walk, on target rows (verify_tree / verify_tree_on_logits) and on scores
+(verify_tree_from_scores, the vLLM backend's rows-off paths): a chain is the tree with one path.
 
 Glossary (used everywhere in this project):
   target_probs  p, the target's processed distribution (spec_core.warping) at each position.
@@ -20,49 +20,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Sequence
-
-import numpy as np
-
-from spec_core.acceptance import accepts, corrected_probs, keeps_sample
-from spec_core.qcodec import EncodedQ
-from spec_core.warping import sample
+from typing import Sequence
 
 
 @dataclass(frozen=True)
 class RoundResult:
     num_accepted: int  # 0..gamma
     next_token: int    # corrected (num_accepted < gamma) or bonus (num_accepted == gamma)
-
-
-@dataclass(frozen=True)
-class PositionScore:
-    """What the target tells about position i without a full row (the vLLM backend)."""
-
-    sample: int                # y_i ~ p_i, drawn by the target's own sampler
-    sample_prob: float         # p_i(y_i)
-    draft_prob: float | None   # p_i(x_i) for the draft token x_i; None at the bonus position
-
-
-def verify_from_scores(draft_tokens: Sequence[int], draft_probs: Sequence[EncodedQ | None] | None,
-                       scores: Sequence[PositionScore], full_row: Callable[[int], np.ndarray],
-                       rng: np.random.Generator) -> tuple[RoundResult, bool]:
-    """The chain rule from per-position scores (spec_core.acceptance: keeping the sample).
-
-    draft_tokens  # [gamma]; draft_probs  # [gamma] or None; scores  # [gamma + 1]
-    full_row(i) -> processed p_i over the vocabulary  # [vocab], called at most once, only when
-    the target's sample at the first rejection is not kept. Returns (result, whether it was called).
-    """
-    gamma = len(draft_tokens)
-    assert len(scores) == gamma + 1, (len(scores), gamma)
-    for i, x in enumerate(draft_tokens):
-        q_i = None if draft_probs is None else draft_probs[i]
-        if accepts(scores[i].draft_prob, q_i, x, rng):
-            continue
-        if keeps_sample(scores[i].sample, scores[i].sample_prob, q_i, x, rng):
-            return RoundResult(i, scores[i].sample), False
-        return RoundResult(i, sample(corrected_probs(full_row(i), q_i, x), rng)), True
-    return RoundResult(gamma, scores[gamma].sample), False
 
 
 class FinishReason(enum.Enum):

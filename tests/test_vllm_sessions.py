@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 
+from spec_core.tree import DraftTree
 from spec_core.warping import SamplingSettings
 
 from test_vllm_backend import needs_vllm
@@ -142,9 +143,9 @@ def test_sampled_session_rows_equal_uncached_rows(backend, top_k):
     try:
         for k in range(8):
             drafts = drafts_accepting(backend, committed, k % (GAMMA + 1), rng)
-            got = backend._top_k_scores(state, committed, drafts, s, np.random.default_rng(k))
+            got = backend._top_k_tree_scores(state, committed, DraftTree.chain(drafts), None, s, np.random.default_rng(k))
             assert got is not None
-            _, rows = got
+            rows = np.stack([got[1][node] for node in range(-1, GAMMA - 1)])   # the rows before each draft
             ref, _ = uncached_rows(backend, committed + drafts, GAMMA, k=width)
             raw = np.full((GAMMA, backend.info.n_vocab), -np.inf, dtype=np.float32)
             for i, row in enumerate(ref):

@@ -22,8 +22,9 @@ What runs, per pass:
   2. accept tests: node c with draft token x and q is kept when u_c < p(x) / q(x), p being the
      parent's row (for a later sibling: the residual left by the rejected earlier siblings).
      Chains are decided on the device (leading accepts); trees walk the sparse residual on the
-     host (spec_core.acceptance.sparse_after_rejection) from p read at the children and their q
-     supports: a few numbers per node cross, never a row.
+     host (spec_core.acceptance.sparse_after_rejection) from p read at the children and the q
+     supports of all but the last (spec_core.tree.tree_tokens_needed): a few numbers per node cross,
+     never a row.
   3. one draw per round from the row it ended at: that row's p, minus each rejected child's q in
      turn (spec_core.acceptance.after_rejection: p kept when the residual is rounding noise), by
      inverse CDF with the round's last uniform, in float64, in ascending token order as
@@ -408,8 +409,8 @@ def _tree_ends(logits, warp, rounds, trees, local) -> list[_End]:
         node, path = ROOT, []
         while True:
             cur = known.get((j, node), {})
-            rejected = []
-            for c in kids.get(node, []):
+            rejected, here = [], kids.get(node, [])
+            for c in here:
                 x = rd.tree.tokens[c]
                 q = None if rd.draft_probs is None else rd.draft_probs[c]
                 if rd.uniforms[c] * draft_prob(q, x) < cur[x]:
@@ -417,7 +418,8 @@ def _tree_ends(logits, warp, rounds, trees, local) -> list[_End]:
                     path.append(c)
                     break
                 rejected.append(c)
-                cur, _ = sparse_after_rejection(cur, q, x)
+                if c != here[-1]:   # the next sibling is tested against the residual
+                    cur, _ = sparse_after_rejection(cur, q, x)
             else:
                 out.append(_End(path, node, rejected))
                 break

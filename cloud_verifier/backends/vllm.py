@@ -13,8 +13,8 @@ each position i (prompt = committed + drafts[:i]):
   draft_prob    p_i(x_i) for the draft token x_i (`logprob_token_ids=[x_i]`)
 
 where p_i is vLLM's processed distribution (temperature, then top-k, then top-p), the one plain
-generation with these settings samples from. `spec_core.verify.verify_from_scores` then runs the
-round with spec_core.acceptance's rule (the proof is there):
+generation with these settings samples from. `spec_core.tree.verify_tree_from_scores` then runs the
+round with spec_core.acceptance's rule (the proof is there; a chain is the tree with one path):
 
   accepted   x_i survives with probability min(1, p_i(x_i) / q_i(x_i)); q = None is a point mass.
   corrected  at the first rejection j, y_j (already drawn from p_j, independently of the accept
@@ -28,7 +28,7 @@ processed distribution over the whole vocabulary. The extra request is needed wi
 1 - r given a rejection (r = sum_y max(0, p_j(y) - q_j(y))), so rarely when p and q differ a lot,
 and it costs one row, not a context. Greedy (temperature 0) needs no probabilities: y_i is the
 argmax, x_i is accepted iff x_i == y_i, and the corrected / bonus token is y_j. Trees use the same
-scores per node (spec_core.tree.verify_tree_from_scores).
+scores per node, read at the children and the q supports of all but the last child.
 
 Rounds of a session (chains and trees) are one chunk of the session's own vLLM request, which keeps
 its KV across rounds (`sessions`, on by default; vllm_sessions.py): the engine rolls the rejected
@@ -81,13 +81,13 @@ from cloud_verifier.backends.base import (Backend, BackendInfo, BackendRound, Ba
                                           round_then_continuation)
 from cloud_verifier.backends.prefill_budget import vllm_chunk_args
 from cloud_verifier.backends.vllm_counters import EngineCounters, read_engine_counters
-from cloud_verifier.backends.vllm_sessions import SessionRows, VllmSession, close_session, raw_row, \
-    session_engine_args, session_leaves, session_round, session_verdict
+from cloud_verifier.backends.vllm_sessions import VllmSession, close_session, raw_row, session_engine_args, \
+    session_leaves, session_verdict
 from spec_core.crossvocab import Vocabulary
 from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import ROOT, DraftTree, NodeScore, TreeResult, tree_tokens_needed, verify_tree_from_scores
-from spec_core.verify import PositionScore, RoundResult, verify_from_scores
+from spec_core.verify import RoundResult
 from spec_core.warping import SamplingSettings, processed_probs, sample
 
 log = logging.getLogger(__name__)
@@ -317,62 +317,38 @@ class VllmBackend(Backend):
                      draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                      rng: np.random.Generator, continuations=(), next_rng=None) -> BackendRound:
         """Backend.verify_round: a continuation that hits runs as a second round on the session
-        (round_then_continuation: caps.fuses is False); a chain takes `verify`, a tree `verify_tree`
-        (`round_path` names the requests of each)."""
+        (round_then_continuation: caps.fuses is False); a round, chain or tree, takes `verify_tree`
+        (`round_path` names its requests)."""
         if continuations:
             assert next_rng is not None
             return round_then_continuation(self.verify_round, self.info.n_ctx, state, list(committed), tree,
                                            draft_probs, settings, rng, continuations, next_rng)
-        if not tree.is_chain:
-            return self.verify_tree(state, committed, tree, draft_probs, settings, rng)
-        out = self.verify(state, committed, list(tree.tokens), draft_probs, settings, rng)
-        return out._replace(result=TreeResult(list(range(out.result.num_accepted)), out.result.next_token))
+        return self.verify_tree(state, committed, tree, draft_probs, settings, rng)
 
     def verify(self, state, committed: Sequence[int], draft_tokens: Sequence[int],
                draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                rng: np.random.Generator) -> BackendRound:
-        t0 = time.perf_counter()
-        gamma = len(draft_tokens)
-        committed, drafts = list(committed), [int(x) for x in draft_tokens]
-        path = self.round_path(settings, state=state, steady=False)
-        if path == "session-engine" and committed and gamma:
-            got = self._engine_round(state, committed, DraftTree.chain(drafts), [list(range(gamma))], draft_probs,
-                                     settings, rng)
-            return BackendRound(RoundResult(len(got.path), got.next_token), 0.0, time.perf_counter() - t0)
-        if path in ("one-request", "session") and committed and gamma > 0:
-            got = self._greedy_scores(state, committed, drafts) if settings.greedy else \
-                self._top_k_scores(state, committed, drafts, settings, rng)
-            if got is not None:
-                scores, fallback = self._held_rows(got, settings, lambda i: i)
-                result, _ = verify_from_scores(drafts, draft_probs, scores, fallback, rng)
-                return BackendRound(result, 0.0, time.perf_counter() - t0)
-        seeds = rng.integers(0, 2**62, size=gamma + 1)
-        requests = []
-        for i in range(gamma + 1):
-            extra = {} if settings.greedy or i == gamma else {"logprob_token_ids": [drafts[i]]}
-            requests.append((committed + drafts[:i], self._params(settings, int(seeds[i]), **extra)))
-        outs = self._run(self._batch(requests))
-        scores = [_score(out, drafts[i] if i < gamma else None, settings.greedy) for i, out in enumerate(outs)]
-        full_row = self._full_row_request(lambda i: committed + drafts[:i], settings, rng)
-        result, _ = verify_from_scores(drafts, draft_probs, scores, full_row, rng)
-        return BackendRound(result, 0.0, time.perf_counter() - t0)
+        """A chain round (verify_tree on DraftTree.chain), its result as a RoundResult: for tools and tests."""
+        out = self.verify_tree(state, committed, DraftTree.chain([int(x) for x in draft_tokens]), draft_probs,
+                               settings, rng)
+        return out._replace(result=RoundResult(out.result.num_accepted, out.result.next_token))
 
-    def _held_rows(self, got, settings: SamplingSettings, score_index: Callable[[int], int]):
+    def _held_rows(self, got, settings: SamplingSettings):
         """(scores, fallback row) of a round whose rows are here already: greedy scores (p is a point
-        mass on each argmax), or (scores, processed rows) of a sampled round, its fallback row read
-        from them (counted in local_full_rows). score_index(position) -> the scores' index."""
+        mass on each argmax), or (scores, processed rows by node) of a sampled round, its fallback row
+        read from them (counted in local_full_rows). Scores are indexed as verify_tree's (0: the root)."""
         if settings.greedy:
-            def point_mass(i: int) -> np.ndarray:  # greedy p: all its mass on the argmax
+            def point_mass(node: int) -> np.ndarray:  # greedy p: all its mass on the argmax
                 row = np.zeros(self.info.n_vocab)
-                row[got[score_index(i)].sample] = 1.0
+                row[got[node + 1].sample] = 1.0
                 return row
             return got, point_mass
         scores, rows = got
 
-        def local_row(i: int) -> np.ndarray:
+        def local_row(node: int) -> np.ndarray:
             with self._stats_lock:
                 self.local_full_rows += 1
-            return rows[i]
+            return rows[node]
         return scores, local_row
 
     def _full_row_request(self, prompt_at: Callable[[int], list[int]], settings: SamplingSettings,
@@ -386,29 +362,6 @@ class VllmBackend(Backend):
             out, = self._run(self._batch([(prompt_at(i), params)], kind="full"))
             return _flat_probs(out.outputs[0].logprobs, 0, self.info.n_vocab)
         return full_row
-
-    def _round_rows(self, state, committed: list[int], drafts: list[int], params) -> SessionRows | None:
-        """A round's draft rows (prompt logprobs at each draft's position) and the sample after the last
-        draft, from one request over committed + drafts: a chunk of the session's own request when
-        sessions are on (vllm_sessions: gamma + 1 tokens computed), else an ordinary request (the block
-        tail again). None when an ordinary request's rows were served from the prefix cache (vLLM leaves
-        them unset: another session's identical tokens); the caller then takes per-position requests."""
-        if self.sessions and self.sessions_supported and isinstance(state, VllmSession):
-            got = self._run(self._batch_call(session_round(self._llm, state, committed, drafts, params)))
-            with self._stats_lock:
-                self.one_request_rounds += 1
-                self.session_rounds += 1
-                self._forwarded += len(drafts) + 1
-            return got
-        assert params.prompt_logprobs != -1, "whole prompt-logprob rows only from a session's chunk"
-        out, = self._run(self._batch([(committed + drafts, params)]))
-        n = len(committed)
-        with self._stats_lock:
-            self.one_request_rounds += 1
-            if (out.num_cached_tokens or 0) > n - 1:
-                self.one_request_fallbacks += 1
-                return None
-        return SessionRows(out.prompt_logprobs[n:n + len(drafts)], int(out.outputs[0].token_ids[0]))
 
     def _engine_round(self, state: VllmSession, committed: list[int], tree: DraftTree, paths: list[list[int]],
                       draft_probs, settings: SamplingSettings, rng: np.random.Generator):
@@ -431,23 +384,6 @@ class VllmBackend(Backend):
             return await coro
         finally:
             await self._gate.leave()
-
-    def _greedy_scores(self, state, committed: list[int], drafts: list[int]) -> list[PositionScore] | None:
-        """One request over committed + drafts (_round_rows): the argmax at every draft position from its
-        prompt logprobs (top-1), the bonus from the sampled token. None when the rows were served from
-        the cache (another session's identical tokens)."""
-        from vllm import SamplingParams
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, skip_reading_prefix_cache=False,
-                                ignore_eos=True, detokenize=False, skip_clone=True)
-        got = self._round_rows(state, committed, drafts, params)
-        if got is None:
-            return None
-        scores = []
-        for x, row in zip(drafts, got.rows):   # {token id: Logprob}: the prompt token first, then the top-1
-            top = next((t for t, lp in row.items() if t != x and lp.rank == 1), x) if len(row) > 1 else x
-            scores.append(PositionScore(int(top), 1.0, float(top == x)))
-        scores.append(PositionScore(got.sample, 1.0, None))
-        return scores
 
     def _tree_rows(self, state, committed: list[int], tree: DraftTree, params
                    ) -> tuple[dict[int, tuple[int, dict]], dict[int, int]] | None:
@@ -513,26 +449,6 @@ class VllmBackend(Backend):
             scores.append(NodeScore(y, 1.0, {int(t): float(t == y) for t in need}))
         return scores
 
-    def _top_k_scores(self, state, committed: list[int], drafts: list[int], settings: SamplingSettings,
-                      rng: np.random.Generator) -> tuple[list[PositionScore], np.ndarray] | None:
-        """Sampled rounds from prompt logprobs over committed + drafts (_round_rows): `prompt_logprobs=top_k`
-        with top-k (the processed p at a position depends on the top-k raw logits alone: softmax over
-        those k of logits / T, then the top-p cut), whole rows otherwise (a session's chunk only);
-        spec_core.warping on them is the processed row; y_i is drawn from it here, the bonus is vLLM's
-        own sample after the last draft (the session's settings). Returns (scores, rows  # [gamma, vocab])."""
-        k, params = self._sampled_row_params(settings, rng)
-        got = self._round_rows(state, committed, drafts, params)
-        if got is None:
-            return None
-        raw = np.stack([raw_row(row, k, self.info.n_vocab) for row in got.rows])   # [gamma, vocab]
-        rows = processed_probs(raw, settings.temperature, settings.top_k, settings.top_p)  # [gamma, vocab]
-        scores = []
-        for i, x in enumerate(drafts):
-            y = sample(rows[i], rng)
-            scores.append(PositionScore(y, float(rows[i][y]), float(rows[i][x])))
-        scores.append(PositionScore(got.sample, float("nan"), None))
-        return scores, rows
-
     def _sampled_row_params(self, settings: SamplingSettings, rng: np.random.Generator):
         """The rows a sampled round reads, and the request parameters that ask for them: k = top_k raw
         logprobs per position with top-k, else -1, whole rows as flat logprobs (a session's chunks only)."""
@@ -543,10 +459,11 @@ class VllmBackend(Backend):
     def _top_k_tree_scores(self, state, committed: list[int], tree: DraftTree,
                            draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                            rng: np.random.Generator) -> tuple[list[NodeScore], dict[int, np.ndarray]] | None:
-        """Sampled trees: the chain's mechanism (_top_k_scores) per leaf. The rows of every leaf's path
-        (_tree_rows, `prompt_logprobs=top_k`, or whole rows from a session's chunks) give the raw row
-        after the root and after every inner node, warped here into the processed row; y is drawn from it, except after a leaf,
-        where vLLM's own sample is the bonus. Returns (scores indexed as verify_tree's, processed rows
+        """Sampled rounds (a chain is one leaf) from prompt logprobs: the rows of every leaf's path
+        (_tree_rows, `prompt_logprobs=top_k`: the processed p depends on the top-k raw logits alone, or
+        whole rows from a session's chunks) give the raw row after the root and after every inner node,
+        warped here into the processed row; y is drawn from it, except after a leaf, where vLLM's own
+        sample (the session's settings) is the bonus. Returns (scores indexed as verify_tree's, processed rows
         by node  # each [vocab]), or None when a row is nowhere (_tree_rows)."""
         k, params = self._sampled_row_params(settings, rng)
         got = self._tree_rows(state, committed, tree, params)
@@ -571,24 +488,26 @@ class VllmBackend(Backend):
     def verify_tree(self, state, committed: Sequence[int], tree: DraftTree,
                     draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
                     rng: np.random.Generator) -> BackendRound:
-        """A chunk of the session per leaf (_tree_rows); without a session, greedy and top-k trees take a
-        request per leaf, others the chain's per-position mechanism per node: one request after the root
-        and after every node (prompt = committed + the node's path, prefix-cached, max_tokens = 1, a seed
-        from the session's generator) scores p on the children and their q supports (`logprob_token_ids`)
-        and samples y ~ p; a node whose children carry a dense q asks for its whole processed row
-        instead. verify_tree_from_scores runs the rule (proof there)."""
+        """A round, chain or tree (a chain is the tree with one path), by the requests `round_path` names:
+        decided in the engine ("session-engine": a chunk of the session per leaf, the first leaf last);
+        rows that cross ("session", "one-request": a chunk of the session or one request per leaf,
+        _tree_rows); else a request per node: one after the root and after every node (prompt =
+        committed + the node's path, prefix-cached, max_tokens = 1, a seed from the session's
+        generator) scores p at the tokens the rule reads there (tree_tokens_needed, `logprob_token_ids`;
+        a chain: its draft token) and samples y ~ p; a node whose read set holds a dense q asks for its
+        whole processed row instead. verify_tree_from_scores runs the rule (proof there)."""
         t0 = time.perf_counter()
         committed = list(committed)
-        path = self.round_path(settings, tree=True, state=state, steady=False)
-        if path == "tree-session-engine" and committed and len(tree):   # the first leaf last: it stays in the engine
+        path = self.round_path(settings, tree=not tree.is_chain, state=state, steady=False).removeprefix("tree-")
+        if path == "session-engine" and committed and len(tree):   # the first leaf last: it stays in the engine
             got = self._engine_round(state, committed, tree, [tree.path_to(leaf) for leaf in tree.leaves()][::-1],
                                      draft_probs, settings, rng)
             return BackendRound(got, 0.0, time.perf_counter() - t0)
-        if path in ("tree-leaves", "tree-session") and committed and len(tree):
+        if path in ("leaves", "session", "one-request") and committed and len(tree):
             got = self._greedy_tree_scores(state, committed, tree, draft_probs) if settings.greedy else \
                 self._top_k_tree_scores(state, committed, tree, draft_probs, settings, rng)
             if got is not None:
-                scores, fallback = self._held_rows(got, settings, lambda node: 0 if node == ROOT else node + 1)
+                scores, fallback = self._held_rows(got, settings)
                 result, _ = verify_tree_from_scores(tree, draft_probs, scores, fallback, rng)
                 return BackendRound(result, 0.0, time.perf_counter() - t0)
         nodes = [ROOT] + list(range(len(tree)))
@@ -753,17 +672,6 @@ class _KindGate:
         async with self._cond:
             self._inside -= 1
             self._cond.notify_all()
-
-
-def _score(out, draft: int | None, greedy: bool) -> PositionScore:
-    comp = out.outputs[0]
-    y = int(comp.token_ids[0])
-    if greedy:
-        return PositionScore(y, 1.0, None if draft is None else float(draft == y))
-    if draft is None:
-        return PositionScore(y, float("nan"), None)  # the bonus needs no probabilities
-    lp = comp.logprobs[0]
-    return PositionScore(y, math.exp(lp[y].logprob), math.exp(lp[draft].logprob))
 
 
 def _row_scores(row: np.ndarray, tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
