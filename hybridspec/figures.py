@@ -101,10 +101,9 @@ class Result:
 
     def provenance(self) -> str:
         """One line for a page: command, machine, load, date."""
-        load = self.load.get("start")
-        load_s = f", load {load[0]:.1f}" if load else ""
-        # An entry lifted from a page keeps the machine as the page described it.
-        machine = self.machine.get("as_stated") or _machine.summary(self.machine)
+        ends = [x[0] for x in (self.load.get("start"), self.load.get("end")) if x]
+        load_s = f", load average {' → '.join(f'{x:.1f}' for x in ends)}" if ends else ""
+        machine = _machine.summary(self.machine)
         return (f"`{self.command}` on {machine}{load_s}, {self.date}"
                 + (f" ({self.note})" if self.note else ""))
 
