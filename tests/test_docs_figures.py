@@ -10,11 +10,17 @@ re-renders. So:
     bytes, tokens per round or passes per token, outside code and outside the registry's spans) fails, unless the number is a design constant
     on the small allow-list below (an input such as an SLO threshold or a profile's round trip,
     not a measurement);
+    A bare ratio set against something ("1.18 the chain") counts as typed too;
 (b) no two registry entries claim the same quantity for the same set-up;
-(c) README.md equals its rendering from the registry.
+(c) README.md equals its rendering from the registry;
+(d) every result file is one a benchmark wrote: its command names a script, module or console
+    script of the repository, and it records the machine (CPU model and features, numpy's
+    dispatch), the load and the date; each figure is one number (a numeric value, a format with one
+    placeholder and no number of its own, a key that names the quantity, not the value).
 
 Each check has a control: a synthetic page with a hand-typed ratio fails, two entries with the
-same claim fail, and a README span edited by hand fails.
+same claim fail, a README span edited by hand fails, and a result file without its machine, load,
+date or an existing command, or with a format that carries a second number, fails.
 
 Pages are the project's, not a lab notebook: no build machine's path, no clock times, no "we",
 no commit hashes, no "before/after this change" or "replaced", no issue numbers. History lives in
