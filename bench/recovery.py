@@ -307,6 +307,19 @@ def registry(report: dict, setup: str):
     return figures, {"faults": Table(cols, rows, fmt)}
 
 
+def write_registry(args: argparse.Namespace, report: dict, load_start: list[float]) -> Path:
+    """bench/results/<--result>.json from a report with a fault run."""
+    from hybridspec.figures import write_result
+    target = "synthetic target" if args.synthetic else "bundled SmolLM2 target, prompt-lookup drafts"
+    setup = (f"{args.edges} edges × {args.max_tokens} tokens, {target}, "
+             + (f"SIGKILL at {args.kill_at}, restart after {args.restart_delay:g} s" if args.kill_at
+                else f"rolling drain of two replicas at {args.rolling_at}")
+             + (", --kv-store" if args.kv_store else "") + "".join(f", {a}" for a in args.verifier_arg))
+    figures, tables = registry(json.loads(json.dumps(report, default=str)), setup)
+    return write_result(args.result, figures=figures, tables=tables, load_start=load_start,
+                        note="shared 2-core VM, other benchmarks and test runs on it: seconds are noisy")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--edges", type=int, default=8)
@@ -385,14 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     if args.result and "faults" in report:
-        from hybridspec.figures import write_result
-        target = "synthetic target" if args.synthetic else "bundled SmolLM2 target, prompt-lookup drafts"
-        setup = (f"{args.edges} edges × {args.max_tokens} tokens, {target}, "
-                 + (f"SIGKILL at {args.kill_at}, restart after {args.restart_delay:g} s" if kills
-                    else f"rolling drain of two replicas at {args.rolling_at}")
-                 + (", --kv-store" if args.kv_store else "") + "".join(f", {a}" for a in args.verifier_arg))
-        figures, tables = registry(json.loads(json.dumps(report, default=str)), setup)
-        print(f"wrote {write_result(args.result, figures=figures, tables=tables, load_start=load_start, note='shared 2-core VM, other benchmarks and test runs on it: seconds are noisy')}")
+        print(f"wrote {write_registry(args, report, load_start)}")
     return 0
 
 
