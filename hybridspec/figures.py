@@ -59,7 +59,7 @@ class Figure:
     def render(self) -> str:
         try:
             return self.fmt.format(self.value)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, IndexError, KeyError):
             return str(self.value)
 
 
@@ -101,10 +101,9 @@ class Result:
 
     def provenance(self) -> str:
         """One line for a page: command, machine, load, date."""
-        load = self.load.get("start")
-        load_s = f", load {load[0]:.1f}" if load else ""
-        # An entry lifted from a page keeps the machine as the page described it.
-        machine = self.machine.get("as_stated") or _machine.summary(self.machine)
+        ends = [x[0] for x in (self.load.get("start"), self.load.get("end")) if x]
+        load_s = f", load average {' → '.join(f'{x:.1f}' for x in ends)}" if ends else ""
+        machine = _machine.summary(self.machine)
         return (f"`{self.command}` on {machine}{load_s}, {self.date}"
                 + (f" ({self.note})" if self.note else ""))
 
@@ -264,6 +263,11 @@ MEASURED = re.compile(
     r"(?:×|x\b|\s?k?\s?(?:tok/s|tokens/s|tokens per second)|\s?(?:ms|µs|%)(?![\w/])|\s?s\b(?![/'’])"
     r"|\s?(?:B up|B down|GB|MB|kB)\b|\s(?:tokens/round|tokens per round|(?:target )?passes/token|target passes per token)\b)")
 
+# A bare ratio as a page would type it: a number with two or three decimals set against something
+# ("1.18 the chain", "0.92 against 1.00"); a page names such a figure too.
+BARE_RATIO = re.compile(r"(?<![\w.^=/-])\d+\.\d{2,3}(?![\w.%×/])")
+_COMPARED = re.compile(r"\b(?:against|vs\.?|than|over|per-token(?:'s)?|cloud-only(?:'s)?|the chain(?:'s)?|faster|slower)\b|÷")
+
 # Design constants: inputs a page may type (each pattern matches the constant with its context).
 ALLOWED = [
     (re.compile(r"(?:≤|<=|<|under|within|at most|budget of|SLO of|target of)\s*\d+(?:\.\d+)?\s?(?:ms|s|%)"),
@@ -275,6 +279,7 @@ ALLOWED = [
     (re.compile(r"\d+(?:\.\d+)?\s?(?:ms|s)\s*(?:\+|−|-|×|/)\s*\d|\d\s*(?:\+|−|×|/)\s*\d+(?:\.\d+)?\s?(?:ms|s)\b"),
      "arithmetic in a worked example"),
     (re.compile(r"\b100\s?%"), "all of them (a definition, not a measurement)"),
+    (re.compile(r"(?:α|T|top-p|temperature)\s*(?:=|≈)?\s*\d+(?:\.\d+)?"), "a sampling setting or an assumed α"),
     (re.compile(r"\d+(?:\.\d+)?\s?(?:ms|s)\s+(?:p95\s+)?(?:TPOT\s+|TTFT\s+)?SLO"), "an SLO: an input"),
     (re.compile(r"\d+(?:\.\d+)?\s?(?:ms|s)\s+(?:p95\s+)?gap"), "an SLO on the gap between tokens: an input"),
     (re.compile(r"(?:≥|>=|at least|reach(?:es|ed)?|reaching|does not reach|below)\s*\*{0,2}\d+(?:\.\d+)?×"),
@@ -293,11 +298,15 @@ def _masked(line: str) -> str:
 
 
 def measured_spans(line: str) -> list[tuple[int, int]]:
-    """Where a line of prose types a measured figure by hand (not a design constant of ALLOWED)."""
+    """Where a line of prose types a measured figure by hand (not a design constant of ALLOWED): a
+    number with a unit (MEASURED), or a bare ratio set against something (BARE_RATIO)."""
     prose = _masked(line)
     allowed = [m.span() for pattern, _ in ALLOWED for m in pattern.finditer(prose)]
-    return [m.span() for m in MEASURED.finditer(prose)
-            if not any(a <= m.start() and m.end() <= b for a, b in allowed)]
+    spans = [m.span() for m in MEASURED.finditer(prose)]
+    spans += [m.span() for m in BARE_RATIO.finditer(prose)
+              if _COMPARED.search(prose[max(0, m.start() - 25):m.end() + 25])
+              and not any(a <= m.start() < b for a, b in spans)]
+    return sorted(s for s in spans if not any(a <= s[0] and s[1] <= b for a, b in allowed))
 
 
 def prose_lines(text: str):

@@ -10,11 +10,17 @@ re-renders. So:
     bytes, tokens per round or passes per token, outside code and outside the registry's spans) fails, unless the number is a design constant
     on the small allow-list below (an input such as an SLO threshold or a profile's round trip,
     not a measurement);
+    A bare ratio set against something ("1.18 the chain") counts as typed too;
 (b) no two registry entries claim the same quantity for the same set-up;
-(c) README.md equals its rendering from the registry.
+(c) README.md equals its rendering from the registry;
+(d) every result file is one a benchmark wrote: its command names a script, module or console
+    script of the repository, and it records the machine (CPU model and features, numpy's
+    dispatch), the load and the date; each figure is one number (a numeric value, a format with one
+    placeholder and no number of its own, a key that names the quantity, not the value).
 
 Each check has a control: a synthetic page with a hand-typed ratio fails, two entries with the
-same claim fail, and a README span edited by hand fails.
+same claim fail, a README span edited by hand fails, and a result file without its machine, load,
+date or an existing command, or with a format that carries a second number, fails.
 
 Pages are the project's, not a lab notebook: no build machine's path, no clock times, no "we",
 no commit hashes, no "before/after this change" or "replaced", no issue numbers. History lives in
@@ -22,6 +28,7 @@ CHANGELOG.md, which these checks leave alone.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -57,6 +64,10 @@ def test_a_hand_typed_ratio_is_caught():
     assert not hand_typed("```bash\nnetsim load --slo-ms 150  # 1.42× here\n```")
     assert not hand_typed("<!-- fig:weak-links/x -->1.42×<!-- /fig --> on 3g")
     assert not hand_typed("H200, Q4_0, 16 edges, 5 profiles × 7 modes")
+    # Bare ratios set against something are figures too; a setting or a version is not.
+    assert hand_typed("continuations gave 1.18 the chain on 3g")
+    assert hand_typed("α was 0.712 against 0.690 for the layer-skipped draft")
+    assert not hand_typed("the hybrid at α 0.85 against vLLM at α 0.5; vLLM 0.32; Python ≥ 3.11")
 
 
 def _references(text: str) -> list[tuple[str, str]]:
@@ -79,11 +90,104 @@ def test_every_named_figure_is_in_the_registry():
 def test_every_result_says_what_it_claims_and_where_it_came_from():
     registry = figures.load()
     assert registry, "bench/results/ holds no result file"
-    for name, result in registry.items():
-        assert result.command.strip() and result.date.strip(), f"{name}: no command or date"
-        for key, fig in result.figures.items():
-            assert fig.quantity.strip() and fig.setup.strip(), f"{name}/{key}: no quantity or set-up"
-            assert fig.render(), f"{name}/{key}: renders empty"
+    problems = [f"{name}: {p}" for name, result in registry.items() for p in provenance_problems(result)]
+    assert not problems, "result files a benchmark did not write (see hybridspec.figures.write_result):\n" + \
+        "\n".join(problems)
+
+
+# A result names the command that wrote it: a script of the repository, a module run with `python -m`, or
+# one of the package's console scripts.
+CONSOLE_SCRIPTS = {"netsim", "cloud-verifier", "edge-client", "hybridspec"}
+_PYTHON = re.compile(r"^(?:\S*/)?python3?$")
+
+
+def command_exists(command: str) -> bool:
+    """Whether the command's program is in this repository (`bench/x.py`, `python -m netsim ...`, `netsim ...`)."""
+    words = [w for w in command.split() if "=" not in w or w.startswith("-")]     # drop VAR=value prefixes
+    for i, word in enumerate(words):
+        if _PYTHON.match(word):
+            if i + 2 < len(words) + 1 and i + 1 < len(words) and words[i + 1] == "-m" and i + 2 < len(words):
+                module = ROOT / words[i + 2].replace(".", "/")
+                return module.with_suffix(".py").is_file() or (module / "__main__.py").is_file()
+            continue
+        if word in ("bash", "sh", "nice", "timeout") or word.startswith("-") or word.isdigit():
+            continue
+        name = word.rsplit("/", 1)[-1]
+        return (ROOT / word).is_file() if word.endswith((".py", ".sh")) else name in CONSOLE_SCRIPTS
+    return False
+
+
+def provenance_problems(result: figures.Result) -> list[str]:
+    """What a result file lacks: the command (one the repository has), the machine (CPU model and
+    features, numpy's dispatch), the load, the date; figures that are numbers with one placeholder."""
+    out = []
+    if not command_exists(result.command):
+        out.append(f"command {result.command[:80]!r} names no script, module or console script of the repository")
+    m = result.machine
+    if not m.get("cpu_model") or not m.get("cpu_features"):
+        out.append("no machine (CPU model and features)")
+    if not (m.get("numpy_simd") or {}).get("dispatched") and not (m.get("numpy_simd") or {}).get("baseline"):
+        out.append("no numpy dispatch")
+    load = [x for x in (result.load.get("start"), result.load.get("end")) if x]
+    if not load or not all(isinstance(v, (int, float)) for x in load for v in x):
+        out.append("no load average")
+    if not re.fullmatch(r"20\d\d-\d\d-\d\d", result.date or ""):
+        out.append(f"date {result.date!r} is not YYYY-MM-DD")
+    for key, fig in result.figures.items():
+        if not (fig.quantity.strip() and fig.setup.strip()):
+            out.append(f"{key}: no quantity or set-up")
+        out += [f"{key}: {p}" for p in figure_problems(key, fig)]
+    return out
+
+
+
+def figure_problems(key: str, fig: figures.Figure) -> list[str]:
+    """A figure is one number: a numeric value, a format with one placeholder and no other number, a key
+    that does not spell a value (`ms-per-pass-up-1-52`)."""
+    out = []
+    if isinstance(fig.value, bool) or not isinstance(fig.value, (int, float)):
+        out.append(f"value {fig.value!r} is not a number")
+    fields = re.findall(r"\{[^{}]*\}", fig.fmt)
+    if len(fields) != 1:
+        out.append(f"format {fig.fmt!r} has {len(fields)} placeholders, not one")
+    if re.search(r"\d", re.sub(r"\{[^{}]*\}", "", fig.fmt)):
+        out.append(f"format {fig.fmt!r} carries a number of its own")
+    if re.search(r"\d-\d", key):
+        out.append("key spells a number (name what it measures)")
+    if not fig.render() or not re.search(r"\d", fig.render()):
+        out.append("renders no number")
+    return out
+
+
+def _control_result(tmp_path, **overrides) -> figures.Result:
+    fig = figures.Figure(1.42, "tokens/s, hybrid γ 4 over per-token", "3g, bundled pair", "x", "{:.2f}×")
+    path = figures.write_result("control", figures={"ratio": fig}, command="bench/headline.py --profiles 3g",
+                                load_start=[0.5, 0.5, 0.5], results_dir=tmp_path)
+    doc = json.loads(path.read_text())
+    for k, v in overrides.items():
+        if k.startswith("figure_"):
+            doc["figures"]["ratio"][k.removeprefix("figure_")] = v
+        else:
+            doc[k] = v
+    path.write_text(json.dumps(doc))
+    return figures.read_result(path)
+
+
+def test_a_result_without_its_provenance_is_caught(tmp_path):
+    """Control for the check above: a file write_result wrote passes; each thing it lacks fails."""
+    assert provenance_problems(_control_result(tmp_path)) == []
+    assert provenance_problems(_control_result(tmp_path, machine={"as_stated": "2-vCPU VM, busy"}))
+    assert provenance_problems(_control_result(tmp_path, load={"start": None, "end": None}))
+    assert provenance_problems(_control_result(tmp_path, date="not recorded"))
+    assert provenance_problems(_control_result(tmp_path, command="bench/no_such_bench.py --quick"))
+    assert provenance_problems(_control_result(tmp_path, command="the section's first command block"))
+    assert provenance_problems(_control_result(tmp_path, figure_fmt="{:.2f} and 6.09 tok/s"))
+    assert provenance_problems(_control_result(tmp_path, figure_value="2.49 / 2.20 / 1.76×"))
+    assert provenance_problems(_control_result(tmp_path, figure_fmt="{:.2f}× ({:.2f}×)"))
+    for command in ("python -m netsim fleet --calibrate x", ".venv/bin/netsim experiment --profiles 3g",
+                    "PYTHONPATH=. python bench/headline.py", "bash bench/netsim_fleet.sh"):
+        assert command_exists(command), command
+    assert not figure_problems("ms-per-pass-up-1-52", figures.Figure(1.52, "q", "s", "x", "{:.2f}×")) == []
 
 
 def test_one_claim_one_number():
