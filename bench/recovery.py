@@ -9,6 +9,8 @@ of the same requests.
     PYTHONPATH=$PWD python bench/recovery.py --edges 64 --rolling-at 0.3,0.6 --verifier-arg=--threads=1
     ... --kv-store /dev/shm/hybridspec-kv   # the verifiers checkpoint sessions' KV cells there and
                                             # restore them on replays (emptied before each run)
+    ... --kv-store off                      # no KV store (without --kv-store: the verifiers' default,
+                                            # a folder per address on /dev/shm where it is a tmpfs)
 
 Faults come when a share of all requested tokens is committed (0.3: 30 %), so that they hit the
 edges mid-generation however fast this machine is.
@@ -42,6 +44,8 @@ from edge_client import EdgeClient  # noqa: E402
 from edge_client.options import EdgeOptions, Speculation, Transport  # noqa: E402
 from edge_client.transport import replica_targets  # noqa: E402
 from hybridspec.launch import spawn_verifier  # noqa: E402
+from cloud_verifier.cli import build_parser  # noqa: E402
+from cloud_verifier.kvstore_choice import address_folder, choose_store  # noqa: E402
 from netsim.load import DraftCost, Edges, LoadConfig, free_port  # noqa: E402
 from spec_core.warping import SamplingSettings  # noqa: E402
 
@@ -165,8 +169,11 @@ async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], fa
     traces = [EdgeTrace(i, greedy=i % 2 == 0) for i in range(cfg.edges)]
     server = ",".join(r.address for r in replicas)
     servers = replica_targets(server)
-    if cfg.kv_store:   # a run never restores what the run before stored
-        shutil.rmtree(cfg.kv_store, ignore_errors=True)
+    # A run never restores what the run before stored.
+    folders = [cfg.kv_store] if cfg.kv_store not in (None, "off") else \
+        [] if cfg.kv_store == "off" else [str(address_folder("127.0.0.1", r.port)) for r in replicas]
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
     store: dict[str, float] = {}
     for r in replicas:
         r.take_counted({})
@@ -295,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds between a fault and the restart (a slow start, a node replaced)")
     p.add_argument("--verifier-arg", action="append", default=[], help="extra `cloud-verifier serve` argument")
     p.add_argument("--deadline", type=float, default=120.0, help="the edges' deadline per call (s), as netsim load's")
-    p.add_argument("--kv-store", help="give the verifiers --kv-store this folder (emptied before each run); the "
-                                      "replays' restores are counted from their metrics")
+    p.add_argument("--kv-store", help="give the verifiers --kv-store this folder, or off (none); unset: their "
+                                      "default (a folder per address on /dev/shm where it is a tmpfs). The folder is "
+                                      "emptied before each run; the replays' restores are counted from the metrics")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--log-dir", type=Path, help="keep the logs here: each verifier process's, and the edges' "
                                                 "(edges.log: each line with its edge and seconds into the run)")
@@ -325,11 +333,16 @@ def main(argv: list[str] | None = None) -> int:
         handler.setLevel(logging.INFO)
         logging.getLogger("edge_client").addHandler(handler)
         logging.getLogger("edge_client").setLevel(logging.INFO)
-    replicas = [Replica(vargs, metrics=bool(args.kv_store), log_dir=args.log_dir, name=f"replica{k + 1}")
-                for k in range(n_replicas)]
+    stored = not args.synthetic and args.kv_store != "off"
+    replicas = [Replica(vargs, metrics=stored, log_dir=args.log_dir, name=f"replica{k + 1}") for k in range(n_replicas)]
     for r in replicas:
         r.start()
     report = {"config": vars(args)}
+    # What the verifiers' start-up log says of their KV store: the folder, or why none.
+    served = build_parser().parse_args(["serve", *vargs, "--port", str(replicas[0].port)])
+    report["kv_store_folder"] = choose_store(served.kv_store, backend=served.backend, batching=served.batching == "on",
+                                             host=served.host, port=served.port, max_bytes=served.kv_store_bytes,
+                                             max_age_s=served.session_ttl).why
     # A SIGTERM (timeout, kill) stops the verifiers too: raised as KeyboardInterrupt, so `finally` runs.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:

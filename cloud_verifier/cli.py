@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+log = logging.getLogger(__name__)
 
 def _add_serve(sub) -> None:
     from cloud_verifier.admission import ServerPolicy   # its defaults are the options' defaults
@@ -44,10 +45,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-park-order", choices=["next-use", "lru"], default="next-use",
                    help="(with --kv-park on) which idle session to park: the one whose next round is expected "
                         "last (default), or the least recently used")
-    p.add_argument("--kv-store", metavar="DIR",
+    p.add_argument("--kv-store", metavar="DIR|off",
                    help="(llama.cpp, batching on) checkpoint every session's KV cells in this folder (e.g. "
                         "/dev/shm/hybridspec-kv, shared by the replicas of one node), so that after a restart or a "
-                        "drain a replayed session's cells are restored instead of prefilled (docs/operations.md)")
+                        "drain a replayed session's cells are restored instead of prefilled. Default: a folder of "
+                        "this verifier's listen address on /dev/shm when that is a tmpfs with room (none with "
+                        "--port 0; the start-up log says which folder, or why none); off: none (docs/operations.md)")
     p.add_argument("--kv-store-every", type=float, default=2.0,
                    help="(with --kv-store) seconds between two checkpoints of a session (default 2)")
     p.add_argument("--kv-store-bytes", type=int, default=1 << 30,
@@ -113,6 +116,7 @@ def _add_serve(sub) -> None:
 
 def backend_from_args(args):
     from cloud_verifier.backends import load_backend
+    from cloud_verifier.kvstore_choice import choose_store
     if args.batching == "off" and args.backend == "vllm":
         raise SystemExit("cloud-verifier: --batching off conflicts with --backend vllm: vLLM's scheduler always "
                          "verifies the rounds of all sessions together (there is no serial vLLM verifier); drop "
@@ -120,9 +124,9 @@ def backend_from_args(args):
     if args.kv_park == "on" and args.backend == "vllm":
         raise SystemExit("cloud-verifier: --kv-park on is for the llama.cpp and synthetic backends: vLLM manages "
                          "its own KV cache (its preemption and swap settings go in --vllm-arg)")
-    if args.kv_store and (args.backend != "llama.cpp" or args.batching != "on"):
-        raise SystemExit("cloud-verifier: --kv-store is for the llama.cpp backend with --batching on (its shared KV "
-                         "cache is what is checkpointed)")
+    store = choose_store(args.kv_store, backend=args.backend, batching=args.batching == "on", host=args.host,
+                         port=args.port, max_bytes=args.kv_store_bytes, max_age_s=args.session_ttl)
+    log.info("KV store: %s", store.why)
     if args.kv_park == "on" and args.batching != "on":
         raise SystemExit("cloud-verifier: --kv-park on needs --batching on: the serial verifier has no shared KV cache")
     if args.backend == "synthetic":
@@ -146,8 +150,8 @@ def backend_from_args(args):
                             batch_window_ms=args.batch_window_ms, schedule=args.schedule,
                             prefill_chunk=args.prefill_chunk, kv_park=args.kv_park == "on",
                             kv_park_bytes=args.kv_park_bytes, kv_park_order=args.kv_park_order,
-                            kv_store=args.kv_store, kv_store_every_s=args.kv_store_every,
-                            kv_store_bytes=args.kv_store_bytes, kv_store_max_age_s=args.session_ttl)
+                            kv_store=store.folder, kv_store_every_s=args.kv_store_every,
+                            kv_store_bytes=store.max_bytes, kv_store_max_age_s=args.session_ttl)
     except (ModelMissing, ModelUnloadable) as e:
         raise SystemExit(f"cloud-verifier: {e}") from None
 
