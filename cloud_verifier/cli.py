@@ -63,10 +63,10 @@ def _add_serve(sub) -> None:
                    help="(batching on) how a pass is filled: fair (default) a fair share per request in arrival "
                         "order; slack: least slack before each session's SLO deadline first, prefills capped per pass")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="fix the prompt tokens of one request per pass while other sessions' rounds wait (default, "
-                        "batching on: sized each pass so that a pass's prompt tokens cost at most a quarter of the "
-                        "live sessions' time per output token, docs/many-edges.md; llama.cpp with --batching off: "
-                        "one decode)")
+                   help="fix the prompt tokens of one request per pass (--batching off: per turn of the model) "
+                        "while other sessions' rounds wait (default: while sessions are live, sized each pass so that "
+                        "its prompt tokens cost at most a quarter of the live sessions' time per output token, "
+                        "docs/many-edges.md; otherwise a quarter pass, llama.cpp with --batching off one decode)")
     p.add_argument("--slo-tpot-ms", type=float, default=0.0,
                    help="latency target of sessions that state none: time per output token (0: none)")
     p.add_argument("--slo-ttft-ms", type=float, default=0.0, help="... and time to first token (0: none)")
