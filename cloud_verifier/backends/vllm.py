@@ -1,12 +1,11 @@
 """vLLM as the target: exact verification through vLLM's public request API.
 
-vLLM cannot take external drafts and q into its own rejection sampler, and asking it for
-full-vocabulary prompt logprobs is slow twice over: such requests skip the prefix cache (every
-round would re-prefill the whole context) and turn vocab-sized rows into Python objects. So this
-backend scores instead of reading whole rows. With the engine in `processed_logprobs` mode, one
-batch of gamma + 1 ordinary generation requests per round (max_tokens = 1, the session's
-temperature / top-k / top-p, a seed from the session's generator, prefix-cached) gives, for
-each position i (prompt = committed + drafts[:i]):
+vLLM cannot take external drafts and q into its own rejection sampler, and asking it for full-vocabulary
+prompt logprobs is slow twice over: such requests skip the prefix cache (every round would re-prefill the
+whole context) and turn vocab-sized rows into Python objects. So this backend scores instead of reading whole
+rows. With the engine in `processed_logprobs` mode, one batch of gamma + 1 ordinary generation requests per
+round (max_tokens = 1, the session's temperature / top-k / top-p, a seed from the session's generator,
+prefix-cached) gives, for each position i (prompt = committed + drafts[:i]):
 
   sample        y_i, drawn by vLLM's own sampler from p_i
   sample_prob   p_i(y_i)
@@ -23,30 +22,28 @@ round with spec_core.acceptance's rule (the proof is there):
              token drawn from norm(max(0, p_j - q_j)).
   bonus      after gamma acceptances, y_gamma, which vLLM drew from p_gamma.
 
-No top-k truncation of p is involved anywhere: p_j(x), p_j(y) and the fallback row are the
-processed distribution over the whole vocabulary. The extra request is needed with probability
-1 - r given a rejection (r = sum_y max(0, p_j(y) - q_j(y))), so rarely when p and q differ a lot,
-and it costs one row, not a context. Greedy (temperature 0) needs no probabilities: y_i is the
-argmax, x_i is accepted iff x_i == y_i, and the corrected / bonus token is y_j. Trees use the same
-scores per node (spec_core.tree.verify_tree_from_scores).
+No top-k truncation of p is involved anywhere: p_j(x), p_j(y) and the fallback row are the processed
+distribution over the whole vocabulary. The extra request is needed with probability 1 - r given a rejection
+(r = sum_y max(0, p_j(y) - q_j(y))), so rarely when p and q differ a lot, and it costs one row, not a context.
+Greedy (temperature 0) needs no probabilities: y_i is the argmax, x_i is accepted iff x_i == y_i, and the
+corrected / bonus token is y_j. Trees use the same scores per node (spec_core.tree.verify_tree_from_scores).
 
-Rounds of a session (chains and trees) are one chunk of the session's own vLLM request, which keeps
-its KV across rounds (`sessions`, on by default; vllm_sessions.py): the engine rolls the rejected
-drafts back and computes gamma + 1 tokens a round (a tree: a chunk per leaf). As shipped
-(`engine_maths`) the round is decided in vLLM's worker, where the logits are: torch_accept.accept_pass
-once per engine step over every round it completes (vllm_engine_ext.accept_step), uniforms from the
-session's generator; only the kept path and the corrected or bonus token cross. With engine_maths
-off, the rows cross and the round is decided here: row j holds the raw log-probabilities
-at draft position j (prompt rows skip the sampler): greedy reads the top-1 (the argmax the sampler
-would take); top-k (k <= TOP_K_ONE_REQUEST) the top-k, on which alone the processed p depends, so
-spec_core.warping on them is the processed row; other sampled rounds the whole row. y_i is drawn
-from the processed row here, and the sample after the last draft is the bonus. Without a session
-(no state, sessions off, or a model with several KV-cache groups), greedy and top-k rounds take one
-ordinary request over committed + drafts (`one_request`: r + gamma tokens, r the committed tokens
-after the last full KV block, 1..block_size; per-position requests when its rows were served from the
-cache, `one_request_fallbacks`) and other sampled rounds the per-position requests above ((gamma + 1)·r
-+ gamma·(gamma + 1)/2 tokens: a whole-row prompt-logprob request would move context x vocab numbers). bench/fleet_vllm_counters.py counts every path with vLLM's own counters;
-`round_path` is the one place that says which path a round takes; docs/vllm.md says what was weighed.
+Rounds of a session (chains and trees) are one chunk of the session's own vLLM request, which keeps its KV across
+rounds (`sessions`, on by default; vllm_sessions.py): the engine rolls the rejected drafts back and computes gamma + 1
+tokens a round (a tree: a chunk per leaf). As shipped (`engine_maths`) the round is decided in vLLM's worker, where
+the logits are: torch_accept.accept_pass once per engine step over every round it completes
+(vllm_engine_ext.accept_step), uniforms from the session's generator; only the kept path and the corrected or bonus
+token cross. With engine_maths off, the rows cross and the round is decided here: row j holds the raw
+log-probabilities at draft position j (prompt rows skip the sampler): greedy reads the top-1 (the argmax the sampler
+would take); top-k (k <= TOP_K_ONE_REQUEST) the top-k, on which alone the processed p depends, so spec_core.warping on
+them is the processed row; other sampled rounds the whole row. y_i is drawn from the processed row here, and the
+sample after the last draft is the bonus. Without a session (no state, sessions off, or a model with several KV-cache
+groups), greedy and top-k rounds take one ordinary request over committed + drafts (`one_request`: r + gamma tokens, r
+the committed tokens after the last full KV block, 1..block_size; per-position requests when its rows were served from
+the cache, `one_request_fallbacks`) and other sampled rounds the per-position requests above ((gamma + 1)·r +
+gamma·(gamma + 1)/2 tokens: a whole-row prompt-logprob request would move context x vocab numbers).
+bench/fleet_vllm_counters.py counts every path with vLLM's own counters; `round_path` is the one place that says which
+path a round takes; docs/vllm.md says what was weighed.
 
 Text and chat prompts (drafts from another tokenizer) go through the HF tokenizer of the model
 folder: `vocabulary()` (GetVocabulary) is built from it by `hf_vocabulary`, as llama_runtime builds it
@@ -80,6 +77,7 @@ import numpy as np
 from cloud_verifier.backends.base import (Backend, BackendInfo, BackendRound, BackendSample, Capabilities, NoChatTemplate,
                                           round_then_continuation)
 from cloud_verifier.backends.prefill_budget import vllm_chunk_args
+from cloud_verifier.backends.vllm_prefill import PrefillMeter
 from cloud_verifier.backends.vllm_counters import EngineCounters, read_engine_counters
 from cloud_verifier.backends.vllm_sessions import SessionRows, VllmSession, close_session, raw_row, \
     session_engine_args, session_leaves, session_round, session_verdict
@@ -238,7 +236,8 @@ class VllmBackend(Backend):
         self.info = BackendInfo("vllm", Path(model).name, n_vocab, int(self._llm.model_config.max_model_len),
                                 fingerprint, eog)
         self._stats_lock = threading.Lock()
-        self._forwarded = 0
+        self._forwarded, self.prefills = 0, PrefillMeter()
+        self.prefill_rate = self.prefills.rate   # first tokens predicted from vLLM's own prefills (vllm_prefill)
         self.full_row_requests = 0  # rounds that needed the fallback row (for tests and figures)
         self.local_full_rows = 0  # ... and top-k rounds that built it from their own top-k row (no request)
         self.one_request_rounds = 0  # rounds (greedy, top-k, greedy trees) verified with one request (a leaf)
@@ -266,6 +265,7 @@ class VllmBackend(Backend):
             final = out
         with self._stats_lock:
             self._forwarded += len(prompt) - (final.num_cached_tokens or 0)
+        self.prefills.observe_output(final, len(prompt))
         return final
 
     async def _batch(self, requests, kind: str = "score"):
@@ -286,8 +286,8 @@ class VllmBackend(Backend):
             top_p=settings.top_p if 0.0 < settings.top_p < 1.0 else 1.0,
             max_tokens=1, seed=seed, ignore_eos=True, detokenize=False, skip_clone=True, **extra)
 
-    def new_state(self) -> VllmSession:
-        return VllmSession()  # the session's own vLLM request, started on its first round
+    def new_state(self) -> VllmSession:   # the session's own vLLM request, started on its first round
+        return VllmSession(on_prefill=self.prefills.observe_output)
 
     def release(self, state) -> None:
         if isinstance(state, VllmSession) and state.live and self._llm is not None:
