@@ -28,6 +28,7 @@ import asyncio
 import contextvars
 import json
 import logging
+import os
 import shutil
 import signal
 import statistics
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from edge_client import EdgeClient  # noqa: E402
 from edge_client.options import EdgeOptions, Speculation, Transport  # noqa: E402
 from edge_client.transport import replica_targets  # noqa: E402
+from hybridspec.figures import Table, write_result  # noqa: E402
 from hybridspec.launch import spawn_verifier  # noqa: E402
 from cloud_verifier.cli import build_parser  # noqa: E402
 from cloud_verifier.kvstore_choice import address_folder, choose_store  # noqa: E402
@@ -283,6 +285,27 @@ def summary(result: dict, reference: dict | None, requested: int) -> dict:
     return out
 
 
+def write_registry(args: argparse.Namespace, report: dict, load_start: list[float]) -> None:
+    """The run's figures as a registry result: a row per fault (when the verifier was back, when the
+    first and the last edge hit by it committed again), and the run's losses, equal outputs and
+    KV store restores beside the fault-free run's first commits."""
+    faulty, free = report.get("faults") or {}, report.get("fault_free") or {}
+    store = faulty.get("kv_store") or {}
+    rows = [[k + 1, f["kind"], f["share"], f["exited_s"], f["ready_s"], f["edges_hit"], f["first_commit_s"],
+             f["all_commit_s"]] for k, f in enumerate(faulty.get("faults", []))]
+    table = Table(["fault", "kind", "at share", "exited s", "ready s", "edges hit", "first commit s",
+                   "every edge s"], rows, {"exited s": "{:.2f}", "ready s": "{:.2f}", "first commit s": "{:.2f}",
+                                           "every edge s": "{:.2f}"})
+    run = Table(["edges", "tokens lost", "errors", "outputs equal", "replays", "restored", "restore none",
+                 "max gap s", "fault-free max gap s", "fault-free last first commit s", "KV store"],
+                [[args.edges, faulty.get("tokens_lost"), faulty.get("errors"), faulty.get("outputs_equal"),
+                  faulty.get("replays"), store.get("restored"), store.get("none"), faulty.get("max_gap_s"),
+                  free.get("max_gap_s"), (free.get("first_commit_s") or {}).get("max"),
+                  report.get("kv_store_folder", "")[:60]]],
+                {"max gap s": "{:.2f}", "fault-free max gap s": "{:.2f}", "fault-free last first commit s": "{:.2f}"})
+    write_result(args.result, tables={"faults": table, "run": run}, load_start=load_start, note=args.note)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--edges", type=int, default=8)
@@ -306,10 +329,14 @@ def main(argv: list[str] | None = None) -> int:
                                       "default (a folder per address on /dev/shm where it is a tmpfs). The folder is "
                                       "emptied before each run; the replays' restores are counted from the metrics")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--result", metavar="NAME", help="also write bench/results/NAME.json (hybridspec.figures): a "
+                                                    "row per fault, and the run's losses, outputs and store")
+    p.add_argument("--note", default="shared 2-core VM", help="(with --result) what the result's note says")
     p.add_argument("--log-dir", type=Path, help="keep the logs here: each verifier process's, and the edges' "
                                                 "(edges.log: each line with its edge and seconds into the run)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    load_start = list(os.getloadavg())
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
     kills = [float(x) for x in args.kill_at.split(",") if x]
@@ -362,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     brief = {k: ({kk: vv for kk, vv in v.items() if not kk.startswith("per_edge")} if isinstance(v, dict) and k != "config"
                  else v) for k, v in report.items()}
     print(json.dumps(brief, indent=1, default=str))
+    if args.result:
+        write_registry(args, report, load_start)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return 0
