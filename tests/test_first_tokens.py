@@ -321,6 +321,9 @@ def test_vllm_prefill_rate_is_tokens_over_the_union_of_the_prefills_intervals():
     meter.observe_output(Out(0.0, 0.0), 500)                    # no timestamps (stats off)
     meter.observe_output(object(), 500)
     assert meter.rate() == pytest.approx(1800 / 1.5)
+    meter.observe_output(Out(30.0, 57.0), 100)                  # a 27 s stall: counts as 4 x the median's
+    median = sorted([1 / 1000, 1 / 800, 27 / 100])[1]           # seconds a token
+    assert meter.rate() == pytest.approx(1900 / (1.5 + 4 * median * 100))
 
 
 # --- the verifier and the edge -------------------------------------------------------------------

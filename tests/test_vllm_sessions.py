@@ -405,8 +405,8 @@ def test_a_round_decided_in_the_engine_crosses_vllms_serialiser_intact():
 
 @needs_vllm
 def test_a_sessions_first_round_and_a_request_measure_vllms_prefill_rate(backend):
-    """Admission on vLLM: the prefill rate comes from vLLM's own timestamps of its prefills (a
-    session's context, an ordinary request's uncached prompt), none before the first, and a later
+    """Admission on vLLM: the prefill rate comes from vLLM's own timestamps of its prefills (an
+    ordinary request's uncached prompt, a session's context), none before the first, and a later
     round's chunk (gamma + 1 tokens: one step) adds no measurement."""
     from vllm import SamplingParams
     from cloud_verifier.backends.vllm_prefill import PrefillMeter
@@ -414,19 +414,18 @@ def test_a_sessions_first_round_and_a_request_measure_vllms_prefill_rate(backend
     backend.prefill_rate = meter.rate
     assert backend.prefill_rate() is None        # nothing measured: admission admits
     rng = np.random.default_rng(11)
-    committed = [1] + [int(x) for x in rng.integers(3, backend.info.n_vocab, 120)]
+    vocab = backend.info.n_vocab
+    prompt = [1] + [int(x) for x in rng.integers(3, vocab, 120)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, ignore_eos=True, detokenize=False)
+    backend._run(backend._batch([(prompt, params)]))   # prompt logprobs: reads nothing from the cache
+    assert [p.tokens for p in meter._done] == [len(prompt)]
+    assert backend.prefill_rate() > 0
+    committed = [1] + [int(x) for x in rng.integers(3, vocab, 100)]   # other tokens: not in the cache
     state = backend.new_state()
     try:
-        backend.verify(state, committed, drafts_accepting(backend, committed, 1, rng), None, GREEDY, rng)
-        assert len(meter._done) == 1 and meter._done[0].tokens >= 100   # the context (most of it uncached)
-        first = backend.prefill_rate()
-        assert first is not None and first > 0
-        committed = committed + [3]
-        backend.verify(state, committed, drafts_accepting(backend, committed, 1, rng), None, GREEDY, rng)
-        assert len(meter._done) == 1                 # the round's chunk is no prefill
+        backend.verify(state, committed, [int(x) for x in rng.integers(3, vocab, GAMMA)], None, GREEDY, rng)
+        assert len(meter._done) == 2 and meter._done[1].tokens >= 64   # the session's context
+        backend.verify(state, committed + [3], [int(x) for x in rng.integers(3, vocab, GAMMA)], None, GREEDY, rng)
+        assert len(meter._done) == 2                  # the round's chunk is no prefill
     finally:
         backend.release(state)
-    prompt = [1] + [int(x) for x in rng.integers(3, backend.info.n_vocab, 80)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, ignore_eos=True, detokenize=False)
-    backend._run(backend._batch([(prompt, params)]))   # prompt logprobs: read nothing from the cache
-    assert len(meter._done) == 2 and meter._done[1].tokens == len(prompt)

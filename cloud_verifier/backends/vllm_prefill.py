@@ -10,7 +10,9 @@ the interval the prefill took. Prefills that overlapped shared the engine's step
 
 the engine's prefill throughput while it was prefilling, however many prompts shared it. Shorter
 prefills (a round's chunk, a prompt the prefix cache held) are one step's fixed cost, not a rate,
-and are left out. No vLLM import: outputs are read by attribute.
+and are left out. A prefill that took more than OUTLIER times what the window's median seconds per
+token say (a one-off stall: a compile, a preemption) counts for that much, so one stall does not
+refuse sessions for the next 32 prefills. No vLLM import: outputs are read by attribute.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from collections import deque
 from typing import NamedTuple
 
 MIN_TOKENS = 16
+OUTLIER = 4.0
 
 
 class Prefill(NamedTuple):
@@ -49,8 +52,10 @@ class PrefillMeter:
             done = sorted(self._done, key=lambda p: p.start_s)
         if not done:
             return None
+        per_token = sorted((p.end_s - p.start_s) / p.tokens for p in done)[len(done) // 2]
         busy, reach = 0.0, float("-inf")
-        for p in done:   # the union of the intervals, in start order
-            busy += max(0.0, p.end_s - max(p.start_s, reach))
-            reach = max(reach, p.end_s)
+        for p in done:   # the union of the intervals, in start order, each at most OUTLIER x the median's
+            end = min(p.end_s, p.start_s + OUTLIER * per_token * p.tokens)
+            busy += max(0.0, end - max(p.start_s, reach))
+            reach = max(reach, end)
         return sum(p.tokens for p in done) / busy
