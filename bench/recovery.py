@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from edge_client import EdgeClient  # noqa: E402
 from edge_client.options import EdgeOptions, Speculation, Transport  # noqa: E402
 from edge_client.transport import replica_targets  # noqa: E402
-from hybridspec.figures import Table, write_result  # noqa: E402
+from hybridspec.figures import Figure, Table, write_result  # noqa: E402
 from hybridspec.launch import spawn_verifier  # noqa: E402
 from cloud_verifier.cli import build_parser  # noqa: E402
 from cloud_verifier.kvstore_choice import address_folder, choose_store  # noqa: E402
@@ -301,9 +301,27 @@ def write_registry(args: argparse.Namespace, report: dict, load_start: list[floa
                 [[args.edges, faulty.get("tokens_lost"), faulty.get("errors"), faulty.get("outputs_equal"),
                   faulty.get("replays"), store.get("restored"), store.get("none"), faulty.get("max_gap_s"),
                   free.get("max_gap_s"), (free.get("first_commit_s") or {}).get("max"),
-                  report.get("kv_store_folder", "")[:60]]],
+                  args.kv_store or ("default" if report.get("kv_store_folder", "").startswith("/") else "none")]],
                 {"max gap s": "{:.2f}", "fault-free max gap s": "{:.2f}", "fault-free last first commit s": "{:.2f}"})
-    write_result(args.result, tables={"faults": table, "run": run}, load_start=load_start, note=args.note)
+    setup = f"{args.edges} edges, KV store {run.rows[0][-1]}"
+    write_result(args.result, figures=fault_figures(faulty.get("faults", []), setup), tables={"faults": table, "run": run},
+                 load_start=load_start, note=args.note)
+
+
+def fault_figures(faults: list[dict], setup: str) -> dict[str, Figure]:
+    """The first fault's times, for pages' prose: back up, first and every edge's next commit."""
+    if not faults or faults[0]["all_commit_s"] is None:
+        return {}
+    f = faults[0]
+    setup = f"bench/recovery.py, {setup}, {f['kind']} at {f['share']:.0%} of the tokens"
+    seconds = {"ready-s": ("the verifier was ready again after the fault", f["ready_s"]),
+               "first-commit-s": ("the first edge committed again after the fault", f["first_commit_s"]),
+               "every-edge-s": ("every edge hit by the fault committed again after it", f["all_commit_s"]),
+               "after-ready-s": ("... counted from the restarted verifier's ready line",
+                                 f["all_commit_s"] - f["ready_s"])}
+    out = {k: Figure(round(v, 2), q, setup, "s", "{:.1f} s") for k, (q, v) in seconds.items()}
+    out["edges-hit"] = Figure(f["edges_hit"], "edges still generating when the fault came", setup, "edges", "{:d}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
