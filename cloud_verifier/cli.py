@@ -126,7 +126,6 @@ def backend_from_args(args):
                          "its own KV cache (its preemption and swap settings go in --vllm-arg)")
     store = choose_store(args.kv_store, backend=args.backend, batching=args.batching == "on", host=args.host,
                          port=args.port, max_bytes=args.kv_store_bytes, max_age_s=args.session_ttl)
-    log.info("KV store: %s", store.why)
     if args.kv_park == "on" and args.batching != "on":
         raise SystemExit("cloud-verifier: --kv-park on needs --batching on: the serial verifier has no shared KV cache")
     if args.backend == "synthetic":
@@ -145,7 +144,7 @@ def backend_from_args(args):
     from llama_runtime import ModelMissing, ModelUnloadable, find_model
     try:
         model = str(find_model(args.model or "smollm2"))   # a missing file: one line saying how to get it
-        return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads,
+        backend = load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads,
                             batching=args.batching == "on", kv_tokens=args.kv_tokens,
                             batch_window_ms=args.batch_window_ms, schedule=args.schedule,
                             prefill_chunk=args.prefill_chunk, kv_park=args.kv_park == "on",
@@ -154,6 +153,8 @@ def backend_from_args(args):
                             kv_store_bytes=store.max_bytes, kv_store_max_age_s=args.session_ttl)
     except (ModelMissing, ModelUnloadable) as e:
         raise SystemExit(f"cloud-verifier: {e}") from None
+    log.info("KV store: %s", store.why)
+    return backend
 
 
 def build_parser() -> argparse.ArgumentParser:
