@@ -46,7 +46,7 @@ from edge_client.options import EdgeOptions, Speculation, Transport  # noqa: E40
 from edge_client.transport import replica_targets  # noqa: E402
 from hybridspec.figures import Figure, Table, write_result  # noqa: E402
 from hybridspec.launch import spawn_verifier  # noqa: E402
-from cloud_verifier.cli import build_parser  # noqa: E402
+from cloud_verifier.cli import build_parser as verifier_parser  # noqa: E402
 from cloud_verifier.kvstore_choice import address_folder, choose_store  # noqa: E402
 from netsim.load import DraftCost, Edges, LoadConfig, free_port  # noqa: E402
 from spec_core.warping import SamplingSettings  # noqa: E402
@@ -166,15 +166,19 @@ class Replica:
         return f"127.0.0.1:{self.port}"
 
 
+def store_folders(kv_store: str | None, replicas: list[Replica]) -> list[str]:
+    """The KV store folders of the replicas: --kv-store DIR, none (off), or each one's default."""
+    if kv_store == "off":
+        return []
+    return [kv_store] if kv_store else [str(address_folder("127.0.0.1", r.port)) for r in replicas]
+
+
 async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], faults: list[Fault]) -> dict:
     loop = asyncio.get_running_loop()
     traces = [EdgeTrace(i, greedy=i % 2 == 0) for i in range(cfg.edges)]
     server = ",".join(r.address for r in replicas)
     servers = replica_targets(server)
-    # A run never restores what the run before stored.
-    folders = [cfg.kv_store] if cfg.kv_store not in (None, "off") else \
-        [] if cfg.kv_store == "off" else [str(address_folder("127.0.0.1", r.port)) for r in replicas]
-    for folder in folders:
+    for folder in store_folders(cfg.kv_store, replicas):   # a run never restores what the run before stored
         shutil.rmtree(folder, ignore_errors=True)
     store: dict[str, float] = {}
     for r in replicas:
@@ -324,7 +328,7 @@ def fault_figures(faults: list[dict], setup: str) -> dict[str, Figure]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--edges", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=96)
@@ -353,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", type=Path, help="keep the logs here: each verifier process's, and the edges' "
                                                 "(edges.log: each line with its edge and seconds into the run)")
     p.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     load_start = list(os.getloadavg())
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
@@ -384,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         r.start()
     report = {"config": vars(args)}
     # What the verifiers' start-up log says of their KV store: the folder, or why none.
-    served = build_parser().parse_args(["serve", *vargs, "--port", str(replicas[0].port)])
+    served = verifier_parser().parse_args(["serve", *vargs, "--port", str(replicas[0].port)])
     report["kv_store_folder"] = choose_store(served.kv_store, backend=served.backend, batching=served.batching == "on",
                                              host=served.host, port=served.port, max_bytes=served.kv_store_bytes,
                                              max_age_s=served.session_ttl).why
