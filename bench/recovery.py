@@ -9,6 +9,8 @@ of the same requests.
     PYTHONPATH=$PWD python bench/recovery.py --edges 64 --rolling-at 0.3,0.6 --verifier-arg=--threads=1
     ... --kv-store /dev/shm/hybridspec-kv   # the verifiers checkpoint sessions' KV cells there and
                                             # restore them on replays (emptied before each run)
+    ... --kv-store off                      # no KV store (without --kv-store: the verifiers' default,
+                                            # a folder per address on /dev/shm where it is a tmpfs)
 
 Faults come when a share of all requested tokens is committed (0.3: 30 %), so that they hit the
 edges mid-generation however fast this machine is.
@@ -18,7 +20,6 @@ the fault run's outputs must equal the fault-free run's token for token. Printed
 lost (requested minus committed), outputs equal, wall time, the edges' replays, retries and
 back-offs; per fault: when the verifier was ready again, when the first edge and when every edge
 hit by it committed again (seconds after the fault); per edge: the longest gap between two commits.
-`--result NAME` also writes them to bench/results/NAME.json (hybridspec.figures) for the pages.
 """
 from __future__ import annotations
 
@@ -43,7 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from edge_client import EdgeClient  # noqa: E402
 from edge_client.options import EdgeOptions, Speculation, Transport  # noqa: E402
 from edge_client.transport import replica_targets  # noqa: E402
+from hybridspec.figures import Figure, Table, write_result  # noqa: E402
 from hybridspec.launch import spawn_verifier  # noqa: E402
+from cloud_verifier.cli import build_parser as verifier_parser  # noqa: E402
+from cloud_verifier.kvstore_choice import address_folder, choose_store  # noqa: E402
 from netsim.load import DraftCost, Edges, LoadConfig, free_port  # noqa: E402
 from spec_core.warping import SamplingSettings  # noqa: E402
 
@@ -162,13 +166,20 @@ class Replica:
         return f"127.0.0.1:{self.port}"
 
 
+def store_folders(kv_store: str | None, replicas: list[Replica]) -> list[str]:
+    """The KV store folders of the replicas: --kv-store DIR, none (off), or each one's default."""
+    if kv_store == "off":
+        return []
+    return [kv_store] if kv_store else [str(address_folder("127.0.0.1", r.port)) for r in replicas]
+
+
 async def run(edges: Edges, cfg: argparse.Namespace, replicas: list[Replica], faults: list[Fault]) -> dict:
     loop = asyncio.get_running_loop()
     traces = [EdgeTrace(i, greedy=i % 2 == 0) for i in range(cfg.edges)]
     server = ",".join(r.address for r in replicas)
     servers = replica_targets(server)
-    if cfg.kv_store:   # a run never restores what the run before stored
-        shutil.rmtree(cfg.kv_store, ignore_errors=True)
+    for folder in store_folders(cfg.kv_store, replicas):   # a run never restores what the run before stored
+        shutil.rmtree(folder, ignore_errors=True)
     store: dict[str, float] = {}
     for r in replicas:
         r.take_counted({})
@@ -278,49 +289,63 @@ def summary(result: dict, reference: dict | None, requested: int) -> dict:
     return out
 
 
-def registry(report: dict, setup: str):
-    """(figures, tables) of the figures registry from a report with a fault run."""
-    from hybridspec.figures import Figure, Table
-    faulty, clean = report["faults"], report.get("fault_free")
-    rows, figures = [], {}
-    for k, f in enumerate(faulty["faults"], 1):
-        rows.append([f"{f['kind']} {k}", f["ready_s"], f["first_commit_s"], f["all_commit_s"], f["edges_hit"]])
-        figures[f"fault{k}-every-edge-commits-s"] = Figure(
-            round(f["all_commit_s"], 2) if f["all_commit_s"] is not None else "—",
-            f"seconds from fault {k} ({f['kind']}) until every edge it hit committed again", setup, "s", "{:.1f} s")
-        figures[f"fault{k}-verifier-ready-s"] = Figure(
-            round(f["ready_s"], 2), f"seconds from fault {k} ({f['kind']}) until the verifier was ready again", setup,
-            "s", "{:.1f} s")
-    figures["tokens-lost"] = Figure(faulty["tokens_lost"], "tokens lost (requested minus committed) in the fault run",
-                                    setup, "", "{}")
-    figures["replays"] = Figure(faulty["replays"], "replays by the edges in the fault run", setup, "", "{}")
-    if "outputs_equal" in faulty:
-        figures["outputs-equal"] = Figure(faulty["outputs_equal"], "outputs equal to the fault-free run's",
-                                          setup, "", "{}")
-    figures["worst-wait-s"] = Figure(faulty["max_gap_s"], "longest wait between two commits, worst edge, fault run",
-                                     setup, "s", "{:.1f} s")
-    if clean:
-        figures["worst-wait-fault-free-s"] = Figure(
-            clean["max_gap_s"], "longest wait between two commits, worst edge, fault-free run", setup, "s", "{:.1f} s")
-    cols = ["fault", "verifier ready (s)", "first edge commits (s)", "every edge commits (s)", "edges hit"]
-    fmt = {c: "{:.2f}" for c in cols[1:4]}
-    return figures, {"faults": Table(cols, rows, fmt)}
+def write_registry(args: argparse.Namespace, report: dict, load_start: list[float]) -> None:
+    """The run's figures as a registry result: a row per fault (when the verifier was back, when the
+    first and the last edge hit by it committed again), and the run's losses, equal outputs and
+    KV store restores beside the fault-free run's first commits."""
+    faulty, free = report.get("faults") or {}, report.get("fault_free") or {}
+    store = faulty.get("kv_store") or {}
+    rows = [[k + 1, f["kind"], f["share"], f["exited_s"], f["ready_s"], f["edges_hit"], f["first_commit_s"],
+             f["all_commit_s"]] for k, f in enumerate(faulty.get("faults", []))]
+    table = Table(["fault", "kind", "at share", "exited s", "ready s", "edges hit", "first commit s",
+                   "every edge s"], rows, {"exited s": "{:.2f}", "ready s": "{:.2f}", "first commit s": "{:.2f}",
+                                           "every edge s": "{:.2f}"})
+    run = Table(["edges", "tokens lost", "errors", "outputs equal", "replays", "restored", "restore none",
+                 "max gap s", "fault-free max gap s", "fault-free last first commit s", "KV store"],
+                [[args.edges, faulty.get("tokens_lost"), faulty.get("errors"), faulty.get("outputs_equal"),
+                  faulty.get("replays"), store.get("restored"), store.get("none"), faulty.get("max_gap_s"),
+                  free.get("max_gap_s"), (free.get("first_commit_s") or {}).get("max"),
+                  args.kv_store or ("default" if report.get("kv_store_folder", "").startswith("/") else "none")]],
+                {"max gap s": "{:.2f}", "fault-free max gap s": "{:.2f}", "fault-free last first commit s": "{:.2f}"})
+    setup = f"{args.edges} edges, KV store {run.rows[0][-1]}"
+    write_result(args.result, figures=fault_figures(faulty.get("faults", []), setup) | run_figures(faulty, free, setup),
+                 tables={"faults": table, "run": run}, load_start=load_start, note=args.note)
 
 
-def write_registry(args: argparse.Namespace, report: dict, load_start: list[float]) -> Path:
-    """bench/results/<--result>.json from a report with a fault run."""
-    from hybridspec.figures import write_result
-    target = "synthetic target" if args.synthetic else "bundled SmolLM2 target, prompt-lookup drafts"
-    setup = (f"{args.edges} edges × {args.max_tokens} tokens, {target}, "
-             + (f"SIGKILL at {args.kill_at}, restart after {args.restart_delay:g} s" if args.kill_at
-                else f"rolling drain of two replicas at {args.rolling_at}")
-             + (", --kv-store" if args.kv_store else "") + "".join(f", {a}" for a in args.verifier_arg))
-    figures, tables = registry(json.loads(json.dumps(report, default=str)), setup)
-    return write_result(args.result, figures=figures, tables=tables, load_start=load_start,
-                        note="shared 2-core VM, other benchmarks and test runs on it: seconds are noisy")
+def run_figures(faulty: dict, free: dict, setup: str) -> dict[str, Figure]:
+    """The fault run's losses, replays, equal outputs and worst wait (beside the fault-free run's), for prose."""
+    setup = f"bench/recovery.py, {setup}"
+    out = {"tokens-lost": Figure(faulty.get("tokens_lost"), "tokens lost (requested minus committed) in the fault run",
+                                 setup, "", "{}"),
+           "replays": Figure(faulty.get("replays"), "replays by the edges in the fault run", setup, "", "{}")}
+    if faulty.get("outputs_equal") is not None:
+        out["outputs-equal"] = Figure(faulty["outputs_equal"], "outputs equal to the fault-free run's", setup, "", "{}")
+    if faulty.get("max_gap_s") is not None:
+        out["worst-wait-s"] = Figure(round(faulty["max_gap_s"], 2), "longest wait between two commits, worst edge, "
+                                     "fault run", setup, "s", "{:.1f} s")
+    if free.get("max_gap_s") is not None:
+        out["worst-wait-fault-free-s"] = Figure(round(free["max_gap_s"], 2), "longest wait between two commits, worst "
+                                                "edge, fault-free run", setup, "s", "{:.1f} s")
+    return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def fault_figures(faults: list[dict], setup: str) -> dict[str, Figure]:
+    """The first fault's times, for pages' prose: back up, first and every edge's next commit."""
+    if not faults or faults[0]["all_commit_s"] is None:
+        return {}
+    f = faults[0]
+    setup = f"bench/recovery.py, {setup}, {f['kind']} at {f['share']:.0%} of the tokens"
+    seconds = {"ready-s": ("the verifier was ready again after the fault", f["ready_s"]),
+               "first-commit-s": ("the first edge committed again after the fault", f["first_commit_s"]),
+               "every-edge-s": ("every edge hit by the fault committed again after it", f["all_commit_s"]),
+               "after-ready-s": ("... counted from the restarted verifier's ready line",
+                                 f["all_commit_s"] - f["ready_s"])}
+    out = {k: Figure(round(v, 2), q, setup, "s", "{:.1f} s") for k, (q, v) in seconds.items()}
+    out["edges-hit"] = Figure(f["edges_hit"], "edges still generating when the fault came", setup, "edges", "{:d}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--edges", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=96)
@@ -339,14 +364,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds between a fault and the restart (a slow start, a node replaced)")
     p.add_argument("--verifier-arg", action="append", default=[], help="extra `cloud-verifier serve` argument")
     p.add_argument("--deadline", type=float, default=120.0, help="the edges' deadline per call (s), as netsim load's")
-    p.add_argument("--kv-store", help="give the verifiers --kv-store this folder (emptied before each run); the "
-                                      "replays' restores are counted from their metrics")
+    p.add_argument("--kv-store", help="give the verifiers --kv-store this folder, or off (none); unset: their "
+                                      "default (a folder per address on /dev/shm where it is a tmpfs). The folder is "
+                                      "emptied before each run; the replays' restores are counted from the metrics")
     p.add_argument("--json", help="write the figures here")
-    p.add_argument("--result", help="also write bench/results/RESULT.json (the figures registry)")
+    p.add_argument("--result", metavar="NAME", help="also write bench/results/NAME.json (hybridspec.figures): a "
+                                                    "row per fault, and the run's losses, outputs and store")
+    p.add_argument("--note", default="shared 2-core VM", help="(with --result) what the result's note says")
     p.add_argument("--log-dir", type=Path, help="keep the logs here: each verifier process's, and the edges' "
                                                 "(edges.log: each line with its edge and seconds into the run)")
     p.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     load_start = list(os.getloadavg())
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
@@ -371,11 +403,16 @@ def main(argv: list[str] | None = None) -> int:
         handler.setLevel(logging.INFO)
         logging.getLogger("edge_client").addHandler(handler)
         logging.getLogger("edge_client").setLevel(logging.INFO)
-    replicas = [Replica(vargs, metrics=bool(args.kv_store), log_dir=args.log_dir, name=f"replica{k + 1}")
-                for k in range(n_replicas)]
+    stored = not args.synthetic and args.kv_store != "off"
+    replicas = [Replica(vargs, metrics=stored, log_dir=args.log_dir, name=f"replica{k + 1}") for k in range(n_replicas)]
     for r in replicas:
         r.start()
     report = {"config": vars(args)}
+    # What the verifiers' start-up log says of their KV store: the folder, or why none.
+    served = verifier_parser().parse_args(["serve", *vargs, "--port", str(replicas[0].port)])
+    report["kv_store_folder"] = choose_store(served.kv_store, backend=served.backend, batching=served.batching == "on",
+                                             host=served.host, port=served.port, max_bytes=served.kv_store_bytes,
+                                             max_age_s=served.session_ttl).why
     # A SIGTERM (timeout, kill) stops the verifiers too: raised as KeyboardInterrupt, so `finally` runs.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
@@ -395,10 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     brief = {k: ({kk: vv for kk, vv in v.items() if not kk.startswith("per_edge")} if isinstance(v, dict) and k != "config"
                  else v) for k, v in report.items()}
     print(json.dumps(brief, indent=1, default=str))
+    if args.result:
+        write_registry(args, report, load_start)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
-    if args.result and "faults" in report:
-        print(f"wrote {write_registry(args, report, load_start)}")
     return 0
 
 

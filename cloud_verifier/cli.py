@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+log = logging.getLogger(__name__)
 
 def _add_serve(sub) -> None:
     from cloud_verifier.admission import ServerPolicy   # its defaults are the options' defaults
@@ -44,10 +45,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-park-order", choices=["next-use", "lru"], default="next-use",
                    help="(with --kv-park on) which idle session to park: the one whose next round is expected "
                         "last (default), or the least recently used")
-    p.add_argument("--kv-store", metavar="DIR",
+    p.add_argument("--kv-store", metavar="DIR|off",
                    help="(llama.cpp, batching on) checkpoint every session's KV cells in this folder (e.g. "
                         "/dev/shm/hybridspec-kv, shared by the replicas of one node), so that after a restart or a "
-                        "drain a replayed session's cells are restored instead of prefilled (docs/operations.md)")
+                        "drain a replayed session's cells are restored instead of prefilled. Default: a folder of "
+                        "this verifier's listen address on /dev/shm when that is a tmpfs with room (none with "
+                        "--port 0; the start-up log says which folder, or why none); off: none (docs/operations.md)")
     p.add_argument("--kv-store-every", type=float, default=2.0,
                    help="(with --kv-store) seconds between two checkpoints of a session (default 2)")
     p.add_argument("--kv-store-bytes", type=int, default=1 << 30,
@@ -60,10 +63,10 @@ def _add_serve(sub) -> None:
                    help="(batching on) how a pass is filled: fair (default) a fair share per request in arrival "
                         "order; slack: least slack before each session's SLO deadline first, prefills capped per pass")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="fix the prompt tokens of one request per pass while other sessions' rounds wait (default, "
-                        "batching on: sized each pass so that a pass's prompt tokens cost at most a quarter of the "
-                        "live sessions' time per output token, docs/many-edges.md; llama.cpp with --batching off: "
-                        "one decode)")
+                   help="fix the prompt tokens of one request per pass (--batching off: per turn of the model) "
+                        "while other sessions' rounds wait (default: while sessions are live, sized each pass so that "
+                        "its prompt tokens cost at most a quarter of the live sessions' time per output token, "
+                        "docs/many-edges.md; otherwise a quarter pass, llama.cpp with --batching off one decode)")
     p.add_argument("--slo-tpot-ms", type=float, default=0.0,
                    help="latency target of sessions that state none: time per output token (0: none)")
     p.add_argument("--slo-ttft-ms", type=float, default=0.0, help="... and time to first token (0: none)")
@@ -113,6 +116,7 @@ def _add_serve(sub) -> None:
 
 def backend_from_args(args):
     from cloud_verifier.backends import load_backend
+    from cloud_verifier.kvstore_choice import choose_store
     if args.batching == "off" and args.backend == "vllm":
         raise SystemExit("cloud-verifier: --batching off conflicts with --backend vllm: vLLM's scheduler always "
                          "verifies the rounds of all sessions together (there is no serial vLLM verifier); drop "
@@ -120,9 +124,8 @@ def backend_from_args(args):
     if args.kv_park == "on" and args.backend == "vllm":
         raise SystemExit("cloud-verifier: --kv-park on is for the llama.cpp and synthetic backends: vLLM manages "
                          "its own KV cache (its preemption and swap settings go in --vllm-arg)")
-    if args.kv_store and (args.backend != "llama.cpp" or args.batching != "on"):
-        raise SystemExit("cloud-verifier: --kv-store is for the llama.cpp backend with --batching on (its shared KV "
-                         "cache is what is checkpointed)")
+    store = choose_store(args.kv_store, backend=args.backend, batching=args.batching == "on", host=args.host,
+                         port=args.port, max_bytes=args.kv_store_bytes, max_age_s=args.session_ttl)
     if args.kv_park == "on" and args.batching != "on":
         raise SystemExit("cloud-verifier: --kv-park on needs --batching on: the serial verifier has no shared KV cache")
     if args.backend == "synthetic":
@@ -141,15 +144,17 @@ def backend_from_args(args):
     from llama_runtime import ModelMissing, ModelUnloadable, find_model
     try:
         model = str(find_model(args.model or "smollm2"))   # a missing file: one line saying how to get it
-        return load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads,
+        backend = load_backend("llama.cpp", model, n_ctx=args.n_ctx, n_threads=args.threads,
                             batching=args.batching == "on", kv_tokens=args.kv_tokens,
                             batch_window_ms=args.batch_window_ms, schedule=args.schedule,
                             prefill_chunk=args.prefill_chunk, kv_park=args.kv_park == "on",
                             kv_park_bytes=args.kv_park_bytes, kv_park_order=args.kv_park_order,
-                            kv_store=args.kv_store, kv_store_every_s=args.kv_store_every,
-                            kv_store_bytes=args.kv_store_bytes, kv_store_max_age_s=args.session_ttl)
+                            kv_store=store.folder, kv_store_every_s=args.kv_store_every,
+                            kv_store_bytes=store.max_bytes, kv_store_max_age_s=args.session_ttl)
     except (ModelMissing, ModelUnloadable) as e:
         raise SystemExit(f"cloud-verifier: {e}") from None
+    log.info("KV store: %s", store.why)
+    return backend
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ OTHER_TOOLS = {
     "--from-literal", "--from-file", "--generate-hashes", "--format", "--output-file", "--extra", "--all-extras",
     "--index-url",
     "--no-index", "--find-links", "--python", "--universal", "--help", "--version", "--target", "--json",
+    "--shm-size",
 }
 
 

@@ -23,6 +23,7 @@ from cloud_verifier.backends.batcher import Batcher
 from cloud_verifier.backends.prefill_budget import (PrefillBudget, cap_prefills, chunk_tokens, order,
                                                     vllm_chunk_args)
 from cloud_verifier.backends.synthetic import SyntheticBackend
+from cloud_verifier.backends.vllm_prefill import PrefillMeter
 from cloud_verifier.engine import Limits
 from cloud_verifier.first_token import FirstTokens
 from cloud_verifier.server import VerifierServer
@@ -162,6 +163,61 @@ def test_negative_control_a_fixed_chunk_fills_passes_beside_live_rounds():
     assert max(beside) > 12
 
 
+# --- the serial verifier (--batching off), counted -------------------------------------------------
+
+def _serial_prefill_turns(backend: SyntheticBackend, live: bool, prompt: int = 600) -> list:
+    """Session 1 answers a 5-token round (live, unless released), then session 2's `prompt`-token
+    prompt goes in; returns the turns its prefill took, as planned (Turns.prefill_log). Liveness
+    never lapses here (a window of 1e9 s), whatever the machine's speed."""
+    turns = backend.turns
+    turns.cost, turns.prefill_log = FixedCost(), []
+    if turns.budget is not None:
+        turns.budget.live_window_s = 1e9
+    first, second = backend.new_state(), backend.new_state()
+    backend.target_logits(first, [2, 3, 4, 5, 6], 5)
+    if not live:
+        backend.release(first)
+    forwarded = backend.forward_tokens()
+    backend.target_logits(second, [2 + i % 60 for i in range(prompt)], 1)
+    assert backend.forward_tokens() - forwarded == prompt   # all of it went in, once
+    return turns.prefill_log
+
+
+def test_the_serial_verifier_bounds_a_prefill_turn_beside_a_live_session_by_the_rule():
+    """--batching off: each turn of session 2's 600-token prompt holds the rule's 12 tokens (0.25 x
+    the default 50 ms pace at 1 ms a token, the live round's own pass being 5 ms): at least 600 / 12
+    turns, which session 1's next round waits for one of at most."""
+    backend = SyntheticBackend(vocab=VOCAB)
+    planned = _serial_prefill_turns(backend, live=True)
+    bound = chunk_tokens(0.0, PER_TOKEN_S, 5, backend.turns.budget.default_pace_s)
+    assert bound == 12
+    assert all(turn.chunk == bound and turn.tokens == bound for turn in planned)
+    assert len(planned) == -(-600 // bound) - 1   # the last chunk goes with the round's own turn
+
+
+def test_negative_controls_the_serial_verifier_with_a_fixed_chunk_or_nobody_live():
+    """The same prompt with --prefill-chunk 128 (the rule off), and with session 1 gone before it
+    (nobody live): turns of 128 tokens, ten times the rule's chunk."""
+    fixed = _serial_prefill_turns(SyntheticBackend(vocab=VOCAB, prefill_chunk=128), live=True)
+    alone = _serial_prefill_turns(SyntheticBackend(vocab=VOCAB), live=False)
+    for planned in (fixed, alone):
+        assert [turn.tokens for turn in planned] == [128] * 4 and all(turn.chunk is None for turn in planned)
+
+
+def test_the_serial_verifier_prices_a_new_prompt_for_admission():
+    """Its prefill rate: a chunk a turn, and one round of each live session between two of them;
+    None until a turn is measured (admission then admits)."""
+    backend = SyntheticBackend(vocab=VOCAB)
+    assert backend.prefill_rate() is None
+    _serial_prefill_turns(backend, live=True)   # two sessions live, 5-token rounds counted
+    live = backend.turns.budget.live(0.0)
+    assert len(live) == 2
+    assert backend.prefill_rate() == pytest.approx(12 / (12 * PER_TOKEN_S + 2 * 5 * PER_TOKEN_S))
+    for state in live:   # control: nobody live, the default 128 tokens a turn and no round between
+        backend.turns.forget(state)
+    assert backend.prefill_rate() == pytest.approx(1 / PER_TOKEN_S)
+
+
 @pytest.mark.parametrize("live", [True, False])
 def test_prefills_finish_replays_first_then_in_arrival_order(live):
     """New sessions A (seq 3), B (seq 4) arrive in that order, then a replay R (seq 5); all three are
@@ -242,6 +298,32 @@ def test_unknown_costs_admit():
     gate = FirstTokens(lambda: None, default_ttft_s=0.001)
     gate.admit(10_000, replay=False, ttft_s=None)
     assert gate.refused == 0
+
+
+# --- vLLM's prefill rate, from its own requests' timestamps ---------------------------------------
+
+class Out:
+    """What PrefillMeter reads of a vLLM RequestOutput: engine timestamps and cached tokens."""
+
+    def __init__(self, scheduled: float, first_token: float, cached: int = 0):
+        self.metrics = type("Stats", (), {"scheduled_ts": scheduled, "first_token_ts": first_token})()
+        self.num_cached_tokens = cached
+
+
+def test_vllm_prefill_rate_is_tokens_over_the_union_of_the_prefills_intervals():
+    meter = PrefillMeter()
+    assert meter.rate() is None
+    meter.observe_output(Out(10.0, 11.0), 1000)                 # 1000 tokens in 1 s
+    assert meter.rate() == pytest.approx(1000.0)
+    meter.observe_output(Out(10.5, 11.5, cached=200), 1000)     # 800 more, overlapping by 0.5 s
+    assert meter.rate() == pytest.approx(1800 / 1.5)           # the engine's throughput, not each one's
+    meter.observe_output(Out(20.0, 20.01), 8)                   # a round's chunk: a step, not a rate
+    meter.observe_output(Out(0.0, 0.0), 500)                    # no timestamps (stats off)
+    meter.observe_output(object(), 500)
+    assert meter.rate() == pytest.approx(1800 / 1.5)
+    meter.observe_output(Out(30.0, 57.0), 100)                  # a 27 s stall: counts as 4 x the median's
+    median = sorted([1 / 1000, 1 / 800, 27 / 100])[1]           # seconds a token
+    assert meter.rate() == pytest.approx(1900 / (1.5 + 4 * median * 100))
 
 
 # --- the verifier and the edge -------------------------------------------------------------------

@@ -402,3 +402,31 @@ def test_a_round_decided_in_the_engine_crosses_vllms_serialiser_intact():
     assert back[2] is None
     for q, b in zip(qs[:2], back[:2]):
         assert b.fixed == q.fixed and np.array_equal(b.dense(300), q.dense(300))
+
+
+@needs_vllm
+def test_a_sessions_first_round_and_a_request_measure_vllms_prefill_rate(backend):
+    """Admission on vLLM: the prefill rate comes from vLLM's own timestamps of its prefills (an
+    ordinary request's uncached prompt, a session's context), none before the first, and a later
+    round's chunk (gamma + 1 tokens: one step) adds no measurement."""
+    from vllm import SamplingParams
+    from cloud_verifier.backends.vllm_prefill import PrefillMeter
+    backend.prefills = meter = PrefillMeter()
+    backend.prefill_rate = meter.rate
+    assert backend.prefill_rate() is None        # nothing measured: admission admits
+    rng = np.random.default_rng(11)
+    vocab = backend.info.n_vocab
+    prompt = [1] + [int(x) for x in rng.integers(3, vocab, 120)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, ignore_eos=True, detokenize=False)
+    backend._run(backend._batch([(prompt, params)]))   # prompt logprobs: reads nothing from the cache
+    assert [p.tokens for p in meter._done] == [len(prompt)]
+    assert backend.prefill_rate() > 0
+    committed = [1] + [int(x) for x in rng.integers(3, vocab, 100)]   # other tokens: not in the cache
+    state = backend.new_state()
+    try:
+        backend.verify(state, committed, [int(x) for x in rng.integers(3, vocab, GAMMA)], None, GREEDY, rng)
+        assert len(meter._done) == 2 and meter._done[1].tokens >= 64   # the session's context
+        backend.verify(state, committed + [3], [int(x) for x in rng.integers(3, vocab, GAMMA)], None, GREEDY, rng)
+        assert len(meter._done) == 2                  # the round's chunk is no prefill
+    finally:
+        backend.release(state)

@@ -69,8 +69,10 @@ class LlamaCppBackend(LogitsBackend):
         # ids, lent to each tree round for its leaves.
         self.n_seq_max = max_tree_leaves + 1
         self.kv: SharedKV | None = None
-        # Serial: the model in turns, prompts a chunk a turn (by default one decode of the context).
-        self.turns = Turns(prefill_chunk or (self.model.invariant_ubatch if invariant else n_batch))
+        # Serial: the model in turns, prompts a chunk a turn (one decode of the context while nobody
+        # is live; beside live sessions the live-rounds-first rule's, unless --prefill-chunk fixes it).
+        self.turns = Turns(prefill_chunk or (self.model.invariant_ubatch if invariant else n_batch),
+                           live_first=prefill_chunk is None, pass_tokens=n_batch)
         self.batcher: Batcher | None = None
         self.book: SeqBook | None = None
         self.checkpoints: Checkpoints | None = None
@@ -120,6 +122,7 @@ class LlamaCppBackend(LogitsBackend):
             if self.checkpoints is not None:
                 self.checkpoints.released(state)
             return
+        self.turns.forget(id(state))
         with self.model.lock:  # never free a context while a decode runs on this model
             state.close()
 
@@ -134,11 +137,14 @@ class LlamaCppBackend(LogitsBackend):
         return self.batcher.cost.line() if self.batcher is not None else None
 
     def note_open(self, state, replay: bool, tpot_s: float | None) -> None:   # live rounds first
-        if isinstance(state, SeqState) and state.seq is not None:
-            self.batcher.note_open(state.seq, replay, tpot_s)
+        if isinstance(state, SeqState):
+            if state.seq is not None:
+                self.batcher.note_open(state.seq, replay, tpot_s)
+        else:
+            self.turns.note_open(id(state), tpot_s)
 
     def prefill_rate(self) -> float | None:   # first tokens predicted (cloud_verifier.first_token)
-        return self.batcher.prefill_rate() if self.batcher is not None else None
+        return self.batcher.prefill_rate() if self.batcher is not None else self.turns.prefill_rate()
 
     def target_logits(self, state, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
         if isinstance(state, SeqState):
@@ -184,10 +190,12 @@ class LlamaCppBackend(LogitsBackend):
                 out = call()
                 decoded = state.tokens_decoded - before
                 self._forwarded += decoded
-            _observe_step(BatchStep(decoded, 1, time.perf_counter() - t0))
+            seconds = time.perf_counter() - t0
+            self.turns.observe(decoded, seconds)
+            _observe_step(BatchStep(decoded, 1, seconds))
             return out
         r = self.turns.run(lambda: decode(fn), reusable_prefix(state.tokens, tokens, rows), len(tokens) - rows,
-                           lambda n: decode(lambda: state.logits(tokens[:n], 1)))
+                           lambda n: decode(lambda: state.logits(tokens[:n], 1)), key=id(state))
         return r.value, r.queue_s, r.model_s
 
     def keep_tree_path(self, state, committed, tree: DraftTree, path) -> None:

@@ -58,8 +58,10 @@ class SyntheticBackend(LogitsBackend):
         self.info = BackendInfo("synthetic", f"synthetic-v{vocab}-s{seed}", vocab, n_ctx,
                                 fingerprint, frozenset(eos_token_ids))
         self._forwarded = 0
-        # Serial: the model in turns, prompts cut in chunks (a quarter of a pass by default, as batched).
-        self.turns = Turns(prefill_chunk or max(1, batch_tokens // 4))
+        # Serial: the model in turns, prompts cut in chunks (a quarter of a pass while nobody is live;
+        # beside live sessions the live-rounds-first rule's, unless prefill_chunk fixes it), as batched.
+        self.turns = Turns(prefill_chunk or max(1, batch_tokens // 4), live_first=prefill_chunk is None,
+                           pass_tokens=batch_tokens)
         self.batcher: Batcher | None = None
         self.book: SeqBook | None = None
         if batching:
@@ -103,6 +105,8 @@ class SyntheticBackend(LogitsBackend):
     def release(self, state) -> None:
         if isinstance(state, SeqState):
             self.book.release(state)
+        else:
+            self.turns.forget(id(state))
 
     def release_frees_room(self, state) -> bool:
         return self.book.frees_room(state) if isinstance(state, SeqState) else True
@@ -115,11 +119,14 @@ class SyntheticBackend(LogitsBackend):
         return self.batcher.cost.line() if self.batcher is not None else None
 
     def note_open(self, state, replay: bool, tpot_s: float | None) -> None:   # live rounds first
-        if isinstance(state, SeqState) and state.seq is not None:
-            self.batcher.note_open(state.seq, replay, tpot_s)
+        if isinstance(state, SeqState):
+            if state.seq is not None:
+                self.batcher.note_open(state.seq, replay, tpot_s)
+        else:
+            self.turns.note_open(id(state), tpot_s)
 
     def prefill_rate(self) -> float | None:   # first tokens predicted (cloud_verifier.first_token)
-        return self.batcher.prefill_rate() if self.batcher is not None else None
+        return self.batcher.prefill_rate() if self.batcher is not None else self.turns.prefill_rate()
 
     def _cost(self, new_tokens: int) -> None:
         cost = self.step_s + self.per_token_s * new_tokens
@@ -132,13 +139,15 @@ class SyntheticBackend(LogitsBackend):
         self._forwarded += new
         state["cached"] = cached
         self._cost(new)
-        _observe_step(BatchStep(new, 1, time.perf_counter() - t0))
+        seconds = time.perf_counter() - t0
+        self.turns.observe(new, seconds)
+        _observe_step(BatchStep(new, 1, seconds))
 
     def _in_turns(self, state: dict, upto: int, fn):
         """Serial: fn() in a turn, after the state's missing tokens up to `upto` (a prompt, a
         replay), a chunk a turn (cloud_verifier.backends.turns)."""
         r = self.turns.run(fn, state["cached"], upto,
-                            lambda n: self._serial_pass(state, n - state["cached"], n))
+                            lambda n: self._serial_pass(state, n - state["cached"], n), key=id(state))
         return r.value, r.queue_s, r.model_s
 
     def target_logits(self, state: dict, tokens: Sequence[int], rows: int):

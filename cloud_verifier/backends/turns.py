@@ -7,6 +7,14 @@ may win over the threads woken to take it, each time). `Turns` hands the model o
 and `Turns.run` cuts what a request evaluates for the cache (a prompt, a replay) into turns of
 `chunk` tokens: a round that arrives during a prefill waits for one chunk, then has its turn.
 The batching backends do the same inside their passes (spec_core.batchplan.chunk_prefills).
+
+Live rounds first (`live_first`, when no chunk is fixed): the batchers' rule and record
+(cloud_verifier.backends.prefill_budget.PrefillBudget) size each turn of a prefill while another
+session is live, from the cost line of the turns measured here: a turn's prefill tokens cost at
+most a quarter of the live sessions' time per output token (the turn's own fixed cost comes on
+top, as a pass's does), so a live round waits for at most that. With nobody live, `chunk` a turn.
+The chunk is sized again before every turn, so a session that becomes live mid-prefill is
+served from the next one.
 """
 from __future__ import annotations
 
@@ -14,7 +22,10 @@ import contextlib
 import itertools
 import threading
 import time
-from typing import Callable, NamedTuple, TypeVar
+from typing import Callable, Hashable, NamedTuple, TypeVar
+
+from cloud_verifier.backends.prefill_budget import PrefillBudget
+from spec_core.steering import PassCostLine
 
 T = TypeVar("T")
 
@@ -26,15 +37,65 @@ class Timed(NamedTuple):
     model_s: float
 
 
+class PrefillTurn(NamedTuple):
+    """One turn of a prefill, as planned (Turns.prefill_log): its tokens, and the rule's chunk
+    (None: nobody was live, or the chunk is fixed)."""
+    tokens: int
+    chunk: int | None
+
+
 class Turns:
-    def __init__(self, chunk: int):
+    def __init__(self, chunk: int, live_first: bool = False, pass_tokens: int | None = None):
+        """`chunk`: a prefill's tokens a turn (with `live_first`, while nobody is live or the cost is
+        not measured yet); `pass_tokens`: the most one turn evaluates (default `chunk`)."""
         if chunk < 1:
             raise ValueError(f"the prefill chunk must be >= 1 token, got {chunk}")
         self.chunk = chunk
+        self.pass_tokens = max(chunk, pass_tokens or chunk)
+        self.budget: PrefillBudget | None = PrefillBudget() if live_first else None
+        self.cost = PassCostLine()   # the seconds of the turns' evaluations (`observe`)
+        self.prefill_log: list[PrefillTurn] | None = None   # set to a list to record every prefill turn
         self._cond = threading.Condition()
         self._tickets = itertools.count()
         self._serving = 0
         self.turns = 0   # turns taken so far (tests count the ones a round waited for)
+        self._observed = 0   # tokens evaluated in turns so far (`observe`)
+
+    # --- live rounds first (prefill_budget) -------------------------------------------------------
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One evaluation of `tokens` took `seconds` (in a turn: the backend's call it runs)."""
+        self.cost.observe(tokens, seconds)
+        self._observed += tokens
+
+    def note_open(self, key: Hashable, tpot_s: float | None) -> None:
+        """A session opens: `tpot_s`, its SLO's time per output token, paces prefills once it is live."""
+        if self.budget is not None and tpot_s:
+            with self._cond:
+                self.budget.pace[key] = tpot_s
+
+    def forget(self, key: Hashable) -> None:
+        if self.budget is not None:
+            with self._cond:
+                self.budget.forget(key)
+
+    def prefill_rate(self) -> float | None:
+        """Prefill tokens a second a new session gets now (cloud_verifier.first_token): a chunk a
+        turn, and between two of its turns one round of each live session; None until measured."""
+        base_s, per_token_s = self.cost.line()
+        if per_token_s <= 0:
+            return None
+        with self._cond:
+            live = len(self.budget.live(time.perf_counter())) if self.budget is not None else 0
+            rounds = self.budget.round_tokens if self.budget is not None else 0.0
+        chunk = self._next_chunk().tokens
+        return chunk / (base_s + per_token_s * chunk + live * (base_s + per_token_s * max(1.0, rounds)))
+
+    def _next_chunk(self) -> PrefillTurn:
+        if self.budget is None:
+            return PrefillTurn(self.chunk, None)
+        with self._cond:
+            rule = self.budget.chunk(self.cost.line(), 0, time.perf_counter(), self.pass_tokens, self.chunk)
+        return PrefillTurn(rule or self.chunk, rule)
 
     @contextlib.contextmanager
     def turn(self):
@@ -52,18 +113,29 @@ class Turns:
                 self._cond.notify_all()
 
     def run(self, fn: Callable[[], T], held: int = 0, upto: int = 0,
-            prefix: Callable[[int], None] | None = None) -> Timed:
+            prefix: Callable[[int], None] | None = None, key: Hashable | None = None) -> Timed:
         """`fn()` in a turn, after `prefix(n)` has brought the state's cache from `held` tokens to
         within a chunk of `upto`, a chunk a turn (prefix(n): make the cache hold the first n
-        tokens of the request; without it, or for a short prefill, fn does it all)."""
+        tokens of the request; without it, or for a short prefill, fn does it all). `key`: the
+        session, live once fn has run."""
         t0 = time.perf_counter()
-        model_s = 0.0
-        steps: list[Callable[[], object]] = []
-        if prefix is not None:
-            steps = [lambda n=n: prefix(n) for n in range(held + self.chunk, upto, self.chunk)]
-        for step in steps + [fn]:
-            with self.turn():
-                t1 = time.perf_counter()
-                value = step()
+        model_s, n, round_tokens = 0.0, held, 0
+        while True:
+            with self.turn():   # the chunk is sized in the turn: who is live now
+                t1, mark = time.perf_counter(), self._observed
+                plan = self._next_chunk() if prefix is not None else None
+                if plan is None or upto - n <= plan.tokens:
+                    value = fn()
+                    model_s += time.perf_counter() - t1
+                    round_tokens = self._observed - mark if n == held else 0   # a round's pass, not a prompt's tail
+                    break
+                n += plan.tokens
+                if self.prefill_log is not None:
+                    self.prefill_log.append(plan)
+                prefix(n)
                 model_s += time.perf_counter() - t1
+        if self.budget is not None and key is not None:
+            with self._cond:
+                self.budget.done(key)
+                self.budget.observe_pass(round_tokens)
         return Timed(value, time.perf_counter() - t0 - model_s, model_s)

@@ -80,6 +80,7 @@ import numpy as np
 from cloud_verifier.backends.base import (Backend, BackendInfo, BackendRound, BackendSample, Capabilities, NoChatTemplate,
                                           round_then_continuation)
 from cloud_verifier.backends.prefill_budget import vllm_chunk_args
+from cloud_verifier.backends.vllm_prefill import PrefillMeter
 from cloud_verifier.backends.vllm_counters import EngineCounters, read_engine_counters
 from cloud_verifier.backends.vllm_sessions import VllmSession, close_session, raw_row, session_engine_args, \
     session_leaves, session_verdict
@@ -238,7 +239,8 @@ class VllmBackend(Backend):
         self.info = BackendInfo("vllm", Path(model).name, n_vocab, int(self._llm.model_config.max_model_len),
                                 fingerprint, eog)
         self._stats_lock = threading.Lock()
-        self._forwarded = 0
+        self._forwarded, self.prefills = 0, PrefillMeter()
+        self.prefill_rate = self.prefills.rate   # first tokens predicted from vLLM's own prefills (vllm_prefill)
         self.full_row_requests = 0  # rounds that needed the fallback row (for tests and figures)
         self.local_full_rows = 0  # ... and top-k rounds that built it from their own top-k row (no request)
         self.one_request_rounds = 0  # rounds (greedy, top-k, greedy trees) verified with one request (a leaf)
@@ -266,6 +268,7 @@ class VllmBackend(Backend):
             final = out
         with self._stats_lock:
             self._forwarded += len(prompt) - (final.num_cached_tokens or 0)
+        self.prefills.observe_output(final, len(prompt))
         return final
 
     async def _batch(self, requests, kind: str = "score"):
@@ -286,8 +289,8 @@ class VllmBackend(Backend):
             top_p=settings.top_p if 0.0 < settings.top_p < 1.0 else 1.0,
             max_tokens=1, seed=seed, ignore_eos=True, detokenize=False, skip_clone=True, **extra)
 
-    def new_state(self) -> VllmSession:
-        return VllmSession()  # the session's own vLLM request, started on its first round
+    def new_state(self) -> VllmSession:   # the session's own vLLM request, started on its first round
+        return VllmSession(on_prefill=self.prefills.observe_output)
 
     def release(self, state) -> None:
         if isinstance(state, VllmSession) and state.live and self._llm is not None:

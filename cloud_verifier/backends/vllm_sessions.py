@@ -25,7 +25,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -60,6 +60,7 @@ class VllmSession:
     outputs: object | None = None                      # the request's output stream (async generator)
     lock: asyncio.Lock | None = None
     rounds: int = 0                                    # chunks sent (for tests and figures)
+    on_prefill: Callable[[object, int], None] | None = None   # (first output, context tokens): its prefill
 
     @property
     def live(self) -> bool:
@@ -219,7 +220,9 @@ async def _session_chunk(llm, session: VllmSession, committed: list[int], drafts
         base.extra_args = {ROWS_ARG: 1, WIDTH_ARG: 0}
         session.outputs = llm.generate(_chunk_stream(session.chunks), base,
                                        request_id="session-" + uuid.uuid4().hex).__aiter__()
-        await _send(session, committed, base, None, 1, StreamingInput)
+        first = await _send(session, committed, base, None, 1, StreamingInput)
+        if session.on_prefill is not None:   # the context's prefill, timed by the engine (vllm_prefill)
+            session.on_prefill(first, len(committed))
         session.tokens = list(committed)
     keep = min(common_prefix(session.tokens, committed + drafts), n - 1 + reuse)
     out = await _send(session, (committed + drafts)[keep:], params, keep, len(drafts) - reuse, StreamingInput)
