@@ -38,6 +38,7 @@ class AdaptiveGamma:
     acceptance: Acceptance = field(init=False)   # α, forgotten at `decay` (spec_core.estimates)
     t_draft_s: float | None = None
     rtt_s: float | None = None
+    rtt_hidden: float = 0.0          # the share of rounds whose round trip was hidden (the planner's window)
     _verify_points: list[tuple[int, float]] = field(default_factory=list)
     chosen: list[int] = field(default_factory=list)
 
@@ -49,7 +50,7 @@ class AdaptiveGamma:
         return self.acceptance.alpha
 
     def observe(self, gamma: int, num_accepted: int, draft_s: float, round_s: float, server_s: float,
-                model_s: float, rejected: bool = False) -> None:
+                model_s: float | None, rejected: bool = False) -> None:
         # Drafts after the first rejection are never tested, so accepted / drafted would
         # underestimate α and shrink γ; Acceptance counts only tested drafts.
         self.acceptance.observe(gamma, num_accepted, rejected)
@@ -57,16 +58,21 @@ class AdaptiveGamma:
             self.t_draft_s = ewma(self.t_draft_s, draft_s / gamma, 1 - self.decay)
         # round_s is timed around the RPC alone (drafting happens before it).
         self.rtt_s = ewma(self.rtt_s, max(0.0, round_s - server_s), 1 - self.decay)
-        self._verify_points = (self._verify_points + [(gamma, model_s)])[-32:]
+        if model_s is not None:   # None: a round that opened the session (its pass held the prompt)
+            self._verify_points = (self._verify_points + [(gamma, model_s)])[-32:]
 
     def next_gamma(self, record: bool = True) -> int:
         """record=False: a look at the choice (a continuation's plan), not a round sent with it."""
-        if self.t_draft_s is None or self.rtt_s is None:
+        if self.t_draft_s is None or self.rtt_s is None or not self._verify_points:
             g = self.start_gamma
         else:
             base, per_tok = fit_line(self._verify_points)   # verifier time over γ
-            costs = RoundCosts(self.t_draft_s, self.rtt_s, base, per_tok)
-            g = best_gamma(min(self.alpha, 0.999), costs, self.max_gamma, self.min_gamma)
+            # The verifier's line is trusted to twice the longest γ it was measured at: beyond, a
+            # flat-looking fit over a few short rounds would send the longest γ on a guess.
+            reach = min(self.max_gamma, 2 * max(x for x, _ in self._verify_points))
+            # The round trip a round waits for: what rounds sent ahead (pipelined, fused) do not hide.
+            costs = RoundCosts(self.t_draft_s, self.rtt_s * (1.0 - self.rtt_hidden), base, per_tok)
+            g = best_gamma(min(self.alpha, 0.999), costs, max(reach, self.min_gamma), self.min_gamma)
         if record:
             self.chosen.append(g)
         return g
@@ -217,7 +223,9 @@ class TreePolicy:
         return tokens / max(self.predicted_round_s(plan), 1e-9)
 
     def observe(self, plan: RoundPlan, nodes: int, rows: int, tokens: int, draft_s: float, round_s: float,
-                server_s: float, model_s: float) -> None:
+                server_s: float, model_s: float | None) -> None:
+        """model_s None: a round that opened the session (its pass held the prompt): not on the
+        verifier's line."""
         self.chosen[plan.arm] = self.chosen.get(plan.arm, 0) + 1  # rounds sent with this plan
         arm = self.arms.setdefault(plan.arm, _Arm())
         arm.tokens = tokens if arm.tokens is None else self.decay * arm.tokens + (1 - self.decay) * tokens
@@ -226,7 +234,8 @@ class TreePolicy:
         if rows > 0:
             self.t_row_s = ew(self.t_row_s, draft_s / rows)
         self.rtt_s = ew(self.rtt_s, max(0.0, round_s - server_s))
-        self._verify_points = (self._verify_points + [(nodes, model_s)])[-48:]
+        if model_s is not None:
+            self._verify_points = (self._verify_points + [(nodes, model_s)])[-48:]
 
     def describe(self) -> str:
         return ", ".join(f"{k}×{v}" for k, v in sorted(self.chosen.items()))
