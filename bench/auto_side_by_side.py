@@ -59,6 +59,9 @@ def main() -> int:
     ap.add_argument("--workloads", default="chat,summarisation")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="every workload at this temperature (default: the experiment's per workload: chat 0.7, code 0.2)")
+    ap.add_argument("--repeats", type=int, default=1, help="prompts per workload (runs per mode = workloads × this)")
     ap.add_argument("--synthetic", action="store_true", help="the synthetic pair on a flat verifier curve")
     ap.add_argument("--noise", type=float, default=0.5, help="synthetic draft noise")
     ap.add_argument("--draft-ms", type=float, default=2.0, help="synthetic draft cost per row")
@@ -78,7 +81,8 @@ def main() -> int:
         kw.update(target=models.target, draft=models.draft, pair=models.pair)
     cfg = ExperimentConfig(profiles=args.profiles.split(","), modes=args.modes.split(","),
                            out=Path(args.out) / args.name, workloads=args.workloads.split(","),
-                           max_tokens=args.max_tokens, gammas=[args.gamma], crossover=False, **kw)
+                           max_tokens=args.max_tokens, gammas=[args.gamma], crossover=False,
+                           temperature=args.temperature, prompts_per_workload=args.repeats, **kw)
     if args.from_results:
         result = json.loads(Path(args.from_results).read_text())
     else:
@@ -91,7 +95,8 @@ def main() -> int:
     table_fmt = {c: "{:" + f + "}" for c, f in zip(cols, fmt) if f}
     tables, figures = {}, {}
     setup = (f"synthetic pair, flat verifier {step:g} ms + {per_node:g} ms/node" if args.synthetic
-             else f"pair {args.pair or 'bundled'}") + f", {args.workloads}, {args.max_tokens} tokens"
+             else f"pair {args.pair or 'bundled'}") + f", {args.workloads}, {args.max_tokens} tokens" + \
+        (f", T = {args.temperature:g}" if args.temperature is not None else "")
     for profile in cfg.profiles:
         rows = summary_rows(result["rows"], profile)
         tables[profile.replace("-", "_")] = Table(cols, rows, table_fmt)
