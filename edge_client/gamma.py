@@ -38,7 +38,6 @@ class AdaptiveGamma:
     acceptance: Acceptance = field(init=False)   # α, forgotten at `decay` (spec_core.estimates)
     t_draft_s: float | None = None
     rtt_s: float | None = None
-    rtt_hidden: float = 0.0          # the share of rounds whose round trip was hidden (the planner's window)
     _verify_points: list[tuple[int, float]] = field(default_factory=list)
     chosen: list[int] = field(default_factory=list)
 
@@ -70,8 +69,7 @@ class AdaptiveGamma:
             # The verifier's line is trusted to twice the longest γ it was measured at: beyond, a
             # flat-looking fit over a few short rounds would send the longest γ on a guess.
             reach = min(self.max_gamma, 2 * max(x for x, _ in self._verify_points))
-            # The round trip a round waits for: what rounds sent ahead (pipelined, fused) do not hide.
-            costs = RoundCosts(self.t_draft_s, self.rtt_s * (1.0 - self.rtt_hidden), base, per_tok)
+            costs = RoundCosts(self.t_draft_s, self.rtt_s, base, per_tok)
             g = best_gamma(min(self.alpha, 0.999), costs, max(reach, self.min_gamma), self.min_gamma)
         if record:
             self.chosen.append(g)

@@ -93,7 +93,6 @@ class RoundLoop:
         self.stop_ids = frozenset(settings.stop_token_ids) | (frozenset() if settings.ignore_eos else pairing.hidden_ids)
         self.drafts = RoundDrafts(self.drafter, spec, settings, self.planner, self.acceptance, self.stop_ids)
         self.window = window_mod.Window()
-        self.rtt_hidden = window_mod.Ewma()   # the share of committed rounds whose round trip was hidden
         self.shaper = ShapePlanner(spec, self.planner, self.window)
         if spec.plan_inputs is not None:
             self.drafts.fixed_lengths = True   # a continuation keeps a fresh round's plan: a seed pins the output
@@ -261,22 +260,13 @@ class RoundLoop:
             w.verify_s.observe((reply.timings.model_ms + reply.timings.queue_ms) / 1e3)
         shared = pass_nodes(guess.prep, head.fused)
         new = self._commit(guess.prep, reply, round_s, shared)
-        self._hidden(head.pipelined)
         if head.fused and reply.HasField("next_round") and not self.finished:
             new += self._commit_fused(head.fused, reply.next_round, round_s, shared)
-            self._hidden(True)
         if self.finished:
             w.abandon()
         else:
             w.recheck(self.committed)
         return self._text(new)
-
-    def _hidden(self, hidden: bool) -> None:
-        """A round committed whose round trip was (pipelined, fused) or was not hidden behind another's:
-        the planner's γ counts only the round trip rounds still wait for."""
-        self.rtt_hidden.observe(float(hidden))
-        if "gamma" in self.spec.planned and isinstance(self.policy, AdaptiveGamma):
-            self.policy.rtt_hidden = self.rtt_hidden.value
 
     def _commit_fused(self, fused: list[Guess], nxt: pb.VerifyReply, round_s: float, shared: int) -> list[int]:
         """Round r + 1, answered with round r (its continuation ran in round r's pass)."""
