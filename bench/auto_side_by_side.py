@@ -50,6 +50,32 @@ def summary_rows(rows: list[dict], profile: str) -> list[list]:
     return out
 
 
+def summarise(names: list[str]) -> int:
+    """One table over earlier runs' result files (bench/results/<name>.json): per set-up and profile,
+    auto's median tokens/s beside per-token's and the best fixed mode's of the same run."""
+    from hybridspec.figures import Table, load, write_result
+    registry = load()
+    cols = ["set-up", "link", "auto tok/s", "auto ÷ per-token", "best fixed mode", "its tok/s", "auto ÷ best fixed",
+            "load at start"]
+    rows = []
+    for name in names:
+        result = registry[name]
+        for profile, table in result.tables.items():
+            by_mode = {r[0]: r for r in table.rows}
+            auto = by_mode["auto"]
+            best = max((r for m, r in by_mode.items() if m != "auto"), key=lambda r: r[3])
+            setup = name.removeprefix("auto_")
+            rows.append([setup, profile.replace("_", "-"), auto[3], auto[4], best[0], best[3], auto[5],
+                         (result.load.get("start") or [None])[0]])
+    fmt = {"auto tok/s": "{:.2f}", "auto ÷ per-token": "{:.2f}×", "its tok/s": "{:.2f}", "auto ÷ best fixed": "{:.2f}×",
+           "load at start": "{:.1f}"}
+    path = write_result("auto_summary", tables={"all": Table(cols, rows, fmt)},
+                        note="collected from the result files " + ", ".join(names) + "; each holds its own command, "
+                             "machine and load; shared 2-core machine")
+    print(f"wrote {path}")
+    return 0
+
+
 def main() -> int:
     from hybridspec.figures import Figure, Table, write_result
     from netsim.experiment import ExperimentConfig, run_experiment
@@ -67,10 +93,15 @@ def main() -> int:
     ap.add_argument("--draft-ms", type=float, default=2.0, help="synthetic draft cost per row")
     ap.add_argument("--curve", default="20,0.05", help="synthetic verifier: ms per pass, ms per node")
     ap.add_argument("--pair", default=None, help="netsim pair name (e.g. gemma-smollm2); default: bundled")
-    ap.add_argument("--name", required=True, help="bench/results/<name>.json")
+    ap.add_argument("--name", help="bench/results/<name>.json (required unless --summarise)")
     ap.add_argument("--out", default="results/auto")
     ap.add_argument("--from-results", help="tabulate an earlier run's results.json instead of running")
+    ap.add_argument("--summarise", help="comma-separated result names: one table over them (auto_summary)")
     args = ap.parse_args()
+    if args.summarise:
+        return summarise(args.summarise.split(","))
+    if not args.name:
+        ap.error("--name is required (or --summarise)")
     load_start = list(os.getloadavg())
     step, per_node = (float(x) for x in args.curve.split(","))
     kw = dict(synthetic=True, synthetic_alpha_noise=args.noise, synthetic_draft_ms=args.draft_ms,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spec_core.costmodel import RoundCosts, best_gamma, expected_tokens_per_round
-from spec_core.estimates import Acceptance, ewma, fit_line
+from spec_core.estimates import Acceptance, ewma, fit_line, x_varies
 from spec_core.tree import TreeShape
 
 
@@ -115,7 +115,8 @@ class TreePolicy:
     with t_row (draft time per forward row), rtt (the RPC's wall time minus the server's) and the
     verifier's line (least squares of model time over nodes sent, chains and trees alike: nearly
     flat on a GPU, growing on a CPU) measured as rounds go. Tokens per round are measured per arm
-    (EWMA). The first rounds are chains (they measure the costs); a tree is tried (`warmup` times)
+    (EWMA). The first rounds are chains (they measure the costs, the verifier's line over two sizes or
+    four rounds); a tree is tried (`warmup` times)
     only where the most it could commit (`optimistic_rate`: each level's acceptance as if
     `branching` independent tries of the chain's α) beats the chain's predicted rate, so a verifier
     whose pass grows with its nodes never spends rounds on trees; then the best predicted tokens per
@@ -168,8 +169,12 @@ class TreePolicy:
         shapes = self._shapes(gamma)
         chain = RoundPlan("chain", gamma)
         arms = {"chain": chain} | {k: RoundPlan(k, s.depth, s) for k, s in shapes.items()}
-        if len(arms) == 1 or self.t_row_s is None or self.rtt_s is None or len(self._verify_points) < 2:
-            return self._take(chain)   # the costs a tree is judged by are not measured yet
+        points = self._verify_points
+        if len(arms) == 1 or self.t_row_s is None or self.rtt_s is None or \
+                len(points) < 2 or not x_varies(points) and len(points) < 4:
+            # The costs a tree is judged by are not measured yet (the verifier's time per node: over
+            # rounds of more than one size, or after four of one size, a tree is how to learn it).
+            return self._take(chain)
         chain_rate = self.predicted_rate(chain)
         for name, arm in arms.items():  # try a tree only where it could beat the chain
             if self.arms.get(name, _Arm()).rounds < self.warmup and self.optimistic_rate(arm) > chain_rate:
