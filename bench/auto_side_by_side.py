@@ -5,8 +5,14 @@ the planner chose most. Writes bench/results/<name>.json (hybridspec.figures) an
 
   # the synthetic pair on the flat GPU-like verifier (20 ms per pass + 0.05 ms per node)
   PYTHONPATH=. python bench/auto_side_by_side.py --synthetic --profiles 3g,geo-sat --name auto_synthetic_flat
-  # the bundled pair (SmolLM2 target and draft on llama.cpp), T = 0.7 on chat and summarisation
-  PYTHONPATH=. python bench/auto_side_by_side.py --profiles 3g --name auto_bundled_3g
+  # the bundled pair (SmolLM2 target and draft on llama.cpp), chat at T = 0.7, one profile per run
+  PYTHONPATH=. python bench/auto_side_by_side.py --profiles 3g --workloads chat --name auto_bundled_3g
+  # ... at T = 0; the code prompt; the two-family pair
+  PYTHONPATH=. python bench/auto_side_by_side.py --profiles 3g --workloads chat --temperature 0 --name auto_bundled_3g_t0
+  PYTHONPATH=. python bench/auto_side_by_side.py --profiles 3g --workloads code --name auto_bundled_3g_code
+  PYTHONPATH=. python bench/auto_side_by_side.py --pair gemma-smollm2 --profiles 3g --workloads chat --name auto_gemma_3g
+  # one table over those runs' result files (bench/results/auto_summary.json)
+  PYTHONPATH=. python bench/auto_side_by_side.py --summarise auto_bundled_3g,auto_synthetic_flat,auto_gemma_3g
 """
 from __future__ import annotations
 
