@@ -70,7 +70,8 @@ def summarise(names: list[str]) -> int:
             by_mode = {r[0]: r for r in table.rows}
             auto = by_mode["auto"]
             best = max((r for m, r in by_mode.items() if m != "auto"), key=lambda r: r[3])
-            setup = name.removeprefix("auto_")
+            fig = result.figures.get(f"{profile}_auto_x_per_token")   # its setup: "<profile>, <pair, workloads...>"
+            setup = fig.setup.partition(", ")[2] if fig else name
             rows.append([setup, profile.replace("_", "-"), auto[3], auto[4], best[0], best[3], auto[5],
                          (result.load.get("start") or [None])[0]])
     fmt = {"auto tok/s": "{:.2f}", "auto ÷ per-token": "{:.2f}×", "its tok/s": "{:.2f}", "auto ÷ best fixed": "{:.2f}×",
