@@ -5,8 +5,14 @@ the planner chose most. Writes bench/results/<name>.json (hybridspec.figures) an
 
   # the synthetic pair on the flat GPU-like verifier (20 ms per pass + 0.05 ms per node)
   PYTHONPATH=. python bench/auto_side_by_side.py --synthetic --profiles 3g,geo-sat --name auto_synthetic_flat
-  # the bundled pair (SmolLM2 target and draft on llama.cpp), T = 0.7 on chat and summarisation
-  PYTHONPATH=. python bench/auto_side_by_side.py --profiles 3g --name auto_bundled_3g
+  # the bundled pair (SmolLM2 target and draft on llama.cpp), chat at T = 0.7, one profile per run
+  PYTHONPATH=. python bench/auto_side_by_side.py --profiles 3g --workloads chat --name auto_bundled_3g
+  # ... at T = 0; the code prompt; the two-family pair
+  PYTHONPATH=. python bench/auto_side_by_side.py --profiles 3g --workloads chat --temperature 0 --name auto_bundled_3g_t0
+  PYTHONPATH=. python bench/auto_side_by_side.py --profiles 3g --workloads code --name auto_bundled_3g_code
+  PYTHONPATH=. python bench/auto_side_by_side.py --pair gemma-smollm2 --profiles 3g --workloads chat --name auto_gemma_3g
+  # one table over those runs' result files (bench/results/auto_summary.json)
+  PYTHONPATH=. python bench/auto_side_by_side.py --summarise auto_bundled_3g,auto_synthetic_flat,auto_gemma_3g
 """
 from __future__ import annotations
 
@@ -50,6 +56,33 @@ def summary_rows(rows: list[dict], profile: str) -> list[list]:
     return out
 
 
+def summarise(names: list[str]) -> int:
+    """One table over earlier runs' result files (bench/results/<name>.json): per set-up and profile,
+    auto's median tokens/s beside per-token's and the best fixed mode's of the same run."""
+    from hybridspec.figures import Table, load, write_result
+    registry = load()
+    cols = ["set-up", "link", "auto tok/s", "auto ÷ per-token", "best fixed mode", "its tok/s", "auto ÷ best fixed",
+            "load at start"]
+    rows = []
+    for name in names:
+        result = registry[name]
+        for profile, table in result.tables.items():
+            by_mode = {r[0]: r for r in table.rows}
+            auto = by_mode["auto"]
+            best = max((r for m, r in by_mode.items() if m != "auto"), key=lambda r: r[3])
+            fig = result.figures.get(f"{profile}_auto_x_per_token")   # its setup: "<profile>, <pair, workloads...>"
+            setup = fig.setup.partition(", ")[2] if fig else name
+            rows.append([setup, profile.replace("_", "-"), auto[3], auto[4], best[0], best[3], auto[5],
+                         (result.load.get("start") or [None])[0]])
+    fmt = {"auto tok/s": "{:.2f}", "auto ÷ per-token": "{:.2f}×", "its tok/s": "{:.2f}", "auto ÷ best fixed": "{:.2f}×",
+           "load at start": "{:.1f}"}
+    path = write_result("auto_summary", tables={"all": Table(cols, rows, fmt)},
+                        note="collected from the result files " + ", ".join(names) + "; each holds its own command, "
+                             "machine and load; shared 2-core machine")
+    print(f"wrote {path}")
+    return 0
+
+
 def main() -> int:
     from hybridspec.figures import Figure, Table, write_result
     from netsim.experiment import ExperimentConfig, run_experiment
@@ -59,15 +92,23 @@ def main() -> int:
     ap.add_argument("--workloads", default="chat,summarisation")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="every workload at this temperature (default: the experiment's per workload: chat 0.7, code 0.2)")
+    ap.add_argument("--repeats", type=int, default=1, help="prompts per workload (runs per mode = workloads × this)")
     ap.add_argument("--synthetic", action="store_true", help="the synthetic pair on a flat verifier curve")
     ap.add_argument("--noise", type=float, default=0.5, help="synthetic draft noise")
     ap.add_argument("--draft-ms", type=float, default=2.0, help="synthetic draft cost per row")
     ap.add_argument("--curve", default="20,0.05", help="synthetic verifier: ms per pass, ms per node")
     ap.add_argument("--pair", default=None, help="netsim pair name (e.g. gemma-smollm2); default: bundled")
-    ap.add_argument("--name", required=True, help="bench/results/<name>.json")
+    ap.add_argument("--name", help="bench/results/<name>.json (required unless --summarise)")
     ap.add_argument("--out", default="results/auto")
     ap.add_argument("--from-results", help="tabulate an earlier run's results.json instead of running")
+    ap.add_argument("--summarise", help="comma-separated result names: one table over them (auto_summary)")
     args = ap.parse_args()
+    if args.summarise:
+        return summarise(args.summarise.split(","))
+    if not args.name:
+        ap.error("--name is required (or --summarise)")
     load_start = list(os.getloadavg())
     step, per_node = (float(x) for x in args.curve.split(","))
     kw = dict(synthetic=True, synthetic_alpha_noise=args.noise, synthetic_draft_ms=args.draft_ms,
@@ -78,7 +119,8 @@ def main() -> int:
         kw.update(target=models.target, draft=models.draft, pair=models.pair)
     cfg = ExperimentConfig(profiles=args.profiles.split(","), modes=args.modes.split(","),
                            out=Path(args.out) / args.name, workloads=args.workloads.split(","),
-                           max_tokens=args.max_tokens, gammas=[args.gamma], crossover=False, **kw)
+                           max_tokens=args.max_tokens, gammas=[args.gamma], crossover=False,
+                           temperature=args.temperature, prompts_per_workload=args.repeats, **kw)
     if args.from_results:
         result = json.loads(Path(args.from_results).read_text())
     else:
@@ -91,7 +133,8 @@ def main() -> int:
     table_fmt = {c: "{:" + f + "}" for c, f in zip(cols, fmt) if f}
     tables, figures = {}, {}
     setup = (f"synthetic pair, flat verifier {step:g} ms + {per_node:g} ms/node" if args.synthetic
-             else f"pair {args.pair or 'bundled'}") + f", {args.workloads}, {args.max_tokens} tokens"
+             else f"pair {args.pair or 'bundled'}") + f", {args.workloads}, {args.max_tokens} tokens" + \
+        (f", T = {args.temperature:g}" if args.temperature is not None else "")
     for profile in cfg.profiles:
         rows = summary_rows(result["rows"], profile)
         tables[profile.replace("-", "_")] = Table(cols, rows, table_fmt)

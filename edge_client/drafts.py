@@ -74,7 +74,7 @@ class RoundDrafts:
         if not path or len(path) + 1 >= remaining or self.stop_ids & set(path):
             return []
         # Planned for the shortest outcome (a rejection at the first draft), cut per outcome below.
-        plan = self.planner.plan(remaining - 1)
+        plan = self.planner.plan(remaining - 1, peek=True)
         out: list[Guess] = []
         covered, spent, nodes, nbytes = 0.0, [prep.seconds], 0, self.payload_bytes(prep)
         outcomes = self.outcomes(prep, path)

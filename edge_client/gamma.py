@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spec_core.costmodel import RoundCosts, best_gamma, expected_tokens_per_round
-from spec_core.estimates import Acceptance, ewma, fit_line
+from spec_core.estimates import Acceptance, ewma, fit_line, x_varies
 from spec_core.tree import TreeShape
 
 
@@ -19,7 +19,7 @@ class FixedGamma:
     def __init__(self, gamma: int):
         self.gamma = gamma
 
-    def next_gamma(self) -> int:
+    def next_gamma(self, record: bool = True) -> int:
         return self.gamma
 
     def observe(self, **_) -> None:
@@ -49,7 +49,7 @@ class AdaptiveGamma:
         return self.acceptance.alpha
 
     def observe(self, gamma: int, num_accepted: int, draft_s: float, round_s: float, server_s: float,
-                model_s: float, rejected: bool = False) -> None:
+                model_s: float | None, rejected: bool = False) -> None:
         # Drafts after the first rejection are never tested, so accepted / drafted would
         # underestimate α and shrink γ; Acceptance counts only tested drafts.
         self.acceptance.observe(gamma, num_accepted, rejected)
@@ -57,16 +57,22 @@ class AdaptiveGamma:
             self.t_draft_s = ewma(self.t_draft_s, draft_s / gamma, 1 - self.decay)
         # round_s is timed around the RPC alone (drafting happens before it).
         self.rtt_s = ewma(self.rtt_s, max(0.0, round_s - server_s), 1 - self.decay)
-        self._verify_points = (self._verify_points + [(gamma, model_s)])[-32:]
+        if model_s is not None:   # None: a round that opened the session (its pass held the prompt)
+            self._verify_points = (self._verify_points + [(gamma, model_s)])[-32:]
 
-    def next_gamma(self) -> int:
-        if self.t_draft_s is None or self.rtt_s is None:
+    def next_gamma(self, record: bool = True) -> int:
+        """record=False: a look at the choice (a continuation's plan), not a round sent with it."""
+        if self.t_draft_s is None or self.rtt_s is None or not self._verify_points:
             g = self.start_gamma
         else:
             base, per_tok = fit_line(self._verify_points)   # verifier time over γ
+            # The verifier's line is trusted to twice the longest γ it was measured at: beyond, a
+            # flat-looking fit over a few short rounds would send the longest γ on a guess.
+            reach = min(self.max_gamma, 2 * max(x for x, _ in self._verify_points))
             costs = RoundCosts(self.t_draft_s, self.rtt_s, base, per_tok)
-            g = best_gamma(min(self.alpha, 0.999), costs, self.max_gamma, self.min_gamma)
-        self.chosen.append(g)
+            g = best_gamma(min(self.alpha, 0.999), costs, max(reach, self.min_gamma), self.min_gamma)
+        if record:
+            self.chosen.append(g)
         return g
 
     def describe(self) -> str:
@@ -109,14 +115,18 @@ class TreePolicy:
     with t_row (draft time per forward row), rtt (the RPC's wall time minus the server's) and the
     verifier's line (least squares of model time over nodes sent, chains and trees alike: nearly
     flat on a GPU, growing on a CPU) measured as rounds go. Tokens per round are measured per arm
-    (EWMA). Each arm is tried `warmup` times, then the best predicted tokens per second is taken,
-    and every `explore_every` rounds the runner-up is tried again so a changed link or load is seen.
-    Trees keep the chain's depth (γ from the gamma policy) and spend 2γ or 4γ nodes.
+    (EWMA). The first rounds are chains (they measure the costs, the verifier's line over two sizes or
+    four rounds); a tree is tried (`warmup` times)
+    only where the most it could commit (`optimistic_rate`: each level's acceptance as if
+    `branching` independent tries of the chain's α) beats the chain's predicted rate, so a verifier
+    whose pass grows with its nodes never spends rounds on trees; then the best predicted tokens per
+    second is taken, and every `explore_every` rounds the runner-up is tried again so a changed link
+    or load is seen. Trees keep the chain's depth (γ from the gamma policy) and spend 2γ or 4γ nodes.
     mode: "off" (chains only), "auto", or a TreeShape (that tree every round).
     """
 
     def __init__(self, gamma_policy, mode: "str | TreeShape" = "off", max_nodes: int = 64,
-                 warmup: int = 2, explore_every: int = 16, decay: float = 0.8):
+                 warmup: int = 1, explore_every: int = 16, decay: float = 0.8):
         self.gamma_policy, self.mode, self.max_nodes = gamma_policy, mode, max_nodes
         self.warmup, self.explore_every, self.decay = warmup, explore_every, decay
         self.arms: dict[str, _Arm] = {}
@@ -144,26 +154,35 @@ class TreePolicy:
                 out[f"tree{mult}x"] = TreeShape(budget=budget, depth=gamma, branching=2, width=width)
         return out
 
-    def plan(self, remaining: int) -> RoundPlan:
+    def plan(self, remaining: int, peek: bool = False) -> RoundPlan:
+        """The next round's plan. peek: the plan a fresh round would get now, for a continuation's
+        draft: counts nothing (neither γ's choices nor the rounds between explorations)."""
         if isinstance(self.mode, TreeShape):
             depth = min(self.mode.depth, remaining - 1)
             if depth >= 1:
                 shape = TreeShape(self.mode.budget, depth, self.mode.branching, self.mode.width)
                 return self._take(RoundPlan(f"tree{shape.budget}", depth, shape))
             return self._take(RoundPlan("chain", 0))
-        gamma = max(0, min(self.gamma_policy.next_gamma(), remaining - 1))
+        gamma = max(0, min(self.gamma_policy.next_gamma(record=not peek), remaining - 1))
         if self.budget_gamma is not None:
             gamma = min(gamma, self.budget_gamma)   # min(own adaptive choice, the verifier's budget)
         shapes = self._shapes(gamma)
-        arms = {"chain": RoundPlan("chain", gamma)} | {k: RoundPlan(k, s.depth, s) for k, s in shapes.items()}
-        if len(arms) == 1:
-            return self._take(arms["chain"])
-        for name, arm in arms.items():  # warm-up: measure every arm first
-            if self.arms.get(name, _Arm()).rounds < self.warmup:
+        chain = RoundPlan("chain", gamma)
+        arms = {"chain": chain} | {k: RoundPlan(k, s.depth, s) for k, s in shapes.items()}
+        points = self._verify_points
+        if len(arms) == 1 or self.t_row_s is None or self.rtt_s is None or \
+                len(points) < 2 or not x_varies(points) and len(points) < 4:
+            # The costs a tree is judged by are not measured yet (the verifier's time per node: over
+            # rounds of more than one size, or after four of one size, a tree is how to learn it).
+            return self._take(chain)
+        chain_rate = self.predicted_rate(chain)
+        for name, arm in arms.items():  # try a tree only where it could beat the chain
+            if self.arms.get(name, _Arm()).rounds < self.warmup and self.optimistic_rate(arm) > chain_rate:
                 return self._take(arm)
         ranked = sorted(arms.values(), key=lambda a: -self.predicted_rate(a))
-        self.rounds += 1
-        if self.rounds % self.explore_every == 0 and len(ranked) > 1:
+        if not peek:
+            self.rounds += 1
+        if self.rounds % self.explore_every == 0 and len(ranked) > 1 and not peek:
             return self._take(ranked[1])
         return self._take(ranked[0])
 
@@ -189,12 +208,27 @@ class TreePolicy:
         arm = self.arms.get(plan.arm)
         if arm and arm.tokens is not None:
             tokens = arm.tokens
-        else:  # not measured yet (warm-up covers every arm; a chain's γ may be new): the geometric model
+        elif plan.shape is not None:   # a tree not measured (never worth trying): at most its optimistic rate
+            return self.optimistic_rate(plan)
+        else:  # a chain not measured yet: the geometric model
             tokens = expected_tokens_per_round(min(getattr(self.gamma_policy, "alpha", 0.5), 0.999), plan.gamma)
         return tokens / max(self.predicted_round_s(plan), 1e-9)
 
+    def optimistic_rate(self, plan: RoundPlan) -> float:
+        """The most a plan could commit per second: a tree's levels accept as if each of its
+        `branching` candidates were an independent try at the chain's α (its candidates are the
+        draft's next-best tokens, so this bounds it from above); without a measured α, its depth + 1."""
+        alpha = getattr(self.gamma_policy, "alpha", None)
+        if plan.shape is None or alpha is None:
+            tokens = float(plan.gamma + 1)
+        else:
+            tokens = expected_tokens_per_round(min(1 - (1 - alpha) ** plan.shape.branching, 0.999), plan.gamma)
+        return tokens / max(self.predicted_round_s(plan), 1e-9)
+
     def observe(self, plan: RoundPlan, nodes: int, rows: int, tokens: int, draft_s: float, round_s: float,
-                server_s: float, model_s: float) -> None:
+                server_s: float, model_s: float | None) -> None:
+        """model_s None: a round that opened the session (its pass held the prompt): not on the
+        verifier's line."""
         self.chosen[plan.arm] = self.chosen.get(plan.arm, 0) + 1  # rounds sent with this plan
         arm = self.arms.setdefault(plan.arm, _Arm())
         arm.tokens = tokens if arm.tokens is None else self.decay * arm.tokens + (1 - self.decay) * tokens
@@ -203,7 +237,8 @@ class TreePolicy:
         if rows > 0:
             self.t_row_s = ew(self.t_row_s, draft_s / rows)
         self.rtt_s = ew(self.rtt_s, max(0.0, round_s - server_s))
-        self._verify_points = (self._verify_points + [(nodes, model_s)])[-48:]
+        if model_s is not None:
+            self._verify_points = (self._verify_points + [(nodes, model_s)])[-48:]
 
     def describe(self) -> str:
         return ", ".join(f"{k}×{v}" for k, v in sorted(self.chosen.items()))

@@ -256,7 +256,8 @@ class RoundLoop:
             w.ran += 1
             self.st.pipelined_rounds += 1
             self.st.continuation_hits += 1
-        w.verify_s.observe((reply.timings.model_ms + reply.timings.queue_ms) / 1e3)
+        if self.session_id:   # a round that opened the session: its pass held the prompt too
+            w.verify_s.observe((reply.timings.model_ms + reply.timings.queue_ms) / 1e3)
         shared = pass_nodes(guess.prep, head.fused)
         new = self._commit(guess.prep, reply, round_s, shared)
         if head.fused and reply.HasField("next_round") and not self.finished:
@@ -349,8 +350,9 @@ class RoundLoop:
         if reply.committed_length != len(self.committed):
             raise EdgeError(grpc.StatusCode.INTERNAL, f"server committed {reply.committed_length} tokens, "
                                                       f"the edge {len(self.committed)}")
+        opened = not self.session_id   # this round opened the session: its pass held the prompt too
         self.session_id, self.last_round = reply.session_id, reply.round
-        self._learn(prep, reply, kept, round_s, len(new), shared_nodes)
+        self._learn(prep, reply, kept, round_s, len(new), shared_nodes, opened)
         self.final = reply
         self.finished = reply.finish_reason != pb.NOT_FINISHED
         return new
@@ -363,7 +365,7 @@ class RoundLoop:
         self.drafter.anchor_prompt(ids, self.plan.draft_ids)
 
     def _learn(self, prep: Prepared, reply: pb.VerifyReply, kept: list[int], round_s: float, n_new: int,
-               shared_nodes: int) -> None:
+               shared_nodes: int, opened: bool = False) -> None:
         st, tree = self.st, prep.tree
         st.rounds += 1
         st.drafted += len(tree)
@@ -379,13 +381,14 @@ class RoundLoop:
         st.tree_rounds += not tree.is_chain
         self.gammas.append(depth)
         server_s, model_s = reply.timings.total_ms / 1e3, reply.timings.model_ms / 1e3
+        fit_s = None if opened else model_s   # the verifier's line is fitted over rounds without a prompt
         if tree.is_chain:  # the chain's α and γ model; a tree round's acceptance is not geometric
             self.acceptance.observe(len(tree), reply.num_accepted, rejected)
             self.policy.observe(gamma=len(tree), num_accepted=reply.num_accepted, draft_s=prep.seconds,
-                                round_s=round_s, server_s=server_s, model_s=model_s, rejected=rejected)
+                                round_s=round_s, server_s=server_s, model_s=fit_s, rejected=rejected)
         # The verifier's time is fitted over the nodes its pass held (a fused pass: all of them).
         self.planner.observe(prep.plan, nodes=max(len(tree), shared_nodes), rows=prep.rows, tokens=n_new,
-                             draft_s=prep.seconds, round_s=round_s, server_s=server_s, model_s=model_s)
+                             draft_s=prep.seconds, round_s=round_s, server_s=server_s, model_s=fit_s)
         self.drafter.observe(self.committed, reply.num_accepted)
         if reply.HasField("budget") and self.spec.steer and self.spec.gamma == ADAPTIVE:
             self.planner.steer(reply.budget.max_gamma, reply.budget.max_tree_nodes)

@@ -68,6 +68,7 @@ class ExperimentConfig:
     pair: str | None = None            # the named pair target and draft came from (netsim/pairs.py)
     qmode: str = "fixed:16:16"
     seed: int = 1
+    temperature: float | None = None   # every workload at this temperature (None: TEMPERATURE's per workload)
     verifier_threads: int = 1
     draft_threads: int = 1
     synthetic: bool = False            # use the synthetic pair instead of real models
@@ -182,7 +183,9 @@ class Runner:
             return ["--backend", "synthetic", "--synthetic-vocab", "64",
                     "--synthetic-step-ms", str(c.synthetic_step_ms if step_ms is None else step_ms),
                     "--synthetic-per-token-ms", str(c.synthetic_per_token_ms)]
-        return ["--model", self.target, "--threads", str(c.verifier_threads)]
+        # One edge at a time: the verifier's admission control (for fleets) would refuse a session on
+        # a loaded machine instead of measuring it.
+        return ["--model", self.target, "--threads", str(c.verifier_threads), "--admit-ttft-ms", "0"]
 
     def prompt_ids(self, prompt: str) -> list[int]:
         if self.cfg.synthetic:
@@ -200,7 +203,8 @@ class Runner:
 
     def settings(self, workload: str, max_tokens: int):
         from spec_core.warping import SamplingSettings
-        return SamplingSettings(temperature=TEMPERATURE.get(workload, 0.7), top_p=0.95, max_new_tokens=max_tokens,
+        return SamplingSettings(temperature=TEMPERATURE.get(workload, 0.7) if self.cfg.temperature is None
+                                else self.cfg.temperature, top_p=0.95, max_new_tokens=max_tokens,
                                 seed=self.cfg.seed, ignore_eos=self.cfg.synthetic)
 
     async def measure(self, proxy: LinkProxy | None, port: int, profile: Profile, mode: str, gamma: int | str,

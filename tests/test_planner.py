@@ -69,3 +69,74 @@ def test_a_planned_tree_is_a_chain_for_a_drafter_without_trees():
     assert refuse_drafter_conflicts(Speculation(), SyntheticDrafter(8)).tree == "auto"
     with pytest.raises(OptionConflict):   # a tree asked for still conflicts with it
         refuse_drafter_conflicts(Speculation(tree="auto"), PromptLookupDrafter())
+
+
+# --- what the planner spends on learning: no blind warm-up, no prompt in the verifier's line ----------
+
+def observe_chain(trees: TreePolicy, gamma: int, accepted: int, model_s: float | None, rtt_s: float = 0.3):
+    """One chain round of `gamma` drafts with `accepted` kept, fed to both policies as the loop does."""
+    seconds = model_s or 0.05
+    trees.gamma_policy.observe(gamma=gamma, num_accepted=accepted, draft_s=0.002 * gamma, round_s=rtt_s + seconds,
+                               server_s=seconds, model_s=model_s, rejected=accepted < gamma)
+    trees.observe(RoundPlan("chain", gamma), nodes=gamma, rows=gamma, tokens=accepted + 1, draft_s=0.002 * gamma,
+                  round_s=rtt_s + seconds, server_s=seconds, model_s=model_s)
+
+
+def test_the_round_that_opened_the_session_is_off_the_verifiers_line():
+    """The opening round's pass held the prompt (model_s None): fitted, it would make the line look
+    flat or steep at random. Control: the same round fed with its time moves the line."""
+    clean, polluted = TreePolicy(AdaptiveGamma(), "auto"), TreePolicy(AdaptiveGamma(), "auto")
+    observe_chain(clean, 4, 3, None)
+    observe_chain(polluted, 4, 3, 2.0)              # control: a 2 s prefill on the line
+    for p in (clean, polluted):
+        for gamma in (4, 8, 4, 8):
+            observe_chain(p, gamma, 3, 0.0202 + 0.00005 * gamma)
+    assert [nodes for nodes, _ in clean.verify_points()] == [4, 8, 4, 8]
+    assert clean.verify_line()[1] > 0 and polluted.verify_line()[1] == 0.0   # clamped flat by the outlier
+    assert len(clean.gamma_policy._verify_points) == 4 and len(polluted.gamma_policy._verify_points) == 5
+
+
+def test_adaptive_gamma_extrapolates_the_verifiers_line_at_most_twofold():
+    """Measured only at γ = 4 (slope unknown, so flat), a 300 ms round trip would ask for the longest
+    γ; the planner goes to 8 first. Control: once 12 was measured it may go there."""
+    g = AdaptiveGamma(max_gamma=12)
+    assert g.next_gamma() == g.start_gamma   # nothing measured
+    g.observe(gamma=4, num_accepted=4, draft_s=0.008, round_s=0.32, server_s=0.02, model_s=0.02)
+    assert g.next_gamma() == 8
+    g.observe(gamma=12, num_accepted=12, draft_s=0.024, round_s=0.32, server_s=0.02, model_s=0.02)
+    assert g.next_gamma() == 12
+
+
+def test_trees_are_not_tried_where_even_their_best_case_loses_to_the_chain():
+    """A loaded CPU verifier (30 ms per node): a tree's optimistic rate is below the chain's, so not
+    one tree round is spent; on a flat verifier (control) each tree is tried once."""
+    for per_node, tried in ((0.030, 0), (0.00005, 2)):
+        trees = TreePolicy(AdaptiveGamma(), "auto")
+        observe_chain(trees, 4, 2, None, rtt_s=0.05)
+        sent = []
+        for _ in range(12):
+            plan = trees.plan(remaining=1000)
+            sent.append(plan.arm)
+            nodes = plan.gamma if plan.shape is None else plan.shape.budget
+            model_s = 0.05 + per_node * nodes
+            if plan.shape is None:
+                observe_chain(trees, plan.gamma, min(2, plan.gamma), model_s, rtt_s=0.05)
+            else:
+                trees.observe(plan, nodes=nodes, rows=plan.gamma, tokens=1, draft_s=0.002 * plan.gamma,
+                              round_s=0.05 + model_s, server_s=model_s, model_s=model_s)
+        assert sum(arm != "chain" for arm in sent) == tried, (per_node, sent)
+
+
+def test_a_continuations_plan_counts_no_round():
+    """Drafting a continuation asks for the plan a fresh round would get (peek): γ's record of chosen
+    lengths and the rounds between explorations stay as they were."""
+    trees = TreePolicy(AdaptiveGamma(), "auto")
+    observe_chain(trees, 4, 3, None)
+    observe_chain(trees, 8, 5, 0.03)
+    observe_chain(trees, 4, 3, 0.02)
+    before = (list(trees.gamma_policy.chosen), trees.rounds)
+    for _ in range(5):
+        trees.plan(remaining=1000, peek=True)
+    assert (trees.gamma_policy.chosen, trees.rounds) == before
+    trees.plan(remaining=1000)   # control: a round sent counts
+    assert len(trees.gamma_policy.chosen) == len(before[0]) + 1
