@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from cloud_verifier.process import spawn_verifier
+from safe_ast import parse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +31,7 @@ HEAVY = ["cloud_verifier", "netsim", "hybridspec", "vllm", "torch", "matplotlib"
 
 def _imports(path: Path) -> set[str]:
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -130,7 +131,7 @@ def test_a_fresh_venv_with_only_the_edge_extra_generates(tiny_models, tmp_path):
 def _modules(path: Path) -> set[str]:
     """Every module a file imports, by full name (`from edge_client import cli` counts as edge_client.cli)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

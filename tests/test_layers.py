@@ -17,6 +17,8 @@ import ast
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
+from safe_ast import parse
+
 ROOT = Path(__file__).resolve().parents[1]
 OURS = {"spec_core", "edge_client", "cloud_verifier", "netsim", "llama_runtime", "hybridspec", "tests", "bench"}
 # Modules of tests/ that its files import by bare name (tests/ is on sys.path when pytest runs).
@@ -42,7 +44,7 @@ def imports_in(source: str, path: Path) -> Iterator[Import]:
     package = module_name(path).split(".")
     if path.name != "__init__.py":
         package = package[:-1]
-    for node in ast.walk(ast.parse(source, rel)):
+    for node in ast.walk(parse(source, rel)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield Import(rel, node.lineno, alias.name)
@@ -60,7 +62,7 @@ def imports_in(source: str, path: Path) -> Iterator[Import]:
 def sys_path_edits(source: str, path: Path) -> Iterator[Import]:
     """sys.path.insert/append/extend calls and sys.path assignments, with their argument as text."""
     rel = str(path.relative_to(ROOT))
-    for node in ast.walk(ast.parse(source, rel)):
+    for node in ast.walk(parse(source, rel)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and ast.unparse(node.func.value) == "sys.path":
             yield Import(rel, node.lineno, " ".join(ast.unparse(a) for a in node.args))

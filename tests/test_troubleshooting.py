@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
+from safe_ast import parse
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "troubleshooting.md"
 PACKAGES = ("spec_core", "cloud_verifier", "edge_client", "hybridspec", "llama_runtime", "netsim", "scripts")
@@ -91,7 +93,7 @@ def _message_arg(call: ast.Call, position: int) -> ast.AST | None:
 
 def messages_in(source: str, where: str) -> Iterator[Message]:
     """The messages `source` gives users, with their stable fragments."""
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parse(source)):
         arg, helper = None, ""
         if isinstance(node, ast.Call) and _callee(node) in MESSAGE_ARGS:
             helper = _callee(node)

@@ -14,6 +14,7 @@ from netsim.fleet import (H200, ROUND_BYTES, EdgeLink, FleetConfig, LinearCost, 
                           pass_cost_from_histograms, simulate)
 from netsim.profiles import get_profile
 from netsim.proxy import connection_rng
+from safe_ast import parse
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:
@@ -490,7 +491,7 @@ def test_the_fleet_runs_the_verifiers_own_policies():
     forbidden = {name for names in _SHIPPED.values() for name in names} | {"expected_tokens", "due", "meets"}
     fleet_dir = Path(policies.__file__).parent
     for path in sorted(fleet_dir.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse(path.read_text(), str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 assert node.name not in forbidden, f"{path.name}:{node.lineno} defines its own {node.name}"
             # (1 - a ** (g + 1)) / (1 - a): expected tokens per round written out again
