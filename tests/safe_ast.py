@@ -1,10 +1,10 @@
 """ast.parse for tests that read the repository's sources, shielded from a CPython 3.11 bug.
 
 CPython before 3.11.8 / 3.12.1 can raise a spurious `SystemError: AST constructor recursion depth
-mismatch` from ast.parse (python/cpython#106905): the check compares the thread's recursion depth
-before and after building the tree, and code that runs in between (a collection's finalizers, late
-in a long test session full of asyncio and gRPC objects) can throw it off. The source is fine; the
-parse is repeated with the collector paused.
+mismatch` from ast.parse (python/cpython#106905): the depth it checks is kept in the ast module's
+state, which another thread's parse, an earlier failed conversion or code run in between (a
+collection's finalizers) can move, late in a long test session full of threads. The source is fine;
+the parse is repeated, with the collector paused.
 """
 from __future__ import annotations
 
