@@ -85,7 +85,7 @@ def crossover_table(points: list[dict]):
 
 
 def main() -> int:
-    from hybridspec.figures import Table, write_result
+    from hybridspec.figures import publish
     from netsim.experiment import ExperimentConfig, run_experiment, summarise
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profiles", default="lan,lte,3g,geo-sat")
@@ -109,12 +109,9 @@ def main() -> int:
     figures, tables = headline(summarise(result["rows"]), profiles, args.gamma, setup)
     if result.get("crossover"):
         tables["crossover"] = crossover_table(result["crossover"])
-    for table in tables.values():
-        print(Table.render(table))
-    path = write_result(args.name, figures=figures, tables=tables, load_start=load_start,
-                        note="shared 2-core VM, other benchmarks and test runs on it: tokens/s are noisy, "
-                             "ratios are side by side in one run, counts do not depend on timing")
-    print(f"wrote {path}")
+    publish(args.name, figures=figures, tables=tables, load_start=load_start,
+            note="shared 2-core VM, other benchmarks and test runs on it: tokens/s are noisy, "
+                 "ratios are side by side in one run, counts do not depend on timing")
     return 0
 
 

@@ -53,7 +53,7 @@ def registry(runs: dict[str, list[dict]], profile: str, setup: str):
 
 
 def main() -> int:
-    from hybridspec.figures import Table, write_result
+    from hybridspec.figures import publish
     from netsim.load import LoadConfig, run_load, write_all
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="lan")
@@ -74,11 +74,9 @@ def main() -> int:
         runs[verifier] = result["runs"]
     setup = "synthetic pair (20 ms per target pass, 2 ms per drafted token), γ 4, 64 tokens per request"
     figures, tables = registry(runs, args.profile, setup)
-    print(Table.render(tables[args.profile]))
-    path = write_result(args.name, figures=figures, tables=tables, load_start=load_start,
-                        note="shared 2-core VM, other benchmarks and test runs on it; the synthetic pair's costs are "
-                             "configured sleeps, so its figures move less with the load than a real model's")
-    print(f"wrote {path}")
+    publish(args.name, figures=figures, tables=tables, load_start=load_start, show=[args.profile],
+            note="shared 2-core VM, other benchmarks and test runs on it; the synthetic pair's costs are "
+                 "configured sleeps, so its figures move less with the load than a real model's")
     return 0
 
 

@@ -156,6 +156,17 @@ def write_result(name: str, *, figures: dict[str, Figure] | None = None,
     return path
 
 
+def publish(name: str, *, figures: dict[str, Figure], tables: dict[str, Table], load_start: list[float] | None,
+            note: str, show: list[str] | None = None) -> Path:
+    """A benchmark's last step: print its tables (`show`: these, else all), write its result with
+    write_result, print where."""
+    for key in (show if show is not None else list(tables)):
+        print(Table.render(tables[key]))
+    path = write_result(name, figures=figures, tables=tables, load_start=load_start, note=note)
+    print(f"wrote {path}")
+    return path
+
+
 def read_result(path: Path) -> Result:
     doc = json.loads(Path(path).read_text())
     return Result(
