@@ -13,8 +13,8 @@ Checked per combination:
   measured timings (Speculation.timing_dependent: adaptive γ, tree auto, pipelined chains with continuations for more
   than one outcome); on the synthetic pair, unseeded, N = 800 tokens pass a chi-square of their token
   transitions against the target's processed bigram distribution at p > 1e-4 (cells with expected
-  count < 5 pooled per row). Negative control (must fail at the same N and threshold): the edge
-  ships a uniform q over the drawn support instead of the q it drew from.
+  count < 5 pooled per row). Negative control (must fail at the same N and threshold, in the
+  median of 5 runs): the edge ships a uniform q over the drawn support instead of the q it drew from.
 
 The fast suite draws samples with hypothesis (12 synthetic combinations plus explicit ones for the
 crash of issue 24; 6 on llama.cpp); the whole matrix is behind a documented command (about an hour
@@ -211,11 +211,21 @@ def test_the_same_seed_gives_the_same_ids_with_continuations_for_fixed_trees(com
     assert len(ids["none"]) == 40
 
 
+CONTROL_RUNS = 5
+
+
 def test_negative_control_a_wrong_q_fails_the_chi_square():
+    """The control has power at the same N and threshold, but one run is a draw: over 20 runs of 800
+    tokens (Xeon, 2026-12-06) a wrong q gave log10 p from -11.4 to -5.0 (median -7.2), and CI once saw
+    p = 1.4e-4, a pass. So the median of CONTROL_RUNS independent runs must fail: with a single run
+    passing about 3 % of the time, three of five pass about once in 4,000."""
     combo = Combo("same", "chain", "none", "float", "top-p", "serial")
-    p, n = run_combo(combo, N_TOKENS, check_seed=False, wrap=WrongQ)["chi2"]
-    assert n == N_TOKENS
-    assert p < P_MIN, f"the control passed: p = {p:.2e}"
+    ps = []
+    for _ in range(CONTROL_RUNS):
+        p, n = run_combo(combo, N_TOKENS, check_seed=False, wrap=WrongQ)["chi2"]
+        assert n == N_TOKENS
+        ps.append(p)
+    assert sorted(ps)[CONTROL_RUNS // 2] < P_MIN, f"the control passed: p = {', '.join(f'{p:.2e}' for p in ps)}"
 
 
 # --- the whole matrix (documented command) --------------------------------------------------------------
