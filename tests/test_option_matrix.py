@@ -14,7 +14,7 @@ Checked per combination:
   than one outcome); on the synthetic pair, unseeded, N = 800 tokens pass a chi-square of their token
   transitions against the target's processed bigram distribution at p > 1e-4 (cells with expected
   count < 5 pooled per row). Negative control (must fail at the same N and threshold, in the
-  median of 5 runs): the edge ships a uniform q over the drawn support instead of the q it drew from.
+  median of 9 runs): the edge ships a uniform q over the drawn support instead of the q it drew from.
 
 The fast suite draws samples with hypothesis (12 synthetic combinations plus explicit ones for the
 crash of issue 24; 6 on llama.cpp); the whole matrix is behind a documented command (about an hour
@@ -211,14 +211,14 @@ def test_the_same_seed_gives_the_same_ids_with_continuations_for_fixed_trees(com
     assert len(ids["none"]) == 40
 
 
-CONTROL_RUNS = 5
+CONTROL_RUNS = 9
 
 
 def test_negative_control_a_wrong_q_fails_the_chi_square():
-    """The control has power at the same N and threshold, but one run is a draw: over 20 runs of 800
-    tokens (Xeon, 2026-12-06) a wrong q gave log10 p from -11.4 to -5.0 (median -7.2), and CI once saw
-    p = 1.4e-4, a pass. So the median of CONTROL_RUNS independent runs must fail: with a single run
-    passing about 3 % of the time, three of five pass about once in 4,000."""
+    """The control has power at the same N and threshold, but one run is a draw: over 100 runs of
+    800 tokens (Xeon, 2026-12-06) a wrong q gave a median log10 p of -7.3, and 6 of the 100 passed
+    (p up to 4.9e-4; CI once saw 1.4e-4). So the median of CONTROL_RUNS independent runs must fail:
+    at 6 % a run, five of nine pass about once in 12,000."""
     combo = Combo("same", "chain", "none", "float", "top-p", "serial")
     ps = []
     for _ in range(CONTROL_RUNS):
