@@ -80,6 +80,14 @@ class ContinuationBudget:
     fresh_draft_s: float
     s_per_byte: float
     check_first: bool = False   # the first continuation is drafted in any case (the reply is awaited anyway)
+    round_s: float = 0.0        # a fresh round's predicted time: its drafting, round trip and verifier
+    depth: int = 1              # rounds in flight once a continuation is sent (1: kept for when the reply comes)
+
+    def hit_miss_s(self, g: int, t_row_s: float) -> tuple[float, float]:
+        """The time the next round takes after this reply when a continuation hits, and when none
+        does (a fresh round: drafted, sent, verified). A hit skips the drafting; sent ahead, it also
+        shares the round trip with the other rounds in flight."""
+        return max(0.0, self.round_s - self.fresh_draft_s) / max(self.depth, 1), self.round_s
 
     def saving_s(self, t_send: float) -> float:
         """What a hit saves against drafting afresh after the reply, if the round leaves at t_send."""
@@ -114,12 +122,24 @@ class FusedBudget:
     def worth(self, prob: float, covered: float, now: float, draft_s: float, nbytes: int) -> bool:
         return prob * self.gain_s > draft_s * (1.0 + self.verify_per_draft) + nbytes * self.s_per_byte
 
+    def hit_miss_s(self, g: int, t_row_s: float) -> tuple[float, float]:
+        """A hit costs what a continuation of length g adds to round r (its drafting and its nodes in
+        the pass); a miss, round r + 1 afresh (`gain_s`)."""
+        return (g + 1) * t_row_s * (1.0 + self.verify_per_draft), self.gain_s
+
 
 def choose_length(outcomes: Sequence[Outcome], alpha: float, max_gamma: int, t_row_s: float, bytes_per_token: float,
-                  budget: ContinuationBudget, now: float) -> int:
-    """The continuations' length: the γ that maximises P(hit) × E[tokens of a hit round], where
-    P(hit) sums the outcomes that `budget.worth` would let be drafted at that length (a longer
-    continuation commits more when it hits, a shorter one lets more outcomes be covered)."""
+                  budget: "ContinuationBudget | FusedBudget", now: float) -> int:
+    """The continuations' length g (at most the fresh round's γ, `max_gamma`): the one that maximises
+    the next round's expected tokens per second. P(hit) sums the outcomes that `budget.worth` would
+    let be drafted at length g (shorter continuations cover more outcomes); a hit commits E[tokens]
+    of a g-round in the hit's time, a miss a fresh γ-round in a fresh round's time
+    (`budget.hit_miss_s`). So a short continuation pays only where hits save enough time to make up
+    for the tokens it gives away: a continuation kept for when the reply comes still costs its round
+    trip, and there the fresh round's γ wins."""
+    a = min(alpha, 0.999)
+    fresh = expected_tokens_per_round(a, max_gamma)
+
     def covered(g: int) -> float:
         cost = (g + 1) * t_row_s   # the outcome's own token, then g drafts
         total, t = 0.0, now
@@ -129,5 +149,10 @@ def choose_length(outcomes: Sequence[Outcome], alpha: float, max_gamma: int, t_r
             total += o.prob
             t += cost
         return total
-    return max(range(1, max_gamma + 1),
-               key=lambda g: (covered(g) * expected_tokens_per_round(min(alpha, 0.999), g), g))
+
+    def rate(g: int) -> float:
+        p = min(covered(g), 1.0)
+        hit_s, miss_s = budget.hit_miss_s(g, t_row_s)
+        tokens = p * expected_tokens_per_round(a, g) + (1 - p) * fresh
+        return tokens / max(p * hit_s + (1 - p) * miss_s, 1e-9)
+    return max(range(1, max_gamma + 1), key=lambda g: (rate(g), g))

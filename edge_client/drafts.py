@@ -52,12 +52,14 @@ class RoundDrafts:
         return Prepared(base, plan, DraftTree(tuple(d.tokens), tuple(d.parents)), d.qs, d.seconds, d.rows,
                         d.path_probs)
 
-    def budget(self, prep: Prepared, now: float, s_per_byte: float) -> ContinuationBudget:
-        """When the reply is expected and what a hit saves, from the planner's measured costs."""
+    def budget(self, prep: Prepared, now: float, s_per_byte: float, depth: int = 1) -> ContinuationBudget:
+        """When the reply is expected and what a hit saves, from the planner's measured costs. depth:
+        the rounds in flight once the continuations are sent (1: kept for when the reply comes)."""
         pl = self.planner
         draft_s = prep.rows * (pl.t_row_s or 0.0)
-        return ContinuationBudget(t_reply=now + max(0.0, pl.predicted_round_s(prep.plan) - draft_s),
-                                  rtt_s=pl.rtt_s or 0.0, fresh_draft_s=draft_s, s_per_byte=s_per_byte)
+        round_s = pl.predicted_round_s(prep.plan)
+        return ContinuationBudget(t_reply=now + max(0.0, round_s - draft_s), rtt_s=pl.rtt_s or 0.0,
+                                  fresh_draft_s=draft_s, s_per_byte=s_per_byte, round_s=round_s, depth=depth)
 
     def fused_budget(self, prep: Prepared, s_per_byte: float) -> FusedBudget:
         """What fused continuations for `prep`'s outcomes must pay against (edge_client.continuations)."""

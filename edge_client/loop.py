@@ -165,7 +165,8 @@ class RoundLoop:
             t0 = time.perf_counter()
             guesses = await self.link.run_drafting(
                 self.drafts.continuations, after.prep, self._remaining(after.prep.base),
-                self.drafts.budget(after.prep, t0, self.uplink.seconds_per_byte()), stop, thread=True)
+                self.drafts.budget(after.prep, t0, self.uplink.seconds_per_byte(), live + 1 if live < depth else 1),
+                stop, thread=True)
             self.window.draft_s.observe(time.perf_counter() - t0)
             if not guesses:
                 return

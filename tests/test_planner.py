@@ -140,3 +140,33 @@ def test_a_continuations_plan_counts_no_round():
     assert (trees.gamma_policy.chosen, trees.rounds) == before
     trees.plan(remaining=1000)   # control: a round sent counts
     assert len(trees.gamma_policy.chosen) == len(before[0]) + 1
+
+
+def test_a_continuation_kept_for_the_reply_keeps_the_fresh_rounds_length():
+    """choose_length maximises the next round's tokens per second over hit and miss. A continuation
+    kept for when the reply comes (depth 1) still costs its round trip when it hits, so a shorter one
+    only gives tokens away: it keeps the fresh round's γ. Sent ahead into a window of 4, a hit shares
+    the round trip, and covering more outcomes with shorter continuations pays. The control: the
+    old objective, P(hit) × E[tokens of a hit], shortened the kept one too (γ 2 here)."""
+    from edge_client.continuations import ContinuationBudget, choose_length
+    from spec_core.continuations import chain_outcomes
+    from spec_core.costmodel import expected_tokens_per_round
+    alpha, t_row, rtt, verify = 0.5, 0.025, 0.3, 0.08
+    corrected = [[(21 + j, 0.6), (31 + j, 0.3), (41 + j, 0.1)] for j in range(4)]
+    outcomes = chain_outcomes([11, 12, 13, 14], alpha, corrected, [(51, 0.8), (52, 0.2)], 8)
+
+    def budget(depth):
+        fresh = 5 * t_row
+        return ContinuationBudget(t_reply=100 + rtt + verify, rtt_s=rtt, fresh_draft_s=fresh, s_per_byte=0.0,
+                                  round_s=fresh + rtt + verify, depth=depth)
+    assert choose_length(outcomes, alpha, 4, t_row, 10, budget(1), 100.0) == 4
+    assert choose_length(outcomes, alpha, 4, t_row, 10, budget(4), 100.0) == 2
+
+    def old_objective(g):   # the control
+        cost, total, t, b = (g + 1) * t_row, 0.0, 100.0, budget(1)
+        for i, o in enumerate(outcomes):
+            if i and not b.worth(o.prob, total, t, cost, g * 10):
+                break
+            total, t = total + o.prob, t + cost
+        return total * expected_tokens_per_round(alpha, g)
+    assert max(range(1, 5), key=lambda g: (old_objective(g), g)) == 2
