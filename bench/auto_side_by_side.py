@@ -151,7 +151,7 @@ def main() -> int:
         for r in rows:
             print("| " + " | ".join("–" if v is None else format(v, f) for v, f in zip(r, fmt)) + " |")
     path = write_result(args.name, figures=figures, tables=tables, load_start=load_start,
-                        note="shared 2-core machine (other jobs running); one prompt per workload per mode")
+                        note=f"{args.repeats} prompt(s) per workload per mode; seed 1")
     print(f"wrote {path}")
     return 0
 
