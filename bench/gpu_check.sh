@@ -116,7 +116,7 @@ fi
 # --- 5. vLLM speculating for itself, beside plain decoding ------------------------------------------
 if has vllm; then
   if [ $SHORT = 1 ]; then
-    step "vLLM speculating for itself" 260 "$PY" bench/vllm_self_spec.py --prompts 2 --max-tokens 8 \
+    step "vLLM speculating for itself" 400 "$PY" bench/vllm_self_spec.py --prompts 2 --max-tokens 8 \
       --methods none,ngram --vllm-arg dtype=float32 --out "$(dirname "$RESULTS")/vllm_self_spec_short.json"
   else
     step "vLLM speculating for itself" 150 "$PY" bench/vllm_self_spec.py --prompts 64 --max-tokens 128 \
