@@ -9,7 +9,8 @@ import sys
 log = logging.getLogger(__name__)
 
 def _add_serve(sub) -> None:
-    from cloud_verifier.admission import ServerPolicy   # its defaults are the options' defaults
+    from cloud_verifier.admission import ServerPolicy   # their defaults are the options' defaults
+    from cloud_verifier.validation import Limits
     p = sub.add_parser("serve", help="serve the Verifier gRPC service",
                        description="Serve a target model. The embedded default is a GGUF file on llama.cpp (CPU).")
     p.add_argument("--model", help="llama.cpp: a GGUF file, or a bundled model's name: smollm2 (default, "
@@ -75,6 +76,10 @@ def _add_serve(sub) -> None:
                         "at the verifier's load (edges with adaptive gamma draft at most that)")
     p.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a session is dropped")
     p.add_argument("--max-new-tokens", type=int, default=256, help="default when a request sets none")
+    p.add_argument("--pipeline-wait", type=float, default=Limits.pipeline_wait_s,
+                   help="seconds a pipelined round waits inside the server for its predecessor (which may arrive "
+                        "later on the wire); then it is answered 'base mismatch' and its place is freed "
+                        f"(default {Limits.pipeline_wait_s:g})")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--synthetic-vocab", type=int, default=64, help="(synthetic backend) vocabulary size")
     p.add_argument("--synthetic-seed", type=int, default=0, help="(synthetic backend) model seed")
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     max_sessions = args.max_sessions or backend.caps.max_states or Limits.max_sessions
     limits = Limits(max_gamma=args.max_gamma, max_sessions=max_sessions, session_ttl_s=args.session_ttl,
                     default_max_new_tokens=args.max_new_tokens, steer=args.steer == "on",
-                    slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms)
+                    slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms, pipeline_wait_s=args.pipeline_wait)
     try:
         asyncio.run(serve_forever(backend, args.host, args.port, limits, args.metrics_port,
                                   on_ready=lambda port: print(f"{READY} {args.host}:{port}", flush=True),
