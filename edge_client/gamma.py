@@ -103,8 +103,22 @@ class RoundPlan:
 
 @dataclass
 class _Arm:
-    tokens: float | None = None      # EWMA of tokens committed per round
+    """One arm's measurements, forgotten at the policy's decay: sums weighted by recency, read
+    through `estimate` so that an arm seen in one or two rounds does not stand on them alone."""
     rounds: int = 0
+    weight: float = 0.0
+    tokens_sum: float = 0.0          # tokens committed per round
+    extra_sum: float = 0.0           # seconds a round took beyond the cost model's prediction
+
+    def add(self, decay: float, tokens: float, extra_s: float) -> None:
+        self.rounds += 1
+        self.weight = decay * self.weight + 1
+        self.tokens_sum = decay * self.tokens_sum + tokens
+        self.extra_sum = decay * self.extra_sum + extra_s
+
+    def estimate(self, total: float, prior: float, strength: float) -> float:
+        """The recency-weighted mean, shrunk toward `prior` as if it were `strength` rounds more."""
+        return (total + strength * prior) / (self.weight + strength)
 
 
 class TreePolicy:
@@ -114,8 +128,9 @@ class TreePolicy:
         rows · t_row + rtt + t_verify_base + nodes · t_verify_node
     with t_row (draft time per forward row), rtt (the RPC's wall time minus the server's) and the
     verifier's line (least squares of model time over nodes sent, chains and trees alike: nearly
-    flat on a GPU, growing on a CPU) measured as rounds go. Tokens per round are measured per arm
-    (EWMA). The first rounds are chains (they measure the costs, the verifier's line over two sizes or
+    flat on a GPU, growing on a CPU) measured as rounds go. Per arm, its tokens per round and the
+    seconds its rounds take beyond that prediction are measured (`predicted_rate` says how they are
+    read). The first rounds are chains (they measure the costs, the verifier's line over two sizes or
     four rounds); a tree is tried (`warmup` times)
     only where the most it could commit (`optimistic_rate`: each level's acceptance as if
     `branching` independent tries of the chain's α) beats the chain's predicted rate, so a verifier
@@ -126,9 +141,10 @@ class TreePolicy:
     """
 
     def __init__(self, gamma_policy, mode: "str | TreeShape" = "off", max_nodes: int = 64,
-                 warmup: int = 1, explore_every: int = 16, decay: float = 0.8):
+                 warmup: int = 1, explore_every: int = 16, decay: float = 0.8, prior_rounds: float = 2.0):
         self.gamma_policy, self.mode, self.max_nodes = gamma_policy, mode, max_nodes
         self.warmup, self.explore_every, self.decay = warmup, explore_every, decay
+        self.prior_rounds = prior_rounds
         self.arms: dict[str, _Arm] = {}
         self.t_row_s: float | None = None
         self.rtt_s: float | None = None
@@ -198,41 +214,64 @@ class TreePolicy:
         return fit_line(self._verify_points)
 
     def predicted_round_s(self, plan: RoundPlan) -> float:
+        """The cost model's time of a round with this plan (drafting, round trip, verifying)."""
         nodes = plan.gamma if plan.shape is None else plan.shape.budget
         # A tree expands `width` nodes per level (the root once); a chain one row per token.
         rows = plan.gamma if plan.shape is None else 1 + (plan.shape.depth - 1) * plan.shape.width
+        return self._round_s(nodes, rows)
+
+    def _round_s(self, nodes: int, rows: int) -> float:
         base, per_node = self.verify_line()
         return rows * (self.t_row_s or 0.0) + (self.rtt_s or 0.0) + base + nodes * per_node
 
     def predicted_rate(self, plan: RoundPlan) -> float:
+        """Tokens per second of a plan: the arm's tokens per round over the cost model's round time
+        plus the seconds the arm's rounds took beyond it, recency-weighted means over its rounds (a
+        chain not measured yet: the geometric model, no excess). A tree's are shrunk toward the
+        chain's as if those were `prior_rounds` rounds more: a tree of the chain's depth holds the
+        chain's path, so it commits at least as much, and its excess is the part of its cost the
+        model misses (the drafter's and the verifier's work per branch). Trees are sent a few rounds
+        in many, so one lucky or slow tree round does not decide."""
         arm = self.arms.get(plan.arm)
-        if arm and arm.tokens is not None:
-            tokens = arm.tokens
-        elif plan.shape is not None:   # a tree not measured (never worth trying): at most its optimistic rate
+        chain_tokens, chain_extra = self._chain_estimates(plan.gamma)
+        if plan.shape is None:
+            tokens, extra = chain_tokens, chain_extra
+        elif arm is None or arm.rounds == 0:   # a tree not measured (never worth trying): at most its optimistic rate
             return self.optimistic_rate(plan)
-        else:  # a chain not measured yet: the geometric model
-            tokens = expected_tokens_per_round(min(getattr(self.gamma_policy, "alpha", 0.5), 0.999), plan.gamma)
-        return tokens / max(self.predicted_round_s(plan), 1e-9)
+        else:
+            tokens = arm.estimate(arm.tokens_sum, chain_tokens, self.prior_rounds)
+            extra = arm.estimate(arm.extra_sum, chain_extra, self.prior_rounds)
+        return tokens / max(self.predicted_round_s(plan) + extra, 1e-9)
+
+    def _chain_estimates(self, gamma: int) -> tuple[float, float]:
+        """The chain's (tokens per round, seconds beyond the model per round) at γ = gamma."""
+        arm = self.arms.get("chain")
+        if arm is None or arm.rounds == 0:
+            return expected_tokens_per_round(min(getattr(self.gamma_policy, "alpha", 0.5), 0.999), gamma), 0.0
+        return arm.tokens_sum / arm.weight, arm.extra_sum / arm.weight
 
     def optimistic_rate(self, plan: RoundPlan) -> float:
         """The most a plan could commit per second: a tree's levels accept as if each of its
         `branching` candidates were an independent try at the chain's α (its candidates are the
-        draft's next-best tokens, so this bounds it from above); without a measured α, its depth + 1."""
+        draft's next-best tokens, so this bounds it from above); without a measured α, its depth + 1.
+        Its round costs what the model predicts plus the chain's measured excess."""
         alpha = getattr(self.gamma_policy, "alpha", None)
         if plan.shape is None or alpha is None:
             tokens = float(plan.gamma + 1)
         else:
             tokens = expected_tokens_per_round(min(1 - (1 - alpha) ** plan.shape.branching, 0.999), plan.gamma)
-        return tokens / max(self.predicted_round_s(plan), 1e-9)
+        return tokens / max(self.predicted_round_s(plan) + self._chain_estimates(plan.gamma)[1], 1e-9)
 
     def observe(self, plan: RoundPlan, nodes: int, rows: int, tokens: int, draft_s: float, round_s: float,
                 server_s: float, model_s: float | None) -> None:
         """model_s None: a round that opened the session (its pass held the prompt): not on the
-        verifier's line."""
+        verifier's line, and its excess over the model is not the arm's."""
         self.chosen[plan.arm] = self.chosen.get(plan.arm, 0) + 1  # rounds sent with this plan
         arm = self.arms.setdefault(plan.arm, _Arm())
-        arm.tokens = tokens if arm.tokens is None else self.decay * arm.tokens + (1 - self.decay) * tokens
-        arm.rounds += 1
+        # The excess is measured against the model as it stood before this round taught it.
+        measured = self.t_row_s is not None and self.rtt_s is not None and len(self._verify_points) >= 2
+        extra = draft_s + round_s - self._round_s(nodes, rows) if measured and model_s is not None else 0.0
+        arm.add(self.decay, tokens, extra)
         ew = lambda old, new: new if old is None else self.decay * old + (1 - self.decay) * new  # noqa: E731
         if rows > 0:
             self.t_row_s = ew(self.t_row_s, draft_s / rows)
