@@ -72,23 +72,17 @@ async def test_synthetic_pair_with_trees_commits_the_kept_paths():
     assert gen.stats.tokens == 60 and gen.stats.tokens_per_round > 1
 
 
-def feed(policy: TreePolicy, rounds: int, per_node_s: float, tree_tokens, chain_tokens: float,
+def feed(policy: TreePolicy, rounds: int, per_node_s: float, tree_tokens: float, chain_tokens: float,
          tree_extra_s: float = 0.0):
     """Drive the policy with a modelled verifier: base 10 ms + per_node_s per node, RTT 50 ms,
-    draft 5 ms per row; chains and trees commit the given tokens per round (tree_tokens: a number,
-    or a function of the tree round's index), and a tree's drafting takes tree_extra_s more than
-    its rows (work the cost model does not see)."""
-    trees = 0
+    draft 5 ms per row; chains and trees commit the given tokens per round, and a tree's drafting
+    takes tree_extra_s more than its rows (work the cost model does not see)."""
     for _ in range(rounds):
         plan = policy.plan(remaining=1000)
         nodes = plan.gamma if plan.shape is None else plan.shape.budget
         rows = plan.gamma if plan.shape is None else 1 + (plan.shape.depth - 1) * plan.shape.width
         model_s = 0.010 + per_node_s * nodes
-        if plan.shape is None:
-            tokens, extra = chain_tokens, 0.0
-        else:
-            tokens, extra = (tree_tokens(trees) if callable(tree_tokens) else tree_tokens), tree_extra_s
-            trees += 1
+        tokens, extra = (chain_tokens, 0.0) if plan.shape is None else (tree_tokens, tree_extra_s)
         policy.observe(plan, nodes=nodes, rows=rows, tokens=round(tokens), draft_s=0.005 * rows + extra,
                        round_s=0.050 + model_s, server_s=model_s, model_s=model_s)
     return policy
@@ -96,6 +90,25 @@ def feed(policy: TreePolicy, rounds: int, per_node_s: float, tree_tokens, chain_
 
 def tree_rounds(policy: TreePolicy) -> int:
     return sum(v for k, v in policy.chosen.items() if k.startswith("tree"))
+
+
+def test_policy_finds_that_trees_do_not_pay_on_a_slow_verifier():
+    """CPU-like: 30 ms per node. Trees commit 4 tokens, chains 3, but 16 nodes cost too much."""
+    p = feed(TreePolicy(FixedGamma(4), "auto"), 60, per_node_s=0.030, tree_tokens=4, chain_tokens=3)
+    assert p.chosen.get("chain", 0) > 40, p.chosen
+    assert p.predicted_rate(RoundPlan("chain", 4)) > p.predicted_rate(RoundPlan("tree4x", 4, p._shapes(4)["tree4x"]))
+
+
+def test_policy_takes_trees_on_a_flat_verifier():
+    """GPU-like: 0.1 ms per node; the same tokens per round make the tree the better plan."""
+    p = feed(TreePolicy(FixedGamma(4), "auto"), 60, per_node_s=0.0001, tree_tokens=4, chain_tokens=3)
+    assert tree_rounds(p) > 40, p.chosen
+
+
+def test_fixed_tree_shape_is_cut_to_the_tokens_left():
+    p = TreePolicy(FixedGamma(4), TreeShape(budget=8, depth=4, branching=2, width=2))
+    assert p.plan(remaining=3).shape.depth == 2
+    assert p.plan(remaining=1).shape is None
 
 
 def test_a_tree_that_costs_more_than_the_model_says_is_left_for_the_chain():
