@@ -248,7 +248,7 @@ class TreePolicy:
         arm = self.arms.get("chain")
         if arm is None or arm.rounds == 0:
             return expected_tokens_per_round(min(getattr(self.gamma_policy, "alpha", 0.5), 0.999), gamma), 0.0
-        return arm.tokens_sum / arm.weight, arm.extra_sum / arm.weight
+        return arm.estimate(arm.tokens_sum, 0.0, 0.0), arm.estimate(arm.extra_sum, 0.0, 0.0)
 
     def optimistic_rate(self, plan: RoundPlan) -> float:
         """The most a plan could commit per second: a tree's levels accept as if each of its
@@ -265,7 +265,8 @@ class TreePolicy:
     def observe(self, plan: RoundPlan, nodes: int, rows: int, tokens: int, draft_s: float, round_s: float,
                 server_s: float, model_s: float | None) -> None:
         """model_s None: a round that opened the session (its pass held the prompt): not on the
-        verifier's line, and its excess over the model is not the arm's."""
+        verifier's line. It, and the rounds before the model has its inputs (only chains: trees
+        wait for them), count as no excess over the model."""
         self.chosen[plan.arm] = self.chosen.get(plan.arm, 0) + 1  # rounds sent with this plan
         arm = self.arms.setdefault(plan.arm, _Arm())
         # The excess is measured against the model as it stood before this round taught it.
