@@ -313,7 +313,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
 
         from .fleet.gpu import gpu_registry
         figures, tables = gpu_registry(result)
-        print(f"wrote {write_result(args.result, figures=figures, tables=tables, note='a model: its figures do not depend on the machine')}")
+        print(f"wrote {write_result(args.result, figures=figures, tables=tables, note='a model: its figures do not depend on the machine', clock='model')}")
     print((out / "fleet.md").read_text())
     print(f"wrote {out / 'fleet.json'}, {out / 'fleet.md'}, {out / 'verifiers_vs_edges.png'}")
     return 0
