@@ -339,7 +339,7 @@ def _add_fleet_command(subparsers) -> None:
                         help="CPU pass cost per token (ms); the fixed part is calibrated (0: the synthetic target)")
     parser.add_argument("--cpu-cost-ms", metavar="FIXED,PER_TOKEN",
                         help="CPU pass cost for the capacity table instead of the calibrated one, e.g. 15.9,7.15 "
-                             "(bench/verify_cost.md: llama.cpp SmolLM2, context 512)")
+                             "(bench/verify_cost.py: llama.cpp SmolLM2, context 512)")
     parser.add_argument("--cpu-ubatch", type=int,
                         help="tokens per batched pass of the CPU backend in the capacity table (default: the "
                              "calibrated verifier's, 512 for the synthetic target; 32 for batched llama.cpp)")
