@@ -373,15 +373,21 @@ SOURCE_LEAD = "Source: "
 
 
 def _no_line_begins_with_a_span(text: str) -> str:
-    def join(m: re.Match) -> str:
-        before = text[text.rfind("\n", 0, max(m.start(), 0)) + 1:m.start()] if m.start() > 0 else ""
-        if before.strip():
-            return " "
-        if m.group(2) == "source":
-            return m.group(0) + SOURCE_LEAD
-        raise RegistryError(f"a figure begins a paragraph ({text[m.end():m.end() + 60]!r}): Markdown would read "
-                            "its span as an HTML block; put a word in front of it")
-    return _LINE_BEGINS_WITH_SPAN.sub(join, text)
+    lines, out, fenced = text.split("\n"), [], False
+    for line in lines:
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        m = None if fenced else _LINE_BEGINS_WITH_SPAN.match("\n" + line)
+        if m is None:
+            out.append(line)
+        elif out and out[-1].strip() and not out[-1].lstrip().startswith(("```", "#", "|", "<!--")):
+            out[-1] += " " + line.lstrip()
+        elif m.group(2) == "source":
+            out.append(m.group(1) + SOURCE_LEAD + line.lstrip())
+        else:
+            raise RegistryError(f"a figure begins a paragraph ({line.strip()[:60]!r}): Markdown would read its span "
+                                "as an HTML block; put a word in front of it")
+    return "\n".join(out)
 
 
 render_readme = render_spans     # README.md is rendered like every page
@@ -401,7 +407,12 @@ def stale_spans(text: str, registry: dict[str, Result]) -> list[str]:
         if new != m.group(0):
             out.append(f"{m.group(1)}:{m.group(2)} (stale)")
     out += [f'{m.group(0)} (a placeholder, not yet a span)' for m in TEMPLATE.finditer(text)]
-    out += [f"a span begins a line: {text[m.end():m.end() + 60]!r}" for m in _LINE_BEGINS_WITH_SPAN.finditer(text)]
+    fenced = False
+    for line in text.split("\n"):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and _LINE_BEGINS_WITH_SPAN.match("\n" + line):
+            out.append(f"a span begins a line: {line.strip()[:60]!r}")
     return out
 
 
