@@ -114,7 +114,7 @@ def main() -> None:
                     help="leave the CPU columns (numpy, torch cpu) out of cells whose logits are larger "
                          "(a GPU check's time box)")
     ap.add_argument("--devices", default=None, help="torch devices, comma-separated (default: cpu, and cuda if present)")
-    ap.add_argument("--out", default="bench/accept_maths.md")
+    ap.add_argument("--out", default="results/accept_maths.md")
     args = ap.parse_args()
 
     try:

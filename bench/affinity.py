@@ -14,7 +14,7 @@ calls it (`LlamaCppBackend.verify` from a worker thread, one KV cache per sessio
     .venv/bin/python bench/affinity.py                # 256, 1024, 2048 committed tokens, gamma 5
     .venv/bin/python bench/affinity.py --lengths 512 --gamma 8 --repeats 5 --out -
 
-Prints medians and writes bench/affinity.md (use --out - to skip the file).
+Prints medians and writes results/affinity.md (use --out - to skip the file).
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="rounds after a replica change, per length")
     p.add_argument("--warm-repeats", type=int, default=20, help="warm rounds, per length")
     p.add_argument("--threads", type=int, default=default_threads(), help="llama.cpp threads")
-    p.add_argument("--out", default=str(Path(__file__).with_suffix(".md")), help="markdown file, or - for none")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "affinity.md"), help="markdown file, or - for none")
     args = p.parse_args(argv)
     announce()
 
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['committed']:>9} {r['gamma']:>5} {r['warm_ms']:>9.1f} {r['fresh_ms']:>15.1f} "
                   f"{r['new_state_ms']:>12.1f} {r['extra_ms']:>9.1f} {r['ratio']:>5.1f}x", flush=True)
         if args.out != "-":
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(markdown(rows, args, backend))
             print(f"wrote {args.out}", file=sys.stderr)
     finally:

@@ -10,7 +10,7 @@ pair and their median, with the machine it ran on.
     .venv/bin/python bench/batched_vs_serial.py --edges 1,16 --profile 3g --reps 2
     .venv/bin/python bench/batched_vs_serial.py --drafter gguf       # a draft model per edge (the defaults of netsim load)
 
-Results: bench/load/batched-vs-serial-<profile>/result.json and result.md (plus every run's own
+Results: results/load/batched-vs-serial-<profile>/result.json and result.md (plus every run's own
 load.json under runs/).
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--verifier-arg", action="append", default=[], help="passed to both verifiers")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    out = Path(args.out or f"bench/load/batched-vs-serial-{args.profile}")
+    out = Path(args.out or f"results/load/batched-vs-serial-{args.profile}")
     edges, modes = [int(e) for e in args.edges.split(",")], args.modes.split(",")
     machine = describe()
     print(f"Machine: {summary(machine)}", flush=True)

@@ -1,6 +1,6 @@
 """Build draft candidates from the bundled target, evaluate them together, write a markdown table.
 
-    .venv/bin/python bench/draft_compare.py [--out-dir models/drafts] [--md bench/draft_results.md]
+    .venv/bin/python bench/draft_compare.py [--out-dir models/drafts] [--md results/draft_results.md]
                                             [--no-search] [--repeats 3]
 
 Every candidate is built with the same code as `edge-client make-draft` (the table lists the
@@ -46,7 +46,7 @@ SEARCH = ("search26.gguf", DraftSpec(method="search", search_blocks=26, min_agre
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", default="models/drafts")
-    ap.add_argument("--md", default="bench/draft_results.md")
+    ap.add_argument("--md", default="results/draft_results.md")
     ap.add_argument("--json", help="also write the full eval reports here")
     ap.add_argument("--no-search", action="store_true", help="skip the (minutes-long) greedy search candidate")
     ap.add_argument("--reuse", action="store_true", help="reuse candidate files already in --out-dir")
@@ -59,6 +59,7 @@ def main() -> int:
         saved = json.loads(Path(args.render).read_text())
         built = [(b["name"], Path(b["path"]), b["command"], b["info"]) for b in saved["built"]]
         md = render_markdown(built, saved["reports"], saved["load_average"], saved["date"])
+        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
         Path(args.md).write_text(md, encoding="utf-8")
         print(md)
         return 0
@@ -100,6 +101,7 @@ def main() -> int:
     load = (load_before, os.getloadavg()[0])
     today = dt.date.today().isoformat()
     md = render_markdown(built, reps, load, today)
+    Path(args.md).parent.mkdir(parents=True, exist_ok=True)
     Path(args.md).write_text(md, encoding="utf-8")
     if args.json:
         Path(args.json).write_text(json.dumps({

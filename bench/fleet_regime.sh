@@ -11,13 +11,13 @@
 #   regime-fp8-kv          the KV cache in fp8 (twice the sessions; attention at the fp8 rate)
 #   regime-top-p           T 0.7 top-p 0.95 rounds (the host path's top-p rows)
 #
-# Each writes regime.json and regime.md in bench/fleet/<name>/ and its tables and headline figures in
+# Each writes regime.json and regime.md in results/fleet/<name>/ and its tables and headline figures in
 # bench/results/gpu-<name>.json (the pages render them); the simulation writes bench/results/gpu-sim.json.
 # The rounds-in-flight inputs are read from bench/continuations/summary.json, the host path per
 # round from bench/fleet/host_path.json (refresh it from bench/accept_maths.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/fleet}
+OUT=${OUT:-results/fleet}
 PY=${PYTHON:-python}
 regime() { local name=$1; shift; nice -n 10 "$PY" -m netsim.fleet.regime "$@" --out "$OUT/$name" --result "gpu-$name"; }
 regime regime

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # KV of sessions that wait on their link (issue 18, item 3): a batched llama.cpp verifier whose
 # --kv-tokens hold 4 sessions of 512 tokens, hybrid edges on 3g (300 ms RTT), without and with
-# --kv-park on, run one after the other. Results: bench/load/kvpark-3g-{off,on}/ (load.md has
+# --kv-park on, run one after the other. Results: results/load/kvpark-3g-{off,on}/ (load.md has
 # the idle share of sessions' KV, parks and restores, and what they cost per round).
 #   flock /work/wt/bench.lock bash bench/kv_park.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/load}
+OUT=${OUT:-results/load}
 PY=${PYTHON:-.venv/bin/python}
 EDGES=${EDGES:-4,8,16}
 # The bundled target on 1 thread; each edge drafts with models/smollm2-draft.gguf (its own copy,

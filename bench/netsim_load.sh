@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # netsim load on this machine: the batched verifier (the default) against the serial one
 # (--batching off), N = 1, 4, 16, 64 edges, lan and 3g, hybrid and cloud-only (issue 10).
-# Each command prints its table; results (load.json, load.md, plots) land in bench/load/<name>/.
+# Each command prints its table; results (load.json, load.md, plots) land in results/load/<name>/.
 #   bash bench/netsim_load.sh            # everything (~40 min on 2 cores)
 #   bash bench/netsim_load.sh real       # the bundled target only
 #   bash bench/netsim_load.sh synthetic  # the synthetic pair only (bench/netsim_fleet.sh calibrates on it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/load}
+OUT=${OUT:-results/load}
 PY=${PYTHON:-.venv/bin/python}
 WHAT=${1:-all}
 run() { "$PY" -m netsim load "$@"; }

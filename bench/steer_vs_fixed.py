@@ -17,7 +17,7 @@ ratios and the median, and the machine.
     .venv/bin/python bench/steer_vs_fixed.py --synthetic --edges 1,4,16,64  # the synthetic GPU-like target
     .venv/bin/python bench/steer_vs_fixed.py --pair gemma-smollm2 --drafter gguf --edges 4  # two families
 
-Results: bench/load/steer-vs-fixed-<target>-<profile>/result.json and result.md (every run's own
+Results: results/load/steer-vs-fixed-<target>-<profile>/result.json and result.md (every run's own
 load.json under runs/).
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def main() -> None:
     from netsim.pairs import resolve
     models = resolve(args.pair, None, None)
     target = "synthetic" if args.synthetic else (args.pair or "bundled")
-    out = Path(args.out or f"bench/load/steer-vs-fixed-{target}-{args.profile}")
+    out = Path(args.out or f"results/load/steer-vs-fixed-{target}-{args.profile}")
     edges = [int(e) for e in args.edges.split(",")]
     chosen = {k: v for k, v in arms(args.slo_tpot_ms, args.slo_ttft_ms).items() if k in args.arms.split(",")}
     machine = describe()

@@ -98,7 +98,7 @@ def main() -> int:
     ap.add_argument("--vllm-model", default=None, help="HF folder for vLLM (default: SmolLM2 dequantized)")
     ap.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--prompt-logprobs", action="store_true", help="also time the prompt_logprobs alternative")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "verify_cost.md"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "verify_cost.md"))
     args = ap.parse_args()
     machine = announce()
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -161,6 +161,7 @@ def main() -> int:
                      f"{r['first_s']:.2f} | {_fmt(r['prefill_tokens'])} |"
                      + (f" {_fmt(r.get('prompt_logprobs_s', None) and r['prompt_logprobs_s'] * 1e3)} |"
                         if args.prompt_logprobs else ""))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-model", default=None, help="the draft model's folder (default: the target itself)")
     ap.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--dry-run", action="store_true", help="print each engine's arguments and stop (no vLLM needed)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "vllm_self_spec.json"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "vllm_self_spec.json"))
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
     for m in methods:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # rich is the `draft` extra: `edge-client generate` must not 
     from rich.console import Console
 
 # The default draft: the best expected hybrid tokens/s on the 3g link among the candidates in
-# bench/draft_results.md (bench/draft_compare.py), for the bundled SmolLM2-135M Q4_1 target.
+# bench/draft_compare.py (its report: results/draft_results.md), for the bundled SmolLM2-135M Q4_1 target.
 RECOMMENDED_METHOD = "requant"
 RECOMMENDED_TYPE = "Q4_0"
 

@@ -3,10 +3,25 @@
 A figure that a page states (a ratio, tokens/s, a hit rate, a timing, a capacity) is written once,
 by the benchmark that measured it, into ``bench/results/<name>.json`` together with the command
 that produced it, the machine (CPU model and features, numpy's SIMD dispatch), the load and the
-date. Pages never type the number: they name it, ``{{ fig("<name>/<key>") }}`` or
-``{{ table("<name>/<key>") }}``, and the docs build renders it from the file
-(``docs/hooks/figures.py``). So a figure cannot differ between two pages, and re-running a
-benchmark updates every page that states it.
+date. Pages never type the number: they carry a marked span that names it, and one render step
+writes the number into the file (README.md and every page under docs/ alike, so the repository's
+web view and the site show the same thing)::
+
+    3g: <!-- fig:headline/3g-hybrid-over-per-token -->1.78×<!-- /fig --> per-token's tokens/s
+    <!-- table:headline/by-profile -->  (a Markdown table, written between the markers)  <!-- /table -->
+    <!-- source:headline -->`command` on machine, load, date<!-- /source -->
+
+``python -m hybridspec.figures --render`` rewrites every span from the registry (and turns a
+``{{ fig("<name>/<key>") }}`` placeholder into a span); ``--check`` says which files differ. So a
+figure cannot differ between two pages, and re-running a benchmark then ``--render`` updates every
+page that states it.
+
+A wall-clock figure (tokens/s, a time, a ratio of either) recorded on a busy machine (the result's
+load average above 0.5 per core at its start or end) is refused unless its span says ``busy``,
+``<!-- fig:headline/lan-cloud-only-tok-s busy -->``; the page then shows it marked "(busy)". A result
+records which clock it ran on: ``"clock": "wall"`` (the default; a file without the field is wall),
+``"virtual"`` (the virtual clock: costs charged from a cost table, the same on any machine) or
+``"model"`` (an analytical model); only the wall clock depends on the load.
 
 A result file::
 
@@ -16,6 +31,7 @@ A result file::
       "machine": {... hybridspec.machine.describe() ...},
       "load": {"start": [1.2, 0.9, 0.7], "end": [1.9, 1.1, 0.8]},
       "date": "2026-12-06",
+      "clock": "wall",
       "note": "shared 2-core VM",
       "figures": {
         "auto-vs-per-token-3g": {"value": 2.04, "unit": "x", "fmt": "{:.2f}×",
@@ -44,6 +60,10 @@ from pathlib import Path
 from hybridspec import machine as _machine
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+# A wall-clock figure is published as quiet when the 1-minute load average at the run's start and end
+# was at most this per core (docs/benchmarks.md#quiet-and-busy-figures).
+QUIET_LOAD_PER_CORE = 0.5
+CLOCKS = ("wall", "virtual", "model")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
 
@@ -98,6 +118,20 @@ class Result:
     figures: dict[str, Figure]
     tables: dict[str, Table]
     note: str = ""
+    clock: str = "wall"      # "wall", "virtual" or "model": only the wall clock depends on the load
+
+    def busy_load(self) -> float | None:
+        """The load per core this wall-clock result was recorded at, where it was above
+        QUIET_LOAD_PER_CORE at its start or end (the higher of the two; a result without any load
+        reading counts as busy); None for a quiet result and for one that did not run on the wall clock."""
+        if self.clock != "wall":
+            return None
+        cores = self.machine.get("cores") or 1
+        ends = [x[0] for x in (self.load.get("start"), self.load.get("end")) if x]
+        if not ends:
+            return float("inf")
+        worst = max(ends) / cores
+        return worst if worst > QUIET_LOAD_PER_CORE else None
 
     def provenance(self) -> str:
         """One line for a page: command, machine, load, date."""
@@ -132,12 +166,15 @@ def command_line(argv: list[str] | None = None) -> str:
 def write_result(name: str, *, figures: dict[str, Figure] | None = None,
                  tables: dict[str, Table] | None = None, command: str | None = None,
                  load_start: list[float] | None = None, note: str = "",
-                 results_dir: Path | None = None) -> Path:
+                 results_dir: Path | None = None, clock: str = "wall") -> Path:
     """Write (replace) `bench/results/<name>.json`: the figures and tables of one benchmark run,
     with the command (default: this process's), the machine, the load at start (pass what
-    `os.getloadavg()` gave when the run began) and at the end, and today's date (UTC)."""
+    `os.getloadavg()` gave when the run began) and at the end, today's date (UTC) and the clock the
+    figures were measured on (`clock`: "wall", "virtual" or "model", see CLOCKS)."""
     if not _NAME.match(name):
         raise ValueError(f"result name {name!r}: lower-case letters, digits, '.', '_' and '-' only")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock {clock!r}: one of {', '.join(CLOCKS)}")
     out_dir = RESULTS if results_dir is None else results_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -146,6 +183,7 @@ def write_result(name: str, *, figures: dict[str, Figure] | None = None,
         "machine": _machine.describe(),
         "load": {"start": load_start, "end": _loadavg()},
         "date": _dt.datetime.now(_dt.timezone.utc).date().isoformat(),
+        "clock": clock,
         "note": note,
         "figures": {k: {"value": f.value, "quantity": f.quantity, "setup": f.setup, "unit": f.unit,
                         "fmt": f.fmt} for k, f in (figures or {}).items()},
@@ -157,12 +195,12 @@ def write_result(name: str, *, figures: dict[str, Figure] | None = None,
 
 
 def publish(name: str, *, figures: dict[str, Figure], tables: dict[str, Table], load_start: list[float] | None,
-            note: str, show: list[str] | None = None) -> Path:
+            note: str, show: list[str] | None = None, clock: str = "wall") -> Path:
     """A benchmark's last step: print its tables (`show`: these, else all), write its result with
     write_result, print where."""
     for key in (show if show is not None else list(tables)):
         print(Table.render(tables[key]))
-    path = write_result(name, figures=figures, tables=tables, load_start=load_start, note=note)
+    path = write_result(name, figures=figures, tables=tables, load_start=load_start, note=note, clock=clock)
     print(f"wrote {path}")
     return path
 
@@ -171,7 +209,7 @@ def read_result(path: Path) -> Result:
     doc = json.loads(Path(path).read_text())
     return Result(
         name=doc["name"], command=doc["command"], machine=doc.get("machine") or {},
-        load=doc.get("load") or {}, date=doc["date"], note=doc.get("note", ""),
+        load=doc.get("load") or {}, date=doc["date"], note=doc.get("note", ""), clock=doc.get("clock") or "wall",
         figures={k: Figure(**v) for k, v in (doc.get("figures") or {}).items()},
         tables={k: Table(columns=v["columns"], rows=v["rows"], fmt=v.get("fmt") or {})
                 for k, v in (doc.get("tables") or {}).items()},
@@ -228,41 +266,160 @@ def duplicate_claims(registry: dict[str, Result]) -> list[tuple[str, str]]:
     return dups
 
 
-# --- Rendering: pages name figures, the registry fills them in ------------------------------------
+# --- Rendering: pages carry their figures in marked spans, written from the registry ---------------
 
-# In a docs page (rendered by docs/hooks/figures.py at build time).
+# A span in any Markdown file: <!-- fig:NAME/KEY -->1.29×<!-- /fig -->, with " busy" after the name for a
+# wall-clock figure recorded on a busy machine. Groups: kind, name, flag, body.
+SPAN = re.compile(r"<!-- (fig|source|table):(\S+?)( busy)? -->(.*?)<!-- /\1 -->", re.S)
+README_SPAN = SPAN
+# The placeholder pages used before spans; `--render` turns each into a span.
 TEMPLATE = re.compile(r'\{\{\s*(fig|table|source)\(\s*"([^"]+)"\s*\)\s*\}\}')
-# In README.md, which MkDocs does not build: a marked span or block holds its rendering, rewritten by
-# `python -m hybridspec.figures --readme`:  <!-- fig:NAME/KEY -->1.29×<!-- /fig -->
-README_SPAN = re.compile(r"<!-- (fig|source|table):(\S+?) -->(.*?)<!-- /\1 -->", re.S)
+BUSY_MARK = " (busy)"
+BUSY_TABLE_NOTE = ("*(busy) Recorded at a load of {load:.1f} per core: its tokens/s and times are noisy; "
+                   "counts and side-by-side ratios of one run are not.*")
+
+# What makes a figure wall-clock: its unit, or a quantity that is a rate or a time.
+_TIMED_UNIT = re.compile(r"^(?:k?tok/s.*|tokens/s.*|ms|µs|s|min|h)$")
+_TIMED_QUANTITY = re.compile(r"tok(?:en)?s?/s|\bTPOT\b|\bTTFT\b|\btime\b|latency|seconds|\bwall\b|goodput|"
+                             r"throughput|\bstall|\bms\b|first token|\bgaps?\b|\bcapacity\b", re.I)
 
 
-def _render_one(registry: dict[str, Result], kind: str, ref: str) -> str:
+def timed(fig: Figure) -> bool:
+    """Whether a figure is read off the wall clock (tokens/s, a time, a ratio or capacity of them);
+    counts (passes, round trips, tokens per round, α, bytes) are not."""
+    return bool(_TIMED_UNIT.match(fig.unit.strip()) or _TIMED_QUANTITY.search(fig.quantity))
+
+
+def timed_table(tab: Table) -> bool:
+    return any(_TIMED_QUANTITY.search(c) or re.search(r"\b(?:ms|s)\b|tok/s", c) for c in tab.columns)
+
+
+class BusyFigure(RegistryError):
+    """A wall-clock figure recorded on a busy machine, named by a span that does not say so."""
+
+
+def _busy(registry: dict[str, Result], kind: str, ref: str) -> float | None:
+    """The load per core of a busy wall-clock figure or table; None where the load does not matter."""
+    if kind == "source":
+        return None
+    name, _ = _split(ref)
     if kind == "fig":
-        return figure(registry, ref).render()
+        wall = timed(figure(registry, ref))
+    else:
+        wall = timed_table(table(registry, ref))
+    return registry[name].busy_load() if wall else None
+
+
+def _render_one(registry: dict[str, Result], kind: str, ref: str, busy_ok: bool = False) -> str:
+    if kind == "fig":
+        body = figure(registry, ref).render()
+    elif kind == "table":
+        body = table(registry, ref).render()
+    else:
+        try:
+            return registry[ref].provenance()
+        except KeyError:
+            raise RegistryError(f"no result {ref!r} in bench/results/ (source)") from None
+    load_ = _busy(registry, kind, ref)
+    if load_ is None:
+        return body
+    name, _ = _split(ref)
+    if not busy_ok:
+        raise BusyFigure(
+            f"{ref}: a wall-clock {'figure' if kind == 'fig' else 'table'} recorded at a load of {load_:.1f} per "
+            f"core (quiet is at most {QUIET_LOAD_PER_CORE}): re-run `{registry[name].command}` on a quiet machine, "
+            f"or mark the span busy (<!-- {kind}:{ref} busy -->) so that the page says so")
+    return body + BUSY_MARK if kind == "fig" else body + "\n\n" + BUSY_TABLE_NOTE.format(load=load_)
+
+
+def _indent_of(text: str, pos: int) -> str:
+    """The whitespace before `pos` on its line, when only whitespace precedes it (a block's indent)."""
+    start = text.rfind("\n", 0, pos) + 1
+    head = text[start:pos]
+    return head if not head.strip() else ""
+
+
+def _span(registry: dict[str, Result], kind: str, ref: str, busy_ok: bool, indent: str) -> str:
+    body = _render_one(registry, kind, ref, busy_ok)
+    flag = " busy" if _busy(registry, kind, ref) is not None else ""
     if kind == "table":
-        return table(registry, ref).render()
-    try:
-        return registry[ref].provenance()
-    except KeyError:
-        raise RegistryError(f"no result {ref!r} in bench/results/ (source)") from None
+        lines = body.split("\n")
+        body = "\n\n" + "\n".join(indent + line if line else line for line in lines) + "\n\n" + indent
+    return f"<!-- {kind}:{ref}{flag} -->{body}<!-- /{kind} -->"
 
 
-def render(text: str, registry: dict[str, Result]) -> str:
-    """A page with every `{{ fig("...") }}`, `{{ table("...") }}` and `{{ source("...") }}` filled in;
-    RegistryError on a name the registry does not hold."""
-    return TEMPLATE.sub(lambda m: _render_one(registry, m.group(1), m.group(2)), text)
+def render_spans(text: str, registry: dict[str, Result], mark_busy: bool = False) -> str:
+    """A Markdown file with each marked span re-rendered from the registry, and each old placeholder
+    (`{{ fig("...") }}`) turned into a span. A span's "busy" flag is kept while its figure is busy and
+    dropped once a quiet run replaced it. RegistryError on a name the registry does not hold;
+    BusyFigure on a busy wall-clock figure whose span (or placeholder) does not say busy, unless
+    `mark_busy` (then the span is marked busy, and the page shows it so)."""
+    def span(m: re.Match) -> str:
+        return _span(registry, m.group(1), m.group(2), bool(m.group(3)) or mark_busy, _indent_of(text, m.start()))
+
+    def placeholder(m: re.Match) -> str:
+        return _span(registry, m.group(1), m.group(2), mark_busy, _indent_of(out, m.start()))
+
+    out = SPAN.sub(span, text)
+    return _no_line_begins_with_a_span(TEMPLATE.sub(placeholder, out))
 
 
-def render_readme(text: str, registry: dict[str, Result]) -> str:
-    """README.md with each marked span or block re-rendered from the registry."""
-    def one(m: re.Match) -> str:
-        kind, ref = m.group(1), m.group(2)
-        body = _render_one(registry, kind, ref)
-        if kind == "table":
-            body = f"\n{body}\n"
-        return f"<!-- {kind}:{ref} -->{body}<!-- /{kind} -->"
-    return README_SPAN.sub(one, text)
+# A line that begins with an HTML comment starts an HTML block in Markdown (CommonMark and
+# Python-Markdown alike): the paragraph breaks there and the line's Markdown is not read. A figure or
+# source span that begins a line is therefore joined to the line before it; one that begins a paragraph
+# gets "Source:" in front of it (a figure there is refused: the page needs a word before it).
+_LINE_BEGINS_WITH_SPAN = re.compile(r"(?:^|\n)([ \t]*)(?=<!-- (fig|source):)")
+SOURCE_LEAD = "Source: "
+
+
+def _no_line_begins_with_a_span(text: str) -> str:
+    lines, out, fenced = text.split("\n"), [], False
+    for line in lines:
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        m = None if fenced else _LINE_BEGINS_WITH_SPAN.match("\n" + line)
+        if m is None:
+            out.append(line)
+        elif out and out[-1].strip() and not out[-1].lstrip().startswith(("```", "#", "|", "<!--")):
+            out[-1] += " " + line.lstrip()
+        elif m.group(2) == "source":
+            out.append(m.group(1) + SOURCE_LEAD + line.lstrip())
+        else:
+            raise RegistryError(f"a figure begins a paragraph ({line.strip()[:60]!r}): Markdown would read its span "
+                                "as an HTML block; put a word in front of it")
+    return "\n".join(out)
+
+
+render_readme = render_spans     # README.md is rendered like every page
+
+
+def stale_spans(text: str, registry: dict[str, Result]) -> list[str]:
+    """What in a Markdown file differs from its rendering: each span whose content (or busy flag) is not
+    what the registry renders, each span the registry refuses (with why), each `{{ fig(...) }}`
+    placeholder left. Empty when the file equals its rendering."""
+    out = []
+    for m in SPAN.finditer(text):
+        try:
+            new = _span(registry, m.group(1), m.group(2), bool(m.group(3)), _indent_of(text, m.start()))
+        except RegistryError as exc:
+            out.append(str(exc))
+            continue
+        if new != m.group(0):
+            out.append(f"{m.group(1)}:{m.group(2)} (stale)")
+    out += [f'{m.group(0)} (a placeholder, not yet a span)' for m in TEMPLATE.finditer(text)]
+    fenced = False
+    for line in text.split("\n"):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and _LINE_BEGINS_WITH_SPAN.match("\n" + line):
+            out.append(f"a span begins a line: {line.strip()[:60]!r}")
+    return out
+
+
+def markdown_files(root: Path | None = None) -> list[Path]:
+    """The Markdown files whose spans the render step writes: README.md and every page under docs/."""
+    base = RESULTS.parents[1] if root is None else root
+    return [base / "README.md", *sorted((base / "docs").rglob("*.md"))]
 
 
 # --- What a page may not type: a measured figure outside the registry --------------------------
@@ -347,12 +504,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybridspec.figures",
                                      description="The registry of measured figures (bench/results/).")
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--readme", action="store_true",
-                      help="re-render the marked figures and tables of README.md from the registry")
-    what.add_argument("--check-readme", action="store_true",
-                      help="exit 1 when README.md differs from its rendering")
+    what.add_argument("--render", "--readme", action="store_true",
+                      help="write every marked figure, table and source of README.md and docs/**/*.md from the "
+                           "registry (and turn {{ fig(...) }} placeholders into spans)")
+    what.add_argument("--check", "--check-readme", action="store_true",
+                      help="exit 1 when a Markdown file differs from its rendering (and say which)")
     what.add_argument("--duplicates", action="store_true",
                       help="list figures that claim the same quantity for the same set-up")
+    parser.add_argument("--mark-busy", action="store_true",
+                        help="with --render: mark each wall-clock figure recorded on a busy machine busy (the page "
+                             "shows it as such) instead of refusing it")
     args = parser.parse_args(argv)
     registry = load()
     if args.duplicates:
@@ -360,17 +521,25 @@ def main(argv: list[str] | None = None) -> int:
         for a, b in dups:
             print(f"{a} and {b} claim the same quantity for the same set-up")
         return 1 if dups else 0
-    readme = RESULTS.parents[1] / "README.md"
-    text = readme.read_text(encoding="utf-8")
-    rendered = render_readme(text, registry)
-    if args.check_readme:
+    root, failed, changed = RESULTS.parents[1], [], []
+    for path in markdown_files():
+        text = path.read_text(encoding="utf-8")
+        try:
+            rendered = render_spans(text, registry, mark_busy=args.mark_busy and args.render)
+        except RegistryError as exc:
+            failed.append(f"{path.relative_to(root)}: {exc}")
+            continue
         if rendered != text:
-            print("README.md differs from its rendering: run python -m hybridspec.figures --readme")
-            return 1
-        return 0
-    if rendered != text:
-        readme.write_text(rendered, encoding="utf-8")
-    return 0
+            changed.append(str(path.relative_to(root)))
+            if args.render:
+                path.write_text(rendered, encoding="utf-8")
+    for line in failed:
+        print(line, file=sys.stderr)
+    if args.check and changed:
+        print("differ from their rendering (run python -m hybridspec.figures --render): " + ", ".join(changed))
+    elif args.render and changed:
+        print("rendered: " + ", ".join(changed))
+    return 1 if failed or (args.check and changed) else 0
 
 
 if __name__ == "__main__":

@@ -313,7 +313,7 @@ def _run_fleet(args: argparse.Namespace) -> int:
 
         from .fleet.gpu import gpu_registry
         figures, tables = gpu_registry(result)
-        print(f"wrote {write_result(args.result, figures=figures, tables=tables, note='a model: its figures do not depend on the machine')}")
+        print(f"wrote {write_result(args.result, figures=figures, tables=tables, note='a model: its figures do not depend on the machine', clock='model')}")
     print((out / "fleet.md").read_text())
     print(f"wrote {out / 'fleet.json'}, {out / 'fleet.md'}, {out / 'verifiers_vs_edges.png'}")
     return 0
@@ -339,7 +339,7 @@ def _add_fleet_command(subparsers) -> None:
                         help="CPU pass cost per token (ms); the fixed part is calibrated (0: the synthetic target)")
     parser.add_argument("--cpu-cost-ms", metavar="FIXED,PER_TOKEN",
                         help="CPU pass cost for the capacity table instead of the calibrated one, e.g. 15.9,7.15 "
-                             "(bench/verify_cost.md: llama.cpp SmolLM2, context 512)")
+                             "(bench/verify_cost.py: llama.cpp SmolLM2, context 512)")
     parser.add_argument("--cpu-ubatch", type=int,
                         help="tokens per batched pass of the CPU backend in the capacity table (default: the "
                              "calibrated verifier's, 512 for the synthetic target; 32 for batched llama.cpp)")

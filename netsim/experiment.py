@@ -121,6 +121,8 @@ class Row:
     shapes: dict | None = None             # auto: rounds sent per shape the planner chose (GenerationStats.shapes)
     draft_s: float = 0.0                   # the edge's time drafting (hidden or not)
     server_model_s: float = 0.0            # the verifier's time in the target (its own timing)
+    target_tokens: int = 0                 # tokens the target computed (prefill aside): cloud-only one per
+                                           # generated token; a round its nodes + 1 (the last committed token)
 
 
 def load_workloads(categories: list[str], per_category: int) -> list[tuple[str, int, str]]:
@@ -271,6 +273,9 @@ class Runner:
             row.fused_rounds, row.fused_hits = st.fused_rounds, st.fused_hits
             row.shapes = st.shapes or None
             row.draft_s, row.server_model_s = st.draft_s, st.server_model_s
+            row.target_tokens = round(st.nodes_per_round * st.rounds) + passes
+        else:
+            row.target_tokens = tokens
         return row
 
     def _edge_only(self, profile, workload, index, prompt_ids, settings) -> Row:
@@ -404,6 +409,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             "tokens_per_round": statistics.mean(tpr) if tpr else None,
             "theory_tokens_per_round": statistics.mean(theory) if theory else None,
             "forward_passes_per_token": sum(r["target_forward_passes"] for r in rs) / max(tokens, 1),
+            "target_tokens_per_token": sum(r.get("target_tokens", 0) for r in rs) / max(tokens, 1),
             "bytes_per_round": (sum(r["bytes_up"] + r["bytes_down"] for r in rs) / max(sum(r["round_trips"] for r in rs), 1)),
             "nodes_per_round": _mean([r.get("nodes_per_round") for r in rs]),
             "reused_drafts": sum(r.get("reused_drafts", 0) for r in rs),

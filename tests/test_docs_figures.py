@@ -1,10 +1,10 @@
 """Figures a reader can trust: every measured figure a page states comes from the registry.
 
 The registry (`hybridspec.figures`, one result file per benchmark in bench/results/) holds each
-measured number with its command, machine and date. A docs page names a figure,
-`{{ fig("<result>/<key>") }}`, and the docs build renders it (docs/hooks/figures.py); README.md,
-which MkDocs does not build, carries marked spans that `python -m hybridspec.figures --readme`
-re-renders. So:
+measured number with its command, machine and date. README.md and every docs page carry marked spans,
+`<!-- fig:<result>/<key> -->1.78×<!-- /fig -->`, that `python -m hybridspec.figures --render` writes
+from the registry, so the files (the repository's web view) and the site (docs/hooks/figures.py only
+checks) show the same numbers. So:
 
 (a) a page that types a measured ratio or rate by hand (a number with ×, tok/s, tokens/s, ms, s, %,
     bytes, tokens per round or passes per token, outside code and outside the registry's spans) fails, unless the number is a design constant
@@ -12,14 +12,16 @@ re-renders. So:
     not a measurement);
     A bare ratio set against something ("1.18 the chain") counts as typed too;
 (b) no two registry entries claim the same quantity for the same set-up;
-(c) README.md equals its rendering from the registry;
+(c) README.md and every page equal their rendering from the registry, no Markdown file holds a
+    `{{ ... }}` placeholder, and a wall-clock figure recorded on a busy machine (load above 0.5 per
+    core) is shown only where its span says busy;
 (d) every result file is one a benchmark wrote: its command names a script, module or console
     script of the repository, and it records the machine (CPU model and features, numpy's
     dispatch), the load and the date; each figure is one number (a numeric value, a format with one
     placeholder and no number of its own, a key that names the quantity, not the value).
 
 Each check has a control: a synthetic page with a hand-typed ratio fails, two entries with the
-same claim fail, a README span edited by hand fails, and a result file without its machine, load,
+same claim fail, a span edited by hand fails, a busy figure unmarked fails, and a result file without its machine, load,
 date or an existing command, or with a format that carries a second number, fails.
 
 Pages are the project's, not a lab notebook: no build machine's path, no clock times, no "we",
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 from hybridspec import figures
@@ -75,16 +78,35 @@ def _references(text: str) -> list[tuple[str, str]]:
             + [(m.group(1), m.group(2)) for m in figures.README_SPAN.finditer(text)])
 
 
-def test_every_named_figure_is_in_the_registry():
+def test_every_page_equals_its_rendering():
+    """README.md and every page under docs/ carry the registry's figures: each span as rendered (a
+    name the registry holds, its current value, busy where the figure is busy), no placeholder left."""
     registry = figures.load()
-    problems = []
-    for path in PAGES:
-        for kind, ref in _references(path.read_text(encoding="utf-8")):
-            try:
-                figures._render_one(registry, kind, ref)
-            except figures.RegistryError as exc:
-                problems.append(f"{path.relative_to(ROOT)}: {exc}")
-    assert not problems, "\n".join(problems)
+    problems = [f"{path.relative_to(ROOT)}: {p}" for path in figures.markdown_files(ROOT)
+                for p in figures.stale_spans(path.read_text(encoding="utf-8"), registry)]
+    assert not problems, ("pages that differ from the registry (run `python -m hybridspec.figures --render`):\n"
+                          + "\n".join(problems))
+
+
+def _markdown_in_the_repository() -> list[Path]:
+    """Every Markdown file git tracks (every one under the checkout, less ignored folders, without git)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "*.md"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.strip():
+            return [ROOT / line for line in out.stdout.splitlines() if (ROOT / line).is_file()]
+    except OSError:
+        pass
+    skip = {".venv", ".venv-vllm", "build", "results", "node_modules", ".git"}
+    return [p for p in ROOT.rglob("*.md") if not skip & set(p.relative_to(ROOT).parts)]
+
+
+def test_no_markdown_file_holds_a_placeholder():
+    """The repository's web view shows numbers, not `{{ fig(...) }}`: no committed Markdown file has a
+    `{{ ... }}` (the render step turns a figure's placeholder into a span)."""
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()[:100]}" for p in _markdown_in_the_repository()
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"\{\{.*?\}\}", line)]
+    assert not found, "placeholders in Markdown files:\n" + "\n".join(found)
 
 
 def test_every_result_says_what_it_claims_and_where_it_came_from():
@@ -209,30 +231,96 @@ def test_two_entries_with_one_claim_are_caught(tmp_path):
     assert figures.duplicate_claims(figures.load(tmp_path)) == [("run-a/ratio", "run-b/ratio")]
 
 
-def test_readme_equals_its_rendering():
+def test_the_readme_carries_figures_and_a_span_edited_by_hand_is_caught():
+    """Control for the page check: a span's value edited by hand is stale, and --render restores it."""
     text = README.read_text(encoding="utf-8")
-    assert figures.README_SPAN.search(text), "README.md names no figure from the registry"
-    assert figures.render_readme(text, figures.load()) == text, (
-        "README.md differs from the registry: run `python -m hybridspec.figures --readme`")
-
-
-def test_a_readme_figure_edited_by_hand_is_caught():
-    """Control for the check above."""
-    text = README.read_text(encoding="utf-8")
-    m = figures.README_SPAN.search(text)
-    edited = text[:m.start(3)] + "9.99×" + text[m.end(3):]
-    assert figures.render_readme(edited, figures.load()) != edited
-    assert figures.render_readme(edited, figures.load()) == text
+    m = figures.SPAN.search(text)
+    assert m, "README.md names no figure from the registry"
+    edited = text[:m.start(4)] + "9.99×" + text[m.end(4):]
+    registry = figures.load()
+    assert figures.stale_spans(edited, registry)
+    assert figures.render_spans(edited, registry) == text
+    placeholder = text[:m.start()] + f'{{{{ {m.group(1)}("{m.group(2)}") }}}}' + text[m.end():]
+    assert figures.stale_spans(placeholder, registry)
+    assert figures.render_spans(placeholder, registry, mark_busy=bool(m.group(3))) == text
 
 
 def test_an_unknown_name_is_refused():
     registry = figures.load()
-    for page in ('{{ fig("no-such-result/x") }}', '{{ table("no-such-result/x") }}', '{{ source("nope") }}'):
+    for page in ('{{ fig("no-such-result/x") }}', '{{ table("no-such-result/x") }}', '{{ source("nope") }}',
+                 '<!-- fig:no-such-result/x -->1<!-- /fig -->'):
         try:
-            figures.render(page, registry)
+            figures.render_spans(page, registry)
         except figures.RegistryError:
             continue
         raise AssertionError(f"{page} rendered without a registry entry")
+
+
+def _busy_registry(tmp_path, load: float, clock: str | None = "wall"):
+    tok_s = figures.Figure(9.34, "tokens/s, cloud-only", "lan, control", "tok/s", "{:.1f} tok/s")
+    passes = figures.Figure(0.31, "target passes per committed token, hybrid", "control", "", "{:.2f}")
+    tab = figures.Table(["mode", "tok/s"], [["hybrid", 8.8]], {"tok/s": "{:.1f}"})
+    path = figures.write_result("run", figures={"tok-s": tok_s, "passes": passes}, tables={"t": tab},
+                                command="bench/headline.py", load_start=[load, load, load], results_dir=tmp_path)
+    doc = json.loads(path.read_text())
+    doc["load"]["end"] = [load, load, load]
+    doc["machine"]["cores"] = 2
+    if clock is None:
+        del doc["clock"]
+    else:
+        doc["clock"] = clock
+    path.write_text(json.dumps(doc))
+    return figures.load(tmp_path)
+
+
+def test_a_busy_wall_clock_figure_is_refused_unless_the_page_says_busy(tmp_path):
+    """Load 3 on 2 cores (1.5 per core): tokens/s is refused unmarked and shown "(busy)" marked; a
+    count from the same run, and the same figure on the virtual clock or quiet, render as they are."""
+    busy = _busy_registry(tmp_path, 3.0)
+    for page in ("x <!-- fig:run/tok-s -->9.3 tok/s<!-- /fig -->", 'x {{ fig("run/tok-s") }}',
+                 "<!-- table:run/t -->x<!-- /table -->"):
+        try:
+            figures.render_spans(page, busy)
+        except figures.BusyFigure as exc:
+            assert "run/" in str(exc) and "1.5 per core" in str(exc) and "bench/headline.py" in str(exc)
+        else:
+            raise AssertionError(f"{page}: a busy wall-clock figure rendered unmarked")
+    marked = "x <!-- fig:run/tok-s busy -->?<!-- /fig -->"
+    assert figures.render_spans(marked, busy) == "x <!-- fig:run/tok-s busy -->9.3 tok/s (busy)<!-- /fig -->"
+    assert "(busy) Recorded at a load of 1.5 per core" in figures.render_spans(
+        "<!-- table:run/t busy --><!-- /table -->", busy)
+    assert figures.render_spans("x <!-- fig:run/passes -->?<!-- /fig -->", busy) == \
+        "x <!-- fig:run/passes -->0.31<!-- /fig -->"
+    assert not figures.stale_spans("x <!-- fig:run/tok-s busy -->9.3 tok/s (busy)<!-- /fig -->", busy)
+    assert figures.stale_spans("x <!-- fig:run/tok-s -->9.3 tok/s<!-- /fig -->", busy)
+    # A file without the clock field is wall-clock; the virtual clock and a model do not depend on load.
+    assert _busy_registry(tmp_path, 3.0, clock=None)["run"].busy_load() == 1.5
+    for clock in ("virtual", "model"):
+        assert figures.render_spans(marked, _busy_registry(tmp_path, 3.0, clock)) == \
+            "x <!-- fig:run/tok-s -->9.3 tok/s<!-- /fig -->"
+    # Quiet (0.8 on 2 cores = 0.4 per core): the busy flag is dropped by the render step.
+    quiet = _busy_registry(tmp_path, 0.8)
+    assert figures.render_spans(marked, quiet) == "x <!-- fig:run/tok-s -->9.3 tok/s<!-- /fig -->"
+    assert figures.stale_spans(marked, quiet)
+
+
+def test_a_span_never_begins_a_line():
+    """A line that begins with an HTML comment breaks its paragraph (CommonMark, Python-Markdown): the render
+    joins such a line to the one before, puts "Source:" before a source that begins a paragraph, and
+    refuses a figure that does."""
+    registry = figures.load()
+    ref = next(f"{n}/{k}" for n, r in registry.items() for k in r.figures if figures._busy(registry, "fig", f"{n}/{k}") is None)
+    value = figures.figure(registry, ref).render()
+    assert figures.render_spans(f'it beats\n{{{{ fig("{ref}") }}}} cells', registry) == \
+        f"it beats <!-- fig:{ref} -->{value}<!-- /fig --> cells"
+    assert figures.stale_spans(f"it beats\n<!-- fig:{ref} -->{value}<!-- /fig --> cells", registry)
+    assert figures.render_spans('Runs:\n\n{{ source("headline") }}\n', registry).startswith("Runs:\n\nSource: <!-- source:")
+    try:
+        figures.render_spans(f'Runs:\n\n{{{{ fig("{ref}") }}}} cells', registry)
+    except figures.RegistryError as exc:
+        assert "begins a paragraph" in str(exc)
+    else:
+        raise AssertionError("a figure that begins a paragraph was rendered")
 
 
 # --- Wording: the pages are about today -----------------------------------------------------------
@@ -308,19 +396,22 @@ class _Page:
         self.file = type("File", (), {"src_uri": src_uri})()
 
 
-def test_the_docs_hook_renders_and_stops_the_build_on_an_unknown_name():
+def test_the_docs_hook_checks_and_stops_the_build_on_a_stale_or_unknown_figure():
     from mkdocs.exceptions import PluginError
     hook = _hook()
     hook.on_config({})
     registry = figures.load()
-    ref = next(f"{n}/{k}" for n, r in registry.items() for k in r.figures)
-    out = hook.on_page_markdown(f'x {{{{ fig("{ref}") }}}} y', _Page("x.md"), {}, None)
-    assert out == f"x {figures.figure(registry, ref).render()} y"
-    try:
-        hook.on_page_markdown('{{ fig("no-such-result/key") }}', _Page("bad.md"), {}, None)
-    except PluginError as exc:
-        assert "bad.md" in str(exc) and "no-such-result/key" in str(exc)
-    else:
-        raise AssertionError("an unknown figure name did not stop the build")
+    ref = next(f"{n}/{k}" for n, r in registry.items() for k, f in r.figures.items()
+               if figures._busy(registry, "fig", f"{n}/{k}") is None)
+    current = figures.render_spans(f"x <!-- fig:{ref} -->?<!-- /fig --> y", registry)
+    assert hook.on_page_markdown(current, _Page("x.md"), {}, None) == current
+    for bad in (f"x <!-- fig:{ref} -->9.99<!-- /fig --> y", f'x {{{{ fig("{ref}") }}}} y',
+                "<!-- fig:no-such-result/key -->1<!-- /fig -->"):
+        try:
+            hook.on_page_markdown(bad, _Page("bad.md"), {}, None)
+        except PluginError as exc:
+            assert "bad.md" in str(exc) and "--render" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} did not stop the build")
     changelog = hook.on_page_markdown("", _Page("changelog.md"), {}, None)
     assert changelog.startswith("# Changelog") and "](docs/" not in changelog

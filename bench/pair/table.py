@@ -1,6 +1,6 @@
-"""The two-family table of docs/benchmarks.md from the raw results in bench/pair/ (no measuring):
+"""The two-family table of docs/benchmarks.md from the raw results in results/pair/ (no measuring):
 
-    .venv/bin/python bench/pair/table.py > bench/pair/table.md
+    .venv/bin/python bench/pair/table.py > results/pair/table.md
 
 Per pair (netsim experiment, bench/pair/run.sh) and profile: per-token α and tokens per round of
 hybrid γ = 4, tokens/s of cloud-only, per-token, hybrid γ = 4 and adaptive γ, and draft tokens
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from netsim.experiment import summarise  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
+HERE = ROOT / "results" / "pair"   # what bench/pair/run.sh and eval.sh write
 PAIRS = [("gemma-smollm2", "Gemma 3 270M ← SmolLM2-135M Q4_0 (two tokenizers, TLI)"),
          ("gemma-self", "Gemma 3 270M ← its Q4_0 requant"),
          ("smollm2", "SmolLM2-135M ← its Q4_0 requant")]

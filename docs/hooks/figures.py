@@ -1,11 +1,12 @@
-"""MkDocs hook: every measured figure on a page is rendered from the registry (bench/results/).
+"""MkDocs hook: the site shows the figures the files carry, and stops when a file is out of date.
 
-A page names a figure instead of typing it: `{{ fig("<result>/<key>") }}` becomes the number as its
-result file formats it, `{{ table("<result>/<key>") }}` a Markdown table, and `{{ source("<result>") }}`
-the line that says which command, machine and date produced it. A name the registry does not hold
-stops the build with a message that names the page. The rendering itself lives in
-`hybridspec.figures.render`, which README.md's rendering (`python -m hybridspec.figures --readme`)
-shares.
+Every measured figure is written into the Markdown files themselves, as a marked span
+(`<!-- fig:<result>/<key> -->1.78×<!-- /fig -->`, tables and sources likewise), by
+`python -m hybridspec.figures --render` (hybridspec/figures.py), so the repository's web view and the
+site agree. This hook substitutes nothing: it checks that each page equals its rendering from the
+registry (bench/results/) and stops the build with the page's name and the command that fixes it when
+a span is stale, names a figure the registry does not hold, shows a busy wall-clock figure unmarked, or
+when a `{{ fig(...) }}` placeholder is left.
 
 The changelog page (docs/changelog.md) is the repository's CHANGELOG.md, read at build time, so the
 history has one file.
@@ -25,6 +26,7 @@ if str(ROOT) not in sys.path:          # mkdocs run from a checkout without the 
 from hybridspec import figures  # noqa: E402
 
 _registry: dict | None = None
+FIX = "run `python -m hybridspec.figures --render` (hybridspec/figures.py)"
 
 
 def on_config(config):
@@ -37,7 +39,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     if page.file.src_uri == "changelog.md":
         # Links in CHANGELOG.md point from the repository root (docs/x.md); on the site they are x.md.
         markdown = re.sub(r"\]\(docs/", "](", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"))
-    try:
-        return figures.render(markdown, _registry if _registry is not None else figures.load())
-    except figures.RegistryError as exc:
-        raise PluginError(f"{page.file.src_uri}: {exc}") from None
+    problems = figures.stale_spans(markdown, _registry if _registry is not None else figures.load())
+    if problems:
+        raise PluginError(f"{page.file.src_uri}: the file differs from the registry: {'; '.join(problems[:5])}"
+                          f"{' …' if len(problems) > 5 else ''}. {FIX}")
+    return markdown

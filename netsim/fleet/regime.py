@@ -728,7 +728,7 @@ def write_results(result: dict, name: str, command: str | None = None, load_star
           round(r.hits / r.rounds, 2), round(hit_probability(r.alpha, MEASURED_GAMMA, m.guess,
                                                              max(1, round(r.continuations))), 2)] for r in m.runs])
     return write_result(name, figures=_cell_figures(result, setup), tables=tables, command=command,
-                        load_start=load_start,
+                        load_start=load_start, clock="model",
                         note=f"a model: its figures do not depend on the machine. {setup}. {cfg['measured']}")
 
 

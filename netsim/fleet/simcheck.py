@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.result:
         setup = (f"{len(CHECK_CELLS)} cells of the regime map, {len(SIM_MODES)} modes each, at the map's points; "
                  f"SLO {cfg.slo_on} <= {cfg.slo_tpot_s * 1e3:g} ms; {args.duration:g} s simulated per point")
-        path = write_result(args.result, load_start=load, note="a model: the figures do not depend on the machine",
+        path = write_result(args.result, load_start=load, clock="model", note="a model: the figures do not depend on the machine",
                             tables={"cells": cells},
                             figures={**{f"max-error-{kind}": Figure(
                                          round(err, 4), f"largest |simulated / map - 1| of tokens/s per GPU, {kind}",

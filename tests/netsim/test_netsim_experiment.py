@@ -31,6 +31,11 @@ def test_experiment_writes_results_report_and_plots(tmp_path):
     assert by[("3g", "cloud-only", "chat")]["round_trips"] == 1
     assert by[("3g", "cloud-only", "chat")]["target_forward_passes"] == 16
     assert by[("3g", "hybrid-g4", "chat")]["target_forward_passes"] < 16
+    # ... but each of its passes computes its drafts + 1 tokens: more target tokens than passes, at
+    # most γ + 1 per pass; cloud-only computes one per token.
+    assert by[("3g", "cloud-only", "chat")]["target_tokens"] == 16
+    h = by[("3g", "hybrid-g4", "chat")]
+    assert h["target_forward_passes"] < h["target_tokens"] <= 5 * h["target_forward_passes"]
     # The proxy measured real bytes in both directions for networked modes, none for edge-only.
     assert by[("3g", "hybrid-g4", "code")]["bytes_up"] > 0 and by[("3g", "hybrid-g4", "code")]["bytes_down"] > 0
     assert by[("lan", "edge-only", "chat")]["bytes_up"] == 0
