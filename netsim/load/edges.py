@@ -23,8 +23,9 @@ from spec_core.slo import meets_slo, window_tpot
 
 class DraftCost(grpc.aio.UnaryUnaryClientInterceptor):
     """Before each unary call, sleep the drafting time the synthetic drafter owes (see EmulatedDrafter).
-    Rounds on a VerifyStream call (the edge's rounds after the first, when the verifier offers the
-    stream) do not pass a unary interceptor: their drafting cost is owed, not slept.
+    Rounds on a VerifyStream call (a request's rounds after its first, when the verifier offers the
+    stream) do not pass a unary interceptor: their drafting cost stays owed and is slept before the
+    edge's next unary call, the next request's first round.
     `take_slept()`: what was slept since it was last asked (a round's time on the wire is its call's
     time less that)."""
 

@@ -262,7 +262,9 @@ def edge_host(environment) -> EdgeHostClient:
 @events.test_start.add_listener
 def _start_edge_host(environment, **_kw) -> None:
     if not isinstance(environment.runner, MasterRunner):
-        edge_host(environment)
+        host = edge_host(environment)
+        # Another test on the same workers (the web UI's Start again): its own warm-up and edges.
+        host.counting, host.started = not environment.parsed_options.warmup > 0, 0
 
 
 @events.init.add_listener

@@ -253,7 +253,7 @@ def read_locust(prefix: Path | str, mode: str | None = None) -> dict:
     }
     record.update(_verifier_side(mode, committed, before, after, verify_rounds, duration))
     if start and end:
-        record.update(harness_cpu(sidecar, start["t"], end["t"] + 10))
+        record.update(harness_cpu(sidecar, start["t"], end["t"] + 3.5))   # + the report after the end
     else:
         record.update({"edges_cpu_cores": None, "proxy_cpu_cores": None, "harness_cpu_cores": None})
     return record
