@@ -26,10 +26,11 @@ test starts, when the window opens (`--warmup` after spawning, once every edge h
 token: events before it are not reported) and when it ends, takes each worker's CPU (its Locust
 process, its edge host, its links) from their reports, and writes them to `<--csv>_netsim.json`,
 which `netsim load --locust-csv PREFIX` reads with the CSV into `netsim load`'s report.
-`--window S` ends the run S seconds after that: each worker stops its users (within
---stop-timeout they finish their requests, else they are cut off), reports their last events and
-quits, then the master scrapes the verifier and quits (with `--run-time`, Locust's master quits
-half a second after telling the workers to, and a worker's last report can miss that).
+`--window S` ends the run S seconds after that: the master scrapes the verifier and the workers
+stop reporting at once (with --stop-timeout, instead, the users finish their requests, every round
+is reported, and the verifier is scraped after), then each worker stops its users, reports their
+last events and quits, and the master quits (with `--run-time`, Locust's master quits half a
+second after telling the workers to, and a worker's last report can miss that).
 """
 from __future__ import annotations
 
@@ -272,7 +273,11 @@ def _window_messages(environment, **_kw) -> None:
     if isinstance(environment.runner, WorkerRunner):
         def _open(environment, msg, **_kw) -> None:
             edge_host(environment).counting = True
+
+        def _close(environment, msg, **_kw) -> None:
+            edge_host(environment).counting = False
         environment.runner.register_message("netsim_open", _open)
+        environment.runner.register_message("netsim_close", _close)
 
 
 class EdgeUser(User):
@@ -466,11 +471,19 @@ def _open_window(environment, run: _Run, target: int) -> None:
 
 
 def _end_window(environment, run: _Run) -> None:
-    """End the run: every worker stops its users (within --stop-timeout: they finish their requests;
-    else their on_stop cuts them off, and every event is fired either way), sends its last report and
-    quits; then the verifier is scraped and the master quits."""
+    """End the run. Without --stop-timeout the window closes now on both sides: the verifier is
+    scraped and the workers stop reporting (what a round in flight at either end of the window adds
+    to one side it adds to the other's count at the other end). With it, the users finish their
+    requests and every round is counted on both sides: the verifier is scraped once the last worker
+    reported. Then each worker stops its users, sends its last report and quits, and so does this."""
     runner = environment.runner
     run.ending, run.t_end = True, time.monotonic()
+    if not environment.stop_timeout:
+        run.mark("end")
+        if isinstance(runner, MasterRunner):
+            runner.send_message("netsim_close")
+        else:
+            edge_host(environment).counting = False
     if isinstance(runner, MasterRunner):
         runner.send_message("quit")   # Locust's own message: a worker reports its last statistics, then quits
         deadline = run.t_end + environment.stop_timeout + 30.0

@@ -314,9 +314,12 @@ def read_locust_runs(prefixes: list[str], cfg: LoadConfig) -> dict:
     cfg.modes = sorted({r["mode"] for r in runs if r["mode"]}) or cfg.modes
     cfg.edges = sorted({r["edges"] for r in runs if r["edges"]}) or cfg.edges
     for key, field in (("synthetic", "synthetic"), ("draft_ms", "draft_ms"), ("gamma", "gamma"),
-                       ("max_tokens", "max_tokens"), ("arrival_rate", "arrival_rate"), ("server", "server")):
+                       ("max_tokens", "max_tokens"), ("arrival_rate", "arrival_rate"), ("server", "server"),
+                       ("warmup", "warmup_s"), ("slo_tpot_ms", "slo_tpot_ms"), ("slo_ttft_ms", "slo_ttft_ms")):
         if given.get(key) not in (None, ""):
             setattr(cfg, field, given[key])
+    cfg.duration_s = round(runs[0]["duration_s"], 1) if runs[0]["duration_s"] else cfg.duration_s
+    cfg.synthetic_step_ms = None   # the verifier was not started here: its pass cost is its own
     result = sweep_result(cfg, None, runs, Verifier(("", 0), None, None, []))
     result["harness"] = {"kind": "locust", "workers": max((r["workers"] or 1) for r in runs),
                          "from": [str(p) for p in prefixes]}

@@ -17,7 +17,8 @@ def _capacity_ratio(capacity: dict) -> str:
 
 def _pair(cfg: dict) -> str:
     if cfg["synthetic"]:
-        return f"synthetic pair (draft {cfg['draft_ms']} ms/token, target {cfg['synthetic_step_ms']} ms/pass)"
+        target = f"target {cfg['synthetic_step_ms']} ms/pass" if cfg.get("synthetic_step_ms") else "its verifier's pass"
+        return f"synthetic pair (draft {cfg['draft_ms']} ms/token, {target})"
     target = Path(cfg["target"]).name if cfg.get("target") else "bundled target"
     if cfg.get("drafter") == "lookup":
         return f"{target} (llama.cpp) + prompt-lookup drafts ({cfg['draft_ms']} ms/token emulated)"
