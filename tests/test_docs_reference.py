@@ -35,7 +35,7 @@ OTHER_TOOLS = {
     "--shm-size",
     # Locust (docs/many-edges.md: the load test's edges across machines)
     "--master", "--worker", "--master-host", "--headless", "--expect-workers", "--users", "--spawn-rate", "--csv",
-    "--run-time",
+    "--run-time", "--stop-timeout",
 }
 
 
