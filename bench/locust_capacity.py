@@ -11,6 +11,7 @@ synthetic verifier is given no cores of its own), and, stricter, when the harnes
 together kept >= 0.9 of the machine's cores busy (on one machine they share the cores). The
 saturation point of a harness is the most edges with no saturated run, by each criterion.
 Printed and recorded: both points and their ratio (the goal: >= 1.6 with two workers on two cores),
+the Locust runs' committed tokens over the verifier's own count (the goal: within 1 %),
 TPOT p95 of both at the largest count where neither saturated (the goal: within 10 %), and the
 harness's added time per round at --added-at users per worker: the mean round time on the wire of a
 one-worker Locust run over an in-process run of as many edges, side by side, and what reporting to
@@ -38,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 LOOP_SATURATED = 0.9      # one event loop: share of a core
 MACHINE_SATURATED = 0.9   # harness + verifier: share of the machine's cores
 COLUMNS = ["harness", "edges", "repeat", "tok/s", "TPOT p95 ms", "round ms", "busiest loop cores", "harness cores",
-           "verifier cores", "flagged", "machine saturated"]
-FMT = {"tok/s": "{:,.0f}", "TPOT p95 ms": "{:.1f}", "round ms": "{:.2f}", "busiest loop cores": "{:.2f}",
+           "verifier cores", "flagged", "machine saturated", "tokens / verifier's"]
+FMT = {"tokens / verifier's": "{:.3f}", "tok/s": "{:,.0f}", "TPOT p95 ms": "{:.1f}", "round ms": "{:.2f}", "busiest loop cores": "{:.2f}",
        "harness cores": "{:.2f}", "verifier cores": "{:.2f}"}
 
 
@@ -82,7 +83,8 @@ def _row(label: str, run: dict, repeat: int, cores: int) -> list:
     return [label, run["edges"], repeat, run["committed_tokens_per_s"], ms(run["tpot_p95_s"]),
             ms(run.get("round_trip_mean_s")), run.get("edges_cpu_cores"), run.get("harness_cpu_cores"),
             run.get("verifier_cpu_cores"), "yes" if flagged(run, cores) else "no",
-            "yes" if machine_saturated(run, cores) else "no"]
+            "yes" if machine_saturated(run, cores) else "no",
+            run["committed_tokens"] / run["verifier_committed_tokens"] if run.get("verifier_committed_tokens") else None]
 
 
 def _most_unsaturated(runs: list[dict], cores: int, saturated=flagged) -> int:
@@ -178,6 +180,13 @@ async def main_async(args) -> int:
                                                f"mean round time on the wire, one Locust worker over one process, "
                                                f"{args.added_at} edges each (median over repeats; spread "
                                                f"{min(diffs):.2f}..{max(diffs):.2f} ms)", setup, "ms", "{:+.2f} ms")
+    counted = [r["committed_tokens"] / r["verifier_committed_tokens"] for r in runs[locust_label] + runs["locust x1"]
+               if r.get("verifier_committed_tokens")]
+    if counted:
+        worst = max(counted, key=lambda x: abs(x - 1))
+        figures["tokens-over-verifiers"] = Figure(round(worst, 4), "committed tokens in Locust's merged statistics "
+                                                  "over the verifier's own counter, the run furthest from 1", setup,
+                                                  "x", "{:.3f}×")
     reporting = [r["report_us_per_round"] for r in runs["locust x1"] if r.get("report_us_per_round")]
     if reporting:
         figures["report-us-per-round"] = Figure(round(statistics.median(reporting), 1),
@@ -200,7 +209,7 @@ def main() -> int:
     ap.add_argument("--added-at", type=int, default=200, help="users per worker for the added-time comparison")
     ap.add_argument("--profile", default="lan")
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
-    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--warmup", type=float, default=5.0, help="seconds from spawning to the window (and every edge has committed)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--step-ms", type=float, default=20.0, help="the synthetic verifier's pass (flat)")
     ap.add_argument("--draft-ms", type=float, default=2.0)
