@@ -17,13 +17,14 @@ Commands (stdin), after a first line holding the LoadConfig fields, the mode and
     ["close", edge]                      cut its request off (if one runs) and close its channel
 Events (stdout):
     ["opened", edge, error]              error None, or why the device could not start
-    ["round", edge, ms, tokens]          a committed round: its time on the wire and tokens
-    ["ttft", edge, ms, tokens]           a request's first commit
-    ["done", edge, tpot_ms, tokens, met, code, message, cut]
+    ["round", edge, ms, tokens, t]       a committed round: its time on the wire and tokens
+    ["ttft", edge, ms, tokens, t]        a request's first commit
+    ["done", edge, tpot_ms, tokens, met, code, message, cut, t]
                                          a request ended: TPOT (None with fewer than two commits),
                                          tokens committed, its SLO verdict (None: nothing to judge),
                                          the gRPC status name and message when it failed, whether
                                          it was cut off by a close
+                                         (t: when, time.time(): the master's window is in wall time)
     ["closed", edge]                     every event of the edge is out
     ["meter", -1, seconds, rounds]       every second: this loop's seconds spent reporting so far, and
                                          the rounds reported (what the harness costs the edges' loop)
@@ -86,7 +87,8 @@ class EdgeHost:
     def request(self, index: int, number: int, arrival: float) -> None:
         device = self.devices.get(index)
         if device is None:   # its user asks only once it opened: a worker out of step
-            self.emit(["done", index, None, 0, None, "FAILED_PRECONDITION", f"edge {index} is not open", False])
+            self.emit(["done", index, None, 0, None, "FAILED_PRECONDITION", f"edge {index} is not open", False,
+                       time.time()])
             return
         device.running = asyncio.create_task(self._request(index, device, number, arrival))
 
@@ -100,9 +102,9 @@ class EdgeHost:
         def on_round(seconds: float, committed: int) -> None:
             nonlocal tokens
             if tokens == 0 and committed:
-                self.emit(["ttft", index, 1e3 * (loop.time() - arrival), committed])
+                self.emit(["ttft", index, 1e3 * (loop.time() - arrival), committed, time.time()])
             tokens += committed
-            self.emit(["round", index, 1e3 * seconds, committed])
+            self.emit(["round", index, 1e3 * seconds, committed, time.time()])
         code = message = None
         try:
             await device.edge.request(request, number, on_round=on_round)
@@ -118,7 +120,8 @@ class EdgeHost:
                 message = str(getattr(exc, "details", lambda: None)() or exc)
         tpot = request.tpot_s(-float("inf"), float("inf"))
         met = meets_slo(tpot, request.ttft_s(), cfg.slo_tpot_ms / 1e3, cfg.slo_ttft_ms / 1e3)
-        self.emit(["done", index, None if tpot is None else 1e3 * tpot, tokens, met, code, message, device.cut])
+        self.emit(["done", index, None if tpot is None else 1e3 * tpot, tokens, met, code, message, device.cut,
+                   time.time()])
 
     async def close(self, index: int) -> None:
         if index in self.opening:   # a user stopped while its edge was starting

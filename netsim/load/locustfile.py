@@ -26,16 +26,19 @@ test starts, when the window opens (`--warmup` after spawning, once every edge h
 token: events before it are not reported) and when it ends, takes each worker's CPU (its Locust
 process, its edge host, its links) from their reports, and writes them to `<--csv>_netsim.json`,
 which `netsim load --locust-csv PREFIX` reads with the CSV into `netsim load`'s report.
-`--window S` ends the run S seconds after that: the master scrapes the verifier and the workers
-stop reporting at once (with --stop-timeout, instead, the users finish their requests, every round
-is reported, and the verifier is scraped after), then each worker stops its users, reports their
-last events and quits, and the master quits (with `--run-time`, Locust's master quits half a
+`--window S` ends the run S seconds after that: the window closes at one instant on both sides
+(the master announces it half a second ahead, scrapes the verifier then, and the workers count the
+events their edge hosts stamped before it; machines' clocks must agree, as NTP keeps them; with
+--stop-timeout, instead, the users finish their requests, every round is reported, and the
+verifier is scraped after), then each worker stops its users, reports their last events and
+quits, and the master quits (with `--run-time`, Locust's master quits half a
 second after telling the workers to, and a worker's last report can miss that).
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -143,7 +146,9 @@ class EdgeHostClient:
         self.warned: set[str] = set()
         self.started = 0                          # edges that have committed a token
         self.meter = (0.0, 0)                     # the edge host's seconds spent reporting, rounds reported
-        self.counting = not options.warmup > 0    # events count once the master opened the window
+        # Events count inside the master's window, by when the edge host saw them (wall time): no
+        # lag of this process's or a message's moves the window's edges.
+        self.window = (-math.inf if not options.warmup > 0 else math.inf, math.inf)
         self.reader = gevent.spawn(self._read)
 
     def _send(self, command) -> None:
@@ -200,8 +205,8 @@ class EdgeHostClient:
 
     # --- events ------------------------------------------------------------------------------
 
-    def _fire(self, kind: str, profile: str, ms, length: int, exception=None) -> None:
-        if not self.counting:
+    def _fire(self, kind: str, profile: str, ms, length: int, when: float, exception=None) -> None:
+        if not self.window[0] <= when < self.window[1]:
             return
         fire = self.environment.events.request.fire
         fire(request_type=kind, name=profile, response_time=ms, response_length=length, exception=exception,
@@ -221,23 +226,23 @@ class EdgeHostClient:
             if pending is None:
                 continue
             if kind == "round":
-                self._fire("round", pending.profile, event[2], event[3])
+                self._fire("round", pending.profile, event[2], event[3], event[4])
             elif kind == "ttft":
                 if not pending.started:
                     pending.started = True
                     self.started += 1
-                self._fire("ttft", pending.profile, event[2], event[3])
+                self._fire("ttft", pending.profile, event[2], event[3], event[4])
             elif kind == "done":
-                _, _, tpot_ms, tokens, met, code, message, cut = event
+                _, _, tpot_ms, tokens, met, code, message, cut, when = event
                 if code is not None:
                     if code not in self.warned:
                         self.warned.add(code)
                         log.warning("a request failed with %s: %s", code, message)
-                    self._fire("request", pending.profile, None, tokens, GrpcStatus(code))
+                    self._fire("request", pending.profile, None, tokens, when, GrpcStatus(code))
                 else:
-                    self._fire("request", pending.profile, tpot_ms, tokens)
+                    self._fire("request", pending.profile, tpot_ms, tokens, when)
                     if met:
-                        self._fire("goodput", pending.profile, tpot_ms, tokens)
+                        self._fire("goodput", pending.profile, tpot_ms, tokens, when)
                 if not pending.closing:
                     pending.result.set(code)
             elif kind == "opened" and not pending.closing:
@@ -265,17 +270,20 @@ def _start_edge_host(environment, **_kw) -> None:
     if not isinstance(environment.runner, MasterRunner):
         host = edge_host(environment)
         # Another test on the same workers (the web UI's Start again): its own warm-up and edges.
-        host.counting, host.started = not environment.parsed_options.warmup > 0, 0
+        host.window = (-math.inf if not environment.parsed_options.warmup > 0 else math.inf, math.inf)
+        host.started = 0
 
 
 @events.init.add_listener
 def _window_messages(environment, **_kw) -> None:
     if isinstance(environment.runner, WorkerRunner):
         def _open(environment, msg, **_kw) -> None:
-            edge_host(environment).counting = True
+            host = edge_host(environment)
+            host.window = (msg.data["t"], host.window[1])
 
         def _close(environment, msg, **_kw) -> None:
-            edge_host(environment).counting = False
+            host = edge_host(environment)
+            host.window = (host.window[0], msg.data["t"])
         environment.runner.register_message("netsim_open", _open)
         environment.runner.register_message("netsim_close", _close)
 
@@ -446,8 +454,7 @@ def _started(environment, run: _Run, target: int) -> tuple[int, int]:
 
 def _open_window(environment, run: _Run, target: int) -> None:
     """After --warmup, once every edge has committed (at most two minutes more): with a warm-up,
-    open the window (scrape the verifier, tell the workers to report from now on); end the run
-    --window seconds later."""
+    open the window (`_at`); end the run --window seconds later."""
     options = environment.parsed_options
     gevent.sleep(options.warmup)
     deadline = time.monotonic() + 120.0
@@ -461,29 +468,37 @@ def _open_window(environment, run: _Run, target: int) -> None:
     run.mark("all_started")
     run.write()   # written again at the end; meanwhile it says the run is under way
     if options.warmup > 0:
-        run.mark("window_start")
-        if isinstance(environment.runner, MasterRunner):
-            environment.runner.send_message("netsim_open")
-        else:
-            edge_host(environment).counting = True
-    if options.window > 0:
-        gevent.spawn_later(options.window, _end_window, environment, run)
+        _at(environment, "netsim_open", run, "window_start")
+    if options.window > 0:   # the close is announced WINDOW_LEAD_S ahead too
+        gevent.spawn_later(max(0.0, options.window - WINDOW_LEAD_S), _end_window, environment, run)
+
+
+WINDOW_LEAD_S = 0.5   # a window's edge is announced this long before it, for the message to reach every worker
+
+
+def _at(environment, message: str, run: _Run, mark: str) -> None:
+    """Open or close the window at a wall time a little ahead: tell the workers (they count the events
+    their edge hosts stamped on the right side of it), then scrape the verifier at that time."""
+    at = time.time() + WINDOW_LEAD_S
+    if isinstance(environment.runner, MasterRunner):
+        environment.runner.send_message(message, {"t": at})
+    else:
+        host = edge_host(environment)
+        host.window = (at, host.window[1]) if message == "netsim_open" else (host.window[0], at)
+    gevent.sleep(max(0.0, at - time.time()))
+    run.mark(mark)
 
 
 def _end_window(environment, run: _Run) -> None:
-    """End the run. Without --stop-timeout the window closes now on both sides: the verifier is
-    scraped and the workers stop reporting (what a round in flight at either end of the window adds
-    to one side it adds to the other's count at the other end). With it, the users finish their
-    requests and every round is counted on both sides: the verifier is scraped once the last worker
-    reported. Then each worker stops its users, sends its last report and quits, and so does this."""
+    """End the run. Without --stop-timeout the window closes at one instant on both sides (`_at`):
+    a round in flight at either end of the window counts on one side at one end and on the other
+    side at the other. With it, the users finish their requests and every round is counted on both
+    sides: the verifier is scraped once the last worker reported. Then each worker stops its users,
+    sends its last report and quits, and so does this."""
     runner = environment.runner
     run.ending, run.t_end = True, time.monotonic()
     if not environment.stop_timeout:
-        run.mark("end")
-        if isinstance(runner, MasterRunner):
-            runner.send_message("netsim_close")
-        else:
-            edge_host(environment).counting = False
+        _at(environment, "netsim_close", run, "end")
     if isinstance(runner, MasterRunner):
         runner.send_message("quit")   # Locust's own message: a worker reports its last statistics, then quits
         deadline = run.t_end + environment.stop_timeout + 30.0
