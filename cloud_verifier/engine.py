@@ -236,6 +236,7 @@ class VerifierEngine:
         session.round = round_
         now = time.perf_counter()
         self.commits.observe(now, len(done.tokens))
+        metrics.COMMITTED_TOKENS.inc(len(done.tokens))
         if session.first_token_at is None and done.tokens:
             session.first_token_at = (now, len(session.tokens))
         if run.chain:  # a tree round's acceptance is not geometric: α is the chains'
@@ -355,6 +356,7 @@ class VerifierEngine:
                                    "retry shortly", retry_after_s=1.0) from None
             now = time.perf_counter()
             self.commits.observe(now, 1)
+            metrics.COMMITTED_TOKENS.inc()
             first_token_at = first_token_at or (now, generated + 1)
             # A round without drafts: the hybrid path's stop, length and context cuts, one token at a time.
             done = commit_round((), RoundResult(0, step.token), stop, remaining=settings.max_new_tokens - generated,

@@ -13,6 +13,8 @@ ACCEPTED_TOKENS = Counter("hybridspec_accepted_tokens", "Draft tokens accepted")
 PIPELINE_DISCARDS = Counter("hybridspec_pipeline_discards", "Pipelined rounds not verified: their base was not committed")
 PIPELINE_FUSED = Counter("hybridspec_pipeline_fused", "Pipelined rounds verified in their predecessor's pass "
                          "(they were waiting when it started)")
+COMMITTED_TOKENS = Counter("hybridspec_committed_tokens", "Tokens committed: kept drafts plus the corrected or bonus "
+                           "token of each Verify round, and each token a Generate stream produced")
 RETRIES = Counter("hybridspec_verify_retries", "Repeated rounds answered from the reply cache")
 ERRORS = Counter("hybridspec_request_errors", "Requests refused, by gRPC status code", ["code"])
 SESSIONS = Gauge("hybridspec_sessions", "Sessions held")

@@ -225,6 +225,8 @@ def _run_load(args: argparse.Namespace) -> int:
     for name in profiles:
         get_profile(name)
     models = _models(args)
+    if args.workers is not None and not args.locust:
+        raise SystemExit("netsim load: --workers needs --locust (the in-process run has one event loop)")
     cfg = LoadConfig(edges=[int(n) for n in _csv(args.edges)], profiles=profiles, modes=modes,
                      duration_s=args.duration, out=Path(args.out), synthetic=args.synthetic, server=args.server,
                      metrics_url=args.metrics_url, verifier_args=args.verifier_arg, gamma=args.gamma,
@@ -232,6 +234,19 @@ def _run_load(args: argparse.Namespace) -> int:
                      draft_ms=args.draft_ms, synthetic_step_ms=args.synthetic_step_ms, target=models.target,
                      draft=models.draft, pair=models.pair, drafter=args.drafter, warmup_s=args.warmup,
                      slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms)
+    if args.locust_csv:
+        from .load.locustrun import read_locust_runs
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        paths = write_all(read_locust_runs(args.locust_csv, cfg), cfg.out)
+        print(paths["report"].read_text())
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return 0
+    if args.locust:
+        import os
+
+        from .load.locustrun import run_locust_load
+        workers = args.workers or os.cpu_count() or 1
+        return _run_and_report(lambda c, p: run_locust_load(c, workers, p), write_all, cfg, label_width=40)
     return _run_and_report(run_load, write_all, cfg, label_width=32)
 
 
@@ -273,6 +288,14 @@ def _add_load_command(subparsers) -> None:
                              "edges whose p95 is (default 150)")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0,
                         help="SLO on time to first token, for requests that arrive in the window (default 2000)")
+    parser.add_argument("--locust", action="store_true",
+                        help="run the edges as Locust users (netsim/load/locustfile.py) on a master and --workers "
+                             "local worker processes; the merged statistics make the same report")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="with --locust: worker processes on this machine (default: one per core)")
+    parser.add_argument("--locust-csv", action="append", default=[], metavar="PREFIX",
+                        help="make the report from Locust runs already made (each run's --csv PREFIX, with the "
+                             "locustfile's PREFIX_netsim.json beside it; repeatable): no run is started")
     parser.add_argument("--out", default="results/load", help="output folder (load.json, load.md, plots)")
     parser.set_defaults(run=_run_load)
 

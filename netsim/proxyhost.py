@@ -3,11 +3,13 @@
 The load generator runs dozens of edges in one process; were the proxies in that process too,
 every link's timing would wait on the edges' work (the GIL, a busy event loop) and a loaded
 edge would slow the network. `ProxyHost` starts `python -m netsim.proxyhost`, hands it the
-links as JSON on stdin, and reads back one line with their ports; closing stdin stops every
-proxy (delivering what is in flight) and the process answers one last line with their stats.
+links as JSON on stdin, and reads back one line with their ports; `add` hands it more links the
+same way (edges that join a running load test: Locust users); closing stdin stops every proxy
+(delivering what is in flight) and the process answers one last line with their stats.
 
     with ProxyHost([LinkSpec(profile, ("127.0.0.1", 50051), seed=i) for i, profile in ...]) as host:
         host.ports   # one listening port per spec, in order
+        host.add([LinkSpec(...)])   # -> their ports (host.ports grows by as many)
 """
 from __future__ import annotations
 
@@ -52,6 +54,17 @@ class ProxyHost:
             self.process.stdout.close()
             raise
 
+    def add(self, specs: list[LinkSpec]) -> list[int]:
+        """Start one more proxy per spec; returns their ports (blocking: a line each way)."""
+        self.process.stdin.write(json.dumps([spec.to_dict() for spec in specs]) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError("netsim.proxyhost exited (see its stderr)")
+        ports = json.loads(line)["ports"]
+        self.ports.extend(ports)
+        return ports
+
     def stop(self, timeout_s: float = 30.0) -> list[dict]:
         """Stop every proxy; returns each one's ProxyStats as a dict."""
         if self.stats is None:
@@ -75,15 +88,21 @@ class ProxyHost:
 
 
 async def serve(specs: list[dict]) -> None:
-    proxies = [LinkProxy(upstream=tuple(spec["upstream"]), profile=Profile.from_dict(spec["profile"]),
-                         seed=int(spec.get("seed", 0))) for spec in specs]
-    for proxy in proxies:
-        await proxy.start()
+    proxies: list[LinkProxy] = []
+    loop = asyncio.get_running_loop()
     try:
-        sys.stdout.write(json.dumps({"ports": [proxy.port for proxy in proxies]}) + "\n")
-        sys.stdout.flush()
-        # Run until the parent closes our stdin (or dies).
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        # Each line of specs starts their proxies and is answered with their ports; the parent
+        # closing our stdin (or dying) ends the run.
+        while specs is not None:
+            added = [LinkProxy(upstream=tuple(spec["upstream"]), profile=Profile.from_dict(spec["profile"]),
+                               seed=int(spec.get("seed", 0))) for spec in specs]
+            for proxy in added:
+                await proxy.start()
+                proxies.append(proxy)
+            sys.stdout.write(json.dumps({"ports": [proxy.port for proxy in added]}) + "\n")
+            sys.stdout.flush()
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            specs = json.loads(line) if line.strip() else None
     finally:
         for proxy in proxies:
             await proxy.stop()

@@ -54,7 +54,7 @@ seed dev.txt
 compile dev.txt pyproject.toml --extra dev --no-emit-package llama-cpp-python
 # One lock per extra, for a device or a server that needs only that part. Constrained by dev.txt
 # so that every lock holds the versions the test suite ran with.
-for extra in edge verifier serve netsim draft docs; do
+for extra in edge verifier serve netsim locust draft docs; do
   seed "$extra.txt"
   compile "$extra.txt" pyproject.toml --extra "$extra" -c "$OUT/dev.txt" --no-emit-package llama-cpp-python
 done

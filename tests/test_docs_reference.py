@@ -33,6 +33,9 @@ OTHER_TOOLS = {
     "--index-url",
     "--no-index", "--find-links", "--python", "--universal", "--help", "--version", "--target", "--json",
     "--shm-size",
+    # Locust (docs/many-edges.md: the load test's edges across machines)
+    "--master", "--worker", "--master-host", "--headless", "--expect-workers", "--users", "--spawn-rate", "--csv",
+    "--run-time", "--stop-timeout",
 }
 
 

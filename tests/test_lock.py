@@ -21,7 +21,7 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[1]
 LOCKS = ROOT / "requirements"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-EXTRAS_LOCKED = ["edge", "verifier", "serve", "netsim", "draft", "docs", "models", "dev"]
+EXTRAS_LOCKED = ["edge", "verifier", "serve", "netsim", "locust", "draft", "docs", "models", "dev"]
 BUILT_HERE = "llama-cpp-python"  # compiled for the CPU by scripts/llama_build.py: outside the dependency locks
 
 

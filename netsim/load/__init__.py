@@ -32,7 +32,11 @@ cloud-only = the verifier's Generate stream):
 
 Modules, one job each: config (LoadConfig), metering (the verifier's metrics, processes' CPU and
 RSS), edges (the emulated edges and their requests), runs (one run and the sweep), verdicts (goodput
-and capacity at an SLO), report (markdown, plots, files).
+and capacity at an SLO), report (markdown, plots, files). The same edges as Locust users
+(`netsim load --locust`, docs/many-edges.md): locustfile (the users; Locust imports it, nothing
+else may: importing Locust patches the process for gevent), edgehost (a worker's edges on one
+asyncio loop in a process of their own), locustrun (the master and workers of a run, and their
+files read back into a run's record).
 """
 from netsim.load.config import MODES, SYNTHETIC_VOCAB, LoadConfig
 from netsim.load.edges import DraftCost, Edges, EmulatedDrafter, Request, Window, run_edge

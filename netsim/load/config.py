@@ -6,6 +6,7 @@ from pathlib import Path
 
 MODES = ("hybrid", "adaptive", "cloud-only", "auto")   # auto: the default edge (the planner picks each round)
 SYNTHETIC_VOCAB = 64
+ALL_LINKS = "all links"   # Locust runs: the name of a request type over every link profile of a mixed run
 
 
 @dataclass

@@ -1,11 +1,17 @@
 """The emulated edges: per-edge drafters (with the synthetic drafting cost owed to an
-interceptor), prompts, requests and the measured window, and one edge's run of requests."""
+interceptor), prompts, requests and the measured window, one device (`Edge`: its channel through
+its own link and its requests, one at a time) and one edge's run of requests (`run_edge`).
+
+`Edge` is the one implementation of a device: `netsim load` runs every edge's `run_edge` on its
+event loop, and a Locust worker's edge host (netsim.load.edgehost) runs the same `Edge` for each
+Locust user, one request per Locust task."""
 from __future__ import annotations
 
 import asyncio
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -16,16 +22,27 @@ from spec_core.slo import meets_slo, window_tpot
 
 
 class DraftCost(grpc.aio.UnaryUnaryClientInterceptor):
-    """Before each Verify call, sleep the drafting time the synthetic drafter owes (see EmulatedDrafter)."""
+    """Before each unary call, sleep the drafting time the synthetic drafter owes (see EmulatedDrafter).
+    Rounds on a VerifyStream call (a request's rounds after its first, when the verifier offers the
+    stream) do not pass a unary interceptor: their drafting cost stays owed and is slept before the
+    edge's next unary call, the next request's first round.
+    `take_slept()`: what was slept since it was last asked (a round's time on the wire is its call's
+    time less that)."""
 
     def __init__(self) -> None:
         self.owed_s = 0.0
+        self.slept_s = 0.0
 
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        if self.owed_s > 0:
-            owed_s, self.owed_s = self.owed_s, 0.0
+        owed_s, self.owed_s = self.owed_s, 0.0
+        self.slept_s += owed_s
+        if owed_s > 0:
             await asyncio.sleep(owed_s)
         return await continuation(client_call_details, request)
+
+    def take_slept(self) -> float:
+        slept_s, self.slept_s = self.slept_s, 0.0
+        return slept_s
 
 
 class EmulatedDrafter(Drafter):
@@ -182,36 +199,93 @@ class Window:
                 self.all_started.set()
 
 
+class Arrivals:
+    """A device's requests: back to back (`rate` 0: each arrives as the last one ends), or a Poisson
+    process of `rate` requests/s queued on the device while it is busy (their TTFT counts the wait)."""
+
+    def __init__(self, rate: float, rng: np.random.Generator, start_s: float) -> None:
+        self.rate, self.rng, self.next_s = rate, rng, start_s
+
+    def next(self, now_s: float) -> float:
+        """The next request's arrival time (on the clock `now_s` reads)."""
+        if self.rate <= 0:
+            return now_s
+        self.next_s += self.rng.exponential(1.0 / self.rate)
+        return self.next_s
+
+
+RoundObserver = Callable[[float, int], None]   # (seconds the round took on the wire, tokens it committed)
+
+
+class Edge:
+    """One device: its drafter, its own gRPC channel through its own link (`port` on this machine:
+    the link's proxy), and requests run one at a time by `request`."""
+
+    def __init__(self, edges: Edges, mode: str, index: int, port: int, cost: DraftCost, drafter) -> None:
+        self.edges, self.mode, self.index, self.port, self.cost, self.drafter = edges, mode, index, port, cost, drafter
+        self.channel = self.stub = None
+
+    async def __aenter__(self) -> Edge:
+        from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}", interceptors=[self.cost])
+        self.stub = pb_grpc.VerifierStub(self.channel)
+        try:
+            await self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=60)   # connect before the clock starts
+        except BaseException:
+            await self.channel.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.channel.close()
+
+    async def request(self, request: Request, number: int, window: Window | None = None,
+                      on_round: RoundObserver | None = None) -> None:
+        """Run request `number` (its prompt and seed are the edge's `number`-th), recording its commits
+        in `request`; raises EdgeError or grpc.aio.AioRpcError when it fails. Cancelled (the end of a
+        run), the generation closes its session first."""
+        from edge_client.client import EdgeClient, sampling_proto
+        from spec_core.proto import verifier_pb2 as pb
+        edges = self.edges
+        await _one_request(self.mode, self.stub, self.channel, self.drafter, edges, edges.prompt(self.index, number),
+                           edges.settings_for(self.index, number), request, window, EdgeClient, sampling_proto, pb,
+                           on_round=on_round, cost=self.cost)
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The gRPC status name of a failed request (EdgeError or AioRpcError); None for anything else."""
+    from edge_client.client import EdgeError
+    if isinstance(exc, EdgeError):
+        return exc.code.name
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code().name
+    return None
+
+
 async def run_edge(edges: Edges, mode: str, edge: int, port: int, window: Window, requests: list[Request],
-                   errors: dict[str, int], rng: np.random.Generator, cost: DraftCost, drafter) -> None:
-    """One device: its own channel through its own link; requests until the window ends."""
-    from edge_client.client import EdgeClient, EdgeError, sampling_proto
-    from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
+                   errors: dict[str, int], rng: np.random.Generator, cost: DraftCost, drafter,
+                   round_trips: list[tuple[float, float]] | None = None) -> None:
+    """One device: its own channel through its own link; requests until the window ends.
+    `round_trips` gets (when, seconds on the wire) for each committed round."""
     cfg = edges.cfg
     loop = asyncio.get_running_loop()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=[cost]) as channel:
-        stub = pb_grpc.VerifierStub(channel)
-        await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=60)   # connect before the clock starts
-        next_arrival = loop.time()
+    on_round = None if round_trips is None else lambda seconds, _: round_trips.append((loop.time(), seconds))
+    async with Edge(edges, mode, edge, port, cost, drafter) as device:
+        arrivals = Arrivals(cfg.arrival_rate, rng, loop.time())
         number = 0
         stop = asyncio.create_task(window.stop.wait())
         while not window.stop.is_set():
+            arrival = arrivals.next(loop.time())
             if cfg.arrival_rate > 0:
-                next_arrival += rng.exponential(1.0 / cfg.arrival_rate)
-                if next_arrival >= window.end_s:
+                if arrival >= window.end_s:
                     break
-                await asyncio.wait([stop], timeout=max(0.0, next_arrival - loop.time()))
+                await asyncio.wait([stop], timeout=max(0.0, arrival - loop.time()))
                 if window.stop.is_set():
                     break
-                arrival = next_arrival
-            else:
-                arrival = loop.time()
             request = Request(edge, arrival, start_s=loop.time())
             requests.append(request)
-            prompt, settings = edges.prompt(edge, number), edges.settings_for(edge, number)
+            running = asyncio.create_task(device.request(request, number, window, on_round))
             number += 1
-            running = asyncio.create_task(_one_request(mode, stub, channel, drafter, edges, prompt, settings,
-                                                       request, window, EdgeClient, sampling_proto, pb))
             await asyncio.wait([running, stop], return_when=asyncio.FIRST_COMPLETED)
             if not running.done():
                 running.cancel()   # cut off at the end of the run
@@ -220,35 +294,47 @@ async def run_edge(edges: Edges, mode: str, edge: int, port: int, window: Window
             try:
                 running.result()
                 request.done = True
-            except EdgeError as exc:
-                errors[exc.code.name] = errors.get(exc.code.name, 0) + 1
-                await asyncio.sleep(0.1)
-            except grpc.aio.AioRpcError as exc:
-                errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
+            except Exception as exc:
+                code = error_code(exc)
+                if code is None:
+                    raise
+                errors[code] = errors.get(code, 0) + 1
                 await asyncio.sleep(0.1)
         stop.cancel()
 
 
 async def _one_request(mode, stub, channel, drafter, edges, prompt, settings, request, window, EdgeClient,
-                       sampling_proto, pb):
+                       sampling_proto, pb, on_round: RoundObserver | None = None, cost: DraftCost | None = None):
+    """One request of `mode` on an open channel, its commits recorded in `request` (and `window`, when
+    given, told the edge committed); `on_round` is told each round's time on the wire and tokens (a
+    Verify round: its call's time less the drafting `cost` slept in it; cloud-only: each streamed
+    step, from the request's start or the step before)."""
     loop = asyncio.get_running_loop()
 
     def committed(tokens: int) -> None:
         request.token_times.append((loop.time(), tokens))
-        window.committed(request.edge)
+        if window is not None:
+            window.committed(request.edge)
     if mode == "cloud-only":
-        count = 0
+        count, last = 0, loop.time()
         async for chunk in stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling_proto(settings)),
                                          timeout=600):
             count += len(chunk.token_ids)
             committed(count)
+            if on_round is not None:
+                now = loop.time()
+                on_round(now - last, len(chunk.token_ids))
+                last = now
         return
     gamma = "adaptive" if mode == "adaptive" else edges.cfg.gamma
     from edge_client.options import EdgeOptions, Speculation, Transport
     # auto is the default edge (the planner); hybrid and adaptive pin a plain chain
     shape = {} if mode == "auto" else {"gamma": gamma, "plan": "off"}
     options = EdgeOptions(Transport("", deadline_s=120), Speculation(qmode=edges.cfg.qmode, **shape))
-    async with EdgeClient(options, drafter, edges.tokenizer, channel=channel) as client:
+    def round_done(event) -> None:
+        on_round(max(0.0, event.rpc_s - (cost.take_slept() if cost is not None else 0.0)), event.tokens)
+    async with EdgeClient(options, drafter, edges.tokenizer, channel=channel,
+                          on_round=round_done if on_round is not None else None) as client:
         generation = client.generate(prompt, settings)
         try:
             async for _ in generation:

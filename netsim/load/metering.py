@@ -45,6 +45,15 @@ def metric_delta(before: dict, after: dict, name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
+COMMITTED = "hybridspec_committed_tokens_total"
+
+
+def verifier_committed(before: dict, after: dict) -> float | None:
+    """Tokens the verifier committed between two scrapes (its own counter: Verify rounds and Generate
+    streams); None when it does not export the counter (or nothing was scraped)."""
+    return metric_delta(before, after, COMMITTED) if COMMITTED in after else None
+
+
 def histogram_delta(before: dict, after: dict, name: str) -> dict | None:
     """Count, sum and per-bucket counts of a histogram over the run; None if the verifier has none."""
     if f"{name}_count" not in after:

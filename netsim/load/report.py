@@ -17,7 +17,8 @@ def _capacity_ratio(capacity: dict) -> str:
 
 def _pair(cfg: dict) -> str:
     if cfg["synthetic"]:
-        return f"synthetic pair (draft {cfg['draft_ms']} ms/token, target {cfg['synthetic_step_ms']} ms/pass)"
+        target = f"target {cfg['synthetic_step_ms']} ms/pass" if cfg.get("synthetic_step_ms") else "its verifier's pass"
+        return f"synthetic pair (draft {cfg['draft_ms']} ms/token, {target})"
     target = Path(cfg["target"]).name if cfg.get("target") else "bundled target"
     if cfg.get("drafter") == "lookup":
         return f"{target} (llama.cpp) + prompt-lookup drafts ({cfg['draft_ms']} ms/token emulated)"
@@ -48,6 +49,13 @@ def markdown(result: dict) -> str:
              f"{'; verifier threads ' + str(result['verifier_threads']) if result.get('verifier_threads') else ''}.",
              "", f"Machine: {machine_summary(result['machine']) if 'cpu_model' in result.get('machine', {}) else 'not recorded'}.",
              ""]
+    harness = result.get("harness")
+    if harness and harness.get("kind") == "locust":
+        lines += [f"Edges as Locust users on {harness['workers']} worker process(es) (each: its edges on one event loop, "
+                  "its links in a process of their own); Locust's merged statistics, the verifier's counters scraped "
+                  "when the window opened and closed. Committed tokens, the edges' count against the verifier's: "
+                  + ", ".join(f"{r['edges']}/{r['mode']}: {r['committed_tokens']}/{_f(r.get('verifier_committed_tokens'), 1, 0)}"
+                              for r in result["runs"]), ""]
     flagged = [r for r in result["runs"] if r.get("not_representative")]
     if flagged:
         lines += ["**Not representative** (the harness saturated this machine's CPU; the verifier's figures "
@@ -69,21 +77,32 @@ def markdown(result: dict) -> str:
                      f"| {_f(r.get('goodput_tokens_per_s'))} | {_f(r.get('slo_met_share'), 100, 0)}% | {_f(r['tpot_p50_s'], 1e3)} "
                      f"| {_f(r['tpot_p95_s'], 1e3)} | {_f(r['tpot_p99_s'], 1e3)} | {_f(r['ttft_p50_s'], 1e3, 0)} "
                      f"| {_f(r['ttft_p99_s'], 1e3, 0)} | {_f(r['target_forward_passes_per_committed_token'], 1, 3)} "
-                     f"| {_f(r['target_tokens_per_committed_token'], 1, 2)} | {errors} | {r['session_replays']} "
+                     f"| {_f(r['target_tokens_per_committed_token'], 1, 2)} | {errors} | {_f(r.get('session_replays'), 1, 0)} "
                      f"| {_f(r['verifier_cpu_cores'], 1, 2)} | {_f(r['verifier_peak_rss_mb'], 1, 0)} |")
     sources = sorted({r["target_cost_source"] for r in result["runs"]})
     lines += ["", "Goodput: tokens/s committed inside the window by requests that met the SLO (each judged on its "
                   "TPOT inside the window and, if it arrived inside it, its TTFT); 'met SLO' is the share of requests judged.",
               f"Target cost: {'; '.join(sources)}. TPOT is per request over its commits inside the window: "
                   "(last commit − first commit) / tokens between them; TTFT counts from the request's arrival. Verifier CPU is in cores busy.",
-              "CPU of the harness (cores busy; edges: this process, every edge's client and drafting; proxies: every "
-              "link): " + ", ".join(f"{r['edges']}/{r['mode']}: {_f(r.get('edges_cpu_cores'), 1, 2)}/"
-                                    f"{_f(r.get('proxy_cpu_cores'), 1, 2)}" for r in result["runs"]),
+              _harness_cpu_line(result),
               *_kv_lines(result["runs"]),
               "Proxy lateness (mean per chunk, max): " + ", ".join(
                   f"{r['edges']}/{r['mode']}: {_f(r['proxy_mean_lateness_ms'], 1, 2)}/{_f(r['proxy_max_lateness_ms'], 1, 1)} ms"
                   for r in result["runs"]), ""]
     return "\n".join(lines)
+
+
+def _harness_cpu_line(result: dict) -> str:
+    runs = result["runs"]
+    if (result.get("harness") or {}).get("kind") == "locust":
+        return ("CPU of the harness (cores busy; the busiest worker's edge host, the links of every worker, every "
+                "Locust process, all of them; reporting to Locust, µs of the edges' loop per round): " + ", ".join(
+                    f"{r['edges']}/{r['mode']}: {_f(r.get('edges_cpu_cores'), 1, 2)}/{_f(r.get('proxy_cpu_cores'), 1, 2)}/"
+                    f"{_f(r.get('locust_cpu_cores'), 1, 2)}/{_f(r.get('harness_cpu_cores'), 1, 2)}; "
+                    f"{_f(r.get('report_us_per_round'), 1, 1)} µs" for r in runs))
+    return ("CPU of the harness (cores busy; edges: this process, every edge's client and drafting; proxies: every "
+            "link): " + ", ".join(f"{r['edges']}/{r['mode']}: {_f(r.get('edges_cpu_cores'), 1, 2)}/"
+                                  f"{_f(r.get('proxy_cpu_cores'), 1, 2)}" for r in runs))
 
 
 def _kv_lines(runs: list[dict]) -> list[str]:

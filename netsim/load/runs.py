@@ -19,7 +19,7 @@ from hybridspec.machine import describe as describe_machine
 from netsim.load.config import SYNTHETIC_VOCAB, LoadConfig
 from netsim.load.edges import DraftCost, Edges, Request, Window, run_edge
 from netsim.load.metering import (BATCH_HISTOGRAMS, ProcessMeter, free_port, histogram_delta, kv_between_rounds,
-                                  metric_delta, scrape)
+                                  metric_delta, scrape, verifier_committed)
 from netsim.cmdline import option_value
 from netsim.load.verdicts import capacity_at_slo
 from netsim.profiles import get_profile
@@ -45,12 +45,17 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
     verifier_errors = {key.split('code="')[1].rstrip('"}'): metric_delta(before, after, key)
                        for key in after if key.startswith("hybridspec_request_errors_total{")}
     lateness = [s["late_s"] / s["chunks"] for s in traffic.proxy_stats if s.get("chunks")]
+    window = traffic.window
+    trips = [seconds for when, seconds in traffic.round_trips if window.start_s <= when <= window.end_s]
     return {
         "edges": n_edges, "mode": mode, "profiles": sorted({p.name for p in profiles}),
         "duration_s": cfg.duration_s, "warmup_s": traffic.warmup_s,
         **requests,
         **_target_cost(mode, requests["committed_tokens"], before, after, rounds, batch, metrics_url),
         "verify_rounds": rounds,
+        "round_trip_mean_s": statistics.fmean(trips) if trips else None,   # the edges' view: link + verifier
+        "round_trip_p50_s": percentile(trips, 50),
+        "verifier_committed_tokens": verifier_committed(before, after),
         "errors": traffic.errors, "verifier_errors": verifier_errors,
         "session_replays": sum(r.replays for r in traffic.requests),
         "sessions_opened": metric_delta(before, after, "hybridspec_sessions_opened_total"),
@@ -89,6 +94,7 @@ class _Traffic:
     warmup_s: float             # from the first request to the measured window
     measured: _Measured
     proxy_stats: list[dict]     # per link, from the proxy process
+    round_trips: list           # (when, seconds on the wire) of each committed round
 
 
 async def _drive(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstream: tuple[str, int],
@@ -100,16 +106,18 @@ async def _drive(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstrea
         loop = asyncio.get_running_loop()
         requests: list[Request] = []
         errors: dict[str, int] = {}
+        round_trips: list[tuple[float, float]] = []
         t_start = loop.time()
         window = Window(n_edges, cfg.warmup_s, cfg.duration_s)
         meters = _Meters(ProcessMeter(verifier_pid), ProcessMeter(os.getpid()), ProcessMeter(host.process.pid))
         measuring = asyncio.create_task(_measure_window(cfg, window, n_edges, metrics_url, meters))
         await asyncio.gather(*(run_edge(edges, mode, i, host.ports[i], window, requests, errors,
-                                        np.random.default_rng([cfg.seed, n_edges, i]), costs[i], drafters[i])
+                                        np.random.default_rng([cfg.seed, n_edges, i]), costs[i], drafters[i],
+                                        round_trips)
                                for i in range(n_edges)))
         measured = await measuring
         proxy_stats = host.stop()
-    return _Traffic(requests, errors, window, window.start_s - t_start, measured, proxy_stats)
+    return _Traffic(requests, errors, window, window.start_s - t_start, measured, proxy_stats, round_trips)
 
 
 async def _measure_window(cfg: LoadConfig, window: Window, n_edges: int, metrics_url: str | None,
@@ -238,9 +246,10 @@ def saturation(run: dict, cores: int, verifier_threads: int | None) -> str | Non
         return None
     reasons = []
     if edges >= HARNESS_SATURATED:
-        reasons.append(f"the edges' event loop kept {edges:.2f} cores busy")
+        reasons.append(f"the edges' event loop kept {edges:.2f} cores busy" if not run.get("workers")
+                       else f"the busiest worker's edges kept {edges:.2f} cores busy (one event loop each)")
     left = max(1, cores - (verifier_threads or 0))
-    harness = edges + (proxy or 0.0)
+    harness = run.get("harness_cpu_cores") or edges + (proxy or 0.0)
     if harness >= HARNESS_SATURATED * left:
         reasons.append(f"edges and proxies kept {harness:.2f} of the {left} cores the verifier left them busy")
     return "; ".join(reasons) or None
@@ -272,8 +281,77 @@ async def server_info(upstream: tuple[str, int]) -> dict:
             "max_sessions": info.max_sessions, "max_tree_nodes": info.max_tree_nodes, "version": info.version}
 
 
-async def run_load(cfg: LoadConfig, progress=None) -> dict:
+class Verifier(NamedTuple):
+    """The verifier a sweep loads: one it started (`process`, `args`) or the user's (`--server`)."""
+    upstream: tuple[str, int]
+    metrics_url: str | None
+    process: object | None      # subprocess.Popen
+    args: list[str]
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def threads(self) -> int | None:
+        given = option_value(self.args, "--threads") if self.process is not None else None
+        return int(given) if given else None
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(30)
+
+
+def start_verifier(cfg: LoadConfig, progress=None, task=None) -> Verifier:
+    """`cfg.server` (and its metrics endpoint), or a verifier started for the sweep's largest run."""
     from hybridspec.launch import spawn_verifier
+    if cfg.server:
+        host, _, port = cfg.server.rpartition(":")
+        return Verifier((host, int(port)), cfg.metrics_url, None, [])
+    metrics_port = free_port()
+    args = verifier_args(cfg, metrics_port, max(cfg.edges))
+    if progress:
+        progress.update(task, description="starting the verifier" + ("" if cfg.synthetic else " (~1 min)"))
+    proc, address = spawn_verifier(args)
+    return Verifier(("127.0.0.1", int(address.rsplit(":", 1)[1])), f"http://127.0.0.1:{metrics_port}/metrics",
+                    proc, args)
+
+
+def sweep_result(cfg: LoadConfig, info: dict, runs: list[dict], verifier: Verifier) -> dict:
+    """load.json's record of a sweep: its settings, the runs with their saturation flags, capacity, machine."""
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    machine = describe_machine()
+    threads = verifier.threads()
+    for run in runs:
+        run["not_representative"] = saturation(run, machine["cores"] or 1, threads)
+    return {"config": config, "server": info, "runs": runs, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "capacity": capacity_at_slo(runs, cfg.slo_tpot_ms / 1e3, cfg.slo_ttft_ms / 1e3),
+            "verifier_threads": threads,
+            "machine": {**machine, "load_1min_at_end": os.getloadavg()[0]}}
+
+
+async def sweep(cfg: LoadConfig, run_one, progress=None, task=None, label: str = "") -> dict:
+    """Each (edges, mode) of cfg, one run after another (`await run_one(verifier, n_edges, mode)`: the
+    run's record) against one verifier, drained between runs; load.json's record of them."""
+    verifier = start_verifier(cfg, progress, task)
+    runs = []
+    try:
+        info = await server_info(verifier.upstream)
+        for n_edges in cfg.edges:
+            for mode in cfg.modes:
+                if progress:
+                    progress.update(task, description=f"{n_edges} edges, {mode}{label} "
+                                                      f"({cfg.warmup_s + cfg.duration_s:g} s)")
+                runs.append(await run_one(verifier, n_edges, mode))
+                runs[-1]["drain_s"] = await drain(verifier.metrics_url)
+                if progress:
+                    progress.advance(task)
+    finally:
+        verifier.stop()
+    return sweep_result(cfg, info, runs, verifier)
+
+
+async def run_load(cfg: LoadConfig, progress=None) -> dict:
     for name in cfg.profiles:
         get_profile(name)
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -281,40 +359,6 @@ async def run_load(cfg: LoadConfig, progress=None) -> dict:
     # up to a minute (the verifier's first start on a model checks batch invariance).
     task = progress.add_task("loading the edges' models", total=len(cfg.edges) * len(cfg.modes)) if progress else None
     edges = Edges(cfg)
-    proc, args = None, []
-    if cfg.server:
-        host, _, port = cfg.server.rpartition(":")
-        upstream, metrics_url, pid = (host, int(port)), cfg.metrics_url, None
-    else:
-        metrics_port = free_port()
-        args = verifier_args(cfg, metrics_port, max(cfg.edges))
-        if progress:
-            progress.update(task, description="starting the verifier" + ("" if cfg.synthetic else " (~1 min)"))
-        proc, address = spawn_verifier(args)
-        upstream = ("127.0.0.1", int(address.rsplit(":", 1)[1]))
-        metrics_url, pid = f"http://127.0.0.1:{metrics_port}/metrics", proc.pid
-    runs = []
-    try:
-        info = await server_info(upstream)
-        for n_edges in cfg.edges:
-            for mode in cfg.modes:
-                if progress:
-                    progress.update(task, description=f"{n_edges} edges, {mode} ({cfg.warmup_s + cfg.duration_s:g} s)")
-                runs.append(await run_once(cfg, edges, mode, n_edges, upstream, metrics_url, pid))
-                runs[-1]["drain_s"] = await drain(metrics_url)
-                if progress:
-                    progress.advance(task)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
-    machine = describe_machine()
-    given_threads = option_value(args, "--threads") if proc is not None else None
-    threads = int(given_threads) if given_threads else None
-    for run in runs:
-        run["not_representative"] = saturation(run, machine["cores"] or 1, threads)
-    return {"config": config, "server": info, "runs": runs, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "capacity": capacity_at_slo(runs, cfg.slo_tpot_ms / 1e3, cfg.slo_ttft_ms / 1e3),
-            "verifier_threads": threads,
-            "machine": {**machine, "load_1min_at_end": os.getloadavg()[0]}}
+    return await sweep(cfg, lambda verifier, n_edges, mode: run_once(cfg, edges, mode, n_edges, verifier.upstream,
+                                                                     verifier.metrics_url, verifier.pid),
+                       progress, task)
