@@ -135,9 +135,10 @@ class EdgeClient:
     async def run_drafting(self, fn, *args, thread: bool = False):
         """Run drafting work in the drafting executor when there is one (a server: one worker
         serialises the sessions' drafting); else inline, or in a thread for work that overlaps a
-        round trip. On a virtual clock (spec_core.clock) always inline, its charged time waited out."""
+        round trip. On a virtual clock (spec_core.clock) always inline, its charged time waited out (as
+        it is charged, for work that overlaps a round trip)."""
         if clock.inline():
-            return await clock.run_inline(fn, *args)
+            return await clock.run_inline(fn, *args, stepped=thread)
         if self.draft_executor is not None:
             return await asyncio.get_running_loop().run_in_executor(self.draft_executor, fn, *args)
         if thread:

@@ -36,6 +36,9 @@ class Clock(Protocol):
     def settle(self) -> float:
         """The seconds charged since the last settle, now owed to the loop (0 on the wall clock)."""
 
+    async def run_stepped(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)`, each of its charges waited out on the loop as it is made (run_inline)."""
+
 
 class WallClock:
     inline = False
@@ -48,6 +51,9 @@ class WallClock:
 
     def settle(self) -> float:
         return 0.0
+
+    async def run_stepped(self, fn: Callable[..., T], *args) -> T:
+        return fn(*args)
 
 
 WALL = WallClock()
@@ -73,10 +79,16 @@ def charge(seconds: float) -> None:
     _CLOCK.get().charge(seconds)
 
 
-async def run_inline(fn: Callable[..., T], *args) -> T:
+async def run_inline(fn: Callable[..., T], *args, stepped: bool = False) -> T:
     """`fn(*args)` inline, then wait on the loop for what it charged (also when it raised): the
-    caller is busy that long while the rest of the run goes on."""
+    caller is busy that long while the rest of the run goes on.
+
+    `stepped`: work that watches for something to stop it (drafting during a round trip stops when
+    the reply is in) waits out each charge as it is made, so that what happens meanwhile on the loop
+    (the reply arriving) is there for its next look (the clock's `run_stepped`)."""
     clock = _CLOCK.get()
+    if stepped:
+        return await clock.run_stepped(fn, *args)
     try:
         return fn(*args)
     finally:

@@ -3,7 +3,7 @@
 `VirtualLoop` is a SelectorEventLoop whose `time()` is a number it keeps: when nothing is ready it
 jumps to the next timer instead of waiting, so sleeps, timeouts and `call_later` take no real time
 and fire in the order their virtual times say. Blocking work runs inline (`run_in_executor` too:
-no threads, so the order of events never depends on the machine's timing). What the work stands
+nothing runs beside the loop, so the order of events never depends on the machine's timing). What the work stands
 for is charged to `VirtualClock` (spec_core.clock) from a cost table, and the caller waits that
 out on the loop (spec_core.clock.run_inline) while the rest of the run moves on.
 
@@ -11,6 +11,10 @@ Why not looptime (the pytest plugin from Kopf, which fakes a loop's clock the sa
 executor calls run in real threads beside the loop, so which event comes first would depend on
 how fast this machine ran them, and it has no notion of charging inline work. The part it shares
 with this module (a loop whose select jumps to the next timer) is a few lines.
+
+Work that watches for something to stop it (drafting during a round trip stops when the reply is
+in) runs stepped: on a helper thread in strict lock step with the loop, each charge waited out as it
+is made (VirtualClock.run_stepped); one of the two runs at a time, so nothing depends on timing.
 
 A loop that has nothing scheduled and nothing ready would wait forever: it raises VirtualStall
 instead (a bug in the run, never a slow machine). Real I/O is not supported on it.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import selectors
+import threading
 from typing import Any, Callable
 
 from spec_core import clock as clock_mod
@@ -38,17 +43,81 @@ class VirtualClock:
     def __init__(self, loop: "VirtualLoop"):
         self.loop = loop
         self.owed = 0.0
+        self._stepping = threading.local()   # .stepper: the _Stepper whose work runs on this thread
 
     def now(self) -> float:
         return self.loop.time() + self.owed
 
     def charge(self, seconds: float) -> None:
-        if seconds > 0:
+        stepper = getattr(self._stepping, "stepper", None)
+        if stepper is not None:
+            stepper.hand_back(seconds)
+        elif seconds > 0:
             self.owed += seconds
 
     def settle(self) -> float:
         owed, self.owed = self.owed, 0.0
         return owed
+
+    async def run_stepped(self, fn: Callable[..., Any], *args):
+        """`fn(*args)` on a helper thread in lock step with the loop: the loop's thread waits while
+        the work runs; each charge hands control back, and the work goes on once the loop has waited
+        the charge out (other tasks running meanwhile). One of the two runs at a time, so the order
+        of events is the same on every run; the thread only lends the work a stack of its own."""
+        stepper = _Stepper(self, fn, args)
+        cancelled = None
+        while True:
+            kind, value = stepper.resume()
+            if kind == "charge":
+                if cancelled is None and value > 0:
+                    try:
+                        await asyncio.sleep(value)
+                    except asyncio.CancelledError as e:   # finish the work at once (its result is dropped)
+                        cancelled = e
+                continue
+            if cancelled is not None:
+                raise cancelled
+            if kind == "error":
+                raise value
+            return value
+
+
+class _Stepper:
+    """The helper thread of VirtualClock.run_stepped and the hand-offs between it and the loop."""
+
+    def __init__(self, clock: VirtualClock, fn, args):
+        self.clock, self.fn, self.args = clock, fn, args
+        self.ctx = contextvars.copy_context()
+        self._to_work, self._to_loop = threading.Semaphore(0), threading.Semaphore(0)
+        self._message: tuple[str, Any] = ("", None)
+        self._thread: threading.Thread | None = None
+
+    def resume(self) -> tuple[str, Any]:
+        """Let the work run until it charges or ends (the loop's thread waits meanwhile)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="virtual-stepper", daemon=True)
+            self._thread.start()
+        else:
+            self._to_work.release()
+        self._to_loop.acquire()
+        kind, value = self._message
+        if kind in ("done", "error"):
+            self._thread.join()
+        return kind, value
+
+    def hand_back(self, seconds: float) -> None:
+        """On the work's thread: give the loop `seconds` to wait out, and wait until it has."""
+        self._message = ("charge", seconds)
+        self._to_loop.release()
+        self._to_work.acquire()
+
+    def _work(self) -> None:
+        self.clock._stepping.stepper = self
+        try:
+            self._message = ("done", self.ctx.run(self.fn, *self.args))
+        except BaseException as e:  # noqa: BLE001 - handed to the loop's thread
+            self._message = ("error", e)
+        self._to_loop.release()
 
 
 class _JumpingSelector(selectors.BaseSelector):
@@ -145,7 +214,10 @@ def run(main: Callable[[], Any], start_s: float = 0.0):
     try:
         return ctx.run(go)
     finally:
+        closing = loop.shutdown_asyncgens()
         try:
-            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(closing)
+        except Exception:  # noqa: BLE001 - the run's own error is the one to raise
+            closing.close()
         finally:
             loop.close()
