@@ -1,5 +1,5 @@
 """The `netsim` command: `netsim proxy`, `netsim profiles`, `netsim experiment`, `netsim load`,
-`netsim calibrate`.
+`netsim calibrate`, `netsim sweep`.
 
 Each subcommand is one `_add_<name>_command(subparsers)` function that registers its parser
 and sets `run` to the function that carries it out; `build_parser` lists them. The
@@ -427,15 +427,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_experiment_command(subparsers)
     _add_load_command(subparsers)
     _add_fleet_command(subparsers)
-    from .virtual.cli import add_calibrate_command
+    from .virtual.cli import add_calibrate_command, add_sweep_command
     add_calibrate_command(subparsers, _add_model_options, _models)
+    add_sweep_command(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The experiment draws a progress bar: per-connection INFO lines would scroll it away.
-    quiet = logging.WARNING if args.command in ("experiment", "load", "calibrate") else logging.INFO
+    quiet = logging.WARNING if args.command in ("experiment", "load", "calibrate", "sweep") else logging.INFO
     logging.basicConfig(level=logging.DEBUG if args.verbose else quiet,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.run(args)

@@ -121,8 +121,9 @@ class _Stepper:
 
 
 class _JumpingSelector(selectors.BaseSelector):
-    """The loop's selector: polls the real one (the loop's own wake-up pipe), and where the loop
-    would wait for `timeout` seconds, moves virtual time on by that much instead."""
+    """The loop's selector: where the loop would wait for `timeout` seconds it moves virtual time on
+    by that much instead. No real file is ever read on a virtual loop (nothing runs beside it to
+    write its wake-up pipe), so the real selector is only kept for registration."""
 
     def __init__(self, loop: "VirtualLoop", real: selectors.BaseSelector):
         self._loop, self._real = loop, real
@@ -150,9 +151,8 @@ class _JumpingSelector(selectors.BaseSelector):
         if loop.clock.owed:
             raise RuntimeError(f"{loop.clock.owed:.6f} s of inline work were charged outside "
                                "spec_core.clock.run_inline: nobody waits them out")
-        events = self._real.select(0)
-        if events or timeout == 0:
-            return events
+        if timeout == 0:
+            return []   # nothing is read from real files on a virtual loop (its own wake-up pipe is not written)
         if timeout is None:
             raise VirtualStall("the virtual loop has nothing ready and nothing scheduled (every task waits for "
                                "another): the run cannot go on")
