@@ -141,13 +141,13 @@ def _run_experiment(args: argparse.Namespace) -> int:
     for name in cfg.profiles:
         get_profile(name)  # fail before a long run, with the list of names
     if args.clock == "virtual":
-        return _run_virtual(cfg, args.costs)
+        return _run_virtual(cfg, args.costs, args.workers)
     if args.costs:
         raise SystemExit("netsim: --costs is for --clock virtual (the wall clock measures its own costs)")
     return _run_and_report(run_experiment, write_all, cfg, label_width=48)
 
 
-def _run_virtual(cfg, costs_name: str | None) -> int:
+def _run_virtual(cfg, costs_name: str | None, workers: int = 1) -> int:
     """The experiment on the virtual clock (netsim.virtual.experiment): the shipped edge loop and
     engine in this process, time from the cost table, results byte for byte the same on any machine."""
     import time
@@ -167,7 +167,7 @@ def _run_virtual(cfg, costs_name: str | None) -> int:
     started, t0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
     with Progress(TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn()) as progress:
-        result = run_virtual_experiment(cfg, costs, make_verifier, progress)
+        result = run_virtual_experiment(cfg, costs, make_verifier, progress, workers=workers)
     paths = write_all(result, cfg.out)
     run = {"clock": "virtual", "cost_table": costs.name, "started": started, "real_s": time.perf_counter() - t0,
            "machine": describe_machine(), "command": " ".join(sys.argv)}
@@ -249,6 +249,8 @@ def _add_experiment_command(subparsers) -> None:
                         help="(--clock virtual) cost table: a file from `netsim calibrate`, or a shipped one: "
                              + ", ".join(_shipped_names()) + " (default: the pair's own table; the synthetic pair: "
                              "its --synthetic-* costs)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="(--clock virtual) worker processes, a profile each at a time (the results do not change)")
     parser.add_argument("--out", default="results", help="output folder")
     parser.set_defaults(run=_run_experiment)
 

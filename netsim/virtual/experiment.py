@@ -5,8 +5,9 @@ The same modes, workloads, prompts, sampling and edge options as the wall-clock 
 process on one virtual event loop (netsim.virtual.loop). The models are real (or the synthetic
 pair): which tokens are drafted and accepted is what they say. Time is the cost table's
 (netsim.virtual.costs: drafting, passes, host paths) and the profile's links (netsim.virtual.channel,
-drawn from the run's seed). As in the wall-clock experiment, one verifier serves every run and the
-runs go in order, each on a new connection; each profile's network starts with its first run.
+drawn from the run's seed). Each profile has a verifier of its own (so profiles may run in parallel
+processes and the results do not change); on it the runs go prompt by prompt, every mode on each, each
+run on a new connection of the profile's network, which starts with its first run.
 
 The results carry `"clock": "virtual"` and the cost table they ran on; nothing in them depends on
 this machine's speed or load, or on when they ran (those go to `run.json` beside them): the same
@@ -58,53 +59,83 @@ def result_config(cfg: ExperimentConfig) -> dict:
 
 
 def run_virtual_experiment(cfg: ExperimentConfig, costs: CostTable, make_verifier: MakeVerifier,
-                           progress=None) -> dict:
-    """Every (profile, mode, workload prompt) of `cfg` on the virtual clock; the results dict."""
+                           progress=None, workers: int = 1) -> dict:
+    """Every (profile, workload prompt, mode) of `cfg` on the virtual clock; the results dict. Each
+    profile runs on a verifier of its own, so the results do not depend on `workers` (processes, one
+    profile each at a time)."""
     cfg = dataclasses.replace(cfg, synthetic_draft_ms=0.0, crossover=False)   # time is the table's
+    runs = len(load_workloads(cfg.workloads, cfg.prompts_per_workload)) * len(expand_modes(cfg.modes, cfg.gammas))
+    task = progress.add_task("virtual clock", total=len(cfg.profiles) * runs) if progress else None
+    rows: dict[str, list[dict]] = {}
+    models: dict = {}
+    if workers <= 1 or len(cfg.profiles) <= 1:
+        for name in cfg.profiles:
+            def tick(what: str) -> None:
+                if progress:
+                    progress.update(task, description=f"virtual: {what}")
+                    progress.advance(task)
+            rows[name], models = run_profile(cfg, costs, make_verifier, name, tick)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {name: pool.submit(run_profile, cfg, costs, make_verifier, name) for name in cfg.profiles}
+            for name, fut in futures.items():
+                rows[name], models = fut.result()
+                if progress:
+                    progress.advance(task, runs)
+    return {"clock": "virtual", "cost_table": costs.provenance(), "config": result_config(cfg),
+            "profiles": {n: get_profile(n).to_dict() for n in cfg.profiles},
+            "rows": [r for name in cfg.profiles for r in rows[name]], "models": _portable(models)}
+
+
+def run_profile(cfg: ExperimentConfig, costs: CostTable, make_verifier: MakeVerifier, name: str,
+                tick: Callable[[str], None] | None = None) -> tuple[list[dict], dict]:
+    """One profile's runs, prompt by prompt and every mode on each (interleaved, as a quiet wall-clock
+    comparison runs them), on a fresh verifier and virtual loop; its rows and the models."""
     workloads = load_workloads(cfg.workloads, cfg.prompts_per_workload)
     modes = expand_modes(cfg.modes, cfg.gammas)
-    task = progress.add_task("virtual clock", total=len(cfg.profiles) * len(modes) * len(workloads)) \
-        if progress else None
+    profile = get_profile(name)
 
-    async def main() -> list[Row]:
-        loop = asyncio.get_running_loop()
+    async def main():
         runner = Runner(cfg)
         client = costed_client(costs)
         verifier = make_verifier(runner.verifier_args(), costs)
         rows: list[Row] = []
         connection = 0
         try:
-            for name in cfg.profiles:
-                profile, epoch = get_profile(name), loop.time()
+            for workload, index, prompt in workloads:
+                ids = runner.prompt_ids(prompt)
+                settings = runner.settings(workload, cfg.max_tokens)
                 for mode, gamma in modes:
-                    for workload, index, prompt in workloads:
-                        if progress:
-                            progress.update(task, description=f"virtual: {name} {mode} {workload}")
-                        ids = runner.prompt_ids(prompt)
-                        settings = runner.settings(workload, cfg.max_tokens)
-                        if mode == "edge-only":
-                            row = await clock.run_inline(_EdgeOnly(runner, costs).run, profile, workload, index,
-                                                         runner.draft_prompt_ids(prompt), settings)
-                        else:
-                            channel = InProcessChannel(verifier.server, profile, costs, seed=cfg.seed, epoch_s=epoch,
-                                                       first_connection=connection)
-                            st, cross = await runner.run_on(channel, "in-process", mode, gamma, ids, settings, prompt,
-                                                            client_class=client)
-                            connection += channel.connections
-                            row = make_row(profile, mode, gamma, workload, index, st, channel.counts.bytes_up,
-                                           channel.counts.bytes_down, cross)
-                        rows.append(row)
-                        if progress:
-                            progress.advance(task)
+                    if mode == "edge-only":
+                        row = await clock.run_inline(_EdgeOnly(runner, costs).run, profile, workload, index,
+                                                     runner.draft_prompt_ids(prompt), settings)
+                    else:
+                        channel = InProcessChannel(verifier.server, profile, costs, seed=cfg.seed,
+                                                   first_connection=connection)
+                        st, cross = await runner.run_on(channel, "in-process", mode, gamma, ids, settings, prompt,
+                                                        client_class=client)
+                        connection += channel.connections
+                        row = make_row(profile, mode, gamma, workload, index, st, channel.counts.bytes_up,
+                                       channel.counts.bytes_down, cross)
+                    rows.append(row)
+                    if tick:
+                        tick(f"{name} {row.mode} {workload}")
         finally:
             verifier.close()
         return rows, runner.models()
 
-    random.seed(cfg.seed)   # the edge's retry and back-off jitter draw from `random`
+    random.seed(f"{cfg.seed}:{name}")   # the edge's retry and back-off jitter draw from `random`
     rows, models = vloop.run(main)
-    return {"clock": "virtual", "cost_table": costs.provenance(), "config": result_config(cfg),
-            "profiles": {n: get_profile(n).to_dict() for n in cfg.profiles},
-            "rows": [asdict(r) for r in rows], "models": _portable(models)}
+    order = {(m, g): k for k, (m, g) in enumerate(modes)}   # the results list modes in the experiment's order
+    rows.sort(key=lambda r: (order.get(_mode_key(r.mode, modes), 0), cfg.workloads.index(r.workload), r.prompt_index))
+    return [asdict(r) for r in rows], models
+
+
+def _mode_key(label: str, modes) -> tuple:
+    from netsim.experiment import mode_label
+    return next(((m, g) for m, g in modes if mode_label(m, g) == label), (label, None))
 
 
 class _EdgeOnly:
