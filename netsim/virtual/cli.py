@@ -98,7 +98,7 @@ def add_sweep_command(subparsers) -> None:
     parser.add_argument("--alphas", default="0.4,0.9", help="the draft's expected per-token acceptance")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per run")
     parser.add_argument("--modes", default="all", help="all (every mode but edge-only), or a comma-separated subset")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="seed of the sampling (each cell's own runs)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (cells are independent)")
     parser.add_argument("--out", default="results/sweep", help="output folder")
     parser.set_defaults(run=_run_sweep)
