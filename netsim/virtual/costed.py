@@ -14,7 +14,8 @@ from spec_core import clock
 
 class CostedDrafter:
     """A drafter whose calls charge drafting from the table: draft_base_s + draft_row_s · rows, rows
-    being the positions a chain drafts or the rows a tree's growth evaluates. The draft's own
+    being the positions a chain drafts or the rows a tree's growth evaluates (a tree's level is one batch on
+    llama.cpp, charged row by row: on a CPU a batch of w rows costs about w rows). The draft's own
     `seconds` become that charge (the planner learns the table's drafting time, as it would learn
     the device's). Everything else is the wrapped drafter's."""
 
@@ -35,7 +36,9 @@ class CostedDrafter:
 
     def propose(self, committed: Sequence[int], gamma: int, settings, qmode, rng):
         d = self.inner.propose(committed, gamma, settings, qmode, rng)
-        return dataclasses.replace(d, seconds=self._charge(max(len(d.tokens), min(gamma, 1))))
+        if gamma <= 0:   # nothing drafted (cloud-stepwise): no call worth charging
+            return dataclasses.replace(d, seconds=0.0)
+        return dataclasses.replace(d, seconds=self._charge(max(len(d.tokens), 1)))
 
     def propose_tree(self, committed, shape, settings, qmode, rng):
         d = self.inner.propose_tree(committed, shape, settings, qmode, rng)
