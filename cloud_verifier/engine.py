@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from typing import AsyncIterator, NamedTuple, Sequence
 
 import grpc
@@ -243,7 +242,7 @@ class VerifierEngine:
             session.acceptance.observe(run.n_verified, len(run.kept), len(run.kept) < run.n_verified)
         # Used until now, not since the round arrived: a round that queued for seconds behind
         # many others must not leave its session looking idle (and evictable) as it ends.
-        session.last_used = time.monotonic()
+        session.last_used = clock.now()
         return done
 
     def _reply(self, session: Session, req: pb.VerifyRequest, index: int, run: RoundRun, done: Commit,
