@@ -4,10 +4,12 @@ the virtual clock reads (netsim.virtual.costs).
 What it measures, each as the experiment runs it (one llama.cpp thread each side by default):
 
   drafting        the pair's drafter (the CrossVocabDrafter for a draft of another tokenizer) after a
-                  committed sequence that grows two tokens a call, γ in 1..8: a line over rows.
+                  committed sequence that grows two tokens a call, γ in 1..8: a line over rows; and
+                  the experiment's tree (16 nodes, depth 4): its time a row past the call's base.
   the pass        the target behind the shipped batcher (llama.cpp, batching on): rounds of k drafts
-                  (k + 1 tokens, k + 1 rows read) and prompts of P tokens (one row read); a plane
-                  base + per_token·tokens + per_row·rows fitted over both, each point a median.
+                  (k + 1 tokens, k + 1 rows read), kept as the round curve, and prompts of P tokens
+                  (one row read), whose tokens past the first give the prefill cost a token; each point
+                  a median. A plane base + per_token·tokens + per_row·rows over both is kept beside.
   the maths       the backend's acceptance over k + 1 rows at T 0.7, top-p 0.95, with the draft's q.
   the host path   one synthetic round per token (no model time) through a verifier process and
                   netsim's proxy on an empty link, as the wall-clock experiment runs it: the edge's
@@ -83,7 +85,20 @@ def measure_drafting(drafter, prompt_ids: list[int], say) -> dict:
             seq += (d.tokens + [d.tokens[-1] if d.tokens else 1])[:2]   # two committed, as an accepted round
         points.append((gamma, statistics.median(times)))
     base, per_row = _line([g for g, _ in points], [t for _, t in points])
-    return {"draft_base_s": base, "draft_row_s": per_row, "points": points}
+    out = {"draft_base_s": base, "draft_row_s": per_row, "points": points}
+    if getattr(drafter, "supports_trees", False):
+        from spec_core.tree import TreeShape
+        say("drafting: the experiment's tree (16 nodes, depth 4, 2 children, 2 expanded a level)")
+        times, rows = [], []
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            d = drafter.propose_tree(seq, TreeShape(16, 4, 2, 2), settings, qmode, rng)
+            times.append(time.perf_counter() - t0)
+            rows.append(d.rows)
+            seq += (d.tokens[:2] if d.tokens else [1, 1])
+        out["tree_points"] = list(zip(rows, times))
+        out["draft_tree_row_s"] = max(0.0, (statistics.median(times) - base) / max(statistics.median(rows), 1))
+    return out
 
 
 def measure_pass(backend, prompt_ids: list[int], drafts: list[int], say) -> dict:
@@ -131,8 +146,14 @@ def measure_pass(backend, prompt_ids: list[int], drafts: list[int], say) -> dict
     y = np.array([s for _, _, s in points])
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
     base_s, per_token_s, per_row_s = (max(float(c), 0.0) for c in coef)
-    return {"base_s": base_s, "per_token_s": per_token_s, "per_row_s": per_row_s,
-            "points": [list(p) for p in points]}
+    # The rounds as measured (a CPU's round cost bends: batching rows is cheaper per row as they grow),
+    # and the prompts' tokens past the one row read, by least squares through the round of one row.
+    curve = sorted((t, s) for t, r, s in points if t == r)
+    one = curve[0][1]
+    prompts = [(t - 1, s - one) for t, r, s in points if r == 1 and t > 1]
+    prefill_s = max(0.0, sum(x * y for x, y in prompts) / sum(x * x for x, _ in prompts)) if prompts else per_token_s
+    return {"base_s": base_s, "per_token_s": per_token_s, "per_row_s": per_row_s, "round_curve": curve,
+            "prefill_token_s": prefill_s, "points": [list(p) for p in points]}
 
 
 def measure_maths(backend, drafter, prompt_ids: list[int], say) -> dict:
@@ -215,7 +236,7 @@ def calibrate(pair: str, target: str, draft: str, out: Path, threads: int = 1, b
     say("loading the models")
     target_vocab = GGUFModel(target, vocab_only=True)
     prompt = render_chat(target_vocab, "Write a Python function that reverses a list, and explain it step by step.")
-    raw = GGUFDrafter(draft, n_threads=threads)
+    raw = GGUFDrafter(draft, n_threads=threads, max_tree_nodes=64)   # as the experiment's edge (trees on)
     drafter, draft_prompt = raw, prompt
     cross = target_vocab.fingerprint != raw.model.fingerprint
     if cross:
@@ -242,11 +263,12 @@ def calibrate(pair: str, target: str, draft: str, out: Path, threads: int = 1, b
                        "--busy-ok for a table marked busy")
     table = CostTable(
         name=f"{pair}" + ("-busy" if busy else ""), pair=pair, measured=True, busy=busy,
-        verifier=VerifierCosts(base_s=pass_["base_s"], per_token_s=pass_["per_token_s"], per_row_s=pass_["per_row_s"],
+        verifier=VerifierCosts(base_s=pass_["base_s"], per_token_s=pass_["prefill_token_s"], per_row_s=pass_["per_row_s"],
                                host_round_s=host["verifier_host_round_s"] + maths["host_round_s"],
-                               host_row_s=maths["host_row_s"], stream_token_s=host["stream_token_s"]),
+                               host_row_s=maths["host_row_s"], stream_token_s=host["stream_token_s"],
+                               round_curve=pass_["round_curve"]),
         edge=EdgeCosts(draft_base_s=drafting["draft_base_s"], draft_row_s=drafting["draft_row_s"],
-                       host_round_s=host["edge_host_round_s"]),
+                       host_round_s=host["edge_host_round_s"], draft_tree_row_s=drafting.get("draft_tree_row_s", 0.0)),
         description=f"{Path(target).name} verifier ({threads} llama.cpp thread, batching on) and "
                     f"{Path(draft).name} draft ({threads} thread{'; across vocabularies' if cross else ''}) on this "
                     "machine; the host path through a verifier process and netsim's proxy, as the wall-clock "

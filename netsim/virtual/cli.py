@@ -28,10 +28,12 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         print(f"netsim calibrate: {e}", file=sys.stderr)
         return 3
     v, e = table.verifier, table.edge
-    print(f"{table.label()}: pass {v.base_s * 1e3:.2f} ms + {v.per_token_s * 1e3:.3f} ms/token + "
-          f"{v.per_row_s * 1e3:.3f} ms/row read; verifier host {v.host_round_s * 1e3:.2f} ms/round + "
+    curve = ", ".join(f"{t} rows {s * 1e3:.1f} ms" for t, s in v.round_curve)
+    print(f"{table.label()}: rounds {curve}; a prompt token {v.per_token_s * 1e3:.2f} ms; verifier host "
+          f"{v.host_round_s * 1e3:.2f} ms/round + "
           f"{v.host_row_s * 1e3:.3f} ms/row, stream {v.stream_token_s * 1e3:.2f} ms/token; drafting "
-          f"{e.draft_base_s * 1e3:.2f} ms + {e.draft_row_s * 1e3:.2f} ms/row; edge host {e.host_round_s * 1e3:.2f} "
+          f"{e.draft_base_s * 1e3:.2f} ms + {e.draft_row_s * 1e3:.2f} ms/row (a tree's row "
+          f"{e.draft_tree_row_s * 1e3:.2f} ms); edge host {e.host_round_s * 1e3:.2f} "
           f"ms/round; load per core {table.load['start_per_core']:.2f} -> {table.load['end_per_core']:.2f}")
     print(f"wrote {out}")
     return 0

@@ -14,8 +14,8 @@ from spec_core import clock
 
 class CostedDrafter:
     """A drafter whose calls charge drafting from the table: draft_base_s + draft_row_s · rows, rows
-    being the positions a chain drafts or the rows a tree's growth evaluates (a tree's level is one batch on
-    llama.cpp, charged row by row: on a CPU a batch of w rows costs about w rows). The draft's own
+    being the positions a chain drafts or the rows a tree's growth evaluates (at the table's tree rate:
+    a level's rows are one batch). The draft's own
     `seconds` become that charge (the planner learns the table's drafting time, as it would learn
     the device's). Everything else is the wrapped drafter's."""
 
@@ -27,8 +27,8 @@ class CostedDrafter:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def _charge(self, rows: int) -> float:
-        seconds = self.costs.edge.draft_s(rows)
+    def _charge(self, rows: int, tree: bool = False) -> float:
+        seconds = self.costs.edge.draft_s(rows, tree)
         self.calls += 1
         self.rows += rows
         clock.charge(seconds)
@@ -42,7 +42,7 @@ class CostedDrafter:
 
     def propose_tree(self, committed, shape, settings, qmode, rng):
         d = self.inner.propose_tree(committed, shape, settings, qmode, rng)
-        return dataclasses.replace(d, seconds=self._charge(d.rows))
+        return dataclasses.replace(d, seconds=self._charge(d.rows, tree=True))
 
 
 class CostedPacker:

@@ -8,12 +8,14 @@ their sources.
                     tokens: every token the pass evaluates (prefill, drafts, tree nodes);
                     rows: the tokens whose logits are read (a round's drafts + 1, a tree's nodes + 1).
                     floor_s: a GPU's memory-bound floor (weights read once a pass); 0 for a CPU line.
+                    With measured round passes (`round_curve`) a pass of r rows costs the curve at r
+                    instead, plus per_token_s for each token evaluated without its logits read.
     verifier host   host_round_s per RPC outside the pass (gRPC server, validation, engine, reply)
                     + host_row_s per row of acceptance maths (warping, accept/reject, at the vocab);
                     stream_token_s per token of a cloud-only stream outside its pass.
     edge host       host_round_s per RPC on the edge (gRPC client, building the request, committing).
     drafting        draft_base_s + draft_row_s·rows per drafting call (rows: draft positions a chain
-                    drafts, or the rows a tree's growth evaluates).
+                    drafts), or draft_tree_row_s a row of a tree's growth (its levels are batches).
 
 The link is not in the table: it is the profile's (netsim.profiles), drawn from the run's seed.
 """
@@ -38,9 +40,30 @@ class VerifierCosts:
     host_round_s: float = 0.0     # per RPC outside the pass (s)
     host_row_s: float = 0.0       # acceptance maths per row of logits (s); a cloud-only step's sampling: one row
     stream_token_s: float = 0.0   # per token of the cloud-only stream outside its pass (both ends' stream handling)
+    # Measured passes of rounds (every token's logits read): [[tokens, seconds], ...] by tokens. When
+    # given, a pass of r rows costs the curve at r (linear between the points, along the last two
+    # beyond them) plus per_token_s for each token it evaluates without reading its logits (a
+    # prompt's): a CPU's round cost is not a line (batching the rows is cheaper per row as they grow).
+    round_curve: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "round_curve", tuple(tuple(p) for p in self.round_curve))
 
     def pass_s(self, tokens: int, rows: int) -> float:
+        if self.round_curve:
+            return max(self.floor_s, _along(self.round_curve, rows) + self.per_token_s * max(tokens - rows, 0))
         return max(self.floor_s, self.base_s + self.per_token_s * tokens + self.per_row_s * rows)
+
+
+def _along(points: tuple, x: float) -> float:
+    """Piecewise-linear through `points` ((x, y) by x), extended along the end segments."""
+    if len(points) == 1:
+        return points[0][1] * x / points[0][0] if points[0][0] else points[0][1]
+    k = 1
+    while k < len(points) - 1 and x > points[k][0]:
+        k += 1
+    (x0, y0), (x1, y1) = points[k - 1], points[k]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0)) if x1 != x0 else y1
 
 
 @dataclass(frozen=True)
@@ -48,9 +71,11 @@ class EdgeCosts:
     draft_base_s: float = 0.0     # per drafting call (s): catching the draft's cache up, the call itself
     draft_row_s: float = 0.0      # per draft row (s)
     host_round_s: float = 0.0     # per RPC on the edge (s)
+    draft_tree_row_s: float = 0.0  # per row of a tree's growth (a level's rows are one batch); 0: draft_row_s
 
-    def draft_s(self, rows: int) -> float:
-        return self.draft_base_s + self.draft_row_s * rows
+    def draft_s(self, rows: int, tree: bool = False) -> float:
+        per_row = self.draft_tree_row_s if tree and self.draft_tree_row_s > 0 else self.draft_row_s
+        return self.draft_base_s + per_row * rows
 
 
 @dataclass(frozen=True)
