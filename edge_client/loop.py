@@ -36,9 +36,9 @@ from edge_client.rounds import Flight, Guess, Prepared, extends, pass_nodes
 from edge_client.stats import GenerationStats, RoundEvent
 from edge_client.stream import RoundStream, verify_on_stream
 from edge_client.transport import EdgeError, Verifier, sampling_proto
+from spec_core import clock
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.estimates import Acceptance
-from spec_core import clock
 from spec_core.proto import qpayload
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.tree import ROOT
