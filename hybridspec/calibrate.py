@@ -149,6 +149,7 @@ def measure_pass(backend, prompt_ids: list[int], drafts: list[int], say) -> dict
     # The rounds as measured (a CPU's round cost bends: batching rows is cheaper per row as they grow),
     # and the prompts' tokens past the one row read, by least squares through the round of one row.
     curve = sorted((t, s) for t, r, s in points if t == r)
+    curve = [(t, max(s for _, s in curve[: k + 1])) for k, (t, _) in enumerate(curve)]   # more rows never cost less
     one = curve[0][1]
     prompts = [(t - 1, s - one) for t, r, s in points if r == 1 and t > 1]
     prefill_s = max(0.0, sum(x * y for x, y in prompts) / sum(x * x for x, _ in prompts)) if prompts else per_token_s
