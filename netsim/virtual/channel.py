@@ -259,6 +259,31 @@ class _Delivery:
             self.task.cancel()
 
 
+async def _send_replies(replies, handler, conn: VirtualConnection, down: _Delivery) -> None:
+    """A streaming call's server side: each reply down the link as it is made, then the trailers; a
+    status (the servicer's abort) or a link reset ends the stream."""
+    try:
+        async for reply in replies:
+            out = handler.response_serializer(reply)
+            down.send(conn.departure("down", _message_bytes(out)), out)
+        down.send(conn.departure("down", CALL_DOWN_BYTES), None)
+    except _Abort as a:
+        down.send(conn.departure("down", CALL_DOWN_BYTES), a.error)
+    except LinkReset:
+        down.send(asyncio.get_running_loop().time(), _unavailable("the link reset the connection"))
+
+
+async def _received(down: _Delivery, deser):
+    """A streaming call's client side: the replies as they arrive; the stream's status raised."""
+    while True:
+        item = await down.out.get()
+        if item is None:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield deser(item)
+
+
 class _ResponseStream:
     """A unary-stream call (Generate): the request up, then each response down as it is made."""
 
@@ -270,33 +295,24 @@ class _ResponseStream:
         self.task = asyncio.ensure_future(self._serve(ser(request)))
 
     async def _serve(self, data: bytes) -> None:
-        costs, conn, down = self.channel.costs, self.conn, self.down
-        try:
+        costs = self.channel.costs
+
+        async def replies():
             await _sleep(costs.edge.host_round_s)
-            await conn.carry("up", _message_bytes(data) + CALL_UP_BYTES)
+            await self.conn.carry("up", _message_bytes(data) + CALL_UP_BYTES)
             await _sleep(costs.verifier.host_round_s)
             async for reply in self.handler.unary_stream(self.handler.request_deserializer(data), _Context()):
                 await _sleep(costs.verifier.stream_token_s)
-                out = self.handler.response_serializer(reply)
-                down.send(conn.departure("down", _message_bytes(out)), out)
-            down.send(conn.departure("down", CALL_DOWN_BYTES), None)
-        except _Abort as a:
-            down.send(conn.departure("down", CALL_DOWN_BYTES), a.error)
-        except LinkReset:
-            down.send(asyncio.get_running_loop().time(), _unavailable("the link reset the connection"))
+                yield reply
+        await _send_replies(replies(), self.handler, self.conn, self.down)
 
     def __aiter__(self) -> AsyncIterator:
         return self._responses()
 
     async def _responses(self):
         try:
-            while True:
-                item = await self.down.out.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield self.deser(item)
+            async for item in _received(self.down, self.deser):
+                yield item
         finally:
             self.task.cancel()
             self.down.cancel()
@@ -348,28 +364,11 @@ class _StreamCall:
             yield self.handler.request_deserializer(data)
 
     async def _serve(self) -> None:
-        conn, down = self.conn, self.down
-        try:
-            async for reply in self.handler.stream_stream(self._requests(), _Context()):
-                out = self.handler.response_serializer(reply)
-                down.send(conn.departure("down", _message_bytes(out)), out)
-            down.send(conn.departure("down", CALL_DOWN_BYTES), None)
-        except _Abort as a:
-            down.send(conn.departure("down", CALL_DOWN_BYTES), a.error)
-        except LinkReset:
-            down.send(asyncio.get_running_loop().time(), _unavailable("the link reset the connection"))
+        await _send_replies(self.handler.stream_stream(self._requests(), _Context()), self.handler, self.conn,
+                            self.down)
 
     def __aiter__(self) -> AsyncIterator:
-        return self._responses()
-
-    async def _responses(self):
-        while True:
-            item = await self.down.out.get()
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield self.deser(item)
+        return _received(self.down, self.deser)
 
     def cancel(self) -> bool:
         self.cancelled = True
