@@ -213,3 +213,14 @@ def test_the_in_process_channel_carries_statuses_and_streams_as_grpc_does():
     (code, details), ids, seconds = vloop.run(main)
     assert code == grpc.StatusCode.NOT_FOUND and "nobody" in details
     assert len(ids) == 4 and seconds == pytest.approx(0.010 + 4 * 0.010, abs=1e-9)   # the round trip, four passes
+
+
+def test_a_sweep_cell_gives_tokens_per_second_per_mode_and_the_same_twice():
+    from netsim.virtual.sweep import Cell, expected_alpha, noise_for_alpha, run_cell
+    assert expected_alpha(noise_for_alpha(0.4)) == pytest.approx(0.4, abs=0.01)
+    assert noise_for_alpha(0.9) < noise_for_alpha(0.4)          # a better draft is a less noisy one
+    cell = Cell(rtt_ms=300, draft_ms=5, pass_ms=40, slope=0.0, alpha=0.9, tokens=16)
+    one, two = run_cell(cell, modes=("per-token", "hybrid")), run_cell(cell, modes=("per-token", "hybrid"))
+    assert one.tokens_per_s == two.tokens_per_s and set(one.tokens_per_s) == {"per-token", "hybrid-g4"}
+    # At α 0.9 on a 300 ms link, four drafts a round trip beat one (the grid's premise, checked once).
+    assert one.best == "hybrid-g4"
