@@ -12,7 +12,9 @@ Every message is still serialised to bytes, and those bytes cross the profile's 
 arrives when the link's effects say it leaves, counting its gRPC prefix and an HTTP/2 frame
 header; each call also carries its HEADERS frames (`CALL_UP_BYTES`, `CALL_DOWN_BYTES`, our
 estimate of HPACK-compressed headers after the first call). Not modelled: HTTP/2 flow-control
-windows, TCP's congestion window and slow start, PING and WINDOW_UPDATE frames. A link reset
+windows, TCP's congestion window and slow start, PING and WINDOW_UPDATE frames (against the proxy's
+wire counts of the same runs, the synthetic pair on 3g: a few tens of bytes short a message each way,
+and a few hundred a connection's set-up; none of them on a message's path). A link reset
 (an outage in reset mode) fails the calls in flight on that connection UNAVAILABLE, and the next
 call opens a new connection, as gRPC reconnects.
 
