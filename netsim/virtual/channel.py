@@ -192,12 +192,13 @@ class InProcessChannel:
 
         async def call():
             await _sleep(self.costs.edge.host_round_s)
+            data = ser(request)
             try:
-                await conn.carry("up", _message_bytes(ser(request)) + CALL_UP_BYTES)
+                await conn.carry("up", _message_bytes(data) + CALL_UP_BYTES)
             except LinkReset:
                 raise _unavailable("the link reset the connection") from None
             await _sleep(self.costs.verifier.host_round_s)
-            req = handler.request_deserializer(ser(request))
+            req = handler.request_deserializer(data)
             try:
                 reply = await handler.unary_unary(req, _Context())
             except _Abort as a:
