@@ -162,6 +162,15 @@ def backend_from_args(args):
     return backend
 
 
+def limits_from_args(args, backend):
+    """The engine's Limits from the serve options (the sessions: as many as the backend holds)."""
+    from cloud_verifier.validation import Limits
+    max_sessions = args.max_sessions or backend.caps.max_states or Limits.max_sessions
+    return Limits(max_gamma=args.max_gamma, max_sessions=max_sessions, session_ttl_s=args.session_ttl,
+                  default_max_new_tokens=args.max_new_tokens, steer=args.steer == "on",
+                  slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms, pipeline_wait_s=args.pipeline_wait)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cloud-verifier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -213,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported here, not at the top: build_parser() needs only argparse (the docs build renders it).
-    from cloud_verifier.validation import Limits
     from cloud_verifier.process import READY
     from cloud_verifier.server import BindError, serve_forever
     tls, tokens, policy = security_from_args(args)
@@ -224,10 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise SystemExit(f"cloud-verifier: --prefill-chunk must be >= 1, got {args.prefill_chunk}")
     backend = backend_from_args(args)
-    max_sessions = args.max_sessions or backend.caps.max_states or Limits.max_sessions
-    limits = Limits(max_gamma=args.max_gamma, max_sessions=max_sessions, session_ttl_s=args.session_ttl,
-                    default_max_new_tokens=args.max_new_tokens, steer=args.steer == "on",
-                    slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms, pipeline_wait_s=args.pipeline_wait)
+    limits = limits_from_args(args, backend)
     try:
         asyncio.run(serve_forever(backend, args.host, args.port, limits, args.metrics_port,
                                   on_ready=lambda port: print(f"{READY} {args.host}:{port}", flush=True),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from typing import AsyncIterator, NamedTuple, Sequence
 
 import grpc
@@ -24,6 +23,7 @@ from cloud_verifier.rounds import Alternative, Choice, FollowingRun, RoundRun, f
 from cloud_verifier.sessions import Session, SessionLifecycle, SessionStore
 from cloud_verifier.validation import Limits, RequestError, ValidRound, Validator, quoted, text_open
 from cloud_verifier.workers import run_in_thread
+from spec_core import clock
 from spec_core.continuations import pick_continuation
 from spec_core.crossvocab import pack_token_bytes
 from spec_core.proto import verifier_pb2 as pb
@@ -94,7 +94,7 @@ class VerifierEngine:
     async def verify(self, valid: ValidRound) -> pb.VerifyReply:
         """One round of a validated request (`validate`): resolve the session, choose the
         alternative, run the round, commit, reply. A retry of a committed round gets its reply."""
-        t_start = time.perf_counter()
+        t_start = clock.now()
         req = valid.req
         session, committed_length = await self.lifecycle.resolve(valid)
         if valid.alternatives[0].assumed:
@@ -158,7 +158,7 @@ class VerifierEngine:
             session.round_done = asyncio.Event()
             if last.finish_reason is not FinishReason.NOT_FINISHED:
                 self.lifecycle.end(session)
-            metrics.observe_round(run.n_verified, done.num_accepted, run.model_s, time.perf_counter() - t_start)
+            metrics.observe_round(run.n_verified, done.num_accepted, run.model_s, clock.now() - t_start)
             return reply
 
     def _lent_round(self, session: Session, round_: int) -> ValidRound | None:
@@ -234,7 +234,7 @@ class VerifierEngine:
         session.tokens.extend(done.tokens)
         session.finish_reason = wire_finish(done.finish_reason)
         session.round = round_
-        now = time.perf_counter()
+        now = clock.now()
         self.commits.observe(now, len(done.tokens))
         metrics.COMMITTED_TOKENS.inc(len(done.tokens))
         if session.first_token_at is None and done.tokens:
@@ -243,7 +243,7 @@ class VerifierEngine:
             session.acceptance.observe(run.n_verified, len(run.kept), len(run.kept) < run.n_verified)
         # Used until now, not since the round arrived: a round that queued for seconds behind
         # many others must not leave its session looking idle (and evictable) as it ends.
-        session.last_used = time.monotonic()
+        session.last_used = clock.now()
         return done
 
     def _reply(self, session: Session, req: pb.VerifyRequest, index: int, run: RoundRun, done: Commit,
@@ -253,13 +253,13 @@ class VerifierEngine:
             session_id=session.id, round=round_ or req.round, num_accepted=done.num_accepted,
             committed_length=len(session.tokens), finish_reason=session.finish_reason,
             timings=pb.ServerTimings(model_ms=run.model_s * 1e3, queue_ms=run.queue_s * 1e3,
-                                     total_ms=(time.perf_counter() - t_start) * 1e3))
+                                     total_ms=(clock.now() - t_start) * 1e3))
         if done.has_next_token:
             reply.next_token_id = done.tokens[-1]
         if round_ is None and req.HasField("open") and text_open(req.open):
             reply.prompt_token_ids.extend(session.tokens[: session.prompt_len])
         reply.kept_nodes.extend(run.kept_nodes[: done.num_accepted])
-        budget = self._budget(session, time.perf_counter())
+        budget = self._budget(session, clock.now())
         if budget is not None:
             reply.budget.CopyFrom(budget)
         reply.continuation = index
@@ -348,13 +348,13 @@ class VerifierEngine:
         first_token_at = None
         for generated in range(settings.max_new_tokens):
             if self.default_slo is not None:
-                self.backend.set_deadline(state, self.default_slo.due(time.perf_counter(), first_token_at, generated))
+                self.backend.set_deadline(state, self.default_slo.due(clock.now(), first_token_at, generated))
             try:
                 step = await run_in_thread(self.backend.sample_next, state, tokens, settings, rng)
             except StateLost as e:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the stream lost its KV cache ({e}); "
                                    "retry shortly", retry_after_s=1.0) from None
-            now = time.perf_counter()
+            now = clock.now()
             self.commits.observe(now, 1)
             metrics.COMMITTED_TOKENS.inc()
             first_token_at = first_token_at or (now, generated + 1)

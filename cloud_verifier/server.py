@@ -31,7 +31,7 @@ from cloud_verifier.guard import CallGuard
 from cloud_verifier.sessions import current_tenant
 from cloud_verifier.validation import Limits, RequestError, quoted
 from cloud_verifier.workers import run_in_thread
-from spec_core import __version__
+from spec_core import __version__, clock
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY
@@ -228,7 +228,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         not handed back yet (an idle one is not waited for: its edge replays wherever it goes next).
         A round queued behind many others counts as use: on a busy verifier it can wait longer than
         `idle_s`, and a session left out then would be cut by the port closing instead of handed back."""
-        now = time.monotonic()
+        now = clock.now()   # the sessions' clock (spec_core.clock)
         return sum(1 for s in self.engine.held_sessions()
                    if s.state is not None and s.id not in self.moved
                    and (s.lock.locked() or now - s.last_used < idle_s))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import secrets
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -30,6 +29,7 @@ from cloud_verifier.backends.base import Backend, NoFreeState
 from cloud_verifier.validation import (RequestError, ValidOpen, ValidRound, Validator, open_digest, quoted,
                                        text_open)
 from cloud_verifier.workers import run_in_thread
+from spec_core import clock
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.slo import Slo
 from spec_core.steering import Acceptance
@@ -96,7 +96,7 @@ class Session:
     round: int = 0                # last completed round
     replies: ReplyCache = field(default_factory=ReplyCache)  # the last rounds' replies, for retries
     finish_reason: int = pb.NOT_FINISHED
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=clock.now)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tenant: str = ""              # who opened it (current_tenant at open); only they may use it
     round_done: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) per round;
@@ -137,7 +137,7 @@ class SessionStore:
         s = self._by_id.get(session_id)
         if s is None or s.tenant != current_tenant.get():
             return None
-        s.last_used = time.monotonic()
+        s.last_used = clock.now()
         self._by_id.move_to_end(session_id)
         return s
 
@@ -151,7 +151,7 @@ class SessionStore:
     def has_room(self) -> bool:
         """Whether add() would find a slot now (a free one, or an idle session to evict)."""
         self.expire()
-        now = time.monotonic()
+        now = clock.now()
         return len(self._by_id) < self.max_sessions or any(self._evictable(s, now) for s in self._by_id.values())
 
     def unfinished(self, tenant: str) -> int:
@@ -160,7 +160,7 @@ class SessionStore:
 
     def add(self, make: Callable[[str], Session]) -> Session:
         self.expire()
-        now = time.monotonic()
+        now = clock.now()
         while len(self._by_id) >= self.max_sessions:
             # Evict the least recently used session that is neither mid-round nor recently used,
             # preferring finished ones (kept only to answer a retried last round; they hold no KV cache).
@@ -182,7 +182,7 @@ class SessionStore:
         used within `evict_idle_after_s`, and whose release makes room for a new one
         (`frees_room(state)`, the backend's Backend.release_frees_room: not a session whose KV
         cells are parked in host memory while no place is free, as evicting it frees no place)."""
-        now = time.monotonic()
+        now = clock.now()
         victim = next((s for s in self._by_id.values()
                        if s.state is not None and self._evictable(s, now) and frees_room(s.state)), None)
         if victim is None:
@@ -214,7 +214,7 @@ class SessionStore:
             self._release_now(s)
 
     def expire(self) -> None:
-        cutoff = time.monotonic() - self.ttl_s
+        cutoff = clock.now() - self.ttl_s
         for sid in [sid for sid, s in self._by_id.items() if s.last_used < cutoff and not s.lock.locked()]:
             self.remove(sid)
             self.evicted += 1

@@ -45,6 +45,7 @@ from edge_client.session import Generation
 from edge_client.stats import CloudOnlyStats, GenerationStats, RoundEvent
 from edge_client.transport import (_SERVER_LIMITS, EdgeError, Verifier, auth_metadata, open_channel, sampling_proto,
                                    stream_cloud_only)
+from spec_core import clock
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
@@ -134,7 +135,10 @@ class EdgeClient:
     async def run_drafting(self, fn, *args, thread: bool = False):
         """Run drafting work in the drafting executor when there is one (a server: one worker
         serialises the sessions' drafting); else inline, or in a thread for work that overlaps a
-        round trip."""
+        round trip. On a virtual clock (spec_core.clock) always inline, its charged time waited out (as
+        it is charged, for work that overlaps a round trip)."""
+        if clock.inline():
+            return await clock.run_inline(fn, *args, stepped=thread)
         if self.draft_executor is not None:
             return await asyncio.get_running_loop().run_in_executor(self.draft_executor, fn, *args)
         if thread:

@@ -70,7 +70,7 @@ class UplinkFit:
 
 @dataclass
 class ContinuationBudget:
-    """When to stop drafting continuations, as times on time.perf_counter()'s clock.
+    """When to stop drafting continuations, as times on spec_core.clock's clock.
 
     t_reply: when the reply to the round in flight is expected; rtt_s: the network round trip;
     fresh_draft_s: what drafting the next round after the reply would cost (saved by a hit)."""

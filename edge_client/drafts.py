@@ -6,7 +6,6 @@ server's drafting executor), so nothing here touches the session's committed sta
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 
@@ -15,6 +14,7 @@ from edge_client.drafters import Drafter
 from edge_client.gamma import RoundPlan, TreePolicy
 from edge_client.options import Speculation
 from edge_client.rounds import GREEDY, Guess, Prepared
+from spec_core import clock
 from spec_core.continuations import MAX_CONTINUATION_NODES, MAX_CONTINUATIONS, Outcome
 from spec_core.drafting import QMode
 from spec_core.estimates import Acceptance
@@ -85,7 +85,7 @@ class RoundDrafts:
             # How long: as many outcomes covered as pay, times what a hit commits (edge_client.continuations).
             t_row = self.planner.t_row_s or prep.seconds / max(prep.rows, 1)
             gamma = choose_length(outcomes, self.acceptance.alpha, plan.gamma, t_row, nbytes / max(len(prep.tree), 1),
-                                  budget, time.perf_counter())
+                                  budget, clock.now())
             plan = RoundPlan(plan.arm, gamma)
             spent = [(gamma + 1) * t_row]
         for outcome in outcomes:
@@ -95,11 +95,11 @@ class RoundDrafts:
             if self.stop_ids & set(tokens) or len(tokens) + 1 >= remaining:
                 continue
             if (out or budget.check_first) and (self.spec.pipeline or budget.check_first) and \
-                    not budget.worth(outcome.prob, covered, time.perf_counter(), sum(spent) / len(spent), nbytes):
+                    not budget.worth(outcome.prob, covered, clock.now(), sum(spent) / len(spent), nbytes):
                 break
-            t0 = time.perf_counter()
+            t0 = clock.now()
             nxt = self.prepare(prep.base + tokens, plan.within(remaining - len(tokens)))
-            spent.append(time.perf_counter() - t0)
+            spent.append(clock.now() - t0)
             nodes += len(nxt.tree)   # the verifier bounds all of a round's continuations together
             if out and nodes > MAX_CONTINUATION_NODES:
                 break

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from typing import Awaitable, Callable, Protocol, Sequence
 
 import grpc
@@ -37,6 +36,7 @@ from edge_client.rounds import Flight, Guess, Prepared, extends, pass_nodes
 from edge_client.stats import GenerationStats, RoundEvent
 from edge_client.stream import RoundStream, verify_on_stream
 from edge_client.transport import EdgeError, Verifier, sampling_proto
+from spec_core import clock
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.estimates import Acceptance
 from spec_core.proto import qpayload
@@ -86,7 +86,7 @@ class RoundLoop:
         self.replays_in_a_row, self.replayed_at = 0, -1   # for max_replays (_replay_after)
         self.gammas: list[int] = []
         self.nodes_sent = 0
-        self.t0 = time.perf_counter()
+        self.t0 = clock.now()
         self.pieces: list[str] = []
         self.finished = False
         self.final: pb.VerifyReply | None = None  # the last reply applied: its finish reason is the generation's
@@ -162,12 +162,12 @@ class RoundLoop:
                 return
             stop = threading.Event()   # the oldest reply is here: stop drafting, use it first
             flights[0].task.add_done_callback(lambda _: stop.set())
-            t0 = time.perf_counter()
+            t0 = clock.now()
             guesses = await self.link.run_drafting(
                 self.drafts.continuations, after.prep, self._remaining(after.prep.base),
                 self.drafts.budget(after.prep, t0, self.uplink.seconds_per_byte(), live + 1 if live < depth else 1),
                 stop, thread=True)
-            self.window.draft_s.observe(time.perf_counter() - t0)
+            self.window.draft_s.observe(clock.now() - t0)
             if not guesses:
                 return
             if live < depth and not last.task.done():
@@ -216,7 +216,7 @@ class RoundLoop:
             self.st.continuation_rounds += 1
         # Retried like any round: a lost reply is answered from the server's cache.
         task = asyncio.ensure_future(self._send(req))
-        self.window.add(Flight(round_, guesses, base_len, task, time.perf_counter(), req.ByteSize(),
+        self.window.add(Flight(round_, guesses, base_len, task, clock.now(), req.ByteSize(),
                                pipelined=pipelined, fused=list(fused)))
 
     async def _take_head(self) -> str:
@@ -238,7 +238,7 @@ class RoundLoop:
                 raise
             return ""
         w.flights.pop(0)
-        round_s = time.perf_counter() - head.t_sent
+        round_s = clock.now() - head.t_sent
         self.uplink.observe(head.req_bytes, round_s - reply.timings.total_ms / 1e3)
         if reply.base_mismatch:
             self.st.discarded_rounds += 1
@@ -310,7 +310,7 @@ class RoundLoop:
         until complete)."""
         st, pairing = self.st, self.pairing
         if new and not st.ttft_s:
-            st.ttft_s = time.perf_counter() - self.t0
+            st.ttft_s = clock.now() - self.t0
         if self.finished:
             st.finish_reason = pb.FinishReason.Name(self.final.finish_reason).lower()
         piece = self.decoder.decode(b"".join(pairing.tokenizer.token_bytes(t) for t in new
@@ -418,7 +418,7 @@ class RoundLoop:
 
     def _complete_stats(self) -> None:
         st = self.st
-        st.wall_s = time.perf_counter() - self.t0
+        st.wall_s = clock.now() - self.t0
         st.text = "".join(self.pieces)
         st.token_ids = self.committed[self.prompt_len:]
         st.tokens = len(st.token_ids)

@@ -6,7 +6,6 @@ import asyncio
 import ipaddress
 import logging
 import random
-import time
 import weakref
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
@@ -15,6 +14,7 @@ import grpc
 
 from edge_client.options import Security, ServerLimits, Transport
 from edge_client.stats import CloudOnlyStats, GenerationStats
+from spec_core import clock
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
@@ -164,14 +164,14 @@ def sampling_proto(s: SamplingSettings) -> pb.SamplingParams:
 async def stream_cloud_only(stub: pb_grpc.VerifierStub, prompt_ids: Sequence[int], settings: SamplingSettings,
                             timeout_s: float = 600.0, token: str | None = None) -> CloudOnlyStats:
     """Run the Generate stream and time it (wall from the request, TTFT at the first token)."""
-    t0 = time.perf_counter()
+    t0 = clock.now()
     ttft, ids = 0.0, []
     async for chunk in stub.Generate(pb.GenerateRequest(prompt_token_ids=list(prompt_ids),
                                                         sampling=sampling_proto(settings)), timeout=timeout_s,
                                      metadata=auth_metadata(token)):
         ids.extend(chunk.token_ids)
-        ttft = ttft or time.perf_counter() - t0
-    return CloudOnlyStats(len(ids), time.perf_counter() - t0, ttft, ids)
+        ttft = ttft or clock.now() - t0
+    return CloudOnlyStats(len(ids), clock.now() - t0, ttft, ids)
 
 
 class Verifier:

@@ -1,4 +1,5 @@
-"""The `netsim` command: `netsim proxy`, `netsim profiles`, `netsim experiment`, `netsim load`.
+"""The `netsim` command: `netsim proxy`, `netsim profiles`, `netsim experiment`, `netsim load`,
+`netsim calibrate`, `netsim sweep`.
 
 Each subcommand is one `_add_<name>_command(subparsers)` function that registers its parser
 and sets `run` to the function that carries it out; `build_parser` lists them. The
@@ -139,7 +140,42 @@ def _run_experiment(args: argparse.Namespace) -> int:
         crossover_steps_ms=[float(x) for x in _csv(args.crossover_steps)])
     for name in cfg.profiles:
         get_profile(name)  # fail before a long run, with the list of names
+    if args.clock == "virtual":
+        return _run_virtual(cfg, args.costs, args.workers)
+    if args.costs:
+        raise SystemExit("netsim: --costs is for --clock virtual (the wall clock measures its own costs)")
     return _run_and_report(run_experiment, write_all, cfg, label_width=48)
+
+
+def _run_virtual(cfg, costs_name: str | None, workers: int = 1) -> int:
+    """The experiment on the virtual clock (netsim.virtual.experiment): the shipped edge loop and
+    engine in this process, time from the cost table, results byte for byte the same on any machine."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hybridspec.machine import describe as describe_machine
+    from hybridspec.virtual import make_verifier
+    from .report import write_all
+    from .virtual.costs import default_table, load_table
+    from .virtual.experiment import run_virtual_experiment
+
+    try:
+        costs = load_table(costs_name) if costs_name else default_table(cfg)
+    except ValueError as e:
+        raise SystemExit(f"netsim: {e}") from None
+    started, t0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
+    with Progress(TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn()) as progress:
+        result = run_virtual_experiment(cfg, costs, make_verifier, progress, workers=workers)
+    paths = write_all(result, cfg.out)
+    run = {"clock": "virtual", "cost_table": costs.name, "started": started, "real_s": time.perf_counter() - t0,
+           "machine": describe_machine(), "command": " ".join(sys.argv)}
+    paths["run"] = cfg.out / "run.json"
+    paths["run"].write_text(json.dumps(run, indent=1) + "\n")
+    print(paths["report"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
 
 
 def _models(args: argparse.Namespace):
@@ -205,8 +241,23 @@ def _add_experiment_command(subparsers) -> None:
     parser.add_argument("--no-crossover", action="store_true", help="skip the synthetic RTT x cloud-step grid")
     parser.add_argument("--crossover-rtts", default="5,50,150,300,600", help="link RTTs in ms for the grid")
     parser.add_argument("--crossover-steps", default="5,20,60,150", help="cloud step times in ms for the grid")
+    parser.add_argument("--clock", choices=["wall", "virtual"], default="wall",
+                        help="wall: a verifier process and the link proxy, timed on this machine; virtual: the same "
+                             "edge loop and engine in this process, every cost from --costs and the links drawn from "
+                             "the seed (the same results on any machine: docs/netsim.md#two-clocks)")
+    parser.add_argument("--costs", metavar="TABLE",
+                        help="(--clock virtual) cost table: a file from `netsim calibrate`, or a shipped one: "
+                             + ", ".join(_shipped_names()) + " (default: the pair's own table; the synthetic pair: "
+                             "its --synthetic-* costs)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="(--clock virtual) worker processes, a profile each at a time (the results do not change)")
     parser.add_argument("--out", default="results", help="output folder")
     parser.set_defaults(run=_run_experiment)
+
+
+def _shipped_names() -> list[str]:
+    from .virtual.costs import shipped_tables
+    return sorted(shipped_tables())
 
 
 # --- load -------------------------------------------------------------------------------
@@ -401,13 +452,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_experiment_command(subparsers)
     _add_load_command(subparsers)
     _add_fleet_command(subparsers)
+    from .virtual.cli import add_calibrate_command, add_sweep_command
+    add_calibrate_command(subparsers, _add_model_options, _models)
+    add_sweep_command(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The experiment draws a progress bar: per-connection INFO lines would scroll it away.
-    quiet = logging.WARNING if args.command in ("experiment", "load") else logging.INFO
+    quiet = logging.WARNING if args.command in ("experiment", "load", "calibrate", "sweep") else logging.INFO
     logging.basicConfig(level=logging.DEBUG if args.verbose else quiet,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.run(args)

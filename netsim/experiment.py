@@ -30,6 +30,7 @@ import logging
 import statistics
 import subprocess
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -43,6 +44,7 @@ from netsim.effects import Delay
 from netsim.link import Link
 from netsim.profiles import Profile, get_profile
 from netsim.proxy import LinkProxy
+from spec_core import clock
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +193,7 @@ class Runner:
 
     def prompt_ids(self, prompt: str) -> list[int]:
         if self.cfg.synthetic:
-            rng = np.random.default_rng(abs(hash(prompt)) % 2**32)
+            rng = np.random.default_rng(zlib.crc32(prompt.encode()))   # the same ids in every process
             return [0] + rng.integers(2, 64, size=12).tolist()
         from edge_client.text import render_chat
         return render_chat(self.target_vocab, prompt)
@@ -217,77 +219,112 @@ class Runner:
         as an edge without the target's tokenizer does. Cloud-only sends `prompt_ids`, the same
         rendering made here."""
         settings = self.settings(workload, max_tokens)
-        label = f"{mode}-g{gamma}" if mode in PER_GAMMA_MODES else mode
         if mode == "edge-only":
             return self._edge_only(profile, workload, index, draft_prompt_ids or prompt_ids, settings)
-        from edge_client.client import EdgeClient, stream_cloud_only
-        from edge_client.options import EdgeOptions, Speculation, Transport
-        from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.VerifierStub(channel)
-            await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=120)  # connect + warm up, not timed
+            from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
+            await pb_grpc.VerifierStub(channel).GetServerInfo(pb.ServerInfoRequest(), timeout=120)  # connect + warm up, not timed
             before = (proxy.stats.bytes_up, proxy.stats.bytes_down) if proxy else (0, 0)
-            if mode == "cloud-only":
-                base = await stream_cloud_only(stub, prompt_ids, settings)
-                tokens, wall, ttft = base.tokens, base.wall_s, base.ttft_s
-                rounds, acc, alpha, tpr, theory, passes, retries, replays = 1, None, None, None, None, tokens, 0, 0
-            else:
-                g = {"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)
-                # Every mode but auto pins its round's shape; auto is the default edge (the planner).
-                extra = {"proactive": {"proactive": True}, "pipeline": {"pipeline": True, "max_continuations": 1},
-                         "continuations": {"pipeline": True}, "window": {"window": WINDOW},
-                         "fused": {"pipeline": True, "fuse": True}}.get(mode, {})
-                if mode == "tree":
-                    extra = {"tree": f"budget={4 * int(gamma)},depth={gamma},branching=2,width=2"}
-                shape = {"plan": "auto"} if mode == "auto" else {"plan": "off", "gamma": g, **extra}
-                options = EdgeOptions(Transport(f"127.0.0.1:{port}", deadline_s=120),
-                                      Speculation(qmode=self.cfg.qmode, **shape))
-                async with EdgeClient(options, self.drafter, self.tokenizer, channel=channel) as client:
-                    from edge_client.crossvocab import Chat
-                    cross = not self.cfg.synthetic and self.cross_vocabulary and chat is not None
-                    gen = client.generate(Chat.of(chat) if cross else prompt_ids, settings)
-                    await gen.text()
-                    cross_rounds = getattr(client.drafter, "view", None) is not None   # drafted across vocabularies
-                st = gen.stats
-                tokens, wall, ttft = st.tokens, st.wall_s, st.ttft_s
-                # A fused hit is a round answered with the one before: no round trip, no pass of its own.
-                rounds = st.rounds - st.fused_hits + st.retries + st.discarded_rounds
-                acc, alpha, tpr = st.acceptance_rate, st.alpha, st.tokens_per_round
-                theory = st.expected_tokens_per_round
-                passes, retries, replays = st.rounds - st.fused_hits, st.retries, st.replays
+            st, cross_rounds = await self.run_on(channel, f"127.0.0.1:{port}", mode, gamma, prompt_ids, settings, chat)
             await asyncio.sleep(0.05)  # let the proxy account the last bytes
             up = (proxy.stats.bytes_up - before[0]) if proxy else 0
             down = (proxy.stats.bytes_down - before[1]) if proxy else 0
-        n = max(tokens, 1)
-        row = Row(profile.name, label, workload, index, str({"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)),
-                  tokens, wall, tokens / wall if wall else 0.0, ttft, rounds, rounds / n, up, down, up / n, down / n, acc,
-                  alpha, tpr, theory, passes, passes / n, retries, replays, profile.rtt_ms())
-        if mode != "cloud-only":
-            row.nodes_per_round = st.nodes_per_round
-            row.rolled_back_per_round = st.draft_rolled_back / max(st.rounds, 1) if cross_rounds else None
-            row.reused_drafts, row.pipelined_rounds, row.discarded_rounds = (st.reused_drafts, st.pipelined_rounds,
-                                                                             st.discarded_rounds)
-            row.continuation_rounds, row.continuations_sent, row.continuation_hits = (
-                st.continuation_rounds, st.continuations_sent, st.continuation_hits)
-            row.window_depth = st.window_depth or None
-            row.fused_rounds, row.fused_hits = st.fused_rounds, st.fused_hits
-            row.shapes = st.shapes or None
-            row.draft_s, row.server_model_s = st.draft_s, st.server_model_s
-            row.target_tokens = round(st.nodes_per_round * st.rounds) + passes
-        else:
-            row.target_tokens = tokens
-        return row
+        return make_row(profile, mode, gamma, workload, index, st, up, down, cross_rounds)
+
+    async def run_on(self, channel, address: str, mode: str, gamma: int | str, prompt_ids: list[int], settings,
+                     chat: str | None, client_class=None):
+        """One mode's generation on an open channel (a gRPC channel, or the virtual clock's in-process
+        one): its stats (CloudOnlyStats for cloud-only) and whether it drafted across vocabularies."""
+        from edge_client.client import EdgeClient, stream_cloud_only
+        from edge_client.options import EdgeOptions, Speculation, Transport
+        from spec_core.proto import verifier_pb2_grpc as pb_grpc
+        if mode == "cloud-only":
+            return await stream_cloud_only(pb_grpc.VerifierStub(channel), prompt_ids, settings), False
+        options = EdgeOptions(Transport(address, deadline_s=120),
+                              Speculation(qmode=self.cfg.qmode, **mode_shape(mode, gamma)))
+        async with (client_class or EdgeClient)(options, self.drafter, self.tokenizer, channel=channel) as client:
+            from edge_client.crossvocab import Chat
+            cross = not self.cfg.synthetic and self.cross_vocabulary and chat is not None
+            gen = client.generate(Chat.of(chat) if cross else prompt_ids, settings)
+            await gen.text()
+            cross_rounds = getattr(client.drafter, "view", None) is not None   # drafted across vocabularies
+        return gen.stats, cross_rounds
 
     def _edge_only(self, profile, workload, index, prompt_ids, settings) -> Row:
         from spec_core.drafting import QMode
         rng = np.random.default_rng(settings.seed)
         seq = list(prompt_ids)
-        t0 = time.perf_counter()
+        t0 = clock.now()
         draft = self.drafter.propose(seq, settings.max_new_tokens, settings, QMode("float", 0), rng)
-        wall = time.perf_counter() - t0
+        wall = clock.now() - t0
         n = len(draft.tokens)
         return Row(profile.name, "edge-only", workload, index, "-", n, wall, n / wall if wall else 0.0,
                    wall / max(n, 1), 0, 0.0, 0, 0, 0.0, 0.0, None, None, None, None, 0, 0.0, rtt_ms=profile.rtt_ms())
+
+
+def mode_label(mode: str, gamma: int | str) -> str:
+    return f"{mode}-g{gamma}" if mode in PER_GAMMA_MODES else mode
+
+
+def mode_shape(mode: str, gamma: int | str) -> dict:
+    """The Speculation fields a mode pins (every mode but auto pins its round's shape; auto is the
+    default edge: the planner)."""
+    if mode == "auto":
+        return {"plan": "auto"}
+    g = {"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)
+    extra = {"proactive": {"proactive": True}, "pipeline": {"pipeline": True, "max_continuations": 1},
+             "continuations": {"pipeline": True}, "window": {"window": WINDOW},
+             "fused": {"pipeline": True, "fuse": True}}.get(mode, {})
+    if mode == "tree":
+        extra = {"tree": f"budget={4 * int(gamma)},depth={gamma},branching=2,width=2"}
+    return {"plan": "off", "gamma": g, **extra}
+
+
+def expand_modes(modes: list[str], gammas: list[int]) -> list[tuple[str, int | str]]:
+    """(mode, gamma) per run: one per γ in `gammas` for the modes that take one."""
+    out: list[tuple[str, int | str]] = []
+    for m in modes:
+        if m in PER_GAMMA_MODES:
+            out += [(m, g) for g in gammas]
+        else:
+            out.append((m, {"adaptive": "adaptive", "auto": "auto"}.get(m, 1)))
+    return out
+
+
+def make_row(profile: Profile, mode: str, gamma: int | str, workload: str, index: int, st, up: int, down: int,
+             cross_rounds: bool) -> Row:
+    """A run's row from its stats (edge_client GenerationStats, or CloudOnlyStats for cloud-only) and
+    the bytes the link carried."""
+    if mode == "cloud-only":
+        tokens, wall, ttft = st.tokens, st.wall_s, st.ttft_s
+        rounds, acc, alpha, tpr, theory, passes, retries, replays = 1, None, None, None, None, tokens, 0, 0
+    else:
+        tokens, wall, ttft = st.tokens, st.wall_s, st.ttft_s
+        # A fused hit is a round answered with the one before: no round trip, no pass of its own.
+        rounds = st.rounds - st.fused_hits + st.retries + st.discarded_rounds
+        acc, alpha, tpr = st.acceptance_rate, st.alpha, st.tokens_per_round
+        theory = st.expected_tokens_per_round
+        passes, retries, replays = st.rounds - st.fused_hits, st.retries, st.replays
+    n = max(tokens, 1)
+    row = Row(profile.name, mode_label(mode, gamma), workload, index,
+              str({"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)), tokens, wall,
+              tokens / wall if wall else 0.0, ttft, rounds, rounds / n, up, down, up / n, down / n, acc,
+              alpha, tpr, theory, passes, passes / n, retries, replays, profile.rtt_ms())
+    if mode != "cloud-only":
+        row.nodes_per_round = st.nodes_per_round
+        row.rolled_back_per_round = st.draft_rolled_back / max(st.rounds, 1) if cross_rounds else None
+        row.reused_drafts, row.pipelined_rounds, row.discarded_rounds = (st.reused_drafts, st.pipelined_rounds,
+                                                                         st.discarded_rounds)
+        row.continuation_rounds, row.continuations_sent, row.continuation_hits = (
+            st.continuation_rounds, st.continuations_sent, st.continuation_hits)
+        row.window_depth = st.window_depth or None
+        row.fused_rounds, row.fused_hits = st.fused_rounds, st.fused_hits
+        row.shapes = st.shapes or None
+        row.draft_s, row.server_model_s = st.draft_s, st.server_model_s
+        row.target_tokens = round(st.nodes_per_round * st.rounds) + passes
+    else:
+        row.target_tokens = tokens
+    return row
 
 
 def delay_profile(rtt_ms: float) -> Profile:
@@ -308,12 +345,7 @@ async def run_experiment(cfg: ExperimentConfig, progress=None) -> dict:
                              total=None) if progress else None
     runner = Runner(cfg)
     workloads = load_workloads(cfg.workloads, cfg.prompts_per_workload)
-    modes: list[tuple[str, int | str]] = []
-    for m in cfg.modes:
-        if m in PER_GAMMA_MODES:
-            modes += [(m, g) for g in cfg.gammas]
-        else:
-            modes.append((m, {"adaptive": "adaptive", "auto": "auto"}.get(m, 1)))
+    modes = expand_modes(cfg.modes, cfg.gammas)
     rows: list[Row] = []
     total = len(cfg.profiles) * len(modes) * len(workloads)
     crossover_points = (len(cfg.crossover_rtts_ms) * len(cfg.crossover_steps_ms) * 2) if cfg.crossover else 0
@@ -343,7 +375,7 @@ async def run_experiment(cfg: ExperimentConfig, progress=None) -> dict:
         proc.terminate()
         proc.wait(30)
     crossover = await run_crossover(cfg, progress, task) if cfg.crossover else []
-    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+    result = {"clock": "wall", "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
               "profiles": {n: get_profile(n).to_dict() for n in cfg.profiles},
               "rows": [asdict(r) for r in rows], "crossover": crossover,
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": describe_machine(),

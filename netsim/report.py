@@ -61,16 +61,31 @@ def _models_line(result: dict) -> str:
     return pair + names + (" (two tokenizers: cross-vocabulary drafting)" if models.get("cross_vocabulary") else "")
 
 
+def _clock_line(result: dict) -> str:
+    """Which clock produced the figures: the wall (this machine, its load) or the virtual one (a cost table)."""
+    if result.get("clock") == "virtual":
+        t = result["cost_table"]
+        marks = ", ".join(m for m, on in (("measured", t.get("measured")), ("BUSY machine", t.get("busy")),
+                                          ("provisional", t.get("provisional"))) if on) or "not measured here"
+        return (f"Clock: virtual (netsim.virtual): every time is the cost table's `{t['name']}` ({marks}; "
+                f"{t.get('source') or t.get('description')}) and the profiles' links, drawn from the seed.")
+    return f"Clock: wall. Machine: {machine_summary(result['machine']) if 'machine' in result else 'not recorded'}."
+
+
 def markdown(result: dict, summary: list[dict]) -> str:
     cfg = result["config"]
-    lines = [f"# netsim experiment ({result['started']})", "",
+    virtual = result.get("clock") == "virtual"
+    when = "virtual clock" if virtual else result.get("started", "")
+    lines = [f"# netsim experiment ({when})", "",
              f"Profiles {', '.join(cfg['profiles'])}; modes {', '.join(cfg['modes'])}; workloads "
              f"{', '.join(cfg['workloads'])} ({cfg['prompts_per_workload']} prompt each), up to {cfg['max_tokens']} "
              f"tokens; {_models_line(result)}; "
              f"q {cfg['qmode']}; seed {cfg['seed']}.", "",
-             f"Machine: {machine_summary(result['machine']) if 'machine' in result else 'not recorded'}.", "",
-             "Round trips are Verify RPCs (retries included) or the one Generate stream; bytes are measured on the "
-             "wire by the proxy (HTTP/2 framing included); forward passes are target passes per generated token "
+             _clock_line(result), "",
+             "Round trips are Verify RPCs (retries included) or the one Generate stream; bytes are "
+             + ("the messages' encoded sizes with their gRPC and HTTP/2 framing (netsim.virtual.channel)" if virtual else
+                "measured on the wire by the proxy (HTTP/2 framing included)")
+             + "; forward passes are target passes per generated token "
              "(one per round for the hybrid, one per token for cloud-only).", "",
              "## Per profile and mode", "",
              "| profile | mode | tokens | tok/s | TTFT s | RT/token | B up/token | B down/token | accepted/drafted "

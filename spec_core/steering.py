@@ -100,13 +100,21 @@ class PassCostLine:
     def __init__(self, window: int = 64, min_passes: int = 4):
         self.passes: deque[tuple[int, float]] = deque(maxlen=window)
         self.min_passes = min_passes
+        self._line: tuple[float, float] | None = None   # the fit of the passes as they are now
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds >= 0 and math.isfinite(seconds):
             self.passes.append((tokens, seconds))
+            self._line = None
 
     def line(self) -> tuple[float, float]:
-        """(base_s, per_token_s); (0, 0) before min_passes passes."""
+        """(base_s, per_token_s); (0, 0) before min_passes passes. Fitted once per pass observed (the
+        engine and the batcher ask several times a pass)."""
+        if self._line is None:
+            self._line = self._fit()
+        return self._line
+
+    def _fit(self) -> tuple[float, float]:
         pts = list(self.passes)
         if len(pts) < self.min_passes:
             return 0.0, 0.0

@@ -31,18 +31,22 @@ runs; such a job may have to wait a pass for ids, and is prepared again if the p
 Freeing a sequence (`release`) never blocks the caller (the event loop frees sessions): it is
 queued and applied between passes, so a pass never decodes into freed cells, and a released
 sequence's pending request fails instead. `acquire` applies queued releases first.
+
+Times are spec_core.clock's. Made under a virtual clock the batcher has no thread: `submit` runs
+the batcher's turns inline until its request is done (one process, one event loop), and each
+pass's seconds are what the packer charged the clock.
 """
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
 from cloud_verifier.backends.prefill_budget import PrefillBudget, cap_prefills, chunk_tokens, order
+from spec_core import clock
 from spec_core.batchplan import PassItem, fair_share, least_slack_first
 from spec_core.steering import PassCostLine
 
@@ -78,8 +82,8 @@ class _Request:
     prepare: Callable[[], list[PassItem]]      # (re)builds the items; batcher thread, between passes
     finish: Callable[[], None] | None = None   # once, when the request ends (done or failed)
     redo_after_maintain: bool = False          # prepare again from scratch if the packer moved the cache
-    t_submit: float = field(default_factory=time.perf_counter)
-    deadline: float | None = None              # perf_counter time it is due (schedule "slack"); None: on arrival
+    t_submit: float = field(default_factory=clock.now)
+    deadline: float | None = None              # spec_core.clock time it is due (schedule "slack"); None: on arrival
     items: list[PassItem] = field(default_factory=list)
     cursor: int = 0
     out: list[np.ndarray] = field(default_factory=list)
@@ -137,8 +141,11 @@ class Batcher:
         self._model_lock = threading.Lock()   # a pass or a release, never both
         self._closed = False
         self.passes = 0
+        # A virtual clock: no thread, `submit` runs the turns itself (module docstring).
+        self.inline = clock.inline()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        if not self.inline:
+            self._thread.start()
 
     def submit(self, seq: int, tokens: Sequence[int], rows: int,
                before: Callable[[], None] | None = None) -> tuple[np.ndarray, float, float]:
@@ -155,7 +162,7 @@ class Batcher:
         return self._submit(_Request(seq, _first(before, job.prepare), job.finish, redo_after_maintain=True))
 
     def set_deadline(self, seq: int, deadline: float | None) -> None:
-        """When the next request of `seq` is due (time.perf_counter() seconds); None: on arrival."""
+        """When the next request of `seq` is due (spec_core.clock seconds); None: on arrival."""
         with self._cond:
             if deadline is None:
                 self._deadlines.pop(seq, None)
@@ -181,7 +188,7 @@ class Batcher:
         rates = self._prefill_rates
         if rates is None:
             return None
-        live = self.budget is not None and time.perf_counter() - self._last_round_done <= self.budget.live_window_s
+        live = self.budget is not None and clock.now() - self._last_round_done <= self.budget.live_window_s
         return rates[0] if live else rates[1]
 
     def _price_prefill(self) -> None:
@@ -204,6 +211,8 @@ class Batcher:
             req.deadline = self._deadlines.get(req.seq)
             self._queue.append(req)
             self._cond.notify()
+        while self.inline and not req.done.is_set() and self._turn():
+            pass
         req.done.wait()
         if req.error is not None:
             raise req.error
@@ -246,50 +255,58 @@ class Batcher:
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join(timeout=30)
+        if self.inline:
+            self._turn()
+        else:
+            self._thread.join(timeout=30)
 
     # --- the batcher thread -------------------------------------------------------------------
 
     def _take_arrivals(self) -> list[_Request]:
         with self._cond:
             while (not self._queue and not self._active and not self._waiting and not self._releases
-                   and not self._chores and not self._closed):
+                   and not self._chores and not self._closed and not self.inline):
                 self._cond.wait()
-            if self.window_s > 0 and not self._active and self._queue and not self._closed:
+            if self.window_s > 0 and not self._active and self._queue and not self._closed and not self.inline:
                 deadline = self._queue[0].t_submit + self.window_s
-                while (left := deadline - time.perf_counter()) > 0 and not self._closed:
+                while (left := deadline - clock.now()) > 0 and not self._closed:
                     self._cond.wait(left)
             new, self._queue = self._queue, []
             return new
 
     def _run(self) -> None:
-        while True:
-            new = self._take_arrivals()
-            if self._closed:
-                with self._model_lock:
-                    self._apply_releases()
-                    for req in self._active + self._waiting + new:
-                        self._finish(req, RuntimeError("the verifier is shutting down"))
-                self._active, self._waiting = [], []
-                return
+        while self._turn():
+            pass
+
+    def _turn(self) -> bool:
+        """One turn: take what arrived, prepare it, run a pass. False once closed."""
+        new = self._take_arrivals()
+        if self._closed:
             with self._model_lock:
                 self._apply_releases()
-                self._run_chores()
-                pending, self._waiting = self._waiting + new, []
-                for req in pending:
-                    try:
-                        req.items = req.prepare()
-                    except Exception as e:  # noqa: BLE001 - the caller gets it
-                        if getattr(e, "retry_after_pass", False) and self._active:
-                            self._waiting.append(req)   # what it waits for is held by active requests
-                            continue
-                        self._finish(req, e)
+                for req in self._active + self._waiting + new:
+                    self._finish(req, RuntimeError("the verifier is shutting down"))
+            self._active, self._waiting = [], []
+            return False
+        with self._model_lock:
+            self._apply_releases()
+            self._run_chores()
+            pending, self._waiting = self._waiting + new, []
+            for req in pending:
+                try:
+                    req.items = req.prepare()
+                except Exception as e:  # noqa: BLE001 - the caller gets it
+                    if getattr(e, "retry_after_pass", False) and self._active:
+                        self._waiting.append(req)   # what it waits for is held by active requests
                         continue
-                    self._active.append(req)
-                if self._active:
-                    self._maintain()
-                if self._active:
-                    self._step()
+                    self._finish(req, e)
+                    continue
+                self._active.append(req)
+            if self._active:
+                self._maintain()
+            if self._active:
+                self._step()
+        return True
 
     def _run_chores(self) -> None:
         with self._cond:
@@ -318,7 +335,7 @@ class Batcher:
         # A prefill evaluates tokens for the cache, not for rows (a prompt, a replay, a tree round's
         # missing committed tokens): either schedule gives it at most a chunk while rounds wait.
         cache = [sum(not it.want_logits for it in req.items[req.cursor:]) for req in self._active]
-        now = time.perf_counter()
+        now = clock.now()
         chunk, prefill, live_chunk = self.prefill_chunk, [c > self.prefill_chunk for c in cache], None
         if self.budget is not None:   # live rounds first: the chunk from the measured cost (prefill_budget)
             live_tokens = min(self.packer.n_ubatch, sum(n for n, p in zip(pending, prefill) if not p))
@@ -352,7 +369,7 @@ class Batcher:
     def _step(self) -> None:
         plan = self._plan()
         items = [it for req, n in plan for it in req.items[req.cursor:req.cursor + n]]
-        t0 = time.perf_counter()
+        t0 = clock.now()
         for req, _ in plan:
             if req.t_first is None:
                 req.t_first = t0
@@ -363,7 +380,7 @@ class Batcher:
             for req, _ in plan:
                 self._finish(req, e)
             return
-        seconds = time.perf_counter() - t0
+        seconds = clock.now() - t0
         self.passes += 1
         self.cost.observe(len(items), seconds)
         self._price_prefill()
@@ -386,7 +403,7 @@ class Batcher:
             except Exception as e:  # noqa: BLE001
                 log.exception("cleaning up after a request failed")
                 error = error or e
-        req.error, req.t_done = error, time.perf_counter()
+        req.error, req.t_done = error, clock.now()
         if error is None and self.budget is not None:
             self.budget.done(req.seq, req.t_done)
             self._last_round_done = req.t_done

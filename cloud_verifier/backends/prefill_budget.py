@@ -24,9 +24,10 @@ its token budget with prefill chunks (`vllm_chunk_args`).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
+
+from spec_core import clock
 
 DEFAULT_SHARE = 0.25       # of a live session's time per output token one pass's prefill may take
 DEFAULT_PACE_S = 0.05      # time per output token of live sessions that state no SLO (20 tokens/s)
@@ -60,13 +61,13 @@ class PrefillBudget:
     share: float = DEFAULT_SHARE
     default_pace_s: float = DEFAULT_PACE_S
     live_window_s: float = LIVE_WINDOW_S
-    last_done: dict = field(default_factory=dict)    # seq -> perf_counter time its last request finished
+    last_done: dict = field(default_factory=dict)    # seq -> spec_core.clock time its last request finished
     pace: dict = field(default_factory=dict)         # seq -> its SLO's time per output token, seconds
     replays: set = field(default_factory=set)        # sequences opened by a replay (served ahead of new ones)
     round_tokens: float = 0.0                        # live round tokens per pass, smoothed (prefill-only passes)
 
     def done(self, seq, now: float | None = None) -> None:
-        self.last_done[seq] = time.perf_counter() if now is None else now
+        self.last_done[seq] = clock.now() if now is None else now
         self.replays.discard(seq)
 
     def forget(self, seq) -> None:
