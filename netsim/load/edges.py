@@ -1,5 +1,5 @@
-"""The emulated edges: per-edge drafters (with the synthetic drafting cost owed to an
-interceptor), prompts, requests and the measured window, one device (`Edge`: its channel through
+"""The emulated edges: per-edge drafters (with the synthetic drafting cost owed and paid on the
+edge's loop after each drafting call), prompts, requests and the measured window, one device (`Edge`: its channel through
 its own link and its requests, one at a time) and one edge's run of requests (`run_edge`).
 
 `Edge` is the one implementation of a device: `netsim load` runs every edge's `run_edge` on its
@@ -8,6 +8,7 @@ Locust user, one request per Locust task."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,32 +22,45 @@ from netsim.load.config import SYNTHETIC_VOCAB, LoadConfig
 from spec_core.slo import meets_slo, window_tpot
 
 
-class DraftCost(grpc.aio.UnaryUnaryClientInterceptor):
-    """Before each unary call, sleep the drafting time the synthetic drafter owes (see EmulatedDrafter).
-    Rounds on a VerifyStream call (a request's rounds after its first, when the verifier offers the
-    stream) do not pass a unary interceptor: their drafting cost stays owed and is slept before the
-    edge's next unary call, the next request's first round.
-    `take_slept()`: what was slept since it was last asked (a round's time on the wire is its call's
-    time less that)."""
+class DraftCost:
+    """What one edge's emulated drafter owes: the drafting time it stands for (see EmulatedDrafter),
+    paid on the edge's event loop right after the drafting call that ran up the debt (`pay`, called by
+    `paying_client`'s run_drafting), so that every round, on a unary call or on the VerifyStream,
+    waits for its own drafting as a device would, while the other edges on the loop go on."""
 
     def __init__(self) -> None:
         self.owed_s = 0.0
-        self.slept_s = 0.0
 
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
+    async def pay(self) -> None:
         owed_s, self.owed_s = self.owed_s, 0.0
-        self.slept_s += owed_s
         if owed_s > 0:
             await asyncio.sleep(owed_s)
-        return await continuation(client_call_details, request)
 
-    def take_slept(self) -> float:
-        slept_s, self.slept_s = self.slept_s, 0.0
-        return slept_s
+
+@functools.cache
+def paying_client(client_class: type) -> type:
+    """`client_class` (edge_client's EdgeClient) whose drafting pays the emulated drafter's cost: each
+    drafting call (a round's draft, continuations during a round trip) is followed by the time its
+    drafter owes, waited out on the loop (DraftCost.pay)."""
+
+    class PayingClient(client_class):
+        def __init__(self, *args, cost: DraftCost, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._cost = cost
+
+        async def run_drafting(self, fn, *args, thread: bool = False):
+            try:
+                return await super().run_drafting(fn, *args, thread=thread)
+            finally:
+                await self._cost.pay()
+
+    PayingClient.__name__ = PayingClient.__qualname__ = f"Paying{client_class.__name__}"
+    return PayingClient
 
 
 class EmulatedDrafter(Drafter):
-    """A drafter whose cost per token is owed to a DraftCost interceptor instead of slept on the loop.
+    """A drafter whose cost per token is owed to the edge's DraftCost and paid on its loop after the
+    drafting call (paying_client), not slept inside the call, which may run in a thread.
 
     Every method of the drafter contract is passed to the inner drafter here, by name, so that no
     draft escapes the emulated cost: a chain owes per token, a tree per draft forward row
@@ -227,7 +241,7 @@ class Edge:
 
     async def __aenter__(self) -> Edge:
         from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}", interceptors=[self.cost])
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = pb_grpc.VerifierStub(self.channel)
         try:
             await self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=60)   # connect before the clock starts
@@ -307,8 +321,8 @@ async def _one_request(mode, stub, channel, drafter, edges, prompt, settings, re
                        sampling_proto, pb, on_round: RoundObserver | None = None, cost: DraftCost | None = None):
     """One request of `mode` on an open channel, its commits recorded in `request` (and `window`, when
     given, told the edge committed); `on_round` is told each round's time on the wire and tokens (a
-    Verify round: its call's time less the drafting `cost` slept in it; cloud-only: each streamed
-    step, from the request's start or the step before)."""
+    Verify round: its call's time, the drafting `cost` being paid outside it; cloud-only: each
+    streamed step, from the request's start or the step before)."""
     loop = asyncio.get_running_loop()
 
     def committed(tokens: int) -> None:
@@ -332,9 +346,10 @@ async def _one_request(mode, stub, channel, drafter, edges, prompt, settings, re
     shape = {} if mode == "auto" else {"gamma": gamma, "plan": "off"}
     options = EdgeOptions(Transport("", deadline_s=120), Speculation(qmode=edges.cfg.qmode, **shape))
     def round_done(event) -> None:
-        on_round(max(0.0, event.rpc_s - (cost.take_slept() if cost is not None else 0.0)), event.tokens)
-    async with EdgeClient(options, drafter, edges.tokenizer, channel=channel,
-                          on_round=round_done if on_round is not None else None) as client:
+        on_round(event.rpc_s, event.tokens)
+    client_class, paid = (paying_client(EdgeClient), {"cost": cost}) if cost is not None else (EdgeClient, {})
+    async with client_class(options, drafter, edges.tokenizer, channel=channel,
+                            on_round=round_done if on_round is not None else None, **paid) as client:
         generation = client.generate(prompt, settings)
         try:
             async for _ in generation:
