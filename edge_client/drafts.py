@@ -45,11 +45,13 @@ class RoundDrafts:
         """Draft the planned chain or tree after `base`; either way the round's draft is a tree (a
         chain: one path)."""
         drafter, rng = self.drafter, self.base_rng(base)
+        # The gumbel coupling: the verifier never reads q, so none travels (the draft still drew from it).
+        shipped = (lambda qs: None) if self.settings.gumbel else (lambda qs: qs)
         if plan.shape is None:
             d = drafter.propose(base, plan.gamma, self.settings, self.spec.qmode, rng)
-            return Prepared(base, plan, DraftTree.chain(d.tokens), d.qs, d.seconds, len(d.tokens))
+            return Prepared(base, plan, DraftTree.chain(d.tokens), shipped(d.qs), d.seconds, len(d.tokens))
         d = drafter.propose_tree(base, plan.shape, self.settings, self.spec.qmode, rng)
-        return Prepared(base, plan, DraftTree(tuple(d.tokens), tuple(d.parents)), d.qs, d.seconds, d.rows,
+        return Prepared(base, plan, DraftTree(tuple(d.tokens), tuple(d.parents)), shipped(d.qs), d.seconds, d.rows,
                         d.path_probs)
 
     def budget(self, prep: Prepared, now: float, s_per_byte: float, depth: int = 1) -> ContinuationBudget:
