@@ -12,47 +12,23 @@ from __future__ import annotations
 
 import codecs
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator
 
 import grpc
 
-from edge_client.crossvocab import Chat
 from edge_client.pairing import plan_prompt
-from edge_client.stats import GenerationStats
+from edge_client.session import Generation
 from edge_client.transport import EdgeError, sampling_proto
 from spec_core.proto import verifier_pb2 as pb
-from spec_core.warping import SamplingSettings
 
 
-class CloudOnlyGeneration:
+class CloudOnlyGeneration(Generation):
     """Async iterator of text pieces as the verifier streams them; `stats` is complete at the end
-    (rounds 0, nothing drafted; seed and coupling as sent)."""
-
-    def __init__(self, client, prompt: "str | Chat | Sequence[int]", settings: SamplingSettings):
-        self._client, self._prompt = client, prompt
-        self.settings = settings.with_session_seed()
-        self.prompt_ids = None if isinstance(prompt, (str, Chat)) else list(prompt)
-        self.stats = GenerationStats(seed=self.settings.seed, coupling=self.settings.coupling)
-        self._it = self._run()
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> str:
-        return await self._it.__anext__()
-
-    async def text(self) -> str:
-        return "".join([p async for p in self])
-
-    async def aclose(self) -> None:
-        await self._it.aclose()
+    (rounds 0, nothing drafted; seed and coupling as sent). `aclose()` ends the stream."""
 
     async def _run(self) -> AsyncIterator[str]:
         client, st = self._client, self.stats
-        await client.speculation_for(st)   # asks the verifier's ServerInfo once per channel
-        refusal = client.coupling_refusal(self.settings.coupling)
-        if refusal:
-            raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        await self._negotiate()
         pairing = await client.pairing_for(st)
         plan = await plan_prompt(pairing, self._prompt, client.run_drafting)
         req = pb.GenerateRequest(prompt_token_ids=plan.ids, sampling=sampling_proto(self.settings))

@@ -50,12 +50,18 @@ class Generation:
         """Stop generating; an unfinished session is closed on the verifier."""
         await self._it.aclose()
 
-    async def _run(self) -> AsyncIterator[str]:
-        client = self._client
-        spec = await client.speculation_for(self.stats)  # within the verifier's limits
-        refusal = client.coupling_refusal(self.settings.coupling)   # asked with the limits, before any round
+    async def _negotiate(self) -> Speculation:
+        """Before the first round: the speculation options within the verifier's limits (asked once
+        per channel), and a refusal of a coupling the verifier does not offer."""
+        spec = await self._client.speculation_for(self.stats)
+        refusal = self._client.coupling_refusal(self.settings.coupling)
         if refusal:
             raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        return spec
+
+    async def _run(self) -> AsyncIterator[str]:
+        client = self._client
+        spec = await self._negotiate()
         pairing = await client.pairing_for(self.stats)   # decided once per client, before its first round
         plan = await plan_prompt(pairing, self._prompt, client.run_drafting)
         loop = RoundLoop(client, spec, plan.ids, self.settings, self.stats, pairing, plan)

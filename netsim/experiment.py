@@ -68,6 +68,7 @@ class ExperimentConfig:
     pair: str | None = None            # the named pair target and draft came from (netsim/pairs.py)
     qmode: str = "fixed:16:16"
     seed: int = 1
+    coupling: str = "rejection"        # "gumbel": every mode commits the target's own sampling at the seed
     temperature: float | None = None   # every workload at this temperature (None: TEMPERATURE's per workload)
     verifier_threads: int = 1
     draft_threads: int = 1
@@ -119,6 +120,7 @@ class Row:
     fused_rounds: int = 0                  # rounds sent with continuations for their own pass (fused mode)
     fused_hits: int = 0                    # rounds verified in the pass of the round before (no round trip)
     shapes: dict | None = None             # auto: rounds sent per shape the planner chose (GenerationStats.shapes)
+    ids_digest: str = ""                   # BLAKE2b of the generated ids: with --coupling gumbel, equal across modes
     draft_s: float = 0.0                   # the edge's time drafting (hidden or not)
     server_model_s: float = 0.0            # the verifier's time in the target (its own timing)
 
@@ -205,7 +207,7 @@ class Runner:
         from spec_core.warping import SamplingSettings
         return SamplingSettings(temperature=TEMPERATURE.get(workload, 0.7) if self.cfg.temperature is None
                                 else self.cfg.temperature, top_p=0.95, max_new_tokens=max_tokens,
-                                seed=self.cfg.seed, ignore_eos=self.cfg.synthetic)
+                                seed=self.cfg.seed, ignore_eos=self.cfg.synthetic, coupling=self.cfg.coupling)
 
     async def measure(self, proxy: LinkProxy | None, port: int, profile: Profile, mode: str, gamma: int | str,
                       workload: str, index: int, prompt_ids: list[int], max_tokens: int,
@@ -227,7 +229,7 @@ class Runner:
             before = (proxy.stats.bytes_up, proxy.stats.bytes_down) if proxy else (0, 0)
             if mode == "cloud-only":
                 base = await stream_cloud_only(stub, prompt_ids, settings)
-                tokens, wall, ttft = base.tokens, base.wall_s, base.ttft_s
+                tokens, wall, ttft, ids = base.tokens, base.wall_s, base.ttft_s, base.token_ids
                 rounds, acc, alpha, tpr, theory, passes, retries, replays = 1, None, None, None, None, tokens, 0, 0
             else:
                 g = {"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)
@@ -247,7 +249,7 @@ class Runner:
                     await gen.text()
                     cross_rounds = getattr(client.drafter, "view", None) is not None   # drafted across vocabularies
                 st = gen.stats
-                tokens, wall, ttft = st.tokens, st.wall_s, st.ttft_s
+                tokens, wall, ttft, ids = st.tokens, st.wall_s, st.ttft_s, st.token_ids
                 # A fused hit is a round answered with the one before: no round trip, no pass of its own.
                 rounds = st.rounds - st.fused_hits + st.retries + st.discarded_rounds
                 acc, alpha, tpr = st.acceptance_rate, st.alpha, st.tokens_per_round
@@ -260,6 +262,7 @@ class Runner:
         row = Row(profile.name, label, workload, index, str({"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)),
                   tokens, wall, tokens / wall if wall else 0.0, ttft, rounds, rounds / n, up, down, up / n, down / n, acc,
                   alpha, tpr, theory, passes, passes / n, retries, replays, profile.rtt_ms())
+        row.ids_digest = ids_digest(ids)
         if mode != "cloud-only":
             row.nodes_per_round = st.nodes_per_round
             row.rolled_back_per_round = st.draft_rolled_back / max(st.rounds, 1) if cross_rounds else None
@@ -283,6 +286,32 @@ class Runner:
         n = len(draft.tokens)
         return Row(profile.name, "edge-only", workload, index, "-", n, wall, n / wall if wall else 0.0,
                    wall / max(n, 1), 0, 0.0, 0, 0, 0.0, 0.0, None, None, None, None, 0, 0.0, rtt_ms=profile.rtt_ms())
+
+
+def ids_digest(ids) -> str:
+    """A short digest of generated token ids (equal ids, equal digest)."""
+    import hashlib
+    return hashlib.blake2b(",".join(str(int(t)) for t in ids).encode(), digest_size=8).hexdigest()
+
+
+def same_text(rows: list[dict]) -> dict:
+    """Per prompt and profile: the modes whose ids differ from cloud-only's (edge-only, the draft alone,
+    is left out). With --coupling gumbel every list is empty: the mode comparison carries no output
+    variance. Returns {"compared": runs compared, "differ": ["profile/workload#i: mode, ...", ...]}."""
+    groups: dict[tuple, dict[str, str]] = {}
+    for r in rows:
+        if r["mode"] != "edge-only" and r.get("ids_digest"):
+            groups.setdefault((r["profile"], r["workload"], r["prompt_index"]), {})[r["mode"]] = r["ids_digest"]
+    compared, differ = 0, []
+    for (profile, workload, index), by in groups.items():
+        ref = by.get("cloud-only")
+        if ref is None:
+            ref = next(iter(by.values()))
+        others = [m for m, d in by.items() if d != ref]
+        compared += len(by) - 1
+        if others:
+            differ.append(f"{profile}/{workload}#{index}: {', '.join(others)}")
+    return {"compared": compared, "differ": differ}
 
 
 def delay_profile(rtt_ms: float) -> Profile:

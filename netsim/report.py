@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from hybridspec.machine import summary as machine_summary
-from netsim.experiment import summarise
+from netsim.experiment import same_text, summarise
 
 
 def _fmt(v, nd=2):
@@ -61,13 +61,26 @@ def _models_line(result: dict) -> str:
     return pair + names + (" (two tokenizers: cross-vocabulary drafting)" if models.get("cross_vocabulary") else "")
 
 
+def _same_text_lines(result: dict) -> list[str]:
+    """With --coupling gumbel: whether every mode committed cloud-only's ids for each prompt."""
+    if result["config"].get("coupling") != "gumbel":
+        return []
+    check = same_text(result["rows"])
+    if not check["differ"]:
+        return [f"Same text: every mode committed the cloud-only ids for each prompt and profile "
+                f"({check['compared']} runs compared; --coupling gumbel).", ""]
+    return [f"Same text: NOT every mode committed the cloud-only ids ({len(check['differ'])} prompts differ: "
+            f"{'; '.join(check['differ'][:8])}).", ""]
+
+
 def markdown(result: dict, summary: list[dict]) -> str:
     cfg = result["config"]
     lines = [f"# netsim experiment ({result['started']})", "",
              f"Profiles {', '.join(cfg['profiles'])}; modes {', '.join(cfg['modes'])}; workloads "
              f"{', '.join(cfg['workloads'])} ({cfg['prompts_per_workload']} prompt each), up to {cfg['max_tokens']} "
              f"tokens; {_models_line(result)}; "
-             f"q {cfg['qmode']}; seed {cfg['seed']}.", "",
+             f"q {cfg['qmode']}; seed {cfg['seed']}; coupling {cfg.get('coupling', 'rejection')}.", "",
+             *_same_text_lines(result),
              f"Machine: {machine_summary(result['machine']) if 'machine' in result else 'not recorded'}.", "",
              "Round trips are Verify RPCs (retries included) or the one Generate stream; bytes are measured on the "
              "wire by the proxy (HTTP/2 framing included); forward passes are target passes per generated token "

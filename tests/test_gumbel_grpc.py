@@ -28,7 +28,6 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, note, settings
 from hypothesis import strategies as st
 
-from cloud_verifier.backends.base import Capabilities
 from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient, EdgeError
 from edge_client.drafters import SyntheticDrafter
@@ -325,3 +324,20 @@ def test_the_cli_hybrid_equals_its_cloud_only_run(tiny_models):
     tree, reference = out
     assert tree["token_ids"] == reference["token_ids"] and len(reference["token_ids"]) == 24
     assert reference["rounds"] == 0 and tree["rounds"] > 0 and tree["coupling"] == "gumbel"
+
+
+# --- netsim experiment: the same-text check --------------------------------------------------------
+
+def test_the_experiment_report_says_whether_every_mode_committed_the_same_ids():
+    from netsim.experiment import ids_digest, same_text
+    from netsim.report import _same_text_lines
+    rows = [dict(profile="3g", workload="chat", prompt_index=0, mode=m, ids_digest=ids_digest(ids))
+            for m, ids in (("cloud-only", [5, 6, 7]), ("hybrid-g4", [5, 6, 7]), ("auto", [5, 6, 7]),
+                           ("edge-only", [9, 9]))]
+    assert same_text(rows) == {"compared": 2, "differ": []}
+    result = {"config": {"coupling": "gumbel"}, "rows": rows}
+    assert "every mode committed the cloud-only ids" in _same_text_lines(result)[0]
+    rows[1]["ids_digest"] = ids_digest([5, 6, 8])   # control: one mode's ids differ
+    assert same_text(rows)["differ"] == ["3g/chat#0: hybrid-g4"]
+    assert "NOT every mode" in _same_text_lines(result)[0]
+    assert _same_text_lines({"config": {"coupling": "rejection"}, "rows": rows}) == []
