@@ -1,8 +1,10 @@
 """What drafter-invariant verification costs: `--coupling gumbel` against rejection sampling on the
 real pairs, side by side, with the acceptance computed from p and q over the same positions.
 
-    # acceptance and counts (no timing: publishable from any machine), both pairs, ~15 min on 2 cores
+    # acceptance and counts (no timing: publishable from any machine), both pairs, ~30 min on 2 cores
     PYTHONPATH=. python bench/coupling.py --name coupling_acceptance
+    # the default edge (planner on) run twice per setting with one seed: distinct texts per coupling, ~15 min
+    PYTHONPATH=. python bench/coupling.py --part repeat --max-tokens 48 --name coupling_repeat
     # tokens/s (wall clock: run it on a quiet machine), ~10 min
     PYTHONPATH=. python bench/coupling.py --part speed --name coupling_speed
 
@@ -20,6 +22,10 @@ computed differ only by sampling noise (a standard error is printed). Also: toke
 for gumbel, whether each prompt's ids equal the verifier's own cloud-only stream at the same seed,
 and at how many positions the verification pass's target row differed in its bits from the
 cloud-only step's row, and how often that changed the Gumbel-max token (a flip).
+
+Repeat part: the default edge (planner on), per pair × sampling (T 0.7 top-k 40, T 1.0 top-p 0.9)
+× q (fixed, float) × work in flight (the planner's, or --pipeline), one seed, two runs per coupling:
+how many distinct texts, and (gumbel) whether they are cloud-only's.
 
 Speed part: a verifier process (one thread) and this edge (one draft thread), per pair and setting
 the two couplings interleaved per prompt, --repeats times; median tokens/s per coupling with its
@@ -49,7 +55,9 @@ sys.path.insert(0, str(ROOT))
 
 PROMPTS = ["Write a Python function that reverses a list.", "Explain why the sky is blue in three sentences.",
            "List the first ten prime numbers, separated by commas.", "Write a short poem about the sea.",
-           "What is the capital of France? Answer in one sentence.", "Give three tips for writing clear emails."]
+           "What is the capital of France? Answer in one sentence.", "Give three tips for writing clear emails.",
+           "Describe a cat to someone who has never seen one.", "Write a haiku about autumn.",
+           "Explain recursion with a simple example.", "Summarise the plot of a heist film in four sentences."]
 SETTINGS = {"T0.7-p0.9": dict(temperature=0.7, top_p=0.9), "T1.0-p0.9": dict(temperature=1.0, top_p=0.9)}
 PAIR_NAMES = ("smollm2", "gemma-smollm2")
 
@@ -194,6 +202,53 @@ async def acceptance(pair: str, args) -> list[dict]:
     return rows
 
 
+REPEAT_SETTINGS = {"T0.7-k40": dict(temperature=0.7, top_k=40), "T1.0-p0.9": dict(temperature=1.0, top_p=0.9)}
+
+
+async def repeat(pair: str, args) -> list[dict]:
+    """The default edge (the planner on: shapes follow measured times) run twice with one seed per
+    setting, q and work in flight: how many distinct texts each coupling gives, and whether gumbel's
+    equal cloud-only's. Counts whose rejection column depends on the machine's timing, by design."""
+    from cloud_verifier.backends.llama_cpp import LlamaCppBackend
+    from cloud_verifier.server import VerifierServer
+    from edge_client import EdgeClient, crossvocab
+    from edge_client.drafters import GGUFDrafter
+    from edge_client.options import EdgeOptions, Speculation, Transport
+    from netsim.pairs import resolve
+    from spec_core.warping import COUPLINGS, SamplingSettings
+
+    paths = resolve(pair, None, None)
+    backend = LlamaCppBackend(paths.target, n_ctx=1024, n_threads=args.threads)
+    rows = []
+    async with VerifierServer(backend, "127.0.0.1", 0) as server:
+        for q in ("fixed:16:16", "float:16"):
+            for work in ("plain", "pipeline"):
+                drafter = GGUFDrafter(paths.draft, n_threads=1, n_ctx=1024, max_tree_nodes=64)
+                spec = Speculation(qmode=q, **({"pipeline": True} if work == "pipeline" else {}))
+                options = EdgeOptions(Transport(f"127.0.0.1:{server.port}", deadline_s=300), spec)
+                async with EdgeClient(options, drafter, drafter.model) as client:
+                    for name, kw in REPEAT_SETTINGS.items():
+                        for coupling in COUPLINGS:
+                            s = SamplingSettings(max_new_tokens=args.max_tokens, seed=11, ignore_eos=True,
+                                                 coupling=coupling, **kw)
+                            texts = []
+                            for _ in range(2):
+                                gen = client.generate(crossvocab.Chat.of(PROMPTS[0]), s)
+                                await gen.text()
+                                texts.append(tuple(gen.stats.token_ids))
+                            row = dict(pair=pair, setting=name, q=q, work=work, coupling=coupling,
+                                       distinct=len(set(texts)), shapes=len(gen.stats.shapes))
+                            if coupling == "gumbel":
+                                ref = client.generate_cloud_only(crossvocab.Chat.of(PROMPTS[0]), s)
+                                await ref.text()
+                                row["equal_cloud_only"] = all(t == tuple(ref.stats.token_ids) for t in texts)
+                            print(json.dumps(row), flush=True)
+                            rows.append(row)
+                drafter.close()
+    backend.close()
+    return rows
+
+
 async def speed(pair: str, args) -> list[dict]:
     from edge_client import EdgeClient, crossvocab
     from edge_client.drafters import GGUFDrafter
@@ -239,10 +294,10 @@ async def speed(pair: str, args) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("acceptance", "speed"), default="acceptance")
+    p.add_argument("--part", choices=("acceptance", "repeat", "speed"), default="acceptance")
     p.add_argument("--pairs", default=",".join(PAIR_NAMES), help="netsim pair names (netsim/pairs.py)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS))
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--q", default="fixed:16:16", help="the q the draft draws from (and ships, for rejection)")
     p.add_argument("--threads", type=int, default=1, help="verifier threads (acceptance part)")
@@ -253,7 +308,7 @@ def main() -> None:
     os.environ.setdefault("HYBRIDSPEC_CACHE", tempfile.mkdtemp())
     from hybridspec.machine import summary
     print(json.dumps({"machine": summary(), "load": load_start}), flush=True)
-    run = acceptance if args.part == "acceptance" else speed
+    run = {"acceptance": acceptance, "repeat": repeat, "speed": speed}[args.part]
     t0 = time.perf_counter()
     rows = []
     for pair in args.pairs.split(","):
@@ -274,6 +329,13 @@ def main() -> None:
                            "bound (1−TV)/(1+TV)": "{:.3f}", "1 − TV": "{:.3f}", "tokens/round": "{:.2f}"})
             note = (f"counts, not times: γ {args.gamma} chains, q {args.q}, {args.prompts} chat prompts × "
                     f"{args.max_tokens} tokens, seeds 100+i")
+        elif args.part == "repeat":
+            cols = ["pair", "setting", "q", "work in flight", "coupling", "distinct texts in 2 runs",
+                    "ids = cloud-only"]
+            table = Table(cols, [[r["pair"], r["setting"], r["q"], r["work"], r["coupling"], r["distinct"],
+                                  r.get("equal_cloud_only")] for r in rows])
+            note = (f"counts: the default edge (planner on), seed 11, {args.max_tokens} tokens of one chat prompt, "
+                    "each setting run twice; rejection's count depends on the run's timing by design")
         else:
             cols = ["pair", "setting", "coupling", "runs", "median tok/s", "min", "max", "÷ rejection"]
             table = Table(cols, [[r["pair"], r["setting"], r["coupling"], r["runs"], r["tokens_per_s"], r["low"],

@@ -277,6 +277,8 @@ async def test_an_old_verifier_is_refused_before_the_first_round():
 
 
 async def test_a_backend_without_the_coupling_is_refused_by_both_ends():
+    from cloud_verifier.backends.vllm import VllmBackend   # imports without vLLM installed
+    assert VllmBackend.caps.couplings == (REJECTION,)      # the vLLM backend: rejection sampling only
     backend = SyntheticBackend(vocab=VOCAB)
     backend.caps = dataclasses.replace(backend.caps, couplings=(REJECTION,))
     e = await _refused(backend)
