@@ -5,12 +5,15 @@ real pairs, side by side, with the acceptance computed from p and q over the sam
     PYTHONPATH=. python bench/coupling.py --name coupling_acceptance
     # the default edge (planner on) run twice per setting with one seed: distinct texts per coupling, ~15 min
     PYTHONPATH=. python bench/coupling.py --part repeat --max-tokens 48 --name coupling_repeat
+    # the noise's cost per row beside warping (wall clock: a quiet machine), ~1 min
+    PYTHONPATH=. python bench/coupling.py --part noise --repeats 9 --name coupling_noise
     # tokens/s (wall clock: run it on a quiet machine), ~10 min
     PYTHONPATH=. python bench/coupling.py --part speed --name coupling_speed
 
 Acceptance part: an in-process verifier (llama.cpp) and edge over gRPC, a chain of --gamma drafts a
 round (--plan off), chat prompts, per pair (smollm2: SmolLM2 target and its Q4_0 draft;
-gemma-smollm2: Gemma 3 270M target, SmolLM2 draft across vocabularies) × sampling setting
+gemma-smollm2: Gemma 3 270M target, SmolLM2 draft across vocabularies; synthetic: the synthetic
+pair, exact rows and ~10^4 positions, the implementation's check at a small standard error) × sampling setting
 (T 0.7 / 1.0, top-p 0.9) × coupling. At every position the verifier tested it records p (the
 target's processed row) and the q the draft drew that token from (the edge's, also when it is not
 shipped), and prints beside the measured acceptance (accepted ÷ tested):
@@ -59,24 +62,24 @@ PROMPTS = ["Write a Python function that reverses a list.", "Explain why the sky
            "Describe a cat to someone who has never seen one.", "Write a haiku about autumn.",
            "Explain recursion with a simple example.", "Summarise the plot of a heist film in four sentences."]
 SETTINGS = {"T0.7-p0.9": dict(temperature=0.7, top_p=0.9), "T1.0-p0.9": dict(temperature=1.0, top_p=0.9)}
-PAIR_NAMES = ("smollm2", "gemma-smollm2")
+PAIR_NAMES = ("synthetic", "smollm2", "gemma-smollm2")
+SYNTHETIC_V, SYNTHETIC_TOKENS = 256, 256   # the synthetic pair (spec_core.synthetic): vocabulary, tokens per prompt
 
 
 def _digest(row: np.ndarray) -> bytes:
     return hashlib.blake2b(np.ascontiguousarray(row).tobytes(), digest_size=8).digest()
 
 
-def recording_backend(target: str, n_threads: int):
-    """A llama.cpp backend that records, per round, the rows its rule read (as processed p for the
-    positions tested, and the Gumbel-max token with the row's digest), and per cloud-only step the
-    same for the stream."""
-    from cloud_verifier.backends.llama_cpp import LlamaCppBackend
+def recording_backend(base, *a, **kw):
+    """A backend (`base`: a LogitsBackend class, built with *a, **kw) that records, per round, the
+    rows its rule read (as processed p for the positions tested, and the Gumbel-max token with the
+    row's digest), and per cloud-only step the same for the stream."""
     from spec_core.gumbel import target_token
     from spec_core.warping import processed_probs
 
-    class Recording(LlamaCppBackend):
+    class Recording(base):
         def __init__(self):
-            super().__init__(target, n_ctx=1024, n_threads=n_threads)
+            super().__init__(*a, **kw)
             self.qsource: dict[tuple[int, int], object] = {}   # RecordingDrafter.qs: (position, token) -> q
             self.tested: list[tuple[np.ndarray, object, int, bool]] = []   # (p, q, draft token, accepted)
             self.round_rows: dict[int, tuple[int, bytes]] = {}   # gumbel: position -> (y, row digest)
@@ -136,21 +139,34 @@ async def acceptance(pair: str, args) -> list[dict]:
     from spec_core.gumbel import coupling_rate, daliri_bound, rejection_rate
     from spec_core.warping import COUPLINGS, SamplingSettings
 
-    paths = resolve(pair, None, None)
-    backend = recording_backend(paths.target, args.threads)
-    drafter = GGUFDrafter(paths.draft, n_threads=1, n_ctx=1024)
+    if pair == "synthetic":   # exact rows, many positions: the implementation's check at small error
+        from cloud_verifier.backends.synthetic import SyntheticBackend
+        from edge_client.drafters import SyntheticDrafter
+        from edge_client.text import SyntheticTokenizer
+        backend = recording_backend(SyntheticBackend, vocab=SYNTHETIC_V, seed=0)
+        drafter, tokenizer = SyntheticDrafter(SYNTHETIC_V, seed=0, noise=1.0), SyntheticTokenizer(SYNTHETIC_V)
+        prompts = [[0, 2 + i] for i in range(args.synthetic_prompts)]
+        max_tokens = SYNTHETIC_TOKENS
+    else:
+        from cloud_verifier.backends.llama_cpp import LlamaCppBackend
+        paths = resolve(pair, None, None)
+        backend = recording_backend(LlamaCppBackend, paths.target, n_ctx=1024, n_threads=args.threads)
+        drafter = GGUFDrafter(paths.draft, n_threads=1, n_ctx=1024)
+        tokenizer = drafter.model
+        prompts = [crossvocab.Chat.of(p) for p in PROMPTS[: args.prompts]]
+        max_tokens = args.max_tokens
     rows = []
     async with VerifierServer(backend, "127.0.0.1", 0) as server:
         options = EdgeOptions(Transport(f"127.0.0.1:{server.port}", deadline_s=300),
                               Speculation(plan="off", gamma=args.gamma, qmode=args.q))
-        async with EdgeClient(options, drafter, drafter.model) as client:
+        async with EdgeClient(options, drafter, tokenizer) as client:
             for name, kw in SETTINGS.items():
                 for coupling in COUPLINGS:
                     backend.tested.clear()
                     tokens = rounds = 0
                     same, flips, differing_rows, compared = 0, 0, 0, 0
-                    for i, prompt in enumerate(PROMPTS[: args.prompts]):
-                        s = SamplingSettings(max_new_tokens=args.max_tokens, seed=100 + i, ignore_eos=True,
+                    for i, prompt in enumerate(prompts):
+                        s = SamplingSettings(max_new_tokens=max_tokens, seed=100 + i, ignore_eos=True,
                                              coupling=coupling, **kw)
                         pairing = await client.pairing_for(GenerationStats())
                         if not isinstance(pairing.drafter, RecordingDrafter):
@@ -159,12 +175,12 @@ async def acceptance(pair: str, args) -> list[dict]:
                             client._pairing = dataclasses.replace(pairing, drafter=recorder)
                             client.drafter = recorder
                         backend.round_rows.clear()
-                        gen = client.generate(crossvocab.Chat.of(prompt), s)
+                        gen = client.generate(prompt, s)
                         await gen.text()
                         tokens, rounds = tokens + gen.stats.tokens, rounds + gen.stats.rounds
                         if coupling == "gumbel":
                             backend.stream_rows.clear()
-                            ref = client.generate_cloud_only(crossvocab.Chat.of(prompt), s)
+                            ref = client.generate_cloud_only(prompt, s)
                             await ref.text()
                             same += ref.stats.token_ids == gen.stats.token_ids
                             for pos, (y, dig) in backend.round_rows.items():
@@ -193,7 +209,7 @@ async def acceptance(pair: str, args) -> list[dict]:
                                rejection_rate=statistics.mean(rej) if rej else None,
                                tokens_per_round=tokens / max(rounds, 1), tokens=tokens, rounds=rounds)
                     if coupling == "gumbel":
-                        row.update(same_as_cloud_only=f"{same}/{min(args.prompts, len(PROMPTS))}",
+                        row.update(same_as_cloud_only=f"{same}/{len(prompts)}",
                                    positions_compared=compared, rows_differing=differing_rows, flips=flips)
                     print(json.dumps(row), flush=True)
                     rows.append(row)
@@ -249,6 +265,44 @@ async def repeat(pair: str, args) -> list[dict]:
     return rows
 
 
+def noise_cost(args) -> list[dict]:
+    """The gumbel coupling's per-row cost on the verifier, beside the warping every round pays: on
+    random N(0, 2^2) rows of Gemma's and SmolLM2's vocabulary sizes, per setting, the median time of
+    processed_probs (warping), of target_token on its result (noise and argmax, pruned), and of the
+    plain argmax over the whole support (noise on every kept token)."""
+    from spec_core.gumbel import PositionNoise, target_token
+    from spec_core.warping import processed_probs
+
+    def median_s(fn, reps: int) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for vocab in (262144, 49152):
+        logits = (rng.standard_normal((8, vocab)) * 2).astype(np.float32)
+        for name, kw in {"T0.7": dict(temperature=0.7), "T1.0": dict(temperature=1.0),
+                         "T1.0-p0.9": dict(temperature=1.0, top_p=0.9)}.items():
+            warp = median_s(lambda: [processed_probs(r, **kw) for r in logits], args.repeats)
+            probs = [processed_probs(r, **kw) for r in logits]
+            pruned = median_s(lambda: [target_token(p, 7, i) for i, p in enumerate(probs)], args.repeats)
+
+            def plain():
+                for i, p in enumerate(probs):
+                    ids = np.flatnonzero(p)
+                    np.argmax(np.log(p[ids]) + PositionNoise(7, i)(ids))
+            full = median_s(plain, args.repeats)
+            row = dict(vocab=vocab, setting=name, warp_ms=warp / 8 * 1e3, noise_ms=pruned / 8 * 1e3,
+                       plain_noise_ms=full / 8 * 1e3, noise_over_warp=pruned / warp)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
 async def speed(pair: str, args) -> list[dict]:
     from edge_client import EdgeClient, crossvocab
     from edge_client.drafters import GGUFDrafter
@@ -294,13 +348,15 @@ async def speed(pair: str, args) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("acceptance", "repeat", "speed"), default="acceptance")
-    p.add_argument("--pairs", default=",".join(PAIR_NAMES), help="netsim pair names (netsim/pairs.py)")
+    p.add_argument("--part", choices=("acceptance", "repeat", "speed", "noise"), default="acceptance")
+    p.add_argument("--pairs", help="netsim pair names (netsim/pairs.py); the acceptance part also takes 'synthetic' "
+                                   "(default: synthetic and both real pairs; the other parts: the real pairs)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS))
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--q", default="fixed:16:16", help="the q the draft draws from (and ships, for rejection)")
     p.add_argument("--threads", type=int, default=1, help="verifier threads (acceptance part)")
+    p.add_argument("--synthetic-prompts", type=int, default=40, help="prompts of the synthetic pair (acceptance part)")
     p.add_argument("--repeats", type=int, default=3, help="speed part: runs of each prompt per coupling")
     p.add_argument("--name", help="also write bench/results/NAME.json (hybridspec.figures)")
     args = p.parse_args()
@@ -308,11 +364,15 @@ def main() -> None:
     os.environ.setdefault("HYBRIDSPEC_CACHE", tempfile.mkdtemp())
     from hybridspec.machine import summary
     print(json.dumps({"machine": summary(), "load": load_start}), flush=True)
-    run = {"acceptance": acceptance, "repeat": repeat, "speed": speed}[args.part]
+    run = {"acceptance": acceptance, "repeat": repeat, "speed": speed}.get(args.part)
     t0 = time.perf_counter()
     rows = []
-    for pair in args.pairs.split(","):
-        rows += asyncio.run(run(pair, args))
+    pairs = args.pairs or ",".join(PAIR_NAMES if args.part == "acceptance" else PAIR_NAMES[1:])
+    if run is None:
+        rows = noise_cost(args)
+    else:
+        for pair in pairs.split(","):
+            rows += asyncio.run(run(pair, args))
     print(json.dumps({"seconds": round(time.perf_counter() - t0, 1)}))
     if args.name:
         from hybridspec.figures import Table, write_result
@@ -329,6 +389,14 @@ def main() -> None:
                            "bound (1−TV)/(1+TV)": "{:.3f}", "1 − TV": "{:.3f}", "tokens/round": "{:.2f}"})
             note = (f"counts, not times: γ {args.gamma} chains, q {args.q}, {args.prompts} chat prompts × "
                     f"{args.max_tokens} tokens, seeds 100+i")
+        elif args.part == "noise":
+            cols = ["vocabulary", "setting", "warping ms/row", "noise + argmax ms/row", "plain noise ms/row",
+                    "noise ÷ warping"]
+            table = Table(cols, [[r["vocab"], r["setting"], r["warp_ms"], r["noise_ms"], r["plain_noise_ms"],
+                                  r["noise_over_warp"]] for r in rows],
+                          {"warping ms/row": "{:.2f}", "noise + argmax ms/row": "{:.2f}",
+                           "plain noise ms/row": "{:.2f}", "noise ÷ warping": "{:.2f}"})
+            note = f"wall clock, one thread: random N(0, 4) rows, 8 per setting, median of {args.repeats} repeats"
         elif args.part == "repeat":
             cols = ["pair", "setting", "q", "work in flight", "coupling", "distinct texts in 2 runs",
                     "ids = cloud-only"]

@@ -69,6 +69,8 @@ _C1, _C2 = np.uint32(0x7FEB352D), np.uint32(0x846CA68B)
 _S16, _S15 = np.uint32(16), np.uint32(15)
 _BITS = 52
 _SCALE = 2.0 ** -_BITS
+# The largest noise there is: u <= 1 - 2^-53, g = -log(-log u) <= 36.7; with a margin.
+G_MAX = float(-np.log(-np.log1p(-(2.0 ** -53)))) + 1e-6
 # Rows with at most this many candidate tokens are scored whole; longer ones are pruned first.
 _SHORT = 256
 _HEAD = 64
@@ -161,7 +163,8 @@ def gumbel_argmax(probs: np.ndarray, noise: Callable[[np.ndarray], np.ndarray]) 
     u(v) >= exp(-exp(-(s - log p_h))). That is checked on the high 32 bits of u's integer alone
     (u < (hi + 1) / 2^32: one lane of the hash, no logarithm), with the threshold lowered by a
     margin far above the rounding of exp and log, so every token that could win (ties included) is
-    scored, with the same elementwise formula as the plain argmax: the result is the plain one."""
+    scored, with the same elementwise formula as the plain argmax: the result is the plain one.
+    Before any hashing, tokens with p(v) < exp(s - G_MAX) are dropped: no noise reaches G_MAX."""
     ids = np.flatnonzero(probs)
     if len(ids) == 1:
         return int(ids[0])
@@ -181,6 +184,8 @@ def gumbel_argmax(probs: np.ndarray, noise: Callable[[np.ndarray], np.ndarray]) 
     threshold = np.exp(-np.exp(-t)) * (1.0 - 1e-9) - 1e-12
     rest = np.ones(len(ids), dtype=bool)
     rest[head] = False
+    # No noise exceeds G_MAX: a token with log p(v) + G_MAX < best can never win, whatever its noise.
+    rest &= sub >= np.exp(best - G_MAX)
     rest_ids = ids[rest]
     high = getattr(noise, "high", None)
     if high is None:   # a noise without its bits: score everything
