@@ -1,8 +1,10 @@
 """What drafter-invariant verification costs: `--coupling gumbel` against rejection sampling on the
 real pairs, side by side, with the acceptance computed from p and q over the same positions.
 
-    # acceptance and counts (no timing: publishable from any machine), both pairs, ~30 min on 2 cores
-    PYTHONPATH=. python bench/coupling.py --name coupling_acceptance
+    # acceptance and counts (no timing: publishable from any machine); one result per pair
+    PYTHONPATH=. python bench/coupling.py --pairs synthetic --name coupling_acceptance_synthetic       # ~4 min
+    PYTHONPATH=. python bench/coupling.py --pairs smollm2 --prompts 8 --max-tokens 80 --name coupling_acceptance_smollm2
+    PYTHONPATH=. python bench/coupling.py --pairs gemma-smollm2 --prompts 8 --max-tokens 80 --name coupling_acceptance_gemma
     # the default edge (planner on) run twice per setting with one seed: distinct texts per coupling, ~15 min
     PYTHONPATH=. python bench/coupling.py --part repeat --max-tokens 48 --name coupling_repeat
     # the noise's cost per row beside warping (wall clock: a quiet machine), ~1 min
@@ -63,7 +65,15 @@ PROMPTS = ["Write a Python function that reverses a list.", "Explain why the sky
            "Explain recursion with a simple example.", "Summarise the plot of a heist film in four sentences."]
 SETTINGS = {"T0.7-p0.9": dict(temperature=0.7, top_p=0.9), "T1.0-p0.9": dict(temperature=1.0, top_p=0.9)}
 PAIR_NAMES = ("synthetic", "smollm2", "gemma-smollm2")
-SYNTHETIC_V, SYNTHETIC_TOKENS = 256, 256   # the synthetic pair (spec_core.synthetic): vocabulary, tokens per prompt
+SYNTHETIC_V, SYNTHETIC_TOKENS = 256, 256
+   # the synthetic pair (spec_core.synthetic): vocabulary, tokens per prompt
+
+
+def _one_edge():
+    """One edge at a time: no admission control (it would refuse a session on a busy machine
+    instead of measuring it)."""
+    from cloud_verifier.admission import ServerPolicy
+    return ServerPolicy(admit_ttft_s=0)
 
 
 def _digest(row: np.ndarray) -> bytes:
@@ -156,7 +166,7 @@ async def acceptance(pair: str, args) -> list[dict]:
         prompts = [crossvocab.Chat.of(p) for p in PROMPTS[: args.prompts]]
         max_tokens = args.max_tokens
     rows = []
-    async with VerifierServer(backend, "127.0.0.1", 0) as server:
+    async with VerifierServer(backend, "127.0.0.1", 0, policy=_one_edge()) as server:
         options = EdgeOptions(Transport(f"127.0.0.1:{server.port}", deadline_s=300),
                               Speculation(plan="off", gamma=args.gamma, qmode=args.q))
         async with EdgeClient(options, drafter, tokenizer) as client:
@@ -236,7 +246,7 @@ async def repeat(pair: str, args) -> list[dict]:
     paths = resolve(pair, None, None)
     backend = LlamaCppBackend(paths.target, n_ctx=1024, n_threads=args.threads)
     rows = []
-    async with VerifierServer(backend, "127.0.0.1", 0) as server:
+    async with VerifierServer(backend, "127.0.0.1", 0, policy=_one_edge()) as server:
         for q in ("fixed:16:16", "float:16"):
             for work in ("plain", "pipeline"):
                 drafter = GGUFDrafter(paths.draft, n_threads=1, n_ctx=1024, max_tree_nodes=64)

@@ -56,14 +56,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Callable
 
 import numpy as np
 
 from spec_core.warping import COUPLINGS, GUMBEL, REJECTION, top_candidates
 
 __all__ = ["COUPLINGS", "GUMBEL", "REJECTION", "GumbelNoise", "PositionNoise", "coupling_rate", "daliri_bound",
-           "draft_choices", "draft_noise", "gumbel_argmax", "ranked_by_noise", "rejection_rate", "target_token", "total_variation"]
+           "draft_choices", "draft_noise", "gumbel_argmax", "ranked_by_noise", "rejection_rate", "target_token",
+           "total_variation"]
 
 _C1, _C2 = np.uint32(0x7FEB352D), np.uint32(0x846CA68B)
 _S16, _S15 = np.uint32(16), np.uint32(15)
@@ -154,7 +154,7 @@ class GumbelNoise:
         return PositionNoise(self.seed, position, id_map)
 
 
-def gumbel_argmax(probs: np.ndarray, noise: Callable[[np.ndarray], np.ndarray]) -> int:
+def gumbel_argmax(probs: np.ndarray, noise: "PositionNoise") -> int:
     """argmax_v (log p(v) + g(v)) over p's support, ties to the lowest id  # probs: [vocab] float64.
 
     For a long support only the tokens that can still win are scored: the best score s among the
@@ -187,12 +187,8 @@ def gumbel_argmax(probs: np.ndarray, noise: Callable[[np.ndarray], np.ndarray]) 
     # No noise exceeds G_MAX: a token with log p(v) + G_MAX < best can never win, whatever its noise.
     rest &= sub >= np.exp(best - G_MAX)
     rest_ids = ids[rest]
-    high = getattr(noise, "high", None)
-    if high is None:   # a noise without its bits: score everything
-        scores = np.log(sub) + noise(ids)
-        return int(ids[int(np.argmax(scores))])
     # u < (hi + 1) / 2^32, so u >= threshold needs hi >= threshold * 2^32 - 1.
-    cand = rest_ids[high(rest_ids) >= np.floor(threshold * 2.0 ** 32) - 1.0]
+    cand = rest_ids[noise.high(rest_ids) >= np.floor(threshold * 2.0 ** 32) - 1.0]
     all_ids = np.concatenate((head_ids, cand))
     scores = np.concatenate((head_scores, np.log(probs[cand]) + noise(cand)))
     top = scores.max()
@@ -227,7 +223,7 @@ def target_token(probs: np.ndarray, seed: int, position: int) -> int:
     return gumbel_argmax(probs, PositionNoise(seed, position))
 
 
-def ranked_by_noise(ids: np.ndarray, weights: np.ndarray, noise: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+def ranked_by_noise(ids: np.ndarray, weights: np.ndarray, noise: "PositionNoise") -> np.ndarray:
     """ids of a draft distribution's support ordered by log w + g, best first (ties: lower id
     first)  # ids, weights: [n] (weights > 0, any positive scale). The first is the draft's token x
     (argmax(log q + g)); the first k are k draws from q without replacement (Gumbel-top-k), the
@@ -238,7 +234,7 @@ def ranked_by_noise(ids: np.ndarray, weights: np.ndarray, noise: Callable[[np.nd
     return ids[order]
 
 
-def draft_choices(q, noise: Callable[[np.ndarray], np.ndarray], k: int = 1) -> list[int]:
+def draft_choices(q, noise: "PositionNoise", k: int = 1) -> list[int]:
     """The draft's tokens under the coupling: the first k of q's support ranked by log w + g, w the
     weights as shipped (q = w / sum w; the normaliser does not change the order)  # q: EncodedQ.
     k = 1 is the draft token x = argmax(log q + g); k > 1, a tree node's children."""
@@ -266,38 +262,40 @@ def draft_noise(settings, position: int, id_map: np.ndarray | None = None) -> "P
 
 # --- what a coupling accepts -----------------------------------------------------------------------
 
-def coupling_rate(p: np.ndarray, q: np.ndarray) -> float:
+def coupling_rate(target_probs: np.ndarray, draft_probs: np.ndarray) -> float:
     """P(argmax(log p + g) = argmax(log q + g)) for Gumbel noise g, exactly:
-    sum_k 1 / sum_j max(p_j / p_k, q_j / q_k) over k with p_k q_k > 0  # p, q: [vocab], each sums to 1.
+    sum_k 1 / sum_j max(p_j / p_k, q_j / q_k) over k with p_k q_k > 0  # [vocab] each, each sums to 1.
 
     With r_j = p_j / q_j (inf where q_j = 0), max(p_j/p_k, q_j/q_k) is p_j/p_k when r_j >= r_k and
     q_j/q_k otherwise, so the inner sum is P(r >= r_k)/p_k + Q(r < r_k)/q_k: one sort, O(V log V)."""
-    p = np.asarray(p, dtype=np.float64)
-    q = np.asarray(q, dtype=np.float64)
-    union = np.flatnonzero((p > 0) | (q > 0))
-    pu, qu = p[union], q[union]
+    target = np.asarray(target_probs, dtype=np.float64)
+    draft = np.asarray(draft_probs, dtype=np.float64)
+    union = np.flatnonzero((target > 0) | (draft > 0))
+    t_u, d_u = target[union], draft[union]
     with np.errstate(divide="ignore"):
-        r = np.where(qu > 0, pu / np.where(qu > 0, qu, 1.0), np.inf)
-    order = np.argsort(r, kind="stable")
-    rs, ps, qs = r[order], pu[order], qu[order]
-    p_cum = np.concatenate(([0.0], np.cumsum(ps)))
-    q_cum = np.concatenate(([0.0], np.cumsum(qs)))
-    both = (ps > 0) & (qs > 0)
-    below = np.searchsorted(rs, rs[both], side="left")   # how many have r_j < r_k
-    inner = (p_cum[-1] - p_cum[below]) / ps[both] + q_cum[below] / qs[both]
+        ratio = np.where(d_u > 0, t_u / np.where(d_u > 0, d_u, 1.0), np.inf)
+    order = np.argsort(ratio, kind="stable")
+    ratio, t_u, d_u = ratio[order], t_u[order], d_u[order]
+    t_cum = np.concatenate(([0.0], np.cumsum(t_u)))
+    d_cum = np.concatenate(([0.0], np.cumsum(d_u)))
+    both = (t_u > 0) & (d_u > 0)
+    below = np.searchsorted(ratio, ratio[both], side="left")   # how many have r_j < r_k
+    inner = (t_cum[-1] - t_cum[below]) / t_u[both] + d_cum[below] / d_u[both]
     return float(np.sum(1.0 / inner))
 
 
-def total_variation(p: np.ndarray, q: np.ndarray) -> float:
-    return 0.5 * float(np.abs(np.asarray(p, dtype=np.float64) - np.asarray(q, dtype=np.float64)).sum())
+def total_variation(target_probs: np.ndarray, draft_probs: np.ndarray) -> float:
+    """TV(p, q) = sum |p - q| / 2  # [vocab] each."""
+    return 0.5 * float(np.abs(np.asarray(target_probs, dtype=np.float64)
+                              - np.asarray(draft_probs, dtype=np.float64)).sum())
 
 
-def rejection_rate(p: np.ndarray, q: np.ndarray) -> float:
+def rejection_rate(target_probs: np.ndarray, draft_probs: np.ndarray) -> float:
     """Rejection sampling's acceptance at one position: sum_v min(p, q) = 1 - TV."""
-    return 1.0 - total_variation(p, q)
+    return 1.0 - total_variation(target_probs, draft_probs)
 
 
-def daliri_bound(p: np.ndarray, q: np.ndarray) -> float:
+def daliri_bound(target_probs: np.ndarray, draft_probs: np.ndarray) -> float:
     """(1 - TV) / (1 + TV): the Gumbel coupling accepts at least this (Daliri, Musco, Suresh 2024)."""
-    tv = total_variation(p, q)
+    tv = total_variation(target_probs, draft_probs)
     return (1.0 - tv) / (1.0 + tv)
