@@ -178,6 +178,7 @@ async def acceptance(pair: str, args) -> list[dict]:
                     for i, prompt in enumerate(prompts):
                         s = SamplingSettings(max_new_tokens=max_tokens, seed=100 + i, ignore_eos=True,
                                              coupling=coupling, **kw)
+                        await client.speculation_for(GenerationStats())   # asks ServerInfo: the pairing needs it
                         pairing = await client.pairing_for(GenerationStats())
                         if not isinstance(pairing.drafter, RecordingDrafter):
                             recorder = RecordingDrafter(pairing.drafter)

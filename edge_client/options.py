@@ -225,7 +225,9 @@ class Speculation:
         outcomes got a continuation in time: a round's draft and the verifier's draws depend only on
         the seed and the committed tokens, and a continuation is drafted with the plan a fresh round
         after its outcome would have (RoundPlan.within). The planner ('plan') follows measured timings
-        too, unless its inputs are pinned (plan_inputs): then it chooses once, from them."""
+        too, unless its inputs are pinned (plan_inputs): then it chooses once, from them. All of this
+        is about the default coupling: with SamplingSettings.coupling "gumbel" a seed pins the output
+        whatever these options do (spec_core.gumbel)."""
         out = []
         chosen_once = set(self.planned or ()) if self.plan_inputs is not None else set()
         if self.planned and self.plan_inputs is None:
