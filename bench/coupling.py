@@ -5,8 +5,9 @@ real pairs, side by side, with the acceptance computed from p and q over the sam
     PYTHONPATH=. python bench/coupling.py --pairs synthetic --name coupling_acceptance_synthetic       # ~4 min
     PYTHONPATH=. python bench/coupling.py --pairs smollm2 --prompts 8 --max-tokens 80 --name coupling_acceptance_smollm2
     PYTHONPATH=. python bench/coupling.py --pairs gemma-smollm2 --prompts 8 --max-tokens 80 --name coupling_acceptance_gemma
-    # the default edge (planner on) run twice per setting with one seed: distinct texts per coupling, ~15 min
-    PYTHONPATH=. python bench/coupling.py --part repeat --max-tokens 48 --name coupling_repeat
+    # the default edge (planner on) run twice per setting with one seed: distinct texts per coupling
+    PYTHONPATH=. python bench/coupling.py --part repeat --pairs smollm2 --settings T1.0-p0.9 --max-tokens 32 --name coupling_repeat_smollm2
+    PYTHONPATH=. python bench/coupling.py --part repeat --pairs gemma-smollm2 --settings T1.0-p0.9 --max-tokens 32 --name coupling_repeat_gemma
     # the noise's cost per row beside warping (wall clock: a quiet machine), ~1 min
     PYTHONPATH=. python bench/coupling.py --part noise --repeats 9 --name coupling_noise
     # tokens/s (wall clock: run it on a quiet machine), ~10 min
@@ -255,6 +256,8 @@ async def repeat(pair: str, args) -> list[dict]:
                 options = EdgeOptions(Transport(f"127.0.0.1:{server.port}", deadline_s=300), spec)
                 async with EdgeClient(options, drafter, drafter.model) as client:
                     for name, kw in REPEAT_SETTINGS.items():
+                        if args.settings and name not in args.settings.split(","):
+                            continue
                         for coupling in COUPLINGS:
                             s = SamplingSettings(max_new_tokens=args.max_tokens, seed=11, ignore_eos=True,
                                                  coupling=coupling, **kw)
@@ -369,6 +372,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="verifier threads (acceptance part)")
     p.add_argument("--synthetic-prompts", type=int, default=40, help="prompts of the synthetic pair (acceptance part)")
     p.add_argument("--repeats", type=int, default=3, help="speed part: runs of each prompt per coupling")
+    p.add_argument("--settings", help="repeat part: a subset of " + ",".join(REPEAT_SETTINGS))
     p.add_argument("--name", help="also write bench/results/NAME.json (hybridspec.figures)")
     args = p.parse_args()
     load_start = list(os.getloadavg())
