@@ -10,8 +10,8 @@ real pairs, side by side, with the acceptance computed from p and q over the sam
     PYTHONPATH=. python bench/coupling.py --part repeat --pairs gemma-smollm2 --settings T1.0-p0.9 --max-tokens 32 --name coupling_repeat_gemma
     # the noise's cost per row beside warping (wall clock: a quiet machine), ~1 min
     PYTHONPATH=. python bench/coupling.py --part noise --repeats 9 --name coupling_noise
-    # tokens/s (wall clock: run it on a quiet machine), ~10 min
-    PYTHONPATH=. python bench/coupling.py --part speed --name coupling_speed
+    # tokens/s (wall clock: run it on a quiet machine), ~20 min
+    PYTHONPATH=. python bench/coupling.py --part speed --prompts 6 --max-tokens 64 --repeats 3 --name coupling_speed
 
 Acceptance part: an in-process verifier (llama.cpp) and edge over gRPC, a chain of --gamma drafts a
 round (--plan off), chat prompts, per pair (smollm2: SmolLM2 target and its Q4_0 draft;
