@@ -26,6 +26,7 @@ from cloud_verifier.workers import run_in_thread
 from spec_core import clock
 from spec_core.continuations import pick_continuation
 from spec_core.crossvocab import pack_token_bytes
+from spec_core.proto import couplings
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.steering import CommitRate, draft_budget
 from spec_core.tree import DraftTree, prune_to_fit
@@ -325,7 +326,7 @@ class VerifierEngine:
 
     async def generate(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateChunk]:
         valid = await self.validator.generate(req)
-        prompt, settings, text_prompt = valid.prompt, valid.settings, valid.text_prompt
+        prompt, settings, text_prompt = valid.prompt, valid.settings.with_session_seed(), valid.text_prompt
         stop = self.validator.stop_ids(settings)
         rng = seeded_rng(settings.seed, GENERATE_STREAM, len(prompt))
         if self._streams.locked():
@@ -380,7 +381,8 @@ class VerifierEngine:
                              draft_budgets=self.limits.steer and self.backend.pass_cost() is not None,
                              slo=(pb.SessionSlo(tpot_ms=self.limits.slo_tpot_ms, ttft_ms=self.limits.slo_ttft_ms)
                                   if self.default_slo is not None else None),
-                             verify_stream=True, max_window=self.limits.max_window)
+                             verify_stream=True, max_window=self.limits.max_window,
+                             couplings=[couplings.TO_WIRE[c] for c in self.caps.couplings])
 
 
 def _round_rng(session: Session, length: int | None = None) -> np.random.Generator:

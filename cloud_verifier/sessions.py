@@ -267,6 +267,9 @@ class SessionLifecycle:
     async def open(self, req: pb.VerifyRequest, valid: ValidOpen) -> Session:
         o = req.open
         prompt, resume, settings, slo = valid.prompt, valid.resume, valid.settings, valid.slo
+        # The gumbel coupling reads noise keyed by the seed: without one, the session draws its own
+        # and keeps it (a replay to this session reads the same noise).
+        settings = settings.with_session_seed()
         if valid.text is not None or valid.messages is not None:
             prompt = await self.validator.tokenize_prompt(valid.text, valid.messages, "open.")
             self.validator.check_context(len(prompt) + len(resume))

@@ -20,7 +20,7 @@ from cloud_verifier.rounds import Alternative, alternative
 from cloud_verifier.workers import run_in_thread
 from spec_core import qcodec
 from spec_core.continuations import MAX_CONTINUATION_NODES, MAX_CONTINUATIONS
-from spec_core.proto import qpayload
+from spec_core.proto import couplings, qpayload
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.slo import Slo
 from spec_core.tree import DraftTree, TreeError, validate_tree
@@ -264,7 +264,7 @@ class Validator:
                 temperature=float(sp.temperature), top_k=int(sp.top_k), top_p=float(sp.top_p),
                 max_new_tokens=int(sp.max_new_tokens or self.limits.default_max_new_tokens),
                 stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-                seed=sp.seed if sp.HasField("seed") else None)
+                seed=sp.seed if sp.HasField("seed") else None, coupling=self.coupling(sp.coupling))
         except SamplingError as e:
             raise bad(f"sampling.{e}") from None
         if sp.max_new_tokens > self.limits.max_new_tokens_cap:
@@ -275,6 +275,19 @@ class Validator:
             raise bad(f"sampling.stop_token_ids has {len(sp.stop_token_ids)} ids; at most {MAX_STOP_IDS} are allowed")
         self.check_ids(sp.stop_token_ids, "sampling.stop_token_ids")
         return settings
+
+    def coupling(self, value: int) -> str:
+        """sampling.coupling: one this build knows and this backend verifies with."""
+        name = couplings.from_wire(value)
+        if name is None:
+            raise bad(f"sampling.coupling = {value} is not a coupling this server knows "
+                      f"({', '.join(f'{int(v)} ({k})' for k, v in couplings.TO_WIRE.items())})")
+        if name not in self.caps.couplings:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"sampling.coupling {name} is not available with the {self.info.name} backend "
+                               f"(it verifies with: {', '.join(self.caps.couplings)}); use --coupling rejection "
+                               f"or a verifier that lists {name} in ServerInfo.couplings")
+        return name
 
     def slo(self, o: pb.OpenSession) -> Slo | None:
         if not o.HasField("slo"):

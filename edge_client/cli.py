@@ -8,7 +8,7 @@ import logging
 import sys
 
 from edge_client.options import OptionError, add_edge_options, build_drafter, options_from_args
-from spec_core.warping import SamplingError, SamplingSettings
+from spec_core.warping import COUPLINGS, REJECTION, SamplingError, SamplingSettings
 
 SERVE_READY = "edge-client serving on"  # printed by `edge-client serve` once it accepts requests
 
@@ -24,17 +24,27 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--seed", type=int, default=None, help="seed for the edge's and the verifier's samplers")
+    add_coupling_arg(g)
+
+
+def add_coupling_arg(g) -> None:
+    g.add_argument("--coupling", choices=COUPLINGS, default=REJECTION,
+                   help="how drafts are checked. rejection (default): accept with min(1, p/q), the most tokens per "
+                        "round; gumbel: drafter-invariant, the text is the target's own sampling at the seed (the "
+                        "same ids as --cloud-only with that seed, whatever the draft, link or planner did), "
+                        "fewer tokens accepted; without --seed one is drawn and reported (docs/exactness.md)")
 
 
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
-                  "max_new_tokens": "--max-tokens", "seed": "--seed"}
+                  "max_new_tokens": "--max-tokens", "seed": "--seed", "coupling": "--coupling"}
 
 
 def settings_from_args(args) -> SamplingSettings:
     """The sampling settings of add_sampling_args' arguments; OptionError names a bad one."""
     try:
         return SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                max_new_tokens=args.max_tokens, seed=args.seed)
+                                max_new_tokens=args.max_tokens, seed=args.seed,
+                                coupling=getattr(args, "coupling", REJECTION))
     except SamplingError as e:
         flag = SAMPLING_FLAGS.get(e.field, e.field)
         raise OptionError(f"argument {flag}", e.problem) from None
@@ -66,7 +76,10 @@ async def run_generate(args, options, settings: SamplingSettings, out=sys.stdout
     drafter, tokenizer = build_drafter(args, options.speculation)
     try:
         async with EdgeClient(options, drafter, tokenizer) as client:
-            gen = client.generate(prompt_of(args), settings)
+            if getattr(args, "cloud_only", False):
+                gen = client.generate_cloud_only(prompt_of(args), settings)
+            else:
+                gen = client.generate(prompt_of(args), settings)
             async for piece in gen:
                 if not quiet:
                     out.write(piece)
@@ -114,8 +127,13 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps(stats.to_json()))
     else:
-        print(f"[{stats.tokens} tokens in {stats.wall_s:.2f}s, {stats.rounds} rounds, "
-              f"acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_round:.2f} tokens/round]", file=sys.stderr)
+        seed = f", {stats.coupling} coupling, seed {stats.seed}" if stats.coupling != REJECTION else ""
+        if getattr(args, "cloud_only", False):
+            print(f"[{stats.tokens} tokens in {stats.wall_s:.2f}s, cloud-only{seed}]", file=sys.stderr)
+        else:
+            print(f"[{stats.tokens} tokens in {stats.wall_s:.2f}s, {stats.rounds} rounds, "
+                  f"acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_round:.2f} tokens/round{seed}]",
+                  file=sys.stderr)
     return 0
 
 
@@ -166,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text with a draft here and the target on a verifier")
     p.add_argument("--json", action="store_true", help="end with one JSON line of statistics")
+    p.add_argument("--cloud-only", action="store_true",
+                   help="no drafting: the verifier samples the target alone (its Generate stream), one token a "
+                        "step; with --coupling gumbel and the same --seed, the ids a hybrid run commits")
     add_sampling_args(p)
     add_edge_options(p)
     p.set_defaults(func=cmd_generate)
@@ -184,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests generated at once, each with its own draft KV cache and verifier session; "
                         "more wait (keep it at most the verifier's --max-sessions)")
     p.add_argument("--served-model-name", help="model id in /v1/models and responses (default: the verifier's model)")
+    add_coupling_arg(p)
     add_edge_options(p)
     p.set_defaults(func=cmd_serve)
 

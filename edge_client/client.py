@@ -106,6 +106,13 @@ class EdgeClient:
         the TARGET's token ids."""
         return Generation(self, prompt, settings)
 
+    def generate_cloud_only(self, prompt: "str | Chat | Sequence[int]",
+                            settings: SamplingSettings) -> "CloudOnlyGeneration":
+        """The verifier's own sampling of `prompt` (its Generate stream), as text pieces: the
+        reference a generation with coupling "gumbel" equals at the same seed (edge_client.cloudonly)."""
+        from edge_client.cloudonly import CloudOnlyGeneration
+        return CloudOnlyGeneration(self, prompt, settings)
+
     async def server_info(self) -> pb.ServerInfo:
         return await self.verifier.server_info()
 
@@ -114,6 +121,11 @@ class EdgeClient:
     async def speculation_for(self, st: GenerationStats) -> Speculation:
         """The speculation options within the verifier's limits (asked once per channel)."""
         return self.speculation.within(await self.verifier.limits(st))
+
+    def coupling_refusal(self, coupling: str) -> str | None:
+        """Why the verifier (its limits, asked by speculation_for) cannot check drafts with `coupling`."""
+        limits = _SERVER_LIMITS.get(self.verifier.channel)
+        return None if limits is None else limits.coupling_refusal(coupling)
 
     def forget_server_limits(self) -> None:
         self.verifier.forget_limits()

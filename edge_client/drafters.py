@@ -17,6 +17,7 @@ import numpy as np
 
 from spec_core.crossvocab import DraftView, TargetPieces, TokenMap, ViewStats, Vocabulary, intersection_map, restrict_logits, to_target_q
 from spec_core.drafting import QMode, draft_step
+from spec_core.gumbel import draft_noise
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import ROOT, DraftTree, TreeShape, grow_tree, tree_sampling
 from spec_core.warping import SamplingSettings
@@ -59,11 +60,15 @@ class Drafter(abc.ABC):
         t0 = time.perf_counter()
         to_probs, encode = tree_sampling(settings, qmode)
         expand = self._tree_expander(committed)
+        base = len(committed)
 
         def next_probs(nodes, tokens, parents):
             return np.stack([to_probs(row) for row in expand(nodes, tokens, parents)])
+
+        def noise(depth: int):   # the gumbel coupling: children ranked by log q + g at their position
+            return draft_noise(settings, base + depth, self._noise_ids())
         try:
-            grown = grow_tree(next_probs, shape, rng, encode)
+            grown = grow_tree(next_probs, shape, rng, encode, noise if settings.gumbel else None)
         finally:
             self._tree_done()
         return TreeDraft(list(grown.tree.tokens), list(grown.tree.parents), grown.qs, time.perf_counter() - t0,
@@ -75,6 +80,10 @@ class Drafter(abc.ABC):
 
     def _tree_done(self) -> None:
         pass
+
+    def _noise_ids(self) -> np.ndarray | None:
+        """This drafter's ids -> the target's, for the gumbel coupling's noise (None: the same ids)."""
+        return None
 
     def next_logits(self, seq: Sequence[int]) -> np.ndarray:
         """Raw draft logits after `seq`  # [vocab]; what CrossVocabDrafter drafts from."""
@@ -131,7 +140,7 @@ class GGUFDrafter(Drafter):
         tokens, qs = [], []
         for _ in range(gamma):
             logits = self.ctx.logits(seq, 1)[0]
-            tok, q = draft_step(logits, settings, qmode, rng)
+            tok, q = draft_step(logits, settings, qmode, rng, draft_noise(settings, len(seq)))
             tokens.append(tok)
             qs.append(q)
             seq.append(tok)
@@ -203,7 +212,7 @@ class SyntheticDrafter(Drafter):
         seq = list(committed)
         tokens, qs = [], []
         for _ in range(gamma):
-            tok, q = draft_step(self.lm.logits(seq), settings, qmode, rng)
+            tok, q = draft_step(self.lm.logits(seq), settings, qmode, rng, draft_noise(settings, len(seq)))
             tokens.append(tok)
             qs.append(q)
             seq.append(tok)
@@ -268,8 +277,10 @@ class CrossVocabDrafter(Drafter):
         t0 = time.perf_counter()
         seq = self.view.sync(committed).draft_ids
         tokens, qs = [], []
-        for _ in range(gamma):
-            d, q = draft_step(restrict_logits(self.inner.next_logits(seq), self.token_map), settings, qmode, rng)
+        for j in range(gamma):
+            # The gumbel coupling's noise lives on target ids and target positions.
+            noise = draft_noise(settings, len(committed) + j, self.token_map.draft_to_target)
+            d, q = draft_step(restrict_logits(self.inner.next_logits(seq), self.token_map), settings, qmode, rng, noise)
             tokens.append(int(self.token_map.draft_to_target[d]))
             qs.append(None if q is None else to_target_q(q, self.token_map))
             seq.append(d)
@@ -308,6 +319,9 @@ class CrossVocabDrafter(Drafter):
 
     def _tree_done(self) -> None:
         self.inner._tree_done()
+
+    def _noise_ids(self) -> np.ndarray:
+        return self.token_map.draft_to_target
 
     def observe(self, committed, num_accepted) -> None:
         self.inner.observe(self.view.sync(committed).draft_ids, num_accepted)

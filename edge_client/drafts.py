@@ -45,12 +45,15 @@ class RoundDrafts:
         """Draft the planned chain or tree after `base`; either way the round's draft is a tree (a
         chain: one path)."""
         drafter, rng = self.drafter, self.base_rng(base)
+        # The gumbel coupling: the verifier never reads q, so none travels (the draft still drew from it).
+        gumbel = self.settings.gumbel
         if plan.shape is None:
             d = drafter.propose(base, plan.gamma, self.settings, self.spec.qmode, rng)
-            return Prepared(base, plan, DraftTree.chain(d.tokens), d.qs, d.seconds, len(d.tokens))
+            return Prepared(base, plan, DraftTree.chain(d.tokens), None if gumbel else d.qs, d.seconds, len(d.tokens),
+                            drawn_qs=d.qs if gumbel else None)
         d = drafter.propose_tree(base, plan.shape, self.settings, self.spec.qmode, rng)
-        return Prepared(base, plan, DraftTree(tuple(d.tokens), tuple(d.parents)), d.qs, d.seconds, d.rows,
-                        d.path_probs)
+        return Prepared(base, plan, DraftTree(tuple(d.tokens), tuple(d.parents)), None if gumbel else d.qs, d.seconds,
+                        d.rows, d.path_probs, drawn_qs=d.qs if gumbel else None)
 
     def budget(self, prep: Prepared, now: float, s_per_byte: float, depth: int = 1) -> ContinuationBudget:
         """When the reply is expected and what a hit saves, from the planner's measured costs. depth:
@@ -122,7 +125,7 @@ class RoundDrafts:
         def probe(seq: list[int]):
             qs = drafter.propose(seq, 1, est, QMode("float", 16), np.random.default_rng(0)).qs
             return qs[0] if qs else None
-        nodes, tree, shipped = prep.guess_nodes(), prep.tree, prep.qs
+        nodes, tree, shipped = prep.guess_nodes(), prep.tree, prep.qs if prep.qs is not None else prep.drawn_qs
         # Position j's other candidates: the siblings of the path's node there (none in a chain).
         children = tree.children()
         siblings = [[tree.tokens[c] for c in children[tree.parents[n]] if c != n] for n in nodes]

@@ -60,6 +60,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                               # vLLM's extension
+    coupling: str | None = None                            # ours: "rejection" | "gumbel" (default: serve's --coupling)
     n: int = Field(default=1, ge=1)
 
     @field_validator("stop")

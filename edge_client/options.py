@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 
 from spec_core.drafting import QMode
+from spec_core.warping import REJECTION
 from spec_core.tree import TreeShape
 
 log = logging.getLogger(__name__)
@@ -91,12 +92,26 @@ class ServerLimits:
     max_tree_branching: int | None = None  # children of one node
     max_window: int | None = None          # rounds of a session in flight at once (None: not stated)
     verify_stream: bool = False            # it answers VerifyStream
+    couplings: tuple[str, ...] = (REJECTION,)   # how it can check drafts (ServerInfo.couplings)
+    backend: str = ""                      # its backend's name, for messages
 
     @classmethod
     def from_info(cls, info) -> "ServerLimits":
+        from spec_core.proto.couplings import offered
         # In ServerInfo 0 means "not stated" for γ and branching, "chains only" for tree nodes.
         return cls(info.max_gamma or None, info.max_tree_nodes, info.max_tree_branching or None,
-                   info.max_window or None, info.verify_stream)
+                   info.max_window or None, info.verify_stream, offered(info), info.backend)
+
+    def coupling_refusal(self, coupling: str) -> str | None:
+        """Why this verifier cannot check drafts with `coupling` (None: it can). One from before
+        couplings were negotiated lists none and would check by rejection sampling without a word:
+        the edge refuses before the first round instead."""
+        if coupling in self.couplings:
+            return None
+        what = f"the {self.backend} verifier" if self.backend else "this verifier"
+        return (f"--coupling {coupling} is not offered by {what} (ServerInfo.couplings: "
+                f"{', '.join(self.couplings)}; a verifier from before couplings were negotiated checks by rejection "
+                "sampling only): use --coupling rejection, or a verifier that offers it")
 
 
 @dataclass(frozen=True)
@@ -210,7 +225,9 @@ class Speculation:
         outcomes got a continuation in time: a round's draft and the verifier's draws depend only on
         the seed and the committed tokens, and a continuation is drafted with the plan a fresh round
         after its outcome would have (RoundPlan.within). The planner ('plan') follows measured timings
-        too, unless its inputs are pinned (plan_inputs): then it chooses once, from them."""
+        too, unless its inputs are pinned (plan_inputs): then it chooses once, from them. All of this
+        is about the default coupling: with SamplingSettings.coupling "gumbel" a seed pins the output
+        whatever these options do (spec_core.gumbel)."""
         out = []
         chosen_once = set(self.planned or ()) if self.plan_inputs is not None else set()
         if self.planned and self.plan_inputs is None:

@@ -35,6 +35,8 @@ class Prepared:
     rows: int                            # draft forward rows it cost
     path_probs: Sequence[float] | None = None   # [n] the draft's probability of reaching each node
                                                 # (None: a chain, whose one path is every node)
+    drawn_qs: list[EncodedQ] | None = None      # [n] the q each node was drawn from when none is shipped
+                                                # (the gumbel coupling): ranks outcomes as shipped q does
 
     def wire_parents(self) -> list[int]:
         """draft_parents on the wire: none for a chain."""

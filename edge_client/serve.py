@@ -41,7 +41,7 @@ from edge_client.openai_protocol import (APIError, ChatRequest, CompletionReques
 from edge_client.options import EdgeOptions, build_drafter, draft_path, options_from_args
 from edge_client.stopstrings import StopStrings, tokens_covering
 from spec_core.proto import verifier_pb2 as pb
-from spec_core.warping import SamplingError, SamplingSettings
+from spec_core.warping import REJECTION, SamplingError, SamplingSettings
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +140,10 @@ class EdgeService:
     handlers call. Start and stop it inside the event loop that serves (`async with`)."""
 
     def __init__(self, options: EdgeOptions, tokenizer, pool: DraftPool, metrics: EdgeMetrics,
-                 served_model_name: str | None = None, on_close: Callable[[], None] | None = None):
+                 served_model_name: str | None = None, on_close: Callable[[], None] | None = None,
+                 coupling: str = REJECTION):
         self.options, self.tokenizer, self.pool, self.metrics = options, tokenizer, pool, metrics
+        self.coupling = coupling   # how drafts are checked, unless a request says (its `coupling` field)
         self.server = options.transport.server
         self.served_model_name = served_model_name
         self._on_close = on_close
@@ -247,7 +249,7 @@ class EdgeService:
                 top_k=0 if req.top_k in (None, -1) else req.top_k,  # vLLM's -1 = off
                 top_p=1.0 if req.top_p is None else req.top_p,
                 max_new_tokens=max_new if max_new is not None else n_ctx - n_prompt,
-                seed=req.seed, ignore_eos=req.ignore_eos)
+                seed=req.seed, ignore_eos=req.ignore_eos, coupling=req.coupling or self.coupling)
         except SamplingError as e:
             param = req.max_tokens_param() if e.field == "max_new_tokens" else e.field
             raise APIError(400, f"{param}: {e.problem}", param=param) from None
@@ -482,7 +484,8 @@ def service_from_args(args) -> EdgeService:
         drafter, tokenizer = build_drafter(args, options.speculation)
         pool = DraftPool(args.max_concurrent, executor, shared=drafter)
         on_close = drafter.close
-    return EdgeService(options, tokenizer, pool, EdgeMetrics(), args.served_model_name, on_close=on_close)
+    return EdgeService(options, tokenizer, pool, EdgeMetrics(), args.served_model_name, on_close=on_close,
+                       coupling=getattr(args, "coupling", REJECTION))
 
 
 async def serve(app: FastAPI, host: str, port: int, on_ready: Callable[[int], None] | None = None) -> None:

@@ -19,6 +19,7 @@ class GenerationHost(EdgeLink, Protocol):
     """What a generation needs of its client before the first round, besides the loop's EdgeLink."""
 
     async def speculation_for(self, st: GenerationStats) -> Speculation: ...
+    def coupling_refusal(self, coupling: str) -> str | None: ...
     async def pairing_for(self, st: GenerationStats) -> Pairing: ...
     def forget_server_limits(self) -> None: ...
 
@@ -29,9 +30,11 @@ class Generation:
     closed, so it does not hold a KV cache until its idle TTL."""
 
     def __init__(self, client: GenerationHost, prompt: "str | Chat | Sequence[int]", settings: SamplingSettings):
-        self._client, self._prompt, self.settings = client, prompt, settings
+        # The gumbel coupling: both ends read noise keyed by the seed; without one, one drawn here
+        # (settings.seed says which) and kept for every round and replay of this generation.
+        self._client, self._prompt, self.settings = client, prompt, settings.with_session_seed()
         self.prompt_ids = None if isinstance(prompt, (str, Chat)) else list(prompt)  # the target's, once known
-        self.stats = GenerationStats()
+        self.stats = GenerationStats(coupling=self.settings.coupling, seed=self.settings.seed)
         self._it = self._run()
 
     def __aiter__(self):
@@ -47,9 +50,18 @@ class Generation:
         """Stop generating; an unfinished session is closed on the verifier."""
         await self._it.aclose()
 
+    async def _negotiate(self) -> Speculation:
+        """Before the first round: the speculation options within the verifier's limits (asked once
+        per channel), and a refusal of a coupling the verifier does not offer."""
+        spec = await self._client.speculation_for(self.stats)
+        refusal = self._client.coupling_refusal(self.settings.coupling)
+        if refusal:
+            raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        return spec
+
     async def _run(self) -> AsyncIterator[str]:
         client = self._client
-        spec = await client.speculation_for(self.stats)  # within the verifier's limits
+        spec = await self._negotiate()
         pairing = await client.pairing_for(self.stats)   # decided once per client, before its first round
         plan = await plan_prompt(pairing, self._prompt, client.run_drafting)
         loop = RoundLoop(client, spec, plan.ids, self.settings, self.stats, pairing, plan)

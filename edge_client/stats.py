@@ -49,6 +49,8 @@ class GenerationStats:
     shapes: dict[str, int] = field(default_factory=dict)   # rounds sent per shape: "chain g5 alone", "tree2x g4
                                     # pipelined", "chain g3 fused", "chain g4 ahead" (drafted during the last trip)
     planned: list[str] = field(default_factory=list)   # the options the planner chose (those not pinned)
+    coupling: str = "rejection"     # how drafts were checked (--coupling)
+    seed: int | None = None         # the seed sent (with --coupling gumbel, drawn when none was given)
     token_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:

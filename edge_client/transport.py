@@ -15,6 +15,7 @@ import grpc
 from edge_client.options import Security, ServerLimits, Transport
 from edge_client.stats import CloudOnlyStats, GenerationStats
 from spec_core import clock
+from spec_core.proto import couplings
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
@@ -154,7 +155,7 @@ class EdgeError(RuntimeError):
 def sampling_proto(s: SamplingSettings) -> pb.SamplingParams:
     p = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,  # 1.0 = off, as the wire says
                           max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids),
-                          ignore_eos=s.ignore_eos)
+                          ignore_eos=s.ignore_eos, coupling=couplings.TO_WIRE[s.coupling])
     if s.seed is not None:
         p.seed = s.seed
     return p

@@ -135,7 +135,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
         prompts_per_workload=args.prompts_per_workload, max_tokens=args.max_tokens,
         gammas=[int(g) for g in _csv(args.gammas)], target=models.target, draft=models.draft, pair=models.pair,
         qmode=args.q,
-        seed=args.seed, synthetic=args.synthetic, crossover=not args.no_crossover,
+        seed=args.seed, coupling=args.coupling, synthetic=args.synthetic, crossover=not args.no_crossover,
         crossover_rtts_ms=[float(x) for x in _csv(args.crossover_rtts)],
         crossover_steps_ms=[float(x) for x in _csv(args.crossover_steps)])
     for name in cfg.profiles:
@@ -217,6 +217,13 @@ def _run_and_report(run, write_all, cfg, label_width: int) -> int:
     return 0
 
 
+def _add_coupling(parser) -> None:
+    parser.add_argument("--coupling", choices=("rejection", "gumbel"), default="rejection",
+                        help="how drafts are checked (edge-client generate --help): gumbel makes every mode commit "
+                             "the same ids per prompt and seed (the target's own sampling), so mode comparisons "
+                             "carry no output variance; rejection (default) accepts more")
+
+
 def _add_experiment_command(subparsers) -> None:
     parser = subparsers.add_parser(
         "experiment", help="run every mode over link profiles and workloads, write results and a report",
@@ -238,6 +245,7 @@ def _add_experiment_command(subparsers) -> None:
     _add_model_options(parser, "target GGUF (default: bundled SmolLM2)")
     parser.add_argument("--synthetic", action="store_true", help="use the synthetic model pair (fast sweeps)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the sampling and of every link's random draws")
+    _add_coupling(parser)
     parser.add_argument("--no-crossover", action="store_true", help="skip the synthetic RTT x cloud-step grid")
     parser.add_argument("--crossover-rtts", default="5,50,150,300,600", help="link RTTs in ms for the grid")
     parser.add_argument("--crossover-steps", default="5,20,60,150", help="cloud step times in ms for the grid")
@@ -284,7 +292,7 @@ def _run_load(args: argparse.Namespace) -> int:
                      max_tokens=args.max_tokens, arrival_rate=args.arrival_rate, seed=args.seed,
                      draft_ms=args.draft_ms, synthetic_step_ms=args.synthetic_step_ms, target=models.target,
                      draft=models.draft, pair=models.pair, drafter=args.drafter, warmup_s=args.warmup,
-                     slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms)
+                     slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms, coupling=args.coupling)
     if args.locust_csv:
         from .load.locustrun import read_locust_runs
         cfg.out.mkdir(parents=True, exist_ok=True)
@@ -334,6 +342,7 @@ def _add_load_command(subparsers) -> None:
                         help="real target: gguf = a draft model per edge, run on this machine's CPU (a few edges); "
                              "lookup = prompt lookup, no model, --draft-ms emulated per token (many edges)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the sampling, the arrivals and the links")
+    _add_coupling(parser)
     parser.add_argument("--slo-tpot-ms", type=float, default=150.0,
                         help="SLO on time per output token: goodput counts requests within it, capacity is the most "
                              "edges whose p95 is (default 150)")

@@ -70,6 +70,7 @@ class ExperimentConfig:
     pair: str | None = None            # the named pair target and draft came from (netsim/pairs.py)
     qmode: str = "fixed:16:16"
     seed: int = 1
+    coupling: str = "rejection"        # "gumbel": every mode commits the target's own sampling at the seed
     temperature: float | None = None   # every workload at this temperature (None: TEMPERATURE's per workload)
     verifier_threads: int = 1
     draft_threads: int = 1
@@ -121,6 +122,7 @@ class Row:
     fused_rounds: int = 0                  # rounds sent with continuations for their own pass (fused mode)
     fused_hits: int = 0                    # rounds verified in the pass of the round before (no round trip)
     shapes: dict | None = None             # auto: rounds sent per shape the planner chose (GenerationStats.shapes)
+    ids_digest: str = ""                   # BLAKE2b of the generated ids: with --coupling gumbel, equal across modes
     draft_s: float = 0.0                   # the edge's time drafting (hidden or not)
     server_model_s: float = 0.0            # the verifier's time in the target (its own timing)
     target_tokens: int = 0                 # tokens the target computed (prefill aside): cloud-only one per
@@ -209,7 +211,7 @@ class Runner:
         from spec_core.warping import SamplingSettings
         return SamplingSettings(temperature=TEMPERATURE.get(workload, 0.7) if self.cfg.temperature is None
                                 else self.cfg.temperature, top_p=0.95, max_new_tokens=max_tokens,
-                                seed=self.cfg.seed, ignore_eos=self.cfg.synthetic)
+                                seed=self.cfg.seed, ignore_eos=self.cfg.synthetic, coupling=self.cfg.coupling)
 
     async def measure(self, proxy: LinkProxy | None, port: int, profile: Profile, mode: str, gamma: int | str,
                       workload: str, index: int, prompt_ids: list[int], max_tokens: int,
@@ -310,6 +312,7 @@ def make_row(profile: Profile, mode: str, gamma: int | str, workload: str, index
               str({"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)), tokens, wall,
               tokens / wall if wall else 0.0, ttft, rounds, rounds / n, up, down, up / n, down / n, acc,
               alpha, tpr, theory, passes, passes / n, retries, replays, profile.rtt_ms())
+    row.ids_digest = ids_digest(st.token_ids)
     if mode != "cloud-only":
         row.nodes_per_round = st.nodes_per_round
         row.rolled_back_per_round = st.draft_rolled_back / max(st.rounds, 1) if cross_rounds else None

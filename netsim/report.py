@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from hybridspec.machine import summary as machine_summary
-from netsim.experiment import summarise
+from netsim.experiment import same_text, summarise
 
 
 def _fmt(v, nd=2):
@@ -72,6 +72,18 @@ def _clock_line(result: dict) -> str:
     return f"Clock: wall. Machine: {machine_summary(result['machine']) if 'machine' in result else 'not recorded'}."
 
 
+def _same_text_lines(result: dict) -> list[str]:
+    """With --coupling gumbel: whether every mode committed cloud-only's ids for each prompt."""
+    if result["config"].get("coupling") != "gumbel":
+        return []
+    check = same_text(result["rows"])
+    if not check["differ"]:
+        return [f"Same text: every mode committed the cloud-only ids for each prompt and profile "
+                f"({check['compared']} runs compared; --coupling gumbel).", ""]
+    return [f"Same text: NOT every mode committed the cloud-only ids ({len(check['differ'])} prompts differ: "
+            f"{'; '.join(check['differ'][:8])}).", ""]
+
+
 def markdown(result: dict, summary: list[dict]) -> str:
     cfg = result["config"]
     virtual = result.get("clock") == "virtual"
@@ -80,7 +92,8 @@ def markdown(result: dict, summary: list[dict]) -> str:
              f"Profiles {', '.join(cfg['profiles'])}; modes {', '.join(cfg['modes'])}; workloads "
              f"{', '.join(cfg['workloads'])} ({cfg['prompts_per_workload']} prompt each), up to {cfg['max_tokens']} "
              f"tokens; {_models_line(result)}; "
-             f"q {cfg['qmode']}; seed {cfg['seed']}.", "",
+             f"q {cfg['qmode']}; seed {cfg['seed']}; coupling {cfg.get('coupling', 'rejection')}.", "",
+             *_same_text_lines(result),
              _clock_line(result), "",
              "Round trips are Verify RPCs (retries included) or the one Generate stream; bytes are "
              + ("the messages' encoded sizes with their gRPC and HTTP/2 framing (netsim.virtual.channel)" if virtual else

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spec_core.gumbel import draft_choices
 from spec_core.qcodec import DEFAULT_SCALE_BITS, DEFAULT_TOP_K, EncodedQ, encode_fixed, encode_float
 from spec_core.warping import SamplingSettings, processed_probs
 
@@ -37,8 +38,11 @@ class QMode:
 
 
 def draft_step(draft_logits: np.ndarray, settings: SamplingSettings, qmode: QMode,
-               rng: np.random.Generator) -> tuple[int, EncodedQ | None]:
-    """draft_logits  # [vocab]. Returns (token, q it was drawn from, or None for a point mass)."""
+               rng: np.random.Generator, noise=None) -> tuple[int, EncodedQ | None]:
+    """draft_logits  # [vocab]. Returns (token, q it was drawn from, or None for a point mass).
+    `noise` (spec_core.gumbel.draft_noise, the gumbel coupling): the token is argmax(log q + g) over
+    the encoded q's support instead of a draw from `rng` (still the encoded q: its support and
+    weights are what the coupling's acceptance is computed from)."""
     if qmode.kind == "none" or settings.greedy:
         return int(np.argmax(draft_logits)), None
     probs = processed_probs(draft_logits, settings.temperature, settings.top_k, settings.top_p)
@@ -46,4 +50,6 @@ def draft_step(draft_logits: np.ndarray, settings: SamplingSettings, qmode: QMod
         enc = encode_fixed(probs, qmode.top_k, qmode.scale_bits)
     else:
         enc = encode_float(probs, qmode.top_k)
+    if noise is not None:
+        return draft_choices(enc, noise)[0], enc
     return enc.sample(rng), enc

@@ -46,6 +46,7 @@ import numpy as np
 
 from spec_core.acceptance import (RESIDUAL_EPS, accepts, after_rejection, corrected_probs, keeps_sample,
                                   sparse_after_rejection)
+from spec_core.gumbel import draft_choices, target_token
 from spec_core.qcodec import EncodedQ
 from spec_core.warping import SamplingSettings, processed_probs, sample
 
@@ -170,17 +171,41 @@ def verify_tree(target_probs: np.ndarray, tree: DraftTree, draft_probs: Sequence
 
 
 def verify_tree_on_logits(target_logits: np.ndarray, settings: SamplingSettings, tree: DraftTree,
-                          draft_probs: Sequence[EncodedQ | None] | None, rng: np.random.Generator) -> TreeResult:
+                          draft_probs: Sequence[EncodedQ | None] | None, rng: np.random.Generator,
+                          position: int | None = None) -> TreeResult:
     """verify_tree(processed_probs(target_logits, ...), ...), warping only the rows the walk reaches
     (a chain: the rows up to its first rejection; a tree: the rows of its kept path's nodes). A row's
     p is the same warped alone or with the others, and the draws come in the same order, so the
-    result (and the generator's state) is the same.  # target_logits: [n + 1, vocab]"""
+    result (and the generator's state) is the same.  # target_logits: [n + 1, vocab]
+    With settings.coupling "gumbel" the walk is gumbel_walk's (q and rng unread): `position` is the
+    absolute position row 0 predicts (the committed length)."""
     assert target_logits.shape[0] == len(tree) + 1, (target_logits.shape, len(tree))
 
     def row(i: int) -> np.ndarray:  # [vocab]
         return processed_probs(target_logits[i], settings.temperature, settings.top_k, settings.top_p)
 
+    if settings.gumbel:
+        return gumbel_walk(row, tree, settings.seed, position)
     return _walk(row, tree, draft_probs, rng)
+
+
+def gumbel_walk(target_row: Callable[[int], np.ndarray], tree: DraftTree, seed: int | None,
+                position: int | None) -> TreeResult:
+    """The gumbel coupling's walk (spec_core.gumbel has the proof): at a node whose row predicts
+    absolute position i, y = argmax(log p + g_i); move to the child carrying y, else y is the
+    corrected token (at a leaf, the bonus). A chain keeps its drafts while they equal y. No q and no
+    uniform is read.  # target_row(node + 1): [vocab] processed p; position: what row 0 predicts."""
+    if seed is None or position is None:
+        raise ValueError("the gumbel coupling needs the session's seed and the round's position")
+    children = tree.children()
+    node, path = ROOT, []
+    while True:
+        y = target_token(target_row(node + 1), seed, position + len(path))
+        child = next((c for c in children[node] if tree.tokens[c] == y), None)
+        if child is None:
+            return TreeResult(path, y)
+        node = child
+        path.append(child)
 
 
 def _walk(target_row: Callable[[int], np.ndarray], tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
@@ -357,7 +382,7 @@ class _Candidate(NamedTuple):
     path: list[int]         # the parent's path
 
 
-def grow_tree(next_probs, shape: TreeShape, rng: np.random.Generator, encode=None) -> GrownTree:
+def grow_tree(next_probs, shape: TreeShape, rng: np.random.Generator, encode=None, noise=None) -> GrownTree:
     """Grow a draft tree level by level, expanding the most probable frontier nodes.
 
     next_probs(nodes, tokens, parents) -> [len(nodes), vocab]: the draft's distribution after each
@@ -367,6 +392,10 @@ def grow_tree(next_probs, shape: TreeShape, rng: np.random.Generator, encode=Non
         With `encode`, children are sampled without replacement from the encoded q, and how many
         children a node gets is fixed before any is drawn (a rule that kept or dropped a child after
         seeing its token would change the distribution it was drawn from).
+    noise(depth) -> the gumbel coupling's noise at the position `depth` tokens after the committed
+        sequence (spec_core.gumbel), or None: with `encode`, a node's children are then the first of
+        q's support ranked by log q + g (Gumbel-top-k: draws without replacement from q, the first
+        being the token the target's own sample is compared with); none is drawn from `rng`.
     """
     tokens: list[int] = []
     parents: list[int] = []
@@ -392,12 +421,16 @@ def grow_tree(next_probs, shape: TreeShape, rng: np.random.Generator, encode=Non
             else:
                 q = encode(row)
                 # Children of this node are fixed in number up front: its share of the budget.
+                n_children = min(shape.branching, left - len(candidates))
+                ranked = None if noise is None else draft_choices(q, noise(len(path)), n_children)
                 drawn: list[int] = []
-                for _k in range(min(shape.branching, left - len(candidates))):
+                for _k in range(n_children):
                     if remaining_mass(q, drawn) <= RESIDUAL_EPS:  # the rest of q is rounding noise
                         break
                     q_i = without_tokens(q, drawn)
-                    tok = q_i.sample(rng)
+                    if ranked is not None and _k >= len(ranked):
+                        break
+                    tok = q_i.sample(rng) if ranked is None else ranked[_k]
                     # Given the drawn siblings, the first is tested first and kept with min(1, p/q) (most
                     # of the time when the draft is good); a later one only gets a chance after every
                     # earlier one failed. Rank by that (a guess of 0.6 acceptance), not by q(token).

@@ -24,10 +24,18 @@ from __future__ import annotations
 
 import math
 import operator
+import secrets
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+
+# How a round's drafts are checked (spec_core.gumbel): "rejection" (accept with min(1, p/q), random
+# streams keyed by committed length; the default) or "gumbel" (drafter-invariant: the target's
+# Gumbel-max token with noise keyed by seed and position; the text is a function of the seed).
+REJECTION, GUMBEL = "rejection", "gumbel"
+COUPLINGS = (REJECTION, GUMBEL)
 
 
 def is_greedy(temperature: float) -> bool:
@@ -74,6 +82,7 @@ class SamplingSettings:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     seed: int | None = None   # None = fresh entropy; else in [0, 2**64 - 1] (the wire's uint64)
+    coupling: str = REJECTION  # COUPLINGS: how drafts are checked, and so how the target samples (spec_core.gumbel)
 
     def __post_init__(self):
         temperature = _real("temperature", self.temperature)
@@ -88,13 +97,28 @@ class SamplingSettings:
             max_new_tokens=_integer("max_new_tokens", self.max_new_tokens, 1),
             stop_token_ids=tuple(_integer("stop_token_ids", t, 0) for t in self.stop_token_ids),
             ignore_eos=bool(self.ignore_eos),
-            seed=None if self.seed is None else _integer("seed", self.seed, 0, 2 ** 64 - 1))
+            seed=None if self.seed is None else _integer("seed", self.seed, 0, 2 ** 64 - 1),
+            coupling=self.coupling)
+        if self.coupling not in COUPLINGS:
+            raise SamplingError("coupling", f"must be one of {', '.join(COUPLINGS)}, got {self.coupling!r}")
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
         return is_greedy(self.temperature)
+
+    @property
+    def gumbel(self) -> bool:
+        """Drafter-invariant verification: the text is the target's Gumbel-max sampling at the seed."""
+        return self.coupling == GUMBEL
+
+    def with_session_seed(self) -> "SamplingSettings":
+        """With the gumbel coupling both ends must read the same noise: a seed drawn now when none
+        was given (kept for the session's replays); unchanged otherwise."""
+        if not self.gumbel or self.seed is not None:
+            return self
+        return replace(self, seed=secrets.randbits(63))
 
 
 # Rows shorter than this take the plain path: sorting a few thousand entries is already cheap.

@@ -517,17 +517,17 @@ V, L = 5, 3   # as in test_exactness_stats, whose exact probabilities and chi-sq
 class AcceptEverything(SyntheticBackend):
     """Negative control: a verifier that accepts every draft of a chain (biased toward the draft)."""
 
-    def accept(self, logits, tree, draft_probs, settings, rng):
-        out = super().accept(logits, tree, draft_probs, settings, rng)
+    def accept(self, logits, tree, draft_probs, settings, rng, position=None):
+        out = super().accept(logits, tree, draft_probs, settings, rng, position)
         return TreeResult(list(range(len(tree))), out.next_token) if tree.is_chain else out
 
 
 class FollowFirstChild(SyntheticBackend):
     """Negative control for trees: moves to a node's first child whenever any child would win."""
 
-    def accept(self, logits, tree, draft_probs, settings, rng):
+    def accept(self, logits, tree, draft_probs, settings, rng, position=None):
         if tree.is_chain:
-            return super().accept(logits, tree, draft_probs, settings, rng)
+            return super().accept(logits, tree, draft_probs, settings, rng, position)
         from test_tree_exactness import follow_first_child
         p = processed_probs(logits, settings.temperature, settings.top_k, settings.top_p)
         return follow_first_child(p, tree, draft_probs, rng)

@@ -197,6 +197,19 @@ def test_same_seed_same_sample(client):
     assert a == b
 
 
+def test_a_request_may_ask_for_the_gumbel_coupling(client):
+    """`coupling` (our extension): the same seed gives the same text, and the statistics say which
+    coupling and seed ran; an unknown one is a 400 naming it."""
+    kw = dict(model="any", prompt="the list of", max_tokens=16, temperature=0.9, top_p=0.95, seed=5,
+              extra_body={"coupling": "gumbel", "ignore_eos": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    hs = a.model_extra["hybridspec"]
+    assert (hs["coupling"], hs["seed"]) == ("gumbel", 5)
+    with pytest.raises(openai.BadRequestError, match="coupling"):
+        client.completions.create(**{**kw, "extra_body": {"coupling": "minhash"}})
+
+
 # --- stop strings --------------------------------------------------------------------------------
 
 def test_stop_strings_cut_exactly_across_token_boundaries(client, verifier, tiny_models, vocab):

@@ -28,7 +28,8 @@ from spec_core.continuations import fuse_tree, pick_continuation
 from spec_core.crossvocab import Vocabulary
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import DraftTree, TreeResult, verify_tree_on_logits
-from spec_core.warping import SamplingSettings, processed_probs, sample
+from spec_core.gumbel import target_token
+from spec_core.warping import COUPLINGS, SamplingSettings, processed_probs, sample
 
 
 # Nodes of one fused pass at most: a round's tree and its continuations (Limits: 64 + 16 keys +
@@ -47,6 +48,9 @@ class Capabilities:
     max_tree_leaves: int | None = None       # leaves one tree pass may hold (None: no limit here)
     max_fused_nodes: int = MAX_FUSED_NODES   # nodes one fused pass may hold
     max_states: int | None = None   # sessions + Generate streams held at once (None: only the engine's limits)
+    # How it checks drafts (spec_core.warping.COUPLINGS; ServerInfo.couplings): LogitsBackend runs both
+    # through spec_core.tree; a backend with its own verify_round lists what it implements.
+    couplings: tuple[str, ...] = COUPLINGS
 
 
 @dataclass(frozen=True)
@@ -247,10 +251,11 @@ class LogitsBackend(Backend):
         """After a tree round: leave only committed + the kept path's tokens in the state's cache."""
 
     def accept(self, logits: np.ndarray, tree: DraftTree, draft_probs: Sequence[EncodedQ | None] | None,
-               settings: SamplingSettings, rng: np.random.Generator) -> TreeResult:
+               settings: SamplingSettings, rng: np.random.Generator, position: int | None = None) -> TreeResult:
         """The round rule on raw target rows  # logits: [n + 1, vocab], row 0 after the committed
-        sequence, row i + 1 after node i (spec_core.tree.verify_tree_on_logits)."""
-        return verify_tree_on_logits(logits, settings, tree, draft_probs, rng)
+        sequence, row i + 1 after node i (spec_core.tree.verify_tree_on_logits); `position`: the
+        committed length row 0 follows (the gumbel coupling's noise is keyed by it)."""
+        return verify_tree_on_logits(logits, settings, tree, draft_probs, rng, position)
 
     def verify_round(self, state: object, committed: Sequence[int], tree: DraftTree,
                      draft_probs: Sequence[EncodedQ | None] | None, settings: SamplingSettings,
@@ -266,11 +271,11 @@ class LogitsBackend(Backend):
                                            settings, rng, continuations, next_rng)
         if not continuations and tree.is_chain:
             logits, queue_s, model_s = self.target_logits(state, committed + list(tree.tokens), len(tree) + 1)
-            return BackendRound(self.accept(logits, tree, draft_probs, settings, rng), queue_s, model_s)
+            return BackendRound(self.accept(logits, tree, draft_probs, settings, rng, len(committed)), queue_s, model_s)
         fused = fuse_tree(tree, [c.key for c in continuations], [c.tree for c in continuations],
                           self._fits(len(committed))) if continuations else None
         logits, queue_s, model_s = self.tree_logits(state, committed, fused.tree if fused else tree)  # [n' + 1, vocab]
-        result = self.accept(logits[: len(tree) + 1], tree, draft_probs, settings, rng)
+        result = self.accept(logits[: len(tree) + 1], tree, draft_probs, settings, rng, len(committed))
         path, following = list(result.path), None
         if fused is not None:
             kept = [tree.tokens[i] for i in result.path] + [result.next_token]
@@ -280,7 +285,8 @@ class LogitsBackend(Backend):
                 assert next_rng is not None
                 c, at = continuations[hit], fused.placements[hit]
                 rows = logits[fused.continuation_rows(hit, len(c.tree))]
-                nxt = self.accept(rows, c.tree, c.draft_probs, settings, next_rng(len(committed) + len(c.key)))
+                nxt = self.accept(rows, c.tree, c.draft_probs, settings, next_rng(len(committed) + len(c.key)),
+                                  len(committed) + len(c.key))
                 following = ContinuationRun(hit, nxt)
                 path += [at.key_node] + [at.offset + i for i in nxt.path]
         self.keep_tree_path(state, committed, fused.tree if fused else tree, path)
@@ -300,4 +306,6 @@ class LogitsBackend(Backend):
                     rng: np.random.Generator) -> BackendSample:
         logits, queue_s, model_s = self.target_logits(state, tokens, 1)
         probs = processed_probs(logits[0], settings.temperature, settings.top_k, settings.top_p)
-        return BackendSample(sample(probs, rng), queue_s, model_s)
+        # The gumbel coupling: the target's own Gumbel-max token at this position (spec_core.gumbel).
+        token = target_token(probs, settings.seed, len(tokens)) if settings.gumbel else sample(probs, rng)
+        return BackendSample(token, queue_s, model_s)

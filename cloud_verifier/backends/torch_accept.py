@@ -497,3 +497,41 @@ def _packed_q(nodes, dev) -> tuple[torch.Tensor, torch.Tensor]:
     for k, (i, w_) in enumerate(zip(id_rows, w_rows)):
         q_ids[k, :len(i)], q_w[k, :len(w_)] = i, w_
     return torch.as_tensor(q_ids, device=dev), torch.as_tensor(q_w, device=dev)
+
+
+# --- the gumbel coupling's noise, on the device ----------------------------------------------------
+
+_M16, _M32 = 0xFFFF, 0xFFFFFFFF
+
+
+def _mulmod32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x < 2^32 without a product beyond 2^49 (no signed overflow)."""
+    lo = (x & _M16) * c
+    hi = ((x >> 16) * c) & _M16
+    return (lo + (hi << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mulmod32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mulmod32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise_bits(seed: int, position: int, ids: torch.Tensor) -> torch.Tensor:
+    """spec_core.gumbel.noise_bits in torch (int64 lanes, masked): the same 52-bit integers, bit for
+    bit, on any device  # ids: [n] int64 -> [n] int64. So the vLLM path can read the noise the edge
+    reads; spec_core.gumbel says what the noise is."""
+    from spec_core.gumbel import position_keys
+    k0, k1, k2, k3 = position_keys(seed, position)
+    v = ids.to(torch.int64)
+    hi = _mix32(_mix32(v ^ k0) ^ k1)
+    lo = _mix32(_mix32(v ^ k2) ^ k3)
+    return (hi << 20) | (lo >> 12)
+
+
+def gumbel_noise(seed: int, position: int, ids: torch.Tensor) -> torch.Tensor:
+    """g = -log(-log u), u = (n + 1/2) / 2^52 exact in float64  # [n] -> [n] float64."""
+    u = (gumbel_noise_bits(seed, position, ids).to(torch.float64) + 0.5) * 2.0 ** -52
+    return -torch.log(-torch.log(u))

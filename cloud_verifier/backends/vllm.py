@@ -89,7 +89,7 @@ from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import ROOT, DraftTree, NodeScore, TreeResult, tree_tokens_needed, verify_tree_from_scores
 from spec_core.verify import RoundResult
-from spec_core.warping import SamplingSettings, processed_probs, sample
+from spec_core.warping import REJECTION, SamplingSettings, processed_probs, sample
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,9 @@ class VllmBackend(Backend):
     # vLLM's scheduler mixes the rounds of all sessions in flight (batching); the HF tokenizer gives
     # GetVocabulary, text and chat prompts; its maths work from scores or in its engine, not on host
     # rows, so a hit continuation runs as a second request (fuses False).
-    caps = Capabilities(trees=True, batching=True, vocabulary=True, fuses=False)
+    # Rejection sampling only: its rounds are decided in vLLM's worker (torch_accept) or from vLLM's own
+    # samples, and its Generate stream is vLLM's sampler; the gumbel coupling is refused at open.
+    caps = Capabilities(trees=True, batching=True, vocabulary=True, fuses=False, couplings=(REJECTION,))
     one_request = True  # greedy and top-k rounds: one request with prompt logprobs (False: gamma + 1 requests)
     sessions = True     # ... as a chunk of the session's own request that keeps its KV (vllm_sessions)
     whole_row_sessions = True  # top-p / plain sampled chains too: whole rows cross to Python (docs/vllm.md)

@@ -36,3 +36,4 @@ class LoadConfig:
     warmup_s: float = 1.0               # each run's first seconds are not measured
     slo_tpot_ms: float = 150.0          # a request meets the SLO with time per output token at most this
     slo_ttft_ms: float = 2000.0         # ... and time to first token at most this (when it arrived in the window)
+    coupling: str = "rejection"         # how drafts are checked ("gumbel": each request's text is the target's own)

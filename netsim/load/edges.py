@@ -138,7 +138,7 @@ class Edges:
         from spec_core.warping import SamplingSettings
         self.cfg = cfg
         self.settings = SamplingSettings(temperature=0.7, top_p=0.95, max_new_tokens=cfg.max_tokens, seed=cfg.seed,
-                                         ignore_eos=cfg.synthetic)
+                                         ignore_eos=cfg.synthetic, coupling=cfg.coupling)
         if cfg.synthetic:
             from edge_client.text import SyntheticTokenizer
             self.tokenizer = SyntheticTokenizer(SYNTHETIC_VOCAB)

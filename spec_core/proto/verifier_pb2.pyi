@@ -7,19 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Coupling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COUPLING_REJECTION: _ClassVar[Coupling]
+    COUPLING_GUMBEL: _ClassVar[Coupling]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NOT_FINISHED: _ClassVar[FinishReason]
     STOP: _ClassVar[FinishReason]
     LENGTH: _ClassVar[FinishReason]
     CONTEXT: _ClassVar[FinishReason]
+COUPLING_REJECTION: Coupling
+COUPLING_GUMBEL: Coupling
 NOT_FINISHED: FinishReason
 STOP: FinishReason
 LENGTH: FinishReason
 CONTEXT: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop_token_ids", "ignore_eos")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop_token_ids", "ignore_eos", "coupling")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +34,7 @@ class SamplingParams(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    COUPLING_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -34,7 +42,8 @@ class SamplingParams(_message.Message):
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    coupling: Coupling
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., coupling: _Optional[_Union[Coupling, str]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
     __slots__ = ("prompt_token_ids", "resume_token_ids", "sampling", "tokenizer_fingerprint", "open_key", "prompt_text", "prompt_messages", "draft_tokenizer_fingerprint", "slo")
@@ -257,7 +266,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("backend", "model", "n_vocab", "n_ctx", "tokenizer_fingerprint", "max_gamma", "max_sessions", "eos_token_ids", "version", "max_tree_nodes", "max_tree_branching", "batching", "text_prompts", "chat_prompts", "draft_budgets", "slo", "verify_stream", "max_window")
+    __slots__ = ("backend", "model", "n_vocab", "n_ctx", "tokenizer_fingerprint", "max_gamma", "max_sessions", "eos_token_ids", "version", "max_tree_nodes", "max_tree_branching", "batching", "text_prompts", "chat_prompts", "draft_budgets", "slo", "verify_stream", "max_window", "couplings")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     N_VOCAB_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +285,7 @@ class ServerInfo(_message.Message):
     SLO_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STREAM_FIELD_NUMBER: _ClassVar[int]
     MAX_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    COUPLINGS_FIELD_NUMBER: _ClassVar[int]
     backend: str
     model: str
     n_vocab: int
@@ -294,7 +304,8 @@ class ServerInfo(_message.Message):
     slo: SessionSlo
     verify_stream: bool
     max_window: int
-    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_branching: _Optional[int] = ..., batching: _Optional[bool] = ..., text_prompts: _Optional[bool] = ..., chat_prompts: _Optional[bool] = ..., draft_budgets: _Optional[bool] = ..., slo: _Optional[_Union[SessionSlo, _Mapping]] = ..., verify_stream: _Optional[bool] = ..., max_window: _Optional[int] = ...) -> None: ...
+    couplings: _containers.RepeatedScalarFieldContainer[Coupling]
+    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_gamma: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_branching: _Optional[int] = ..., batching: _Optional[bool] = ..., text_prompts: _Optional[bool] = ..., chat_prompts: _Optional[bool] = ..., draft_budgets: _Optional[bool] = ..., slo: _Optional[_Union[SessionSlo, _Mapping]] = ..., verify_stream: _Optional[bool] = ..., max_window: _Optional[int] = ..., couplings: _Optional[_Iterable[_Union[Coupling, str]]] = ...) -> None: ...
 
 class VocabularyRequest(_message.Message):
     __slots__ = ("fingerprint",)
