@@ -291,7 +291,8 @@ def timed(fig: Figure) -> bool:
 
 
 def timed_table(tab: Table) -> bool:
-    return any(_TIMED_QUANTITY.search(c) or re.search(r"\b(?:ms|s)\b|tok/s", c) for c in tab.columns)
+    # A unit of time stands alone in a column's name ("TTFT s", "round (ms)"), not as "± s.e.".
+    return any(_TIMED_QUANTITY.search(c) or re.search(r"(?:^|[\s(])(?:ms|s)(?:$|[\s)])|tok/s", c) for c in tab.columns)
 
 
 class BusyFigure(RegistryError):
