@@ -102,8 +102,8 @@ class ServerLimits:
 @dataclass(frozen=True)
 class PlanInputs:
     """The planner's measured inputs, pinned (`--plan-inputs 'rtt_ms=600,draft_ms=2,node_ms=0.5'`): the
-    planner chooses once from them and keeps that shape, so that a seed pins the output as it does
-    with fixed options (edge_client.planner.pinned_choices)."""
+    planner (edge_client.planner.plan_round) reads these instead of what the session measures, so it
+    chooses the same shape every round and a seed pins the output as it does with fixed options."""
 
     rtt_ms: float = 50.0        # the network round trip
     draft_ms: float = 2.0       # drafting one row (one token of a chain)
@@ -156,7 +156,7 @@ class Speculation:
     plan: str = "auto"                   # "auto": the planner picks every shape option left unset (None) each
                                          # round (edge_client.planner); "off": unset options keep fixed defaults
                                          # (a chain of 5, nothing in flight)
-    plan_inputs: PlanInputs | str | None = None   # pin the planner's measured inputs: it chooses once from them
+    plan_inputs: PlanInputs | str | None = None   # pin the planner's measured inputs: the same shape every round
     planned: tuple[str, ...] | None = None   # the options the planner chooses (set from the unset ones)
 
     def __post_init__(self):
@@ -173,10 +173,6 @@ class Speculation:
                 set_(name, (PLANNER_DEFAULTS if self.plan == "auto" else FIXED_DEFAULTS)[name])
         if "pipeline" in self.planned:
             set_("pipeline", self.window > 1)   # pipelined rounds are what a window holds beyond the first
-        if "window" in self.planned and self.fuse and "fuse" not in self.planned:
-            set_("window", 1)   # fused rounds asked for: the planner keeps no window beside them
-        if "fuse" in self.planned:
-            set_("fuse", False)   # the planner fuses round by round when it pays (edge_client.planner)
         set_("gamma", parse_gamma(self.gamma))
         _at_least("max_gamma", self.max_gamma, 1)
         _at_least("max_tree_nodes", self.max_tree_nodes, 1)
@@ -275,7 +271,7 @@ def refuse_conflicts(spec: Speculation, drafter: str | None = None, drafter_buil
                              f"the {drafter} drafter here proposes chains only (prompt lookup has no model to rank "
                              "a tree's branches; a GGUF drafter made without tree drafting builds none); use tree "
                              "'off', or a drafter that builds trees (gguf, synthetic)")
-    if spec.fuse and spec.window > 1:
+    if spec.fuse and spec.window > 1 and not {"fuse", "window"} & set(spec.planned or ()):
         raise OptionConflict("fuse", f"window={spec.window}",
                              "a window sends the next rounds as rounds in flight (the verifier fuses one that waits "
                              "into its predecessor's pass by itself); --fuse sends them with the round: use one")
