@@ -201,7 +201,7 @@ class Speculation:
         """The options whose choices follow measured timings (and the verifier's load), so that a
         seed does not pin the output: adaptive γ, tree 'auto', and pipelined or fused chains with
         continuations for more than one outcome (their length is chosen by the cost model,
-        edge_client.continuations.choose_length). All of these stay exact. With none of them the
+        edge_client.planner.continuation_length). All of these stay exact. With none of them the
         same seed gives the same ids, with or without proactive or pipelined rounds and whichever
         outcomes got a continuation in time: a round's draft and the verifier's draws depend only on
         the seed and the committed tokens, and a continuation is drafted with the plan a fresh round
