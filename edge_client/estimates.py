@@ -118,7 +118,10 @@ class Estimates:
     request_bytes: float | None = None   # the typical request's bytes (running mean)
     bytes_per_node: float | None = None  # a draft node's bytes on the wire (running mean)
     verify_points: list[tuple[int, float]] = field(default_factory=list)   # (nodes, model seconds)
+    line: Line = Line(0.0, 0.0)          # fitted over verify_points (or pinned), once per reply
+    line_varies: bool = False            # verify_points span more than one size (a slope can be read)
     uplink: UplinkFit = field(default_factory=UplinkFit)
+    uplink_s_per_byte: float = 0.0       # the uplink's fit (or pinned), once per reply
     acceptance: Acceptance = field(default_factory=lambda: Acceptance(DECAY))
     accepted_at: list[float] = field(default_factory=list)   # per draft position, recency-weighted
     tested_at: list[float] = field(default_factory=list)
@@ -129,9 +132,7 @@ class Estimates:
     fused_tried: int = 0                 # rounds sent with fused continuations, answered ...
     fused_hits: int = 0                  # ... and of those, with a continuation run in the same pass
     ahead_draft_s: float | None = None   # drafting one pipelined round's continuations
-    learning: bool = True
-    pinned_line: Line | None = None      # pinned: the verifier's line as given
-    pinned_s_per_byte: float = 0.0
+    learning: bool = True                # False: pinned (`pinned`), the inputs as given
     hit_prior: float | None = 0.5        # a pipelined round's chance to run before any was answered;
                                          # None: the model's (every draft of the round before accepted)
 
@@ -157,29 +158,27 @@ class Estimates:
 
     def verify_line(self) -> Line:
         """The verifier's model seconds over the nodes of its pass (base, per node)."""
-        return self.pinned_line if self.pinned_line is not None else fit_line(self.verify_points)
+        return self.line
 
     def line_spread(self) -> bool:
         """Whether the line has a slope to read: measured over passes of more than one size (or pinned)."""
-        return self.pinned_line is not None or x_varies(self.verify_points)
+        return not self.learning or self.line_varies
 
     def line_reach(self) -> int | None:
         """The most nodes the line was measured at (None: pinned, or not measured)."""
-        return max((x for x, _ in self.verify_points), default=None) if self.pinned_line is None else None
+        return max((x for x, _ in self.verify_points), default=None) if self.learning else None
 
     def chain_costs_known(self) -> bool:
         """Drafting, the round trip and the verifier measured once: γ can be chosen by the model."""
-        return self.t_row_s is not None and self.rtt_s is not None and \
-            (self.pinned_line is not None or bool(self.verify_points))
+        return self.t_row_s is not None and self.rtt_s is not None and (not self.learning or bool(self.verify_points))
 
     def tree_costs_known(self) -> bool:
         """The verifier's time per node measured too (over two sizes, or four rounds of one): trees can be judged."""
         pts = self.verify_points
-        return self.chain_costs_known() and (self.pinned_line is not None or
-                                             len(pts) >= 2 and (x_varies(pts) or len(pts) >= 4))
+        return self.chain_costs_known() and (not self.learning or len(pts) >= 2 and (self.line_varies or len(pts) >= 4))
 
     def s_per_byte(self) -> float:
-        return self.pinned_s_per_byte if self.pinned_line is not None else self.uplink.seconds_per_byte()
+        return self.uplink_s_per_byte
 
     def costs(self) -> RoundCosts:
         """The measured costs as the cost model takes them; the round trip is at zero bytes."""
@@ -222,6 +221,7 @@ class Estimates:
         if not r.answered:
             return
         self.uplink.observe(r.request_bytes, r.round_s - r.server_s)
+        self.uplink_s_per_byte = self.uplink.seconds_per_byte()
         for t in r.rounds:
             self._round(t, r)
         self.rtt_s = ewma(self.rtt_s, max(0.0, r.round_s - r.server_s))
@@ -231,6 +231,7 @@ class Estimates:
         if r.model_s is not None and r.rounds:
             self.queue_s = ewma(self.queue_s, r.queue_s)
             self.verify_points = (self.verify_points + [(r.pass_nodes, r.model_s)])[-VERIFY_POINTS:]
+            self.line, self.line_varies = fit_line(self.verify_points), x_varies(self.verify_points)
 
     def _round(self, t: RoundTaught, r: ReplyTaught) -> None:
         self.rounds += 1
@@ -264,7 +265,7 @@ def pinned(rtt_ms: float, draft_ms: float, verify_ms: float, node_ms: float, up_
     """The planner's inputs as given (`--plan-inputs`): an Estimates that learns nothing. A
     pipelined round's chance to run is the model's (every draft of the round before accepted)."""
     est = Estimates(t_row_s=draft_ms / 1e3, rtt_s=rtt_ms / 1e3, learning=False, hit_prior=None,
-                    pinned_line=Line(verify_ms / 1e3, node_ms / 1e3), pinned_s_per_byte=up_ms_per_kb / 1e3 / 1024)
+                    line=Line(verify_ms / 1e3, node_ms / 1e3), uplink_s_per_byte=up_ms_per_kb / 1e3 / 1024)
     # α as if measured long: Acceptance's Beta(1, 1) prior no longer shows.
     est.acceptance.accepted, est.acceptance.tested = alpha * 1e9, 1e9
     return est

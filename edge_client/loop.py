@@ -142,7 +142,7 @@ class RoundLoop:
             continuations = await self._draft_after(after, remaining, plan, live + 1 if send else 1)
             if not continuations:
                 return
-            last = self.window.flights[-1]
+            last = self.window.last
             if send and not last.task.done():
                 # Sent even when an older reply came in meanwhile: its keys count from what the edge
                 # had committed, which the verifier checks, and the drafting is done.
@@ -157,7 +157,7 @@ class RoundLoop:
         """Continuations of `after`'s likely outcomes, drafted while the oldest reply is out (`depth`:
         the rounds in flight once they are sent; 1: kept for the reply)."""
         stop = threading.Event()   # the oldest reply is here: stop drafting, use it first
-        self.window.flights[0].task.add_done_callback(lambda _: stop.set())
+        self.window.oldest.task.add_done_callback(lambda _: stop.set())
         budget = continuation_budget(self.est, after.prep.plan, after.prep.rows, self.clock(), depth)
         return await self.link.run_drafting(self.drafts.continuations, after.prep, remaining, plan, budget, stop,
                                             thread=True)
@@ -185,7 +185,7 @@ class RoundLoop:
     async def _take_head(self) -> str:
         """The oldest round's reply: commit it and learn from it (or discard it and doom what followed
         a miss); its text."""
-        head = self.window.flights[0]   # in the window until answered: closing cancels it
+        head = self.window.oldest   # in the window until answered: closing cancels it
         try:
             reply = await head.task
         except EdgeError as e:

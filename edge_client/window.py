@@ -51,6 +51,14 @@ class Window:
         """No round that can run is in flight, and none numbered `next_round` is outstanding."""
         return not self.live() and not self.occupied(next_round)
 
+    @property
+    def oldest(self) -> Flight:
+        return self.flights[0]
+
+    @property
+    def last(self) -> Flight:
+        return self.flights[-1]
+
     def travelling(self) -> bool:
         """The oldest round's reply is not in yet."""
         return bool(self.flights) and not self.flights[0].task.done()
@@ -69,7 +77,7 @@ class Window:
         that can still run (once the rounds before it are answered, the one the verifier will run);
         None where nothing may follow it (doomed, fused: its next round rides with it, or the next
         round is out already)."""
-        last = self.flights[-1]
+        last = self.last
         if not last.live or last.fused or self.occupied(last.round + 1):
             return None
         after = next((c for c in last.continuations if extends(c.prep.base, committed)), None)
