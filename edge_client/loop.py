@@ -59,12 +59,12 @@ class RoundLoop:
     """One generation's rounds on one verifier session (module docstring)."""
 
     def __init__(self, link: EdgeLink, spec: Speculation, prompt_ids: list[int], settings: SamplingSettings,
-                 stats: GenerationStats, pairing: Pairing, plan: PromptPlan | None = None,
+                 stats: GenerationStats, pairing: Pairing, prompt: PromptPlan | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         self.link, self.spec, self.st, self.clock = link, spec, stats, clock
         self.est = pinned_estimates(spec.plan_inputs) if spec.plan_inputs is not None else Estimates()
-        # a text open: the target's prompt ids come with the first reply
-        self.remote = RemoteSession(link, spec, settings, pairing, plan or PromptPlan(prompt_ids, None), stats)
+        # prompt: a text open's, whose target ids come with the first reply
+        self.remote = RemoteSession(link, spec, settings, pairing, prompt or PromptPlan(prompt_ids, None), stats)
         stop_ids = frozenset(settings.stop_token_ids) | (frozenset() if settings.ignore_eos else pairing.hidden_ids)
         self.drafts = RoundDrafts(pairing.drafter, spec, settings, self.est, stop_ids, clock)
         self.window = Window()

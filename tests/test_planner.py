@@ -197,3 +197,28 @@ def test_a_continuation_kept_for_the_reply_keeps_the_fresh_rounds_length():
             total, t = total + o.prob, t + cost
         return total * expected_tokens_per_round(alpha, g)
     assert max(range(1, 5), key=lambda g: (old_objective(g), g)) == 2
+
+
+def test_a_reply_is_learned_once():
+    """One reply, one update of each estimate: a fused hit (two rounds in one pass) adds one point to
+    the verifier's line and one round trip, teaches both rounds' arms and acceptance, and counts one
+    fused round that hit; a base_mismatch counts a pipelined round that did not run and nothing else;
+    a lost call only that miss. Pinned estimates learn nothing (the control: same replies, no change)."""
+    from edge_client.estimates import ReplyTaught, RoundTaught, pinned
+    est = measured(FLAT)
+    points, rounds = len(est.verify_points), est.rounds
+    r1 = RoundTaught("chain", True, 4, 4, False, 5, 4, 0.008)
+    r2 = RoundTaught("chain", True, 4, 1, True, 2, 4, 0.008)
+    est.observe(ReplyTaught((r1, r2), 0.33, 0.03, 0.021, 0.001, 14, 900, 9, fused=True))
+    assert len(est.verify_points) == points + 1 and est.verify_points[-1] == (14, 0.021)
+    assert est.rounds == rounds + 2 and (est.fused_tried, est.fused_hits) == (1, 1)
+    rtt = est.rtt_s
+    est.observe(ReplyTaught((), 0.31, 0.001, request_bytes=400, request_nodes=4, pipelined=False))
+    assert (est.pipelined_sent, est.pipelined_ran, len(est.verify_points)) == (1, 0, points + 1)
+    assert est.rtt_s != rtt   # a miss still timed the link
+    est.observe(ReplyTaught((), pipelined=False, answered=False))
+    assert (est.pipelined_sent, est.rtt_s) == (2, est.rtt_s)
+    frozen = pinned(300, 2, 20, 0.05, 0, 0.7)
+    before = pickle.dumps(frozen)
+    frozen.observe(ReplyTaught((r1, r2), 0.33, 0.03, 0.021, 0.001, 14, 900, 9, fused=True))
+    assert pickle.dumps(frozen) == before
