@@ -58,8 +58,8 @@ class RoundDrafts:
         """Continuations for the round's likely outcomes, most probable first, while one more pays
         (`budget`) and the reply is not in. `plan`: a fresh round's after the shortest outcome (a
         rejection at the first draft), cut per outcome. Empty when the round may end generation.
-        With max_continuations 1: the one guess that every draft is accepted, then the draft's argmax."""
-        path = prep.guess_path()
+        With max_continuations 1: the one outcome that every draft is accepted, then the draft's argmax."""
+        path = prep.likely_path()
         if not path or len(path) + 1 >= remaining or self.stop_ids & set(path):
             return []
         out: list[Continuation] = []
@@ -113,7 +113,7 @@ class RoundDrafts:
         def probe(seq: list[int]):
             qs = drafter.propose(seq, 1, est, QMode("float", 16), np.random.default_rng(0)).qs
             return qs[0] if qs else None
-        nodes, tree, shipped = prep.guess_nodes(), prep.tree, prep.qs
+        nodes, tree, shipped = prep.likely_nodes(), prep.tree, prep.qs
         # Position j's other candidates: the siblings of the path's node there (none in a chain).
         children = tree.children()
         siblings = [[tree.tokens[c] for c in children[tree.parents[n]] if c != n] for n in nodes]

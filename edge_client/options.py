@@ -148,7 +148,7 @@ class Speculation:
                                          # (VerifyReply.budget); a fixed γ or tree shape stays as asked
     slo_tpot_ms: float = 0.0             # the latency target stated to the verifier (0: none; its default)
     slo_ttft_ms: float = 0.0
-    max_continuations: int = 8           # outcomes drafted for per round in flight (1: the one most likely guess)
+    max_continuations: int = 8           # outcomes drafted for per round in flight (1: the most likely one)
     fuse: bool | None = None             # draft continuations before a round leaves, for its own target pass
                                          # (VerifyRequest.next_continuations), when the cost model says they pay
     window: int | None = None            # most rounds in flight at once (1: none; 2+: a window, pipeline

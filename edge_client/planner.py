@@ -96,7 +96,7 @@ class RoundPlan:
     def within(self, remaining: int) -> "RoundPlan":
         """This plan cut as plan_round cuts a fresh round: depth (or γ) at most remaining - 1. A
         continuation for an outcome is drafted with the plan a fresh round after that outcome would
-        have, so the same seed drafts the same tokens whether or not it was guessed."""
+        have, so the same seed drafts the same tokens whether or not a continuation was drafted for that outcome."""
         room = max(0, remaining - 1)
         if self.gamma <= room:
             return self

@@ -37,11 +37,11 @@ class Prepared:
         """draft_parents on the wire: none for a chain."""
         return [] if self.tree.is_chain else list(self.tree.parents)
 
-    def guess_path(self) -> list[int]:
+    def likely_path(self) -> list[int]:
         """The tokens of the most likely full acceptance: every draft, or the most probable branch."""
-        return [self.tree.tokens[i] for i in self.guess_nodes()]
+        return [self.tree.tokens[i] for i in self.likely_nodes()]
 
-    def guess_nodes(self) -> list[int]:
+    def likely_nodes(self) -> list[int]:
         """The nodes of that path, root first."""
         leaves = self.tree.leaves()
         if not leaves:

@@ -43,7 +43,7 @@ class GenerationStats:
     draft_rolled_back: int = 0      # across tokenizers: draft tokens re-tokenized away (KV rolled back)
     draft_retokenized: int = 0      # across tokenizers: draft tokens tokenized anew from committed text
     continuation_rounds: int = 0    # rounds during whose flight continuations were drafted
-    continuations_sent: int = 0     # alternatives shipped in pipelined rounds (each drafted for one outcome)
+    continuations_sent: int = 0     # continuations shipped (pipelined or fused), each drafted for one outcome
     continuation_hits: int = 0      # rounds whose outcome a continuation had been drafted for (sent or reused)
     window_depth: float = 0.0       # a window (Speculation.window > 1): mean rounds in flight when one was sent
     fused_rounds: int = 0           # rounds sent with continuations for their own pass (--fuse)

@@ -59,7 +59,7 @@ def test_one_alpha_ranks_outcomes_and_plans_rounds():
 def test_a_chain_is_a_tree_with_one_path_and_stays_a_chain_on_the_wire():
     s = loop(4)
     prep = s.drafts.prepare(list(s.committed), CHAIN)
-    assert prep.tree.is_chain and len(prep.tree) == 4 and prep.guess_nodes() == [0, 1, 2, 3]
+    assert prep.tree.is_chain and len(prep.tree) == 4 and prep.likely_nodes() == [0, 1, 2, 3]
     req = s.remote.request(prep, 1)
     assert list(req.draft_token_ids) == list(prep.tree.tokens) and not req.draft_parents
     # A tree that came out as one path goes on the wire as the chain it is.
@@ -72,7 +72,7 @@ def test_a_chain_is_a_tree_with_one_path_and_stays_a_chain_on_the_wire():
 def test_the_kept_path_is_checked_against_the_tree():
     #            0:3   1:4          two children of the root; node 2 under node 0
     tree = Prepared([0, 5], TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
-    assert tree.guess_path() == [3, 6]
+    assert tree.likely_path() == [3, 6]
     assert tree.kept_path(2, [0, 2]) == [0, 2]
     for bad in ([1, 2], [2], [0, 7]):
         assert tree.kept_path(len(bad), bad) is None
