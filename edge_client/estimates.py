@@ -22,7 +22,7 @@ Nothing here reads a clock: the loop passes the seconds it measured.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from spec_core.costmodel import RoundCosts, expected_tokens_by_position
 from spec_core.estimates import Acceptance, Line, ewma, fit_line, x_varies
@@ -261,11 +261,13 @@ class Estimates:
 
 
 def pinned(rtt_ms: float, draft_ms: float, verify_ms: float, node_ms: float, up_ms_per_kb: float,
-           alpha: float) -> Estimates:
-    """The planner's inputs as given (`--plan-inputs`): an Estimates that learns nothing. A
+           alpha: float, by_position: Sequence[float] = ()) -> Estimates:
+    """The planner's inputs as given (`--plan-inputs`, or a cost table): an Estimates that learns
+    nothing. `by_position`: the acceptance of each draft position (a falling curve; beyond it, α). A
     pipelined round's chance to run is the model's (every draft of the round before accepted)."""
     est = Estimates(t_row_s=draft_ms / 1e3, rtt_s=rtt_ms / 1e3, learning=False, hit_prior=None,
                     line=Line(verify_ms / 1e3, node_ms / 1e3), uplink_s_per_byte=up_ms_per_kb / 1e3 / 1024)
-    # α as if measured long: Acceptance's Beta(1, 1) prior no longer shows.
+    # As if measured long: the priors (Beta(1, 1), the shrinkage toward α) no longer show.
     est.acceptance.accepted, est.acceptance.tested = alpha * 1e9, 1e9
+    est.accepted_at, est.tested_at = [a * 1e9 for a in by_position], [1e9] * len(by_position)
     return est

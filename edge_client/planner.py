@@ -17,11 +17,11 @@ One cost model scores every candidate (spec_core.costmodel):
 The choices, in order:
 1. γ (when adaptive): the chain's best rate, over at most twice the most nodes the verifier's line
    was measured at (a line fitted over one size looks flat and would ask for the longest γ on a guess);
-   before drafting, the round trip and the verifier are measured once, START_GAMMA.
+   before drafting, the round trip and the verifier are measured once, `start_gamma`.
 2. Chain or tree (tree "auto"): the chain of γ, and trees of depth γ with 2γ and 4γ nodes. Not judged
-   until the verifier's time per node is measured; then a tree is tried (WARMUP rounds) only where its
+   until the verifier's time per node is measured; then a tree is tried (`warmup` rounds) only where its
    best case (each level accepting as if its branches were independent tries at α) beats the chain;
-   then the best rate is taken, and every EXPLORE_EVERY rounds the runner-up, so a changed link or
+   then the best rate is taken, and every `explore_every` rounds the runner-up, so a changed link or
    load is seen.
 3. Rounds in flight (with pipelining): one more round in flight at depth k runs with chance h^k (h: a
    pipelined round's measured chance to run) and then hides the round trip and the pass, and costs
@@ -30,12 +30,12 @@ The choices, in order:
    (draft + upload + round trip + pass, over the slowest of those stages; when the uplink is the
    slowest, at most 2: more would only queue bytes on the link).
 4. Fused continuations (when the planner may fuse): where the verifier's pass barely grows with its
-   nodes (one continuation's nodes cost at most FLAT_SHARE of a pass) and fused rounds have hit
-   (under MIN_HITS of MIN_TRIED or more: stop). How many continuations then travel is decided per
+   nodes (one continuation's nodes cost at most `flat_share` of a pass) and fused rounds have hit
+   (under `min_hits` of `min_tried` or more: stop). How many continuations then travel is decided per
    outcome as they are drafted (`ContinuationBudget`).
 Options that are set pin their part (`plan_conflicts` checks a plan against them); the verifier's
 draft budget binds γ and tree size under steering, and a budget of one draft or none keeps one round
-in flight, unfused.
+in flight, unfused. The constants are a `Tuning` (`TUNING` unless given).
 
 Continuations (drafted for a round's likely outcomes) are priced by the same model:
 `ContinuationBudget` says when one more pays, `continuation_length` how long they are.
@@ -53,13 +53,25 @@ from spec_core.continuations import Outcome, worth_drafting
 from spec_core.costmodel import expected_tokens_per_round
 from spec_core.tree import TreeShape
 
-START_GAMMA = 4            # γ before the costs are measured
-TREE_SIZES = ((2, 1), (4, 2))   # trees "auto" weighs: (nodes per draft position, nodes expanded per level)
-WARMUP = 1                 # rounds a tree is tried where its best case beats the chain
-EXPLORE_EVERY = 16         # rounds between tries of the runner-up
-PRIOR_ROUNDS = 2.0         # a tree's tokens and excess are shrunk toward the chain's as if this many rounds
-FLAT_SHARE = 0.1           # fuse where one continuation's nodes add at most this share to a pass
-MIN_TRIED, MIN_HITS = 4, 0.25   # stop fusing when under a quarter of 4 or more fused rounds hit
+
+@dataclass(frozen=True)
+class Tuning:
+    """The planner's constants, in one record so that a tuning run (the virtual clock's grid) can
+    score other values through plan_round(..., tune=Tuning(...)); TUNING is the default."""
+
+    start_gamma: int = 4                 # γ before the costs are measured
+    tree_sizes: tuple[tuple[int, int], ...] = ((2, 1), (4, 2))   # "auto"'s trees: (nodes per draft
+                                         # position, nodes expanded per level)
+    warmup: int = 1                      # rounds a tree is tried where its best case beats the chain
+    explore_every: int = 16              # rounds between tries of the runner-up
+    prior_rounds: float = 2.0            # a tree's tokens and excess are shrunk toward the chain's as if
+                                         # this many rounds
+    flat_share: float = 0.1              # fuse where one continuation's nodes add at most this share to a pass
+    min_tried: int = 4                   # stop fusing when, of this many fused rounds or more, ...
+    min_hits: float = 0.25               # ... under this share hit
+
+
+TUNING = Tuning()
 
 
 @dataclass(frozen=True)
@@ -114,12 +126,12 @@ class RoundPlan:
 
 # --- the one decision --------------------------------------------------------------------------------
 
-def plan_round(est: Estimates, spec: Speculation, budget: Budget) -> RoundPlan:
+def plan_round(est: Estimates, spec: Speculation, budget: Budget, tune: Tuning = TUNING) -> RoundPlan:
     """The next round's shape (module docstring)."""
-    arms = candidate_arms(est, spec, budget)
-    arm, arm_why = pick_arm(est, arms)
+    arms = candidate_arms(est, spec, budget, tune)
+    arm, arm_why = pick_arm(est, arms, tune)
     depth, depth_why = rounds_in_flight(est, spec, budget, arm)
-    fuse = fuses(est, spec, budget, arm)
+    fuse = fuses(est, spec, budget, arm, tune)
     plan = dataclasses.replace(arm, depth=depth, fuse=fuse, ahead=spec.proactive or spec.pipeline and spec.window <= 1,
                                why="; ".join(filter(None, (arm_why, depth_why, "fused" if fuse else ""))))
     assert not plan_conflicts(plan, spec), (plan, plan_conflicts(plan, spec))
@@ -157,85 +169,85 @@ def starved(spec: Speculation, budget: Budget) -> bool:
 
 # --- chain or tree, and its size ------------------------------------------------------------------------
 
-def chain_gamma(est: Estimates, spec: Speculation, budget: Budget) -> int:
+def chain_gamma(est: Estimates, spec: Speculation, budget: Budget, tune: Tuning = TUNING) -> int:
     """γ: pinned, or the chain's best rate within the line's reach; cut to the tokens left and the budget."""
     if spec.gamma != ADAPTIVE:
         gamma = spec.gamma
     elif not est.chain_costs_known():
-        gamma = min(START_GAMMA, spec.max_gamma)
+        gamma = min(tune.start_gamma, spec.max_gamma)
     else:
         measured = est.line_reach()
         reach = max(1, spec.max_gamma if measured is None else min(spec.max_gamma, 2 * measured))
-        gamma = max(range(1, reach + 1), key=lambda g: chain_rate(est, g))
+        gamma = max(range(1, reach + 1), key=lambda g: chain_rate(est, g, tune))
     gamma = max(0, min(gamma, budget.remaining - 1))
     if steering(spec) and budget.max_gamma is not None:
         gamma = min(gamma, budget.max_gamma)   # min(own choice, the verifier's budget)
     return gamma
 
 
-def candidate_arms(est: Estimates, spec: Speculation, budget: Budget) -> list[RoundPlan]:
+def candidate_arms(est: Estimates, spec: Speculation, budget: Budget, tune: Tuning = TUNING) -> list[RoundPlan]:
     """The chain first, then the trees weighed against it: a fixed shape alone, or "auto"'s sizes."""
     if isinstance(spec.tree, TreeShape):
         s, depth = spec.tree, min(spec.tree.depth, budget.remaining - 1)
         if depth < 1:
             return [RoundPlan("chain", 0)]
         return [RoundPlan(f"tree{s.budget}", depth, TreeShape(s.budget, depth, s.branching, s.width))]
-    gamma = chain_gamma(est, spec, budget)
+    gamma = chain_gamma(est, spec, budget, tune)
     arms = [RoundPlan("chain", gamma)]
     if spec.tree != "auto" or gamma < 1:
         return arms
     max_nodes = spec.max_tree_nodes
     if steering(spec) and budget.max_tree_nodes is not None:
         max_nodes = min(max_nodes, budget.max_tree_nodes)
-    for mult, width in TREE_SIZES:
+    for mult, width in tune.tree_sizes:
         nodes = min(mult * gamma, max_nodes)
         if nodes > gamma:
             arms.append(RoundPlan(f"tree{mult}x", gamma, TreeShape(budget=nodes, depth=gamma, branching=2, width=width)))
     return arms
 
 
-def pick_arm(est: Estimates, arms: list[RoundPlan]) -> tuple[RoundPlan, str]:
+def pick_arm(est: Estimates, arms: list[RoundPlan], tune: Tuning = TUNING) -> tuple[RoundPlan, str]:
     """The arm with the best rate, after trying trees whose best case beats the chain (module docstring)."""
     chain = arms[0]
     if len(arms) == 1 or not est.tree_costs_known():
-        return chain, f"{chain.arm} g{chain.gamma} {arm_rate(est, chain):.1f} tok/s"
-    chain_r = arm_rate(est, chain)
+        return chain, f"{chain.arm} g{chain.gamma} {arm_rate(est, chain, tune):.1f} tok/s"
+    chain_r = arm_rate(est, chain, tune)
     if est.learning:
         for arm in arms:
-            if est.arm(arm.arm).rounds < WARMUP and optimistic_rate(est, arm) > chain_r:
+            if est.arm(arm.arm).rounds < tune.warmup and optimistic_rate(est, arm, tune) > chain_r:
                 return arm, f"trying {arm.arm} g{arm.gamma}: its best case beats the chain's {chain_r:.1f} tok/s"
-    ranked = sorted(arms, key=lambda a: -arm_rate(est, a))
-    if est.learning and est.rounds and est.rounds % EXPLORE_EVERY == 0:
+    ranked = sorted(arms, key=lambda a: -arm_rate(est, a, tune))
+    if est.learning and est.rounds and est.rounds % tune.explore_every == 0:
         return ranked[1], f"trying the runner-up {ranked[1].arm} g{ranked[1].gamma}"
     best = ranked[0]
-    others = ", ".join(f"{a.arm} {arm_rate(est, a):.1f}" for a in ranked[1:])
-    return best, f"{best.arm} g{best.gamma} {arm_rate(est, best):.1f} tok/s" + (f" ({others})" if others else "")
+    others = ", ".join(f"{a.arm} {arm_rate(est, a, tune):.1f}" for a in ranked[1:])
+    return best, f"{best.arm} g{best.gamma} {arm_rate(est, best, tune):.1f} tok/s" + (f" ({others})" if others else "")
 
 
-def chain_rate(est: Estimates, gamma: int) -> float:
-    return arm_rate(est, RoundPlan("chain", gamma))
+def chain_rate(est: Estimates, gamma: int, tune: Tuning = TUNING) -> float:
+    return arm_rate(est, RoundPlan("chain", gamma), tune)
 
 
-def arm_tokens_and_extra(est: Estimates, plan: RoundPlan) -> tuple[float, float]:
+def arm_tokens_and_extra(est: Estimates, plan: RoundPlan, tune: Tuning = TUNING) -> tuple[float, float]:
     """A plan's expected tokens per round and seconds beyond the model per round: a chain's from
     acceptance by position and the chain's measured excess; a tree's measured ones shrunk toward the
-    chain's of its depth as if those were PRIOR_ROUNDS rounds more (a tree seen in one or two lucky
+    chain's of its depth as if those were `prior_rounds` rounds more (a tree seen in one or two lucky
     or slow rounds does not decide; never seen, it counts as its chain)."""
     chain_tokens = est.chain_tokens(plan.gamma)
     chain_extra = est.arm("chain").extra_s(0.0, 0.0) if est.arm("chain").rounds else 0.0
     if plan.shape is None:
         return chain_tokens, chain_extra
     arm = est.arm(plan.arm)
-    return arm.tokens(chain_tokens, PRIOR_ROUNDS), arm.extra_s(chain_extra, PRIOR_ROUNDS)
+    return arm.tokens(chain_tokens, tune.prior_rounds), arm.extra_s(chain_extra, tune.prior_rounds)
 
 
-def arm_rate(est: Estimates, plan: RoundPlan) -> float:
+def arm_rate(est: Estimates, plan: RoundPlan, tune: Tuning = TUNING) -> float:
     """Tokens per second of a plan's round on its own (no rounds in flight)."""
-    tokens, extra = arm_tokens_and_extra(est, plan)
+    tokens, extra = arm_tokens_and_extra(est, plan, tune)
     return tokens / max(est.round_s(plan.nodes, plan.rows) + extra, 1e-9)
 
 
-def optimistic_rate(est: Estimates, plan: RoundPlan) -> float:
+def optimistic_rate(est: Estimates, plan: RoundPlan, tune: Tuning = TUNING) -> float:
     """The most a plan could commit per second: a tree's levels accept as if each of its `branching`
     candidates were an independent try at α (its candidates are the draft's next-best tokens, so this
     bounds it from above); its round costs what the model predicts plus the chain's measured excess."""
@@ -244,7 +256,7 @@ def optimistic_rate(est: Estimates, plan: RoundPlan) -> float:
         tokens = float(plan.gamma + 1)
     else:
         tokens = expected_tokens_per_round(min(1 - (1 - alpha) ** plan.shape.branching, 0.999), plan.gamma)
-    chain_extra = arm_tokens_and_extra(est, RoundPlan("chain", plan.gamma))[1]
+    chain_extra = arm_tokens_and_extra(est, RoundPlan("chain", plan.gamma), tune)[1]
     return tokens / max(est.round_s(plan.nodes, plan.rows) + chain_extra, 1e-9)
 
 
@@ -309,7 +321,7 @@ def rounds_in_flight(est: Estimates, spec: Speculation, budget: Budget, plan: Ro
 
 # --- fused continuations -------------------------------------------------------------------------------
 
-def fuses(est: Estimates, spec: Speculation, budget: Budget, plan: RoundPlan) -> bool:
+def fuses(est: Estimates, spec: Speculation, budget: Budget, plan: RoundPlan, tune: Tuning = TUNING) -> bool:
     """Whether the round carries continuations for its own pass (module docstring, 4)."""
     if est.rtt_s is None:
         return False   # nothing to price them by before the round trip is measured
@@ -317,17 +329,17 @@ def fuses(est: Estimates, spec: Speculation, budget: Budget, plan: RoundPlan) ->
         return True   # asked for
     if "fuse" not in spec.planned or starved(spec, budget):
         return False
-    if est.fused_tried >= MIN_TRIED and est.fused_hits < MIN_HITS * est.fused_tried:
+    if est.fused_tried >= tune.min_tried and est.fused_hits < tune.min_hits * est.fused_tried:
         return False
     if not est.line_spread():
         return False
     base, per_node = est.verify_line()
-    return per_node * (plan.nodes + 1) <= FLAT_SHARE * base
+    return per_node * (plan.nodes + 1) <= tune.flat_share * base
 
 
-def plan_rate(est: Estimates, plan: RoundPlan) -> float:
+def plan_rate(est: Estimates, plan: RoundPlan, tune: Tuning = TUNING) -> float:
     """The model's tokens per second of a plan: its arm's, with the rounds in flight's saving."""
-    tokens, extra = arm_tokens_and_extra(est, plan)
+    tokens, extra = arm_tokens_and_extra(est, plan, tune)
     round_s = est.round_s(plan.nodes, plan.rows) + extra
     if plan.depth > 1 and est.rtt_s is not None:
         c = window_costs(est, plan)

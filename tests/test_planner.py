@@ -10,7 +10,7 @@ import pytest
 
 from edge_client.estimates import Estimates
 from edge_client.options import OptionError, Speculation
-from edge_client.planner import (START_GAMMA, Budget, RoundPlan, fuses, plan_conflicts, plan_round,
+from edge_client.planner import (TUNING, Budget, RoundPlan, Tuning, fuses, plan_conflicts, plan_round,
                                  rounds_in_flight)
 from plan_feed import chain_round, plan, teach
 
@@ -102,7 +102,7 @@ def test_adaptive_gamma_extrapolates_the_verifiers_line_at_most_twofold():
     """Measured only at γ = 4 (slope unknown, so flat), a 300 ms round trip would ask for the longest
     γ; the planner goes to 8 first. Control: once 12 was measured it may go there."""
     est, spec = Estimates(), Speculation(gamma="adaptive", plan="off")
-    assert plan(est, spec).gamma == START_GAMMA   # nothing measured
+    assert plan(est, spec).gamma == TUNING.start_gamma   # nothing measured
     teach(est, RoundPlan("chain", 4), tokens=5, rtt_s=0.3, model_s=0.02, draft_s=0.008)
     assert plan(est, spec).gamma == 8
     teach(est, RoundPlan("chain", 12), tokens=13, rtt_s=0.3, model_s=0.02, draft_s=0.024)
@@ -222,3 +222,23 @@ def test_a_reply_is_learned_once():
     before = pickle.dumps(frozen)
     frozen.observe(ReplyTaught((r1, r2), 0.33, 0.03, 0.021, 0.001, 14, 900, 9, fused=True))
     assert pickle.dumps(frozen) == before
+
+
+def test_a_tuning_run_scores_other_constants_through_the_same_function():
+    """Tuning carries the planner's constants: a grid can try other values on the same estimates
+    without patching the module (here: the γ before anything is measured, and trees never judged)."""
+    est = Estimates()
+    assert plan_round(est, Speculation(), Budget(1000), Tuning(start_gamma=6)).gamma == 6
+    flat = measured(FLAT)
+    assert plan_round(flat, Speculation(tree="auto"), Budget(1000), Tuning(tree_sizes=())).shape is None
+
+
+def test_pinned_estimates_take_acceptance_by_position():
+    """A falling acceptance curve (as published for EAGLE) asks for shorter chains than a flat α of
+    the same first position: flat α overstates long drafts."""
+    from edge_client.estimates import pinned
+    flat = pinned(300, 2, 20, 0.05, 0, 0.8)
+    falling = pinned(300, 2, 20, 0.05, 0, 0.8, by_position=[0.8, 0.6, 0.4, 0.3, 0.2, 0.1])
+    spec = Speculation(gamma="adaptive", plan="off")
+    assert flat.alphas(3) == pytest.approx([0.8] * 3) and falling.alphas(2) == pytest.approx([0.8, 0.6])
+    assert plan_round(falling, spec, Budget(1000)).gamma < plan_round(flat, spec, Budget(1000)).gamma
