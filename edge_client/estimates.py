@@ -2,13 +2,14 @@
 once and fed once per reply (`Estimates.observe`).
 
 - drafting per row (`t_row_s`): a round's drafting seconds over the forward rows it cost;
-- the round trip (`rtt_s`): the RPC's wall time minus the verifier's own time;
+- the round trip (`rtt_s`): the RPC's wall time minus the verifier's own time, of rounds sent on
+  their own (a pipelined round's also holds its wait for the round before it);
 - the uplink per byte: least squares of that round trip over the request's bytes (`UplinkFit`), and
   the typical request's bytes, so that the round trip at zero bytes is rtt_s − typical · per byte;
 - the verifier's line: its model seconds over the nodes its pass held (chains, trees and fused
   passes alike: nearly flat on a GPU, growing on a CPU), and its queue time;
-- acceptance: per-token α (spec_core.estimates.Acceptance) and by draft position (shrunk toward α
-  where a position has few tests: `alphas`), from chain rounds (a tree round's is not geometric);
+- acceptance: per-token α (spec_core.estimates.Acceptance) and its shape by draft position
+  (`alphas`), from chain rounds (a tree round's is not geometric);
 - per arm (the chain, each tree size): its tokens per round and the seconds its rounds take beyond
   the cost model, recency-weighted (`Arm`): what the model does not see (a tree's work per branch);
 - continuation hit rates: of pipelined rounds, those that ran (not base_mismatch); of fused rounds,
@@ -29,7 +30,8 @@ from spec_core.estimates import Acceptance, Line, ewma, fit_line, x_varies
 
 DECAY = 0.9              # forgetting per round of α (the verifier's and the steering's rule too)
 ARM_DECAY = 0.8          # ... of an arm's tokens and excess
-POSITION_PRIOR = 2.0     # a draft position's α is shrunk toward α as if it had this many more tests
+POSITION_DECAY = 0.98   # ... of the acceptance curve's shape by draft position (slow: a property of the pair)
+POSITION_PRIOR = 10.0    # a position's rate is shrunk toward the curve's mean as if it had this many more tests
 VERIFY_POINTS, UPLINK_POINTS = 48, 32   # recent rounds the verifier's line and the uplink's are fitted over
 BYTES_PER_DRAFT = 80     # a draft token with its q (fixed:16:16) on the wire, before requests are measured
 MAX_ALPHA = 0.999
@@ -143,13 +145,20 @@ class Estimates:
         return self.acceptance.alpha
 
     def alphas(self, gamma: int) -> list[float]:
-        """Acceptance by draft position for a chain of `gamma`: each position's measured rate, shrunk
-        toward α by POSITION_PRIOR tests (a position never tested: α)."""
+        """Acceptance by draft position for a chain of `gamma`: α (which follows the content, forgotten
+        at DECAY) times the position's rate relative to the curve's mean (a shape that belongs to the
+        pair, forgotten at POSITION_DECAY; each position shrunk toward the mean by POSITION_PRIOR
+        tests, so a flat curve, or one barely measured, gives α at every position)."""
         a = min(self.alpha, MAX_ALPHA)
+        total = sum(self.tested_at)
+        mean = sum(self.accepted_at) / total if total else 0.0
         out = []
         for j in range(gamma):
-            acc, tested = (self.accepted_at[j], self.tested_at[j]) if j < len(self.tested_at) else (0.0, 0.0)
-            out.append(min((acc + POSITION_PRIOR * a) / (tested + POSITION_PRIOR), MAX_ALPHA))
+            if mean <= 0.0 or j >= len(self.tested_at):
+                out.append(a)
+                continue
+            rate = (self.accepted_at[j] + POSITION_PRIOR * mean) / (self.tested_at[j] + POSITION_PRIOR)
+            out.append(min(a * rate / mean, MAX_ALPHA))
         return out
 
     def chain_tokens(self, gamma: int) -> float:
@@ -220,12 +229,17 @@ class Estimates:
             self.ahead_draft_s = ewma(self.ahead_draft_s, r.ahead_draft_s)
         if not r.answered:
             return
-        self.uplink.observe(r.request_bytes, r.round_s - r.server_s)
-        self.uplink_s_per_byte = self.uplink.seconds_per_byte()
+        # A pipelined round's wall time also holds its wait for the round before it: it times the
+        # link only when it was sent on its own.
+        timed = r.pipelined is None
+        if timed:
+            self.uplink.observe(r.request_bytes, r.round_s - r.server_s)
+            self.uplink_s_per_byte = self.uplink.seconds_per_byte()
         for t in r.rounds:
-            self._round(t, r)
-        self.rtt_s = ewma(self.rtt_s, max(0.0, r.round_s - r.server_s))
-        self.request_bytes = ewma(self.request_bytes, r.request_bytes)
+            self._round(t, r, timed)
+        if timed:
+            self.rtt_s = ewma(self.rtt_s, max(0.0, r.round_s - r.server_s))
+            self.request_bytes = ewma(self.request_bytes, r.request_bytes)
         if r.request_nodes:
             self.bytes_per_node = ewma(self.bytes_per_node, r.request_bytes / r.request_nodes)
         if r.model_s is not None and r.rounds:
@@ -233,14 +247,14 @@ class Estimates:
             self.verify_points = (self.verify_points + [(r.pass_nodes, r.model_s)])[-VERIFY_POINTS:]
             self.line, self.line_varies = fit_line(self.verify_points), x_varies(self.verify_points)
 
-    def _round(self, t: RoundTaught, r: ReplyTaught) -> None:
+    def _round(self, t: RoundTaught, r: ReplyTaught, timed: bool) -> None:
         self.rounds += 1
         # The excess is measured against the model as it stood before this reply taught it; a round
-        # that opened the session (its pass held the prompt), or one before the model has its
-        # inputs, counts as none.
+        # that opened the session (its pass held the prompt), one before the model has its inputs,
+        # or a pipelined one (not timed), counts as none.
         measured = self.t_row_s is not None and self.rtt_s is not None and len(self.verify_points) >= 2
-        extra = t.draft_s + r.round_s - self.round_s(r.pass_nodes, t.rows) if measured and r.model_s is not None \
-            else 0.0
+        extra = t.draft_s + r.round_s - self.round_s(r.pass_nodes, t.rows) \
+            if timed and measured and r.model_s is not None else 0.0
         self.arms.setdefault(t.arm, Arm()).add(t.tokens, extra)
         if t.rows > 0:
             self.t_row_s = ewma(self.t_row_s, t.draft_s / t.rows)
@@ -256,18 +270,21 @@ class Estimates:
         self.tested_at += [0.0] * grow
         self.accepted_at += [0.0] * grow
         for j in range(len(self.tested_at)):
-            self.tested_at[j] = DECAY * self.tested_at[j] + (j < tested)
-            self.accepted_at[j] = DECAY * self.accepted_at[j] + (j < accepted)
+            self.tested_at[j] = POSITION_DECAY * self.tested_at[j] + (j < tested)
+            self.accepted_at[j] = POSITION_DECAY * self.accepted_at[j] + (j < accepted)
 
 
 def pinned(rtt_ms: float, draft_ms: float, verify_ms: float, node_ms: float, up_ms_per_kb: float,
            alpha: float, by_position: Sequence[float] = ()) -> Estimates:
     """The planner's inputs as given (`--plan-inputs`, or a cost table): an Estimates that learns
-    nothing. `by_position`: the acceptance of each draft position (a falling curve; beyond it, α). A
-    pipelined round's chance to run is the model's (every draft of the round before accepted)."""
+    nothing. `by_position`: the acceptance of each draft position (a falling curve), which then sets
+    α to its mean (the rate beyond it). A pipelined round's chance to run is the model's (every draft
+    of the round before accepted)."""
     est = Estimates(t_row_s=draft_ms / 1e3, rtt_s=rtt_ms / 1e3, learning=False, hit_prior=None,
                     line=Line(verify_ms / 1e3, node_ms / 1e3), uplink_s_per_byte=up_ms_per_kb / 1e3 / 1024)
-    # As if measured long: the priors (Beta(1, 1), the shrinkage toward α) no longer show.
+    # As if measured long: the priors (Beta(1, 1), the shrinkage toward the mean) no longer show.
+    if by_position:
+        alpha = sum(by_position) / len(by_position)
     est.acceptance.accepted, est.acceptance.tested = alpha * 1e9, 1e9
     est.accepted_at, est.tested_at = [a * 1e9 for a in by_position], [1e9] * len(by_position)
     return est

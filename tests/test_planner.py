@@ -209,13 +209,14 @@ def test_a_reply_is_learned_once():
     points, rounds = len(est.verify_points), est.rounds
     r1 = RoundTaught("chain", True, 4, 4, False, 5, 4, 0.008)
     r2 = RoundTaught("chain", True, 4, 1, True, 2, 4, 0.008)
-    est.observe(ReplyTaught((r1, r2), 0.33, 0.03, 0.021, 0.001, 14, 900, 9, fused=True))
+    est.observe(ReplyTaught((r1, r2), 0.43, 0.03, 0.021, 0.001, 14, 900, 9, fused=True))
     assert len(est.verify_points) == points + 1 and est.verify_points[-1] == (14, 0.021)
+    assert est.rtt_s == pytest.approx(0.8 * 0.3 + 0.2 * 0.4)   # timed once, sent on its own
     assert est.rounds == rounds + 2 and (est.fused_tried, est.fused_hits) == (1, 1)
     rtt = est.rtt_s
     est.observe(ReplyTaught((), 0.31, 0.001, request_bytes=400, request_nodes=4, pipelined=False))
     assert (est.pipelined_sent, est.pipelined_ran, len(est.verify_points)) == (1, 0, points + 1)
-    assert est.rtt_s != rtt   # a miss still timed the link
+    assert est.rtt_s == rtt
     est.observe(ReplyTaught((), pipelined=False, answered=False))
     assert (est.pipelined_sent, est.rtt_s) == (2, est.rtt_s)
     frozen = pinned(300, 2, 20, 0.05, 0, 0.7)
