@@ -45,6 +45,16 @@ class EdgeLink(Protocol):
     def run_drafting(self, fn, *args, thread: bool = False) -> Awaitable: ...
 
 
+class Slot(NamedTuple):
+    """The next round to draft behind the last one in flight."""
+
+    after: Continuation   # the last round's continuation it builds on
+    remaining: int        # tokens left after that continuation's base
+    plan: RoundPlan       # a fresh round's plan there
+    depth: int            # rounds in flight once it is sent (1: kept for the reply)
+    send: bool            # it may go out now (the plan's depth has room)
+
+
 class Committed(NamedTuple):
     """One round a reply committed."""
 
@@ -130,37 +140,49 @@ class RoundLoop:
         in flight; send it before the reply (pipelined) while the plan's depth has room, else keep it
         for when the reply comes (drafted ahead, for the oldest round's outcomes only)."""
         while self.remote.opened and self.window.travelling():
-            after = self.window.last_base(self.committed)
-            if after is None:
+            slot = self._next_slot()
+            if slot is None or not self._place(slot, *await self._draft_after(slot)):
                 return
-            remaining = self._remaining(after.prep.base)
-            plan, live = self._plan(remaining - 1), self.window.live()
-            send = live < plan.depth
-            if not (send or plan.ahead and live == 1):
-                return   # the window is full
-            t0 = self.clock()
-            continuations = await self._draft_after(after, remaining, plan, live + 1 if send else 1)
-            if not continuations:
-                return
-            last = self.window.last
-            if send and not last.task.done():
-                # Sent even when an older reply came in meanwhile: its keys count from what the edge
-                # had committed, which the verifier checks, and the drafting is done.
-                self._send(last.round + 1, continuations, pipelined=True, ahead_draft_s=self.clock() - t0)
-                continue
-            self.st.continuation_rounds += 1
-            self.window.ahead = continuations   # for the next round, if the reply commits what one assumes
-            return
 
-    async def _draft_after(self, after: Continuation, remaining: int, plan: RoundPlan,
-                           depth: int) -> list[Continuation]:
-        """Continuations of `after`'s likely outcomes, drafted while the oldest reply is out (`depth`:
-        the rounds in flight once they are sent; 1: kept for the reply)."""
+    def _next_slot(self) -> Slot | None:
+        """What to draft next behind the last round in flight, and whether it may go out; None: nothing
+        to build on, or the window is full."""
+        after = self.window.last_base(self.committed)
+        if after is None:
+            return None
+        remaining = self._remaining(after.prep.base)
+        plan, live = self._plan(remaining - 1), self.window.live()
+        send = live < plan.depth
+        if not (send or plan.ahead and live == 1):
+            return None
+        return Slot(after, remaining, plan, live + 1 if send else 1, send)
+
+    async def _draft_after(self, slot: Slot) -> tuple[list[Continuation], float]:
+        """Continuations of the slot's likely outcomes, drafted while the oldest reply is out; and the
+        seconds they took."""
         stop = threading.Event()   # the oldest reply is here: stop drafting, use it first
         self.window.oldest.task.add_done_callback(lambda _: stop.set())
-        budget = continuation_budget(self.est, after.prep.plan, after.prep.rows, self.clock(), depth)
-        return await self.link.run_drafting(self.drafts.continuations, after.prep, remaining, plan, budget, stop,
-                                            thread=True)
+        t0 = self.clock()
+        prep = slot.after.prep
+        budget = continuation_budget(self.est, prep.plan, prep.rows, t0, slot.depth)
+        out = await self.link.run_drafting(self.drafts.continuations, prep, slot.remaining, slot.plan, budget, stop,
+                                           thread=True)
+        return out, self.clock() - t0
+
+    def _place(self, slot: Slot, continuations: list[Continuation], seconds: float) -> bool:
+        """Send the continuations as the next round (True: the window may take more), or keep them for
+        when the oldest reply comes."""
+        if not continuations:
+            return False
+        last = self.window.last
+        if slot.send and not last.task.done():
+            # Sent even when an older reply came in meanwhile: its keys count from what the edge
+            # had committed, which the verifier checks, and the drafting is done.
+            self._send(last.round + 1, continuations, pipelined=True, ahead_draft_s=seconds)
+            return True
+        self.st.continuation_rounds += 1
+        self.window.ahead = continuations   # for the next round, if the reply commits what one assumes
+        return False
 
     def _send(self, round_: int, continuations: list[Continuation], pipelined: bool,
               fused: Sequence[Continuation] = (), how: str = "pipelined", ahead_draft_s: float | None = None) -> None:

@@ -108,7 +108,8 @@ class RoundPlan:
     def within(self, remaining: int) -> "RoundPlan":
         """This plan cut as plan_round cuts a fresh round: depth (or γ) at most remaining - 1. A
         continuation for an outcome is drafted with the plan a fresh round after that outcome would
-        have, so the same seed drafts the same tokens whether or not a continuation was drafted for that outcome."""
+        have, so the same seed drafts the same tokens whether or not a continuation was drafted for
+        that outcome."""
         room = max(0, remaining - 1)
         if self.gamma <= room:
             return self
@@ -202,7 +203,8 @@ def candidate_arms(est: Estimates, spec: Speculation, budget: Budget, tune: Tuni
     for mult, width in tune.tree_sizes:
         nodes = min(mult * gamma, max_nodes)
         if nodes > gamma:
-            arms.append(RoundPlan(f"tree{mult}x", gamma, TreeShape(budget=nodes, depth=gamma, branching=2, width=width)))
+            shape = TreeShape(budget=nodes, depth=gamma, branching=2, width=width)
+            arms.append(RoundPlan(f"tree{mult}x", gamma, shape))
     return arms
 
 
