@@ -60,7 +60,8 @@ class ReplyTaught(NamedTuple):
     queue_s: float = 0.0              # time it waited on the verifier before its pass
     pass_nodes: int = 0               # draft nodes that pass held (a fused pass: the continuations' too)
     request_bytes: int = 0            # the request's size
-    request_nodes: int = 0            # draft nodes in it (its own, its continuations', fused ones')
+    request_nodes: int = 0            # draft nodes in it (its own, its continuations', fused ones'; 0:
+                                      # not a measure of bytes per node, as an open that carries the prompt)
     pipelined: bool | None = None     # sent before the reply of the round before: whether it ran
     fused: bool | None = None         # sent with continuations for its own pass: whether one ran
     ahead_draft_s: float | None = None   # seconds spent drafting it during the round before's trip

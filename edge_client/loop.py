@@ -316,11 +316,12 @@ class RoundLoop:
                 self.link.on_round(RoundEvent(gamma=depth, accepted=c.reply.accepted, tokens=len(c.new),
                                               draft_s=c.prep.seconds, rpc_s=round_s, server_s=c.reply.server_s))
         first = rounds[0]
-        # The verifier's line is fitted over the nodes its pass held (a fused pass: all of them), over
-        # rounds without a prompt.
+        # The verifier's line is fitted over the nodes its pass held (a fused pass: all of them), and
+        # bytes per draft node over requests, both without the round that also carried the prompt.
         self.est.observe(ReplyTaught(
             tuple(taught), round_s, reply.server_s, None if first.opened else reply.model_s, reply.queue_s,
-            max(len(first.prep.tree), pass_nodes(first.prep, head.fused)), head.request_bytes, head.request_nodes,
+            max(len(first.prep.tree), pass_nodes(first.prep, head.fused)), head.request_bytes,
+            0 if first.opened else head.request_nodes,
             pipelined=True if head.pipelined else None, fused=len(rounds) > 1 if head.fused else None,
             ahead_draft_s=head.ahead_draft_s))
 
