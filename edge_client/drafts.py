@@ -1,39 +1,40 @@
 """What one session drafts: a round's chain or tree after a base (`prepare`), and continuations, the
 next round drafted for each likely outcome of a round (`continuations`), as many as pay
-(edge_client.continuations). Drafting runs where the client's drafting runs (a thread or the
+(edge_client.planner.ContinuationBudget). Drafting runs where the client's drafting runs (a thread or the
 server's drafting executor), so nothing here touches the session's committed state.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
+from typing import Callable
 
 import numpy as np
 
-from edge_client.continuations import ContinuationBudget, FusedBudget, choose_length, ranked_outcomes
+from edge_client.continuations import ranked_outcomes
 from edge_client.drafters import Drafter
-from edge_client.gamma import RoundPlan, TreePolicy
+from edge_client.estimates import Estimates
 from edge_client.options import Speculation
-from edge_client.rounds import GREEDY, Guess, Prepared
-from spec_core import clock
+from edge_client.planner import ContinuationBudget, RoundPlan, continuation_length
+from edge_client.remote import continuation_bytes, payload_bytes
+from edge_client.rounds import GREEDY, Continuation, Prepared
+from spec_core import clock as clock_seam
 from spec_core.continuations import MAX_CONTINUATION_NODES, MAX_CONTINUATIONS, Outcome
 from spec_core.drafting import QMode
-from spec_core.estimates import Acceptance
-from spec_core.proto import qpayload
-from spec_core.proto import verifier_pb2 as pb
 from spec_core.tree import DraftTree
 from spec_core.warping import EDGE_STREAM, SamplingSettings, seeded_rng
 
 
 class RoundDrafts:
-    """One session's drafting: its drafter, options, sampling settings, the planner's measured costs
-    and the acceptance of its chains (for ranking outcomes)."""
+    """One session's drafting: its drafter, options, sampling settings, what the session measured
+    (the acceptance that ranks outcomes, the costs continuations are priced by) and the clock."""
 
-    def __init__(self, drafter: Drafter, spec: Speculation, settings: SamplingSettings, planner: TreePolicy,
-                 acceptance: Acceptance, stop_ids: frozenset[int]):
-        self.drafter, self.spec, self.settings, self.planner = drafter, spec, settings, planner
-        self.acceptance, self.stop_ids = acceptance, stop_ids
+    def __init__(self, drafter: Drafter, spec: Speculation, settings: SamplingSettings, est: Estimates,
+                 stop_ids: frozenset[int], clock: Callable[[], float] = clock_seam.now):
+        self.drafter, self.spec, self.settings, self.est = drafter, spec, settings, est
+        self.stop_ids, self.clock = stop_ids, clock
         self.rng = seeded_rng(settings.seed, EDGE_STREAM)  # never the verifier's stream (see warping)
-        self.fixed_lengths = False   # continuations keep the fresh round's plan (pinned planner inputs)
+        self.view0 = drafter.retokenization()   # across tokenizers: the draft view's counters so far
 
     def base_rng(self, base: list[int]) -> np.random.Generator:
         # With a user seed, a round's draft depends only on the committed tokens (a stream per
@@ -55,62 +56,52 @@ class RoundDrafts:
         return Prepared(base, plan, DraftTree(tuple(d.tokens), tuple(d.parents)), None if gumbel else d.qs, d.seconds,
                         d.rows, d.path_probs, drawn_qs=d.qs if gumbel else None)
 
-    def budget(self, prep: Prepared, now: float, s_per_byte: float, depth: int = 1) -> ContinuationBudget:
-        """When the reply is expected and what a hit saves, from the planner's measured costs. depth:
-        the rounds in flight once the continuations are sent (1: kept for when the reply comes)."""
-        pl = self.planner
-        draft_s = prep.rows * (pl.t_row_s or 0.0)
-        round_s = pl.predicted_round_s(prep.plan)
-        return ContinuationBudget(t_reply=now + max(0.0, round_s - draft_s), rtt_s=pl.rtt_s or 0.0,
-                                  fresh_draft_s=draft_s, s_per_byte=s_per_byte, round_s=round_s, depth=depth)
-
-    def fused_budget(self, prep: Prepared, s_per_byte: float) -> FusedBudget:
-        """What fused continuations for `prep`'s outcomes must pay against (edge_client.continuations)."""
-        pl = self.planner
-        per_node = max(pl.verify_line()[1], 0.0)
-        return FusedBudget(pl.predicted_round_s(prep.plan), s_per_byte, per_node / pl.t_row_s if pl.t_row_s else 0.0)
-
-    def continuations(self, prep: Prepared, remaining: int, budget: ContinuationBudget | FusedBudget,
-                      stop: threading.Event) -> list[Guess]:
+    def continuations(self, prep: Prepared, remaining: int, plan: RoundPlan, budget: ContinuationBudget,
+                      stop: threading.Event) -> list[Continuation]:
         """Continuations for the round's likely outcomes, most probable first, while one more pays
-        (edge_client.continuations) and the reply is not in. Empty when the round may end generation.
-        With max_continuations 1: the one guess that every draft is accepted, then the draft's argmax."""
-        path = prep.guess_path()
+        (`budget`) and the reply is not in. `plan`: a fresh round's after the shortest outcome (a
+        rejection at the first draft), cut per outcome. Empty when the round may end generation.
+        With max_continuations 1: the one outcome that every draft is accepted, then the draft's argmax."""
+        path = prep.likely_path()
         if not path or len(path) + 1 >= remaining or self.stop_ids & set(path):
             return []
-        # Planned for the shortest outcome (a rejection at the first draft), cut per outcome below.
-        plan = self.planner.plan(remaining - 1, peek=True)
-        out: list[Guess] = []
-        covered, spent, nodes, nbytes = 0.0, [prep.seconds], 0, self.payload_bytes(prep)
+        out: list[Continuation] = []
+        bits = self.spec.qmode.scale_bits
+        covered, spent, nodes, nbytes = 0.0, [prep.seconds], 0, payload_bytes(prep.qs, bits)
         outcomes = self.outcomes(prep, path)
-        if (self.spec.pipeline or budget.check_first) and plan.shape is None and len(outcomes) > 1 and plan.gamma > 1 \
-                and not self.fixed_lengths:
-            # How long: as many outcomes covered as pay, times what a hit commits (edge_client.continuations).
-            t_row = self.planner.t_row_s or prep.seconds / max(prep.rows, 1)
-            gamma = choose_length(outcomes, self.acceptance.alpha, plan.gamma, t_row, nbytes / max(len(prep.tree), 1),
-                                  budget, clock.now())
-            plan = RoundPlan(plan.arm, gamma)
-            spent = [(gamma + 1) * t_row]
+        priced = self.spec.pipeline or budget.check_first   # drafted to be sent: each must pay
+        if priced and plan.shape is None and len(outcomes) > 1 and plan.gamma > 1 and self.est.learning:
+            plan, spent = self._length(prep, plan, outcomes, nbytes, budget)
         for outcome in outcomes:
             if out and stop.is_set() or len(out) > MAX_CONTINUATIONS:  # the first is drafted in any case
                 break
             tokens = list(outcome.tokens)
             if self.stop_ids & set(tokens) or len(tokens) + 1 >= remaining:
                 continue
-            if (out or budget.check_first) and (self.spec.pipeline or budget.check_first) and \
-                    not budget.worth(outcome.prob, covered, clock.now(), sum(spent) / len(spent), nbytes):
+            if (out or budget.check_first) and priced and \
+                    not budget.worth(outcome.prob, covered, self.clock(), sum(spent) / len(spent), nbytes):
                 break
-            t0 = clock.now()
+            t0 = self.clock()
             nxt = self.prepare(prep.base + tokens, plan.within(remaining - len(tokens)))
-            spent.append(clock.now() - t0)
+            spent.append(self.clock() - t0)
             nodes += len(nxt.tree)   # the verifier bounds all of a round's continuations together
             if out and nodes > MAX_CONTINUATION_NODES:
                 break
             if len(nxt.tree):
-                out.append(Guess(tokens, nxt))
+                out.append(Continuation(tokens, nxt))
                 covered += outcome.prob
-                nbytes = self.continuation(out[-1]).ByteSize()
+                nbytes = continuation_bytes(out[-1], bits)
         return out
+
+    def _length(self, prep: Prepared, plan: RoundPlan, outcomes: list[Outcome], nbytes: int,
+                budget: ContinuationBudget) -> tuple[RoundPlan, list[float]]:
+        """How long the continuations are: as many outcomes covered as pay, times what a hit commits
+        (edge_client.planner.continuation_length; with pinned inputs the fresh round's length, so that
+        a seed pins the output); and the drafting time expected of one."""
+        t_row = self.est.t_row_s or prep.seconds / max(prep.rows, 1)
+        gamma = continuation_length(outcomes, self.est.alpha, plan.gamma, t_row, nbytes / max(len(prep.tree), 1),
+                                    budget, self.clock())
+        return dataclasses.replace(plan, gamma=gamma), [(gamma + 1) * t_row]
 
     def outcomes(self, prep: Prepared, path: list[int]) -> list[Outcome]:
         """The round's outcomes ranked by the draft's estimate (spec_core.continuations), at most
@@ -125,19 +116,10 @@ class RoundDrafts:
         def probe(seq: list[int]):
             qs = drafter.propose(seq, 1, est, QMode("float", 16), np.random.default_rng(0)).qs
             return qs[0] if qs else None
-        nodes, tree, shipped = prep.guess_nodes(), prep.tree, prep.qs if prep.qs is not None else prep.drawn_qs
+        nodes, tree, shipped = prep.likely_nodes(), prep.tree, prep.qs
         # Position j's other candidates: the siblings of the path's node there (none in a chain).
         children = tree.children()
         siblings = [[tree.tokens[c] for c in children[tree.parents[n]] if c != n] for n in nodes]
         position_q = (lambda j: shipped[nodes[j]]) if shipped is not None else (lambda j: probe(prep.base + path[:j]))
-        return ranked_outcomes(path, self.acceptance.alpha, position_q, probe(after), self.spec.max_continuations,
+        return ranked_outcomes(path, self.est.alpha, position_q, probe(after), self.spec.max_continuations,
                                excluded=lambda j: siblings[j])
-
-    def continuation(self, guess: Guess) -> pb.Continuation:
-        p = guess.prep
-        return pb.Continuation(assumed_tokens=guess.tokens, draft_token_ids=p.tree.tokens,
-                               draft_parents=p.wire_parents(), q=qpayload.to_proto(p.qs, self.spec.qmode.scale_bits))
-
-    def payload_bytes(self, prep: Prepared) -> int:
-        """The bytes of `prep`'s q on the wire."""
-        return qpayload.to_proto(prep.qs, self.spec.qmode.scale_bits).ByteSize()

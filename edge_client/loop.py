@@ -1,51 +1,38 @@
 """One generation's round loop: draft, send, commit what the verifier kept, learn; replay when the
 verifier lost the session.
 
-There is one loop and one place that commits a reply's tokens (`RoundLoop._commit`: the checks, the
-commit, the stats, the learning). What travels during a round trip is what the window
-(edge_client.window) holds: the round; its continuations fused into its own pass; the next round
-drafted ahead for its likely outcomes (kept for when the reply matches); that next round sent before
-the reply (a pipelined round); more rounds behind it, up to the window's depth. Which of these a
-round gets is chosen before it, from the options and what the session has measured.
+A step sends a round when none that can run is in flight, keeps the window filled while the oldest
+round travels, then takes the oldest reply: commit, then learn. Before a round is drafted the planner
+(edge_client.planner.plan_round) chooses its shape from the session's estimates
+(edge_client.estimates); the window (edge_client.window) holds what travels during a round trip: the
+round; its continuations fused into its own pass; the next round drafted ahead for its likely
+outcomes (kept for when the reply matches); that next round sent before the reply (a pipelined
+round); more rounds behind it, up to the plan's depth. The wire messages are edge_client.remote's.
+There is one commit (`_commit`) and one place the estimates are fed (`_learn`, once per reply).
 
 The loop reaches its client through `EdgeLink` (the verifier, where drafting runs, the transport's
-limits, the metrics hook): edge_client.client.EdgeClient is one.
+limits, the metrics hook): edge_client.client.EdgeClient is one. Every time the loop and its drafting
+read goes through `clock`.
 """
 from __future__ import annotations
 
-import asyncio
 import codecs
-import dataclasses
-import logging
-import os
 import threading
-from typing import Awaitable, Callable, Protocol, Sequence
+from typing import Awaitable, Callable, NamedTuple, Protocol, Sequence
 
-import grpc
-
-from edge_client import window as window_mod
-from edge_client.continuations import UplinkFit
 from edge_client.crossvocab import PromptPlan
 from edge_client.drafts import RoundDrafts
-from edge_client.gamma import AdaptiveGamma, FixedGamma, TreePolicy
-from edge_client.options import ADAPTIVE, Speculation, Transport
+from edge_client.estimates import Estimates, ReplyTaught, RoundTaught
+from edge_client.options import Speculation, Transport
 from edge_client.pairing import Pairing
-from edge_client.planner import ShapePlanner, pinned_choices
-from edge_client.protocols import GammaPolicy
-from edge_client.rounds import Flight, Guess, Prepared, extends, pass_nodes
+from edge_client.planner import Budget, RoundPlan, continuation_budget, fused_budget, pinned_estimates, plan_round
+from edge_client.remote import RemoteSession, Reply, bad_reply
+from edge_client.rounds import Continuation, Flight, Prepared, extends, pass_nodes
 from edge_client.stats import GenerationStats, RoundEvent
-from edge_client.stream import RoundStream, verify_on_stream
-from edge_client.transport import EdgeError, Verifier, sampling_proto
-from spec_core import clock
-from spec_core.costmodel import expected_tokens_per_round
-from spec_core.estimates import Acceptance
-from spec_core.proto import qpayload
-from spec_core.proto import verifier_pb2 as pb
-from spec_core.tree import ROOT
+from edge_client.transport import EdgeError, Verifier
+from edge_client.window import Window
+from spec_core import clock as clock_seam
 from spec_core.warping import SamplingSettings
-from spec_core.wire import OPEN_KEY_BYTES
-
-log = logging.getLogger(__name__)
 
 
 class EdgeLink(Protocol):
@@ -58,384 +45,316 @@ class EdgeLink(Protocol):
     def run_drafting(self, fn, *args, thread: bool = False) -> Awaitable: ...
 
 
+class Slot(NamedTuple):
+    """The next round to draft behind the last one in flight."""
+
+    after: Continuation   # the last round's continuation it builds on
+    remaining: int        # tokens left after that continuation's base
+    plan: RoundPlan       # a fresh round's plan there
+    depth: int            # rounds in flight once it is sent (1: kept for the reply)
+    send: bool            # it may go out now (the plan's depth has room)
+
+
+class Committed(NamedTuple):
+    """One round a reply committed."""
+
+    prep: Prepared
+    reply: Reply
+    kept: list[int]      # its kept nodes, root first
+    new: list[int]       # the tokens it committed
+    opened: bool         # it opened the session (its pass held the prompt too)
+
+
 class RoundLoop:
     """One generation's rounds on one verifier session (module docstring)."""
 
     def __init__(self, link: EdgeLink, spec: Speculation, prompt_ids: list[int], settings: SamplingSettings,
-                 stats: GenerationStats, pairing: Pairing, plan: PromptPlan | None = None):
-        if spec.plan_inputs is not None and spec.planned:   # the planner chooses once, from the pinned inputs
-            spec = dataclasses.replace(spec, **pinned_choices(spec), planned=())
-        self.link, self.spec, self.settings, self.st = link, spec, settings, stats
-        self.pairing, self.drafter, self.verifier = pairing, pairing.drafter, link.verifier
-        self.prompt_ids = prompt_ids
-        self.plan = plan or PromptPlan(prompt_ids, None)   # a text open: the target's ids come with the first reply
-        self.policy: GammaPolicy
-        if spec.gamma == ADAPTIVE:
-            self.policy = AdaptiveGamma(max_gamma=spec.max_gamma,
-                                        start_gamma=min(AdaptiveGamma.start_gamma, spec.max_gamma))
-        else:
-            self.policy = FixedGamma(spec.gamma)
-        self.planner = TreePolicy(self.policy, spec.tree, max_nodes=spec.max_tree_nodes)
-        # Per-token α of this session's chains, for ranking a round's outcomes (continuations): the
-        # rule the verifier and AdaptiveGamma use (spec_core.estimates.Acceptance).
-        self.acceptance = Acceptance()
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+                 stats: GenerationStats, pairing: Pairing, prompt: PromptPlan | None = None,
+                 clock: Callable[[], float] = clock_seam.now):
+        self.link, self.spec, self.st, self.clock = link, spec, stats, clock
+        self.est = pinned_estimates(spec.plan_inputs) if spec.plan_inputs is not None else Estimates()
+        # prompt: a text open's, whose target ids come with the first reply
+        self.remote = RemoteSession(link, spec, settings, pairing, prompt or PromptPlan(prompt_ids, None), stats)
+        stop_ids = frozenset(settings.stop_token_ids) | (frozenset() if settings.ignore_eos else pairing.hidden_ids)
+        self.drafts = RoundDrafts(pairing.drafter, spec, settings, self.est, stop_ids, clock)
+        self.window = Window()
+        self.text = TextPieces(pairing)
         self.committed = list(prompt_ids)
-        self.prompt_len = len(self.committed)
-        self.session_id, self.last_round = "", 0
-        self.replays_in_a_row, self.replayed_at = 0, -1   # for max_replays (_replay_after)
-        self.gammas: list[int] = []
-        self.nodes_sent = 0
-        self.t0 = clock.now()
-        self.pieces: list[str] = []
-        self.finished = False
-        self.final: pb.VerifyReply | None = None  # the last reply applied: its finish reason is the generation's
-        self.stop_ids = frozenset(settings.stop_token_ids) | (frozenset() if settings.ignore_eos else pairing.hidden_ids)
-        self.drafts = RoundDrafts(self.drafter, spec, settings, self.planner, self.acceptance, self.stop_ids)
-        self.window = window_mod.Window()
-        self.shaper = ShapePlanner(spec, self.planner, self.window)
-        if spec.plan_inputs is not None:
-            self.drafts.fixed_lengths = True   # a continuation keeps a fresh round's plan: a seed pins the output
-        self.ahead: list[Guess] = []   # drafted during the last round trip for its outcomes, not sent
-        self.reused = False            # the next round's draft came from `ahead`
-        self.view0 = self.drafter.retokenization()   # across tokenizers: the draft view's counters so far
-        self.uplink = UplinkFit()  # the uplink's time per request byte, for the continuations' cost
-        # Rounds after the first on one VerifyStream call when the verifier offers it (edge_client.stream).
-        info = self.verifier.known_info() if self.verifier is not None else None
-        self.stream = RoundStream(self.verifier.stub, self.verifier.metadata, link.transport.deadline_s) \
-            if info is not None and info.verify_stream and link.transport.stream else None
+        self.max_new_tokens = settings.max_new_tokens
+        self.t0 = clock()
+        self.finish: str | None = None   # why generation ended; None: it goes on
 
-    def _send(self, req: pb.VerifyRequest):
-        if not req.session_id:
-            return self.verifier.open_round(req, self.st)
-        if self.stream is None:
-            return self.verifier.verify(req, self.st)
-        self.stream.follow(self.verifier.stub)   # the replica the session was (re)opened on
-        return verify_on_stream(self.verifier, self.stream, req, self.st)
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.remote.prompt_ids
 
     def _remaining(self, base: Sequence[int]) -> int:
-        return self.settings.max_new_tokens - (len(base) - self.prompt_len)
+        return self.max_new_tokens - (len(base) - len(self.remote.prompt_ids))
+
+    def _plan(self, remaining: int) -> RoundPlan:
+        return plan_round(self.est, self.spec, Budget(remaining, *(self.remote.budget or (None, None))))
 
     # --- one step: fill the window, take the oldest reply -----------------------------------------
 
     async def step(self) -> str:
         """Send a round when none that can run is in flight, keep the window filled while the oldest
         travels, then commit the oldest round's reply: its text."""
-        if not self.window.live() and not self.window.occupied(self.last_round + 1):
-            remaining = self._remaining(self.committed)
-            prep = await self._next_draft(remaining)
-            fused = await self._fused_continuations(prep, remaining)
-            self._send_round(self.last_round + 1, [Guess([], prep)], pipelined=False, fused=fused)
+        if self.window.needs_round(self.remote.last_round + 1):
+            await self._send_fresh()
         await self._fill()
         return await self._take_head()
 
-    def _depth(self) -> int:
-        return self.shaper.depth(self.uplink.seconds_per_byte())
+    async def _send_fresh(self) -> None:
+        """Plan the next round, draft it (or take the draft made ahead for what was committed), draft
+        its fused continuations when the plan fuses, and send it."""
+        remaining = self._remaining(self.committed)
+        plan = self._plan(remaining)
+        self.st.plan_reasons = plan.why
+        prep, how = self.window.take_ahead(self.committed), "ahead"
+        if prep is not None:   # the round trip's continuation came true: this draft is ready
+            self.st.continuation_hits += 1
+            self.st.reused_drafts += len(prep.tree)
+        else:
+            prep, how = await self.link.run_drafting(self.drafts.prepare, list(self.committed), plan), "alone"
+        fused = await self._fused(prep, plan, remaining)
+        self._send(self.remote.last_round + 1, [Continuation([], prep)], pipelined=False, fused=fused,
+                   how="fused" if fused else how)
 
-    async def _next_draft(self, remaining: int) -> Prepared:
-        ahead, self.ahead = self.ahead, []
-        for guess in ahead:
-            if guess.prep.base == self.committed:   # the round trip's guess came true: this draft is ready
-                self.st.continuation_hits += 1
-                self.st.reused_drafts += len(guess.prep.tree)
-                self.reused = True
-                return guess.prep
-        self.reused = False
-        return await self.link.run_drafting(self.drafts.prepare, list(self.committed), self.planner.plan(remaining))
-
-    async def _fill(self) -> None:
-        """While the oldest round travels: draft the next round for the likely outcomes of the last one
-        in flight; send it before the reply (pipelined) while the window has room, else keep it for
-        when the reply comes (drafted ahead). Drafting stops when the oldest reply is in."""
-        flights = self.window.flights
-        while (self.spec.proactive or self.spec.pipeline) and self.session_id and flights and not flights[0].task.done():
-            last = flights[-1]
-            if not last.live or last.fused or self.window.occupied(last.round + 1):
-                return   # a fused round's next round rides with it
-            live, depth = self.window.live(), self._depth()
-            if live >= depth and (live > 1 or self.spec.window > 1 and not self.spec.proactive):
-                return   # the window is full; drafting ahead (not sent) is for the oldest round's outcomes only
-            # Build on the most likely of `last`'s alternatives that can still run: once the rounds
-            # before it are answered that is the one the verifier will run.
-            after = next((g for g in last.guesses if extends(g.prep.base, self.committed)), None)
-            if after is None or not len(after.prep.tree):
-                return
-            stop = threading.Event()   # the oldest reply is here: stop drafting, use it first
-            flights[0].task.add_done_callback(lambda _: stop.set())
-            t0 = clock.now()
-            guesses = await self.link.run_drafting(
-                self.drafts.continuations, after.prep, self._remaining(after.prep.base),
-                self.drafts.budget(after.prep, t0, self.uplink.seconds_per_byte(), live + 1 if live < depth else 1),
-                stop, thread=True)
-            self.window.draft_s.observe(clock.now() - t0)
-            if not guesses:
-                return
-            if live < depth and not last.task.done():
-                # Sent even when an older reply came in meanwhile: its keys count from what the edge
-                # had committed, which the verifier checks, and the drafting is done.
-                self.window.depths.append(live + 1)
-                self._send_round(last.round + 1, guesses, pipelined=True)
-                continue
-            self.st.continuation_rounds += 1
-            self.ahead = guesses   # for the next round, if the reply commits what one assumes
-            return
-
-    async def _fused_continuations(self, prep: Prepared, remaining: int) -> list[Guess]:
-        """With `fuse` (or when the planner fuses this round): continuations for this round's likely outcomes, drafted before it leaves, as
-        many as pay (edge_client.continuations.FusedBudget); none until the round trip is measured."""
-        if not (self.session_id and len(prep.tree)) or self.planner.rtt_s is None or \
-                not self.shaper.fuse(len(prep.tree), self.st.fused_rounds, self.st.fused_hits):
+    async def _fused(self, prep: Prepared, plan: RoundPlan, remaining: int) -> list[Continuation]:
+        """With a plan that fuses: continuations for this round's likely outcomes, drafted before it
+        leaves, as many as pay (edge_client.planner.ContinuationBudget, fused)."""
+        if not (plan.fuse and self.remote.opened and len(prep.tree)):
             return []
-        budget = self.drafts.fused_budget(prep, self.uplink.seconds_per_byte())
-        fused = await self.link.run_drafting(self.drafts.continuations, prep, remaining, budget, threading.Event())
+        fused = await self.link.run_drafting(self.drafts.continuations, prep, remaining, self._plan(remaining - 1),
+                                             fused_budget(self.est, prep.plan), threading.Event())
         self.st.fused_rounds += bool(fused)
         self.st.continuations_sent += len(fused)
         return fused
 
-    def _send_round(self, round_: int, guesses: list[Guess], pipelined: bool, fused: Sequence[Guess] = ()) -> None:
+    async def _fill(self) -> None:
+        """While the oldest round travels: draft the next round for the likely outcomes of the last one
+        in flight; send it before the reply (pipelined) while the plan's depth has room, else keep it
+        for when the reply comes (drafted ahead, for the oldest round's outcomes only)."""
+        while self.remote.opened and self.window.travelling():
+            slot = self._next_slot()
+            if slot is None or not self._place(slot, *await self._draft_after(slot)):
+                return
+
+    def _next_slot(self) -> Slot | None:
+        """What to draft next behind the last round in flight, and whether it may go out; None: nothing
+        to build on, or the window is full."""
+        after = self.window.last_base(self.committed)
+        if after is None:
+            return None
+        remaining = self._remaining(after.prep.base)
+        plan, live = self._plan(remaining - 1), self.window.live()
+        send = live < plan.depth
+        if not (send or plan.ahead and live == 1):
+            return None
+        return Slot(after, remaining, plan, live + 1 if send else 1, send)
+
+    async def _draft_after(self, slot: Slot) -> tuple[list[Continuation], float]:
+        """Continuations of the slot's likely outcomes, drafted while the oldest reply is out; and the
+        seconds they took."""
+        stop = threading.Event()   # the oldest reply is here: stop drafting, use it first
+        self.window.oldest.task.add_done_callback(lambda _: stop.set())
+        t0 = self.clock()
+        prep = slot.after.prep
+        budget = continuation_budget(self.est, prep.plan, prep.rows, t0, slot.depth)
+        out = await self.link.run_drafting(self.drafts.continuations, prep, slot.remaining, slot.plan, budget, stop,
+                                           thread=True)
+        return out, self.clock() - t0
+
+    def _place(self, slot: Slot, continuations: list[Continuation], seconds: float) -> bool:
+        """Send the continuations as the next round (True: the window may take more), or keep them for
+        when the oldest reply comes."""
+        if not continuations:
+            return False
+        last = self.window.last
+        if slot.send and not last.task.done():
+            # Sent even when an older reply came in meanwhile: its keys count from what the edge
+            # had committed, which the verifier checks, and the drafting is done.
+            self._send(last.round + 1, continuations, pipelined=True, ahead_draft_s=seconds)
+            return True
+        self.st.continuation_rounds += 1
+        self.window.ahead = continuations   # for the next round, if the reply commits what one assumes
+        return False
+
+    def _send(self, round_: int, continuations: list[Continuation], pipelined: bool,
+              fused: Sequence[Continuation] = (), how: str = "pipelined", ahead_draft_s: float | None = None) -> None:
         base_len = len(self.committed)
-        # A key counts from the committed sequence, so each alternative must have been drafted after
+        # A key counts from the committed sequence, so each continuation must have been drafted after
         # it: a key cut from another prefix could match the verifier's tokens while the draft was made
-        # after different ones (not exact). Alternatives that do not extend it cannot run: dropped.
-        guesses = [g for g in guesses if extends(g.prep.base, self.committed)]
-        if not guesses:
+        # after different ones (not exact). Continuations that do not extend it cannot run: dropped.
+        continuations = [c for c in continuations if extends(c.prep.base, self.committed)]
+        if not continuations:
             return
-        own = guesses[0]
-        req = self._request(own.prep, round_, assumed=own.prep.base[base_len:] if pipelined else ())
-        for g in guesses[1:]:
-            cont = self.drafts.continuation(g)
-            del cont.assumed_tokens[:]
-            cont.assumed_tokens.extend(g.prep.base[base_len:])
-            req.continuations.append(cont)
-        req.next_continuations.extend(self.drafts.continuation(g) for g in fused)
-        self.shaper.record(own.prep.plan, "pipelined" if pipelined else "fused" if fused else
-                           "ahead" if self.reused else "alone")
+        task, nbytes, nodes = self.remote.send(round_, continuations, base_len, pipelined, fused)
+        label = continuations[0].prep.plan.label(how)
+        self.st.shapes[label] = self.st.shapes.get(label, 0) + 1
         if pipelined:
-            self.window.sent += 1
-            self.st.continuations_sent += len(guesses)
+            self.st.continuations_sent += len(continuations)
             self.st.continuation_rounds += 1
-        # Retried like any round: a lost reply is answered from the server's cache.
-        task = asyncio.ensure_future(self._send(req))
-        self.window.add(Flight(round_, guesses, base_len, task, clock.now(), req.ByteSize(),
-                               pipelined=pipelined, fused=list(fused)))
+        self.window.add(Flight(round_, continuations, base_len, task, self.clock(), nbytes, nodes,
+                               pipelined=pipelined, fused=list(fused), ahead_draft_s=ahead_draft_s))
+
+    # --- the oldest reply: commit, learn ----------------------------------------------------------
 
     async def _take_head(self) -> str:
-        """The oldest round's reply: commit it (or discard it), and doom what followed a miss."""
-        w = self.window
-        head = w.flights[0]
+        """The oldest round's reply: commit it and learn from it (or discard it and doom what followed
+        a miss); its text."""
+        head = self.window.oldest   # in the window until answered: closing cancels it
         try:
             reply = await head.task
         except EdgeError as e:
-            w.flights.pop(0)
-            if head.pipelined:
-                # Not committed (an error commits nothing): as a miss; what followed it cannot run.
-                w.doom_after(head.round)
-                self.st.discarded_rounds += 1
-                return ""
-            await w.cancel_all()
-            self.ahead = []
-            if not self._replay_after(e):
-                raise
-            return ""
-        w.flights.pop(0)
-        round_s = clock.now() - head.t_sent
-        self.uplink.observe(head.req_bytes, round_s - reply.timings.total_ms / 1e3)
+            reply = e
+        self.window.pop_head()
+        if isinstance(reply, EdgeError):
+            return await self._failed(head, reply)
+        round_s = self.clock() - head.t_sent
         if reply.base_mismatch:
-            self.st.discarded_rounds += 1
-            w.doom_after(head.round)
-            if reply.finish_reason != pb.NOT_FINISHED:
-                w.abandon()
+            self._discard(head, reply, round_s)
             return ""
-        if reply.continuation >= len(head.guesses):
-            raise EdgeError(grpc.StatusCode.INTERNAL, f"the verifier ran alternative {reply.continuation} of round "
-                                                      f"{head.round}, which had {len(head.guesses)}")
-        guess = head.guesses[reply.continuation]
-        if self.committed != guess.prep.base:
-            raise EdgeError(grpc.StatusCode.INTERNAL, f"the verifier ran round {head.round} on a base the edge "
-                                                      "did not commit")
+        rounds = self._commit(head, reply)
+        self._learn(head, reply, round_s, rounds)
+        new = [t for c in rounds for t in c.new]
+        if new and not self.st.ttft_s:
+            self.st.ttft_s = self.clock() - self.t0
+        if self.finished:
+            self.st.finish_reason = self.finish
+            self.window.abandon()
+        else:
+            self.window.recheck(self.committed)
+        return self.text.add(new, final=self.finished)
+
+    async def _failed(self, head: Flight, e: EdgeError) -> str:
+        """The oldest round's call failed: a pipelined one is a miss (an error commits nothing, and
+        what followed it cannot run); else replay in a new session, or fail the generation."""
         if head.pipelined:
-            w.ran += 1
+            self.window.doom_after(head.round)
+            self.st.discarded_rounds += 1
+            self.est.observe(ReplyTaught((), pipelined=False, ahead_draft_s=head.ahead_draft_s, answered=False))
+            return ""
+        await self.window.cancel_all()
+        if not self.remote.replay_after(e, len(self.committed)):
+            raise e
+        return ""
+
+    def _discard(self, head: Flight, reply: Reply, round_s: float) -> None:
+        """base_mismatch: the round assumed an outcome that was not committed; so did every round behind it."""
+        self.st.discarded_rounds += 1
+        self.window.doom_after(head.round)
+        if reply.finish is not None:
+            self.window.abandon()
+        self.est.observe(ReplyTaught((), round_s, reply.server_s, request_bytes=head.request_bytes,
+                                     request_nodes=head.request_nodes, pipelined=False if head.pipelined else None,
+                                     ahead_draft_s=head.ahead_draft_s))
+
+    def _commit(self, head: Flight, reply: Reply) -> list[Committed]:
+        """Commit the reply's tokens, and round r + 1's when one of its fused continuations ran in the
+        same pass, each checked against what was sent and the verifier's view."""
+        if reply.continuation >= len(head.continuations):
+            raise bad_reply(f"the verifier ran continuation {reply.continuation} of round {head.round}, which "
+                            f"had {len(head.continuations)}")
+        prep = head.continuations[reply.continuation].prep
+        if self.committed != prep.base:
+            raise bad_reply(f"the verifier ran round {head.round} on a base the edge did not commit")
+        if head.pipelined:
             self.st.pipelined_rounds += 1
             self.st.continuation_hits += 1
-        if self.session_id:   # a round that opened the session: its pass held the prompt too
-            w.verify_s.observe((reply.timings.model_ms + reply.timings.queue_ms) / 1e3)
-        shared = pass_nodes(guess.prep, head.fused)
-        new = self._commit(guess.prep, reply, round_s, shared)
-        if head.fused and reply.HasField("next_round") and not self.finished:
-            new += self._commit_fused(head.fused, reply.next_round, round_s, shared)
-        if self.finished:
-            w.abandon()
-        else:
-            w.recheck(self.committed)
-        return self._text(new)
+        rounds = [self._commit_round(prep, reply)]
+        nxt = reply.next_round
+        if head.fused and nxt is not None and not self.finished:
+            i = nxt.continuation - 1
+            if not 0 <= i < len(head.fused) or head.fused[i].prep.base != self.committed:
+                raise bad_reply(f"the verifier answered round {nxt.round} with continuation {nxt.continuation}, "
+                                "not one drafted for what it committed")
+            self.st.continuation_hits += 1
+            self.st.fused_hits += 1
+            rounds.append(self._commit_round(head.fused[i].prep, nxt))
+        return rounds
 
-    def _commit_fused(self, fused: list[Guess], nxt: pb.VerifyReply, round_s: float, shared: int) -> list[int]:
-        """Round r + 1, answered with round r (its continuation ran in round r's pass)."""
-        i = nxt.continuation - 1
-        if not 0 <= i < len(fused) or fused[i].prep.base != self.committed:
-            raise EdgeError(grpc.StatusCode.INTERNAL, f"the verifier answered round {nxt.round} with continuation "
-                                                      f"{nxt.continuation}, not one drafted for what it committed")
-        self.st.continuation_hits += 1
-        self.st.fused_hits += 1
-        new = self._commit(fused[i].prep, nxt, round_s, shared)
-        self.st.server_model_s -= nxt.timings.model_ms / 1e3   # the pass it shared with round r, counted once
-        return new
-
-    def _replay_after(self, e: EdgeError) -> bool:
-        """Whether to replay the committed tokens in a new session: the verifier lost ours (NOT_FOUND:
-        a restart, an eviction, a draining verifier's "moved") or is out of step with it
-        (FAILED_PRECONDITION). A first round (it carries `open`) answered NOT_FOUND opened a session
-        that was evicted before its round ran: it is sent again, as a replay; FAILED_PRECONDITION
-        there is a refusal (e.g. the tokenizer) that replaying cannot fix. The replay is the next
-        round with `open`: the prompt, the committed tokens and that round's draft, nothing more.
-        `max_replays` bounds replays in a row with nothing committed between them (a verifier that
-        keeps losing the session), not a long generation's restarts and drains."""
-        lost = e.code == grpc.StatusCode.NOT_FOUND or (
-            e.code == grpc.StatusCode.FAILED_PRECONDITION and bool(self.session_id))
-        if len(self.committed) != self.replayed_at:
-            self.replays_in_a_row = 0   # the last replay got somewhere
-        if lost and self.replays_in_a_row < self.link.transport.max_replays:
-            log.warning("replaying %d committed tokens: %s", len(self.committed) - self.prompt_len, e)
-            self.st.replays += 1
-            self.replays_in_a_row += 1
-            self.replayed_at = len(self.committed)
-            self.session_id, self.last_round = "", 0
-            if self.stream is not None:
-                self.stream.reset()   # the new session's rounds go on a new call, to where it opens
-            return True
-        return False
-
-    def _text(self, new: list[int]) -> str:
-        """The text of newly committed tokens (special tokens hidden; UTF-8 split across tokens kept
-        until complete)."""
-        st, pairing = self.st, self.pairing
-        if new and not st.ttft_s:
-            st.ttft_s = clock.now() - self.t0
-        if self.finished:
-            st.finish_reason = pb.FinishReason.Name(self.final.finish_reason).lower()
-        piece = self.decoder.decode(b"".join(pairing.tokenizer.token_bytes(t) for t in new
-                                             if t not in pairing.hidden_ids))
-        if self.finished:
-            piece += self.decoder.decode(b"", final=True)
-        if piece:
-            self.pieces.append(piece)
-        return piece
-
-    def _request(self, prep: Prepared, round_: int, assumed: Sequence[int] = ()) -> pb.VerifyRequest:
-        req = pb.VerifyRequest(session_id=self.session_id, round=round_, committed_length=len(prep.base),
-                               draft_token_ids=prep.tree.tokens, draft_parents=prep.wire_parents(),
-                               q=qpayload.to_proto(prep.qs, self.spec.qmode.scale_bits),
-                               assumed_tokens=list(assumed))
-        if not self.session_id:
-            req.open.CopyFrom(pb.OpenSession(
-                prompt_token_ids=self.prompt_ids, resume_token_ids=prep.base[self.prompt_len:],
-                sampling=sampling_proto(self.settings), tokenizer_fingerprint=self.drafter.fingerprint or "",
-                open_key=os.urandom(OPEN_KEY_BYTES), draft_tokenizer_fingerprint=self.pairing.draft_fingerprint))
-            if self.spec.slo_tpot_ms or self.spec.slo_ttft_ms:
-                req.open.slo.CopyFrom(pb.SessionSlo(tpot_ms=self.spec.slo_tpot_ms, ttft_ms=self.spec.slo_ttft_ms))
-            if not self.prompt_ids and self.plan.text_open is not None:
-                req.open.MergeFrom(self.plan.text_open)   # committed_length counts what follows the prompt
-        return req
-
-    # --- the one commit -------------------------------------------------------------------------
-
-    def _commit(self, prep: Prepared, reply: pb.VerifyReply, round_s: float, shared_nodes: int = 0) -> list[int]:
-        """Commit a reply's tokens (checked against the server's view), count the round, and teach γ,
-        the tree planner and the drafter what it cost and kept; the generation is finished when the
-        reply says so. shared_nodes: the nodes its target pass held when more than its own (fused)."""
-        kept = prep.kept_path(reply)
-        new = [prep.tree.tokens[i] for i in kept] + ([reply.next_token_id] if reply.HasField("next_token_id") else [])
-        if not self.prompt_ids and reply.prompt_token_ids:
-            self._prompt_known(list(reply.prompt_token_ids))
+    def _commit_round(self, prep: Prepared, reply: Reply) -> Committed:
+        """The one commit: a round's kept path and the verifier's token join the committed sequence."""
+        kept = prep.kept_path(reply.accepted, reply.kept_nodes)
+        if kept is None:
+            raise bad_reply(f"the verifier kept {reply.accepted} nodes ({list(reply.kept_nodes)}), not a path from "
+                            f"the root of this round's {len(prep.tree)} draft nodes")
+        new = [prep.tree.tokens[i] for i in kept] + ([reply.next_token] if reply.next_token is not None else [])
+        if not self.remote.prompt_ids and reply.prompt_ids:
+            self._prompt_known(list(reply.prompt_ids))
+        opened = not self.remote.opened
         self.committed.extend(new)
-        if reply.committed_length != len(self.committed):
-            raise EdgeError(grpc.StatusCode.INTERNAL, f"server committed {reply.committed_length} tokens, "
-                                                      f"the edge {len(self.committed)}")
-        opened = not self.session_id   # this round opened the session: its pass held the prompt too
-        self.session_id, self.last_round = reply.session_id, reply.round
-        self._learn(prep, reply, kept, round_s, len(new), shared_nodes, opened)
-        self.final = reply
-        self.finished = reply.finish_reason != pb.NOT_FINISHED
-        return new
+        self.remote.committed(reply, len(self.committed))
+        self.drafts.drafter.observe(self.committed, reply.accepted)
+        self.finish = reply.finish
+        return Committed(prep, reply, kept, new, opened)
 
     def _prompt_known(self, ids: list[int]) -> None:
         """A text open's reply: the target's prompt ids become the committed prefix (replays send them)."""
-        self.prompt_ids = ids
+        self.remote.prompt_ids = ids
         self.committed[:0] = ids
-        self.prompt_len = len(ids)
-        self.drafter.anchor_prompt(ids, self.plan.draft_ids)
+        self.drafts.drafter.anchor_prompt(ids, self.remote.prompt.draft_ids)
 
-    def _learn(self, prep: Prepared, reply: pb.VerifyReply, kept: list[int], round_s: float, n_new: int,
-               shared_nodes: int, opened: bool = False) -> None:
-        st, tree = self.st, prep.tree
-        st.rounds += 1
-        st.drafted += len(tree)
-        st.accepted += reply.num_accepted
-        depth = max(tree.depths(), default=0)
-        # Rejected: the verifier drew the next token where a draft was still on offer (the last
-        # kept node, or the root, has children); else it was the bonus, after a leaf.
-        rejected = reply.HasField("next_token_id") and bool(tree.children()[kept[-1] if kept else ROOT])
-        st.rejections += rejected
-        st.draft_s += prep.seconds
-        st.server_model_s += reply.timings.model_ms / 1e3
-        self.nodes_sent += len(tree)
-        st.tree_rounds += not tree.is_chain
-        self.gammas.append(depth)
-        server_s, model_s = reply.timings.total_ms / 1e3, reply.timings.model_ms / 1e3
-        fit_s = None if opened else model_s   # the verifier's line is fitted over rounds without a prompt
-        if tree.is_chain:  # the chain's α and γ model; a tree round's acceptance is not geometric
-            self.acceptance.observe(len(tree), reply.num_accepted, rejected)
-            self.policy.observe(gamma=len(tree), num_accepted=reply.num_accepted, draft_s=prep.seconds,
-                                round_s=round_s, server_s=server_s, model_s=fit_s, rejected=rejected)
-        # The verifier's time is fitted over the nodes its pass held (a fused pass: all of them).
-        self.planner.observe(prep.plan, nodes=max(len(tree), shared_nodes), rows=prep.rows, tokens=n_new,
-                             draft_s=prep.seconds, round_s=round_s, server_s=server_s, model_s=fit_s)
-        self.drafter.observe(self.committed, reply.num_accepted)
-        if reply.HasField("budget") and self.spec.steer and self.spec.gamma == ADAPTIVE:
-            self.planner.steer(reply.budget.max_gamma, reply.budget.max_tree_nodes)
-        if self.link.on_round is not None:
-            self.link.on_round(RoundEvent(gamma=depth, accepted=reply.num_accepted, tokens=n_new,
-                                          draft_s=prep.seconds, rpc_s=round_s, server_s=server_s))
+    def _learn(self, head: Flight, reply: Reply, round_s: float, rounds: list[Committed]) -> None:
+        """Count the reply's rounds and teach the estimates what its pass cost and kept (once per reply)."""
+        taught = []
+        for c in rounds:
+            tree = c.prep.tree
+            depth = max(tree.depths(), default=0)
+            rejected = c.prep.rejected(c.kept, c.reply.next_token is not None)
+            # A fused round r + 1 shared round r's pass: its time is counted once.
+            self.st.add_round(len(tree), c.reply.accepted, rejected, depth, not tree.is_chain, c.prep.seconds,
+                              c.reply.model_s if c is rounds[0] else 0.0)
+            taught.append(RoundTaught(c.prep.plan.arm, tree.is_chain, len(tree), c.reply.accepted, rejected,
+                                      len(c.new), c.prep.rows, c.prep.seconds))
+            if self.link.on_round is not None:
+                self.link.on_round(RoundEvent(gamma=depth, accepted=c.reply.accepted, tokens=len(c.new),
+                                              draft_s=c.prep.seconds, rpc_s=round_s, server_s=c.reply.server_s))
+        first = rounds[0]
+        # The verifier's line is fitted over the nodes its pass held (a fused pass: all of them), and
+        # bytes per draft node over requests, both without the round that also carried the prompt.
+        self.est.observe(ReplyTaught(
+            tuple(taught), round_s, reply.server_s, None if first.opened else reply.model_s, reply.queue_s,
+            max(len(first.prep.tree), pass_nodes(first.prep, head.fused)), head.request_bytes,
+            0 if first.opened else head.request_nodes,
+            pipelined=True if head.pipelined else None, fused=len(rounds) > 1 if head.fused else None,
+            ahead_draft_s=head.ahead_draft_s))
 
     # --- the end --------------------------------------------------------------------------------
 
     async def close(self) -> None:
         """Settle background work, complete the stats, and close the session if it is unfinished."""
-        # Not awaited: a cancelled caller must still reach the session's Close below.
-        for f in self.window.flights:
-            f.task.cancel()
-        self.window.flights.clear()
-        self._complete_stats()
-        try:
-            # A finished session needs no Close: the server frees its KV cache when generation ends.
-            # One left early (the caller stopped reading, was cancelled, or a round failed) is closed
-            # now; shielded, so a cancelled caller still sends it.
-            if self.session_id and not self.finished:
-                await asyncio.shield(self.verifier.close_session(self.session_id))
-        finally:
-            if self.stream is not None:   # after the Close: ending the stream may wait for the verifier
-                await self.stream.close()
+        self.window.cancel_now()   # not awaited: a cancelled caller must still reach the session's Close
+        view, view0 = self.drafts.drafter.retokenization(), self.drafts.view0
+        self.st.complete(self.clock() - self.t0, self.text.text(), self.committed[len(self.remote.prompt_ids):],
+                         self.spec, self.window.mean_depth(),
+                         (view.rolled_back - view0.rolled_back, view.retokenized - view0.retokenized)
+                         if view is not None and view0 is not None else None)
+        await self.remote.close(self.finished)
 
-    def _complete_stats(self) -> None:
-        st = self.st
-        st.wall_s = clock.now() - self.t0
-        st.text = "".join(self.pieces)
-        st.token_ids = self.committed[self.prompt_len:]
-        st.tokens = len(st.token_ids)
-        st.acceptance_rate = st.accepted / st.drafted if st.drafted else 0.0
-        st.alpha = st.accepted / (st.accepted + st.rejections) if st.accepted + st.rejections else 0.0
-        st.tokens_per_round = st.tokens / st.rounds if st.rounds else 0.0
-        st.mean_gamma = sum(self.gammas) / len(self.gammas) if self.gammas else 0.0
-        st.gamma = self.policy.describe()
-        st.nodes_per_round = self.nodes_sent / st.rounds if st.rounds else 0.0
-        st.plans = self.planner.describe()
-        st.expected_tokens_per_round = expected_tokens_per_round(st.alpha, round(st.mean_gamma))
-        st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
-        if self.spec.window > 1:
-            st.window_depth = self.window.mean_depth()
-        st.shapes, st.planned = self.shaper.describe(), list(self.spec.planned)
-        view = self.drafter.retokenization()
-        if view is not None and self.view0 is not None:
-            st.draft_rolled_back = view.rolled_back - self.view0.rolled_back
-            st.draft_retokenized = view.retokenized - self.view0.retokenized
 
+class TextPieces:
+    """The text of committed tokens as it becomes complete: special tokens hidden; UTF-8 split across
+    tokens kept until complete."""
+
+    def __init__(self, pairing: Pairing):
+        self.pairing = pairing
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.pieces: list[str] = []
+
+    def add(self, new: list[int], final: bool) -> str:
+        tok = self.pairing.tokenizer
+        piece = self.decoder.decode(b"".join(tok.token_bytes(t) for t in new if t not in self.pairing.hidden_ids))
+        if final:
+            piece += self.decoder.decode(b"", final=True)
+        if piece:
+            self.pieces.append(piece)
+        return piece
+
+    def text(self) -> str:
+        return "".join(self.pieces)

@@ -117,8 +117,8 @@ class ServerLimits:
 @dataclass(frozen=True)
 class PlanInputs:
     """The planner's measured inputs, pinned (`--plan-inputs 'rtt_ms=600,draft_ms=2,node_ms=0.5'`): the
-    planner chooses once from them and keeps that shape, so that a seed pins the output as it does
-    with fixed options (edge_client.planner.pinned_choices)."""
+    planner (edge_client.planner.plan_round) reads these instead of what the session measures, so it
+    chooses the same shape every round and a seed pins the output as it does with fixed options."""
 
     rtt_ms: float = 50.0        # the network round trip
     draft_ms: float = 2.0       # drafting one row (one token of a chain)
@@ -163,7 +163,7 @@ class Speculation:
                                          # (VerifyReply.budget); a fixed γ or tree shape stays as asked
     slo_tpot_ms: float = 0.0             # the latency target stated to the verifier (0: none; its default)
     slo_ttft_ms: float = 0.0
-    max_continuations: int = 8           # outcomes drafted for per round in flight (1: the one most likely guess)
+    max_continuations: int = 8           # outcomes drafted for per round in flight (1: the most likely one)
     fuse: bool | None = None             # draft continuations before a round leaves, for its own target pass
                                          # (VerifyRequest.next_continuations), when the cost model says they pay
     window: int | None = None            # most rounds in flight at once (1: none; 2+: a window, pipeline
@@ -171,7 +171,7 @@ class Speculation:
     plan: str = "auto"                   # "auto": the planner picks every shape option left unset (None) each
                                          # round (edge_client.planner); "off": unset options keep fixed defaults
                                          # (a chain of 5, nothing in flight)
-    plan_inputs: PlanInputs | str | None = None   # pin the planner's measured inputs: it chooses once from them
+    plan_inputs: PlanInputs | str | None = None   # pin the planner's measured inputs: the same shape every round
     planned: tuple[str, ...] | None = None   # the options the planner chooses (set from the unset ones)
 
     def __post_init__(self):
@@ -188,10 +188,6 @@ class Speculation:
                 set_(name, (PLANNER_DEFAULTS if self.plan == "auto" else FIXED_DEFAULTS)[name])
         if "pipeline" in self.planned:
             set_("pipeline", self.window > 1)   # pipelined rounds are what a window holds beyond the first
-        if "window" in self.planned and self.fuse and "fuse" not in self.planned:
-            set_("window", 1)   # fused rounds asked for: the planner keeps no window beside them
-        if "fuse" in self.planned:
-            set_("fuse", False)   # the planner fuses round by round when it pays (edge_client.planner)
         set_("gamma", parse_gamma(self.gamma))
         _at_least("max_gamma", self.max_gamma, 1)
         _at_least("max_tree_nodes", self.max_tree_nodes, 1)
@@ -220,7 +216,7 @@ class Speculation:
         """The options whose choices follow measured timings (and the verifier's load), so that a
         seed does not pin the output: adaptive γ, tree 'auto', and pipelined or fused chains with
         continuations for more than one outcome (their length is chosen by the cost model,
-        edge_client.continuations.choose_length). All of these stay exact. With none of them the
+        edge_client.planner.continuation_length). All of these stay exact. With none of them the
         same seed gives the same ids, with or without proactive or pipelined rounds and whichever
         outcomes got a continuation in time: a round's draft and the verifier's draws depend only on
         the seed and the committed tokens, and a continuation is drafted with the plan a fresh round
@@ -292,7 +288,7 @@ def refuse_conflicts(spec: Speculation, drafter: str | None = None, drafter_buil
                              f"the {drafter} drafter here proposes chains only (prompt lookup has no model to rank "
                              "a tree's branches; a GGUF drafter made without tree drafting builds none); use tree "
                              "'off', or a drafter that builds trees (gguf, synthetic)")
-    if spec.fuse and spec.window > 1:
+    if spec.fuse and spec.window > 1 and not {"fuse", "window"} & set(spec.planned or ()):
         raise OptionConflict("fuse", f"window={spec.window}",
                              "a window sends the next rounds as rounds in flight (the verifier fuses one that waits "
                              "into its predecessor's pass by itself); --fuse sends them with the round: use one")

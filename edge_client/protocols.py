@@ -5,7 +5,6 @@
 - The drafter's contract is the base class edge_client.drafters.Drafter: propose, observe, and the
   optional capabilities (propose_tree with supports_trees, next_logits with supports_cross_vocab)
   declared there.
-- GammaPolicy: how many tokens to draft per round (edge_client.gamma: FixedGamma, AdaptiveGamma).
 """
 from __future__ import annotations
 
@@ -32,12 +31,3 @@ class DraftTokenizer(Protocol):
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
     def tokenize_bytes(self, data: bytes, add_special: bool = False, parse_special: bool = False) -> list[int]: ...
-
-
-class GammaPolicy(Protocol):
-    """Draft length per round: asked before each chain round, taught by each chain round's result."""
-
-    def next_gamma(self, record: bool = True) -> int: ...
-    def observe(self, gamma: int, num_accepted: int, draft_s: float, round_s: float, server_s: float,
-                model_s: float | None, rejected: bool = False) -> None: ...
-    def describe(self) -> str | int: ...

@@ -1,7 +1,8 @@
 """The records a session's rounds are made of: a prepared draft (`Prepared`: a tree of draft tokens
-for one base, a chain being the tree with one path), a continuation (`Guess`: a draft for one likely
-outcome of a round in flight), and a round sent and not yet answered (`Flight`). The round loop
-(edge_client.loop) builds them; the window (edge_client.window) holds the flights.
+for one base, a chain being the tree with one path), a continuation (`Continuation`: a draft for one
+likely outcome of a round in flight, keyed by that outcome), and a round sent and not yet answered
+(`Flight`). The round loop (edge_client.loop) builds them; the window (edge_client.window) holds the
+flights; edge_client.remote puts them on the wire.
 """
 from __future__ import annotations
 
@@ -9,13 +10,9 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
-import grpc
-
-from edge_client.gamma import RoundPlan
-from edge_client.transport import EdgeError
-from spec_core.proto import verifier_pb2 as pb
+from edge_client.planner import RoundPlan
 from spec_core.qcodec import EncodedQ
-from spec_core.tree import DraftTree
+from spec_core.tree import ROOT, DraftTree
 from spec_core.warping import SamplingSettings
 
 GREEDY = SamplingSettings(temperature=0.0)
@@ -42,11 +39,11 @@ class Prepared:
         """draft_parents on the wire: none for a chain."""
         return [] if self.tree.is_chain else list(self.tree.parents)
 
-    def guess_path(self) -> list[int]:
+    def likely_path(self) -> list[int]:
         """The tokens of the most likely full acceptance: every draft, or the most probable branch."""
-        return [self.tree.tokens[i] for i in self.guess_nodes()]
+        return [self.tree.tokens[i] for i in self.likely_nodes()]
 
-    def guess_nodes(self) -> list[int]:
+    def likely_nodes(self) -> list[int]:
         """The nodes of that path, root first."""
         leaves = self.tree.leaves()
         if not leaves:
@@ -54,19 +51,25 @@ class Prepared:
         probs = self.path_probs
         return self.tree.path_to(max(leaves, key=lambda i: (probs[i] if probs is not None else 1.0, -i)))
 
-    def kept_path(self, reply: pb.VerifyReply) -> list[int]:
-        """The nodes the verifier kept, root first (a chain's reply says only how many); a reply that
-        names no path of this tree is an error."""
-        n = reply.num_accepted
-        kept = list(range(n)) if self.tree.is_chain else list(reply.kept_nodes)
-        if len(kept) != n or any(k >= len(self.tree) for k in kept) or (kept and self.tree.path_to(kept[-1]) != kept):
-            raise EdgeError(grpc.StatusCode.INTERNAL, f"the verifier kept {n} nodes ({list(reply.kept_nodes)}), not a "
-                                                      f"path from the root of this round's {len(self.tree)} draft nodes")
+    def kept_path(self, accepted: int, kept_nodes: Sequence[int]) -> list[int] | None:
+        """The nodes the verifier kept, root first (a chain's reply says only how many); None when
+        the reply names no path of this tree."""
+        kept = list(range(accepted)) if self.tree.is_chain else list(kept_nodes)
+        if len(kept) != accepted or any(k >= len(self.tree) for k in kept) or \
+                (kept and self.tree.path_to(kept[-1]) != kept):
+            return None
         return kept
 
+    def rejected(self, kept: list[int], drew: bool) -> bool:
+        """Whether the round ended at a rejection: the verifier drew its token (`drew`) where a draft
+        was still on offer (the last kept node, or the root, has children); else it was the bonus,
+        after a leaf."""
+        return drew and bool(self.tree.children()[kept[-1] if kept else ROOT])
 
-class Guess(NamedTuple):
-    """A continuation: one likely outcome of a round in flight, and the draft made after it."""
+
+class Continuation(NamedTuple):
+    """One likely outcome of a round in flight, and the next round's draft made after it. A round
+    sent with nothing in flight before it is the one continuation that assumes nothing."""
 
     tokens: list[int]       # what it assumes the round commits (kept drafts + corrected or bonus token)
     prep: Prepared          # the next round's draft, for base = that round's base + tokens
@@ -77,17 +80,21 @@ class Flight:
     """A round sent and not yet answered."""
 
     round: int
-    guesses: list[Guess]             # its alternatives: 0 its own draft, then its continuations
-    base_len: int                    # the committed length its keys count from
-    task: asyncio.Future
+    continuations: list[Continuation]   # what it carries: a pipelined round, one per outcome of the round
+                                        # before that it assumes (0 travels as the request's own draft);
+                                        # else its own draft alone
+    base_len: int                    # the committed length their keys count from
+    task: asyncio.Future             # its edge_client.remote.Reply
     t_sent: float
-    req_bytes: int
+    request_bytes: int
+    request_nodes: int               # draft nodes in the request (its own, continuations', fused ones')
     live: bool = True                # False once an earlier round missed: its keys cannot come true
     pipelined: bool = True           # sent before the reply of the round before it
-    fused: list[Guess] = field(default_factory=list)   # continuations for its own pass (next_continuations)
+    fused: list[Continuation] = field(default_factory=list)   # continuations for its own pass
+    ahead_draft_s: float | None = None   # pipelined: seconds its continuations took to draft
 
 
-def pass_nodes(prep: Prepared, fused: Sequence[Guess]) -> int:
+def pass_nodes(prep: Prepared, fused: Sequence[Continuation]) -> int:
     """Nodes of a fused round's target pass: its own, then per continuation its key's last token
     and its drafts (spec_core.continuations.fuse_tree); 0 without continuations."""
     return len(prep.tree) + sum(1 + len(g.prep.tree) for g in fused) if fused else 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from spec_core.costmodel import expected_tokens_per_round
+
 
 @dataclass
 class GenerationStats:
@@ -34,14 +36,14 @@ class GenerationStats:
     finish_reason: str = ""
     nodes_per_round: float = 0.0    # draft tokens (chain) or tree nodes sent per round
     tree_rounds: int = 0            # rounds that carried a tree
-    plans: str = ""                 # how often each chain/tree plan was chosen
+    plans: str = ""                 # rounds sent per arm (chain, tree2x, tree4x, a fixed tree): `shapes` summed
     reused_drafts: int = 0          # drafted tokens reused from proactive drafting (--proactive)
     discarded_rounds: int = 0       # pipelined rounds dropped because their base was not committed
     pipelined_rounds: int = 0       # pipelined rounds whose base was committed (verified, kept)
     draft_rolled_back: int = 0      # across tokenizers: draft tokens re-tokenized away (KV rolled back)
     draft_retokenized: int = 0      # across tokenizers: draft tokens tokenized anew from committed text
     continuation_rounds: int = 0    # rounds during whose flight continuations were drafted
-    continuations_sent: int = 0     # alternatives shipped in pipelined rounds (each drafted for one outcome)
+    continuations_sent: int = 0     # continuations shipped (pipelined or fused), each drafted for one outcome
     continuation_hits: int = 0      # rounds whose outcome a continuation had been drafted for (sent or reused)
     window_depth: float = 0.0       # a window (Speculation.window > 1): mean rounds in flight when one was sent
     fused_rounds: int = 0           # rounds sent with continuations for their own pass (--fuse)
@@ -51,10 +53,49 @@ class GenerationStats:
     planned: list[str] = field(default_factory=list)   # the options the planner chose (those not pinned)
     coupling: str = "rejection"     # how drafts were checked (--coupling)
     seed: int | None = None         # the seed sent (with --coupling gumbel, drawn when none was given)
+    plan_reasons: str = ""          # the planner's reasons for the last round's shape, one line
     token_ids: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def add_round(self, drafted: int, accepted: int, rejected: bool, depth: int, tree: bool, draft_s: float,
+                  model_s: float) -> None:
+        """One committed round: `drafted` nodes, `depth` the deepest path (a chain's γ), `model_s` the
+        target pass it did not share with a round counted before."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.rejections += rejected
+        self.tree_rounds += tree
+        self.draft_s += draft_s
+        self.server_model_s += model_s
+        self.mean_gamma += (depth - self.mean_gamma) / self.rounds
+        self.nodes_per_round += (drafted - self.nodes_per_round) / self.rounds
+
+    def complete(self, wall_s: float, text: str, token_ids: list[int], spec, window_depth: float,
+                 retokenization: tuple[int, int] | None = None) -> None:
+        """The generation's end: its output and the statistics derived from the counts. `spec`: the
+        session's edge_client.options.Speculation; `retokenization`: across tokenizers, the draft
+        tokens rolled back and tokenized anew during the generation."""
+        self.wall_s, self.text, self.token_ids, self.tokens = wall_s, text, token_ids, len(token_ids)
+        self.acceptance_rate = self.accepted / self.drafted if self.drafted else 0.0
+        tested = self.accepted + self.rejections
+        self.alpha = self.accepted / tested if tested else 0.0
+        self.tokens_per_round = self.tokens / self.rounds if self.rounds else 0.0
+        self.gamma = spec.gamma if isinstance(spec.gamma, int) else f"{spec.gamma}(mean {self.mean_gamma:.2f})"
+        self.expected_tokens_per_round = expected_tokens_per_round(self.alpha, round(self.mean_gamma))
+        self.tokens_per_s = self.tokens / wall_s if wall_s else 0.0
+        if spec.window > 1:
+            self.window_depth = window_depth
+        self.shapes = dict(sorted(self.shapes.items(), key=lambda kv: -kv[1]))
+        arms: dict[str, int] = {}
+        for label, n in self.shapes.items():
+            arms[label.split()[0]] = arms.get(label.split()[0], 0) + n
+        self.plans = ", ".join(f"{k}×{v}" for k, v in sorted(arms.items()))
+        self.planned = list(spec.planned or ())
+        if retokenization is not None:
+            self.draft_rolled_back, self.draft_retokenized = retokenization
 
     def round_stats(self) -> dict:
         """The statistics without the output itself: what `edge-client serve` puts in a response's

@@ -278,6 +278,8 @@ def report(args, rows: list[Row], stats, prefill: int) -> None:
           f"{s.tokens_per_round:.2f} tokens/round (theory at this α and γ: {s.expected_tokens_per_round:.2f}), "
           f"{s.bytes_up / max(s.rounds, 1):.0f} B up / {s.bytes_down / max(s.rounds, 1):.0f} B down per round",
           file=sys.stderr)
+    if s.planned:
+        print(f"[demo] {planner_line(s)}", file=sys.stderr)
     print(table(rows), file=sys.stderr)
     print(f"[demo] passes: target forward passes the verifier counted during each run (its /metrics), less the "
           f"{prefill} it spends on the prompt's chunks before its first token in every row, per committed token; "
@@ -291,6 +293,13 @@ def report(args, rows: list[Row], stats, prefill: int) -> None:
         out["link"] = args.link
         out["prefill_passes"] = prefill
         print(json.dumps(out))
+
+
+def planner_line(s) -> str:
+    """Which shapes the planner chose (rounds sent per shape, the most used first) and why, one line."""
+    shapes = ", ".join(f"{label} ×{n}" for label, n in list(s.shapes.items())[:4])
+    more = f" and {len(s.shapes) - 4} more" if len(s.shapes) > 4 else ""
+    return f"planner: {shapes}{more}; last round because: {s.plan_reasons or 'nothing measured yet'}"
 
 
 def table(rows: list[Row]) -> str:

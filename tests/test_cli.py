@@ -95,6 +95,10 @@ def test_demo_runs_verifier_edge_and_baseline(tiny_models):
     assert stats["tokens"] >= 1 and stats["rounds"] >= 1
     assert stats["cloud_only"]["tokens"] >= 1 and stats["cloud_only"]["wall_s"] > 0
     assert "[demo] hybrid:" in r.stderr and "[demo] cloud-only:" in r.stderr
+    # The planner (the default) says in one line which shapes it sent and why.
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("[demo] planner: "))
+    assert " g" in line and "because: " in line and sum(stats["shapes"].values()) >= stats["rounds"] - \
+        stats["fused_hits"]
 
 
 def test_demo_over_a_3g_link_prints_three_rows_of_passes_and_round_trips(tiny_models):

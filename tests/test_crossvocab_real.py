@@ -115,7 +115,7 @@ def test_openai_serve_across_tokenizers(gemma, smollm2):
     text completions work; greedy chat equals the verifier's cloud-only text; usage counts the
     target's prompt tokens."""
     import openai
-    from edge_client.process import spawn_edge_server
+    from hybridspec.launch import spawn_edge_server
     from test_openai_serve import VerifierThread
 
     verifier = VerifierThread(LlamaCppBackend(gemma, n_ctx=1024, n_threads=1))

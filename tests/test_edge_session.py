@@ -1,5 +1,5 @@
 """The edge's session loop on its own (no server): one prepared-draft type for chains and trees,
-and one α rule for ranking a round's outcomes, whichever γ policy drafts."""
+and one α for ranking a round's outcomes and planning rounds."""
 from __future__ import annotations
 
 import asyncio
@@ -9,18 +9,17 @@ import numpy as np
 import pytest
 
 from edge_client.drafters import SyntheticDrafter
-from edge_client.gamma import AdaptiveGamma, RoundPlan
 from edge_client.options import Speculation, Transport
 from edge_client.pairing import Pairing
 from edge_client.loop import RoundLoop
+from edge_client.planner import RoundPlan
 from edge_client.rounds import Prepared
 from edge_client.stats import GenerationStats
 from edge_client.text import SyntheticTokenizer
-from edge_client.transport import EdgeError
-from spec_core.proto import verifier_pb2 as pb
 from spec_core.estimates import Acceptance
 from spec_core.tree import DraftTree, TreeShape
 from spec_core.warping import SamplingSettings
+from plan_feed import chain_round
 
 V = 64
 CHAIN = RoundPlan("chain", 4)
@@ -31,79 +30,64 @@ def loop(gamma) -> RoundLoop:
     drafter, tokenizer = SyntheticDrafter(V, 0, 1.0), SyntheticTokenizer(V)
     client = types.SimpleNamespace(verifier=None, on_round=None, transport=Transport(""))
     return RoundLoop(client, Speculation(gamma=gamma, plan="off"), [0, 5], SamplingSettings(temperature=1.0, seed=1),
-                        GenerationStats(), Pairing(drafter, tokenizer, tokenizer.eog_ids))
+                     GenerationStats(), Pairing(drafter, tokenizer, tokenizer.eog_ids))
 
 
 def chain(base, tokens) -> Prepared:
     return Prepared(list(base), CHAIN, DraftTree.chain(tokens), None, 0.001, len(tokens))
 
 
-def reply(base_len: int, accepted: int, next_token: int | None = 9, kept=()) -> pb.VerifyReply:
-    r = pb.VerifyReply(session_id="s", round=1, num_accepted=accepted, kept_nodes=list(kept),
-                       committed_length=base_len + accepted + (next_token is not None))
-    if next_token is not None:
-        r.next_token_id = next_token
-    return r
-
-
-@pytest.mark.parametrize("gamma", ["adaptive", 4])
-def test_the_alpha_for_outcomes_is_the_verifier_rule_whatever_the_gamma_policy(gamma):
-    """40 chain rounds of γ = 4 with random acceptances (seeded). The estimate that ranks outcomes is
-    spec_core.estimates.Acceptance fed the same rounds, for a fixed γ as for the adaptive one (whose
-    own α follows the same rule). Control: the whole-session estimate a fixed γ used before,
-    (accepted + 1) / (accepted + rejections + 2), differs from it after these rounds."""
-    s, reference = loop(gamma), Acceptance()
+def test_one_alpha_ranks_outcomes_and_plans_rounds():
+    """40 chain rounds of γ = 4 with random acceptances (seeded). The one estimate of α (the
+    session's Estimates, read by the drafting that ranks outcomes and by the planner) follows
+    spec_core.estimates.Acceptance, the verifier's rule, fed the same rounds. Control: the
+    whole-session estimate a fixed γ once used, (accepted + 1) / (accepted + rejections + 2),
+    differs from it after these rounds."""
+    s, reference = loop(4), Acceptance()
+    assert s.drafts.est is s.est
     rng = np.random.default_rng(3)
     accepted_all = rejections = 0
     for _ in range(40):
-        base = list(s.committed)
         n = int(rng.integers(0, 5))
-        prep = chain(base, [7, 8, 9, 10])
-        s._commit(prep, reply(len(base), n, 11), 0.01)
+        chain_round(s.est, 4, n, 0.02)
         reference.observe(4, n, rejected=n < 4)
         accepted_all, rejections = accepted_all + n, rejections + (n < 4)
-    assert s.acceptance.alpha == pytest.approx(reference.alpha)
-    if isinstance(s.policy, AdaptiveGamma):
-        assert s.acceptance.alpha == pytest.approx(s.policy.alpha)
-    assert abs(s.acceptance.alpha - (accepted_all + 1) / (accepted_all + rejections + 2)) > 1e-3
+    assert s.est.alpha == pytest.approx(reference.alpha)
+    assert abs(s.est.alpha - (accepted_all + 1) / (accepted_all + rejections + 2)) > 1e-3
 
 
 def test_a_chain_is_a_tree_with_one_path_and_stays_a_chain_on_the_wire():
     s = loop(4)
     prep = s.drafts.prepare(list(s.committed), CHAIN)
-    assert prep.tree.is_chain and len(prep.tree) == 4 and prep.guess_nodes() == [0, 1, 2, 3]
-    req = s._request(prep, 1)
+    assert prep.tree.is_chain and len(prep.tree) == 4 and prep.likely_nodes() == [0, 1, 2, 3]
+    req = s.remote.request(prep, 1)
     assert list(req.draft_token_ids) == list(prep.tree.tokens) and not req.draft_parents
     # A tree that came out as one path goes on the wire as the chain it is.
     path = Prepared([0, 5], TREE, DraftTree((3, 4), (-1, 0)), None, 0.001, 2, [0.5, 0.25])
-    assert not s._request(path, 1).draft_parents and path.kept_path(reply(2, 2, None)) == [0, 1]
+    assert not s.remote.request(path, 1).draft_parents and path.kept_path(2, ()) == [0, 1]
     tree = s.drafts.prepare([0, 5], TREE)
-    assert not tree.tree.is_chain and list(s._request(tree, 1).draft_parents) == list(tree.tree.parents)
+    assert not tree.tree.is_chain and list(s.remote.request(tree, 1).draft_parents) == list(tree.tree.parents)
 
 
 def test_the_kept_path_is_checked_against_the_tree():
     #            0:3   1:4          two children of the root; node 2 under node 0
     tree = Prepared([0, 5], TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
-    assert tree.guess_path() == [3, 6]
-    assert tree.kept_path(reply(2, 2, None, kept=[0, 2])) == [0, 2]
+    assert tree.likely_path() == [3, 6]
+    assert tree.kept_path(2, [0, 2]) == [0, 2]
     for bad in ([1, 2], [2], [0, 7]):
-        with pytest.raises(EdgeError, match="not a path"):
-            tree.kept_path(reply(2, len(bad), 9, kept=bad))
-    with pytest.raises(EdgeError, match="not a path"):
-        chain([0, 5], [7, 8]).kept_path(reply(2, 3, 9))   # more accepted than drafted
+        assert tree.kept_path(len(bad), bad) is None
+    assert chain([0, 5], [7, 8]).kept_path(3, ()) is None   # more accepted than drafted
 
 
 def test_a_round_that_ends_at_a_shallow_leaf_is_a_bonus_not_a_rejection():
     """Tree (depth 2 on one branch, 1 on the other) planned at depth 3: keeping the shallow leaf
     and drawing the bonus after it is no rejection; stopping above drafts still on offer is."""
-    s = loop(4)
-    shallow = Prepared([0, 5], TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
-    s._commit(shallow, reply(2, 1, 9, kept=[1]), 0.01)
-    assert s.st.rejections == 0 and s.st.tree_rounds == 1 and s.gammas == [2]
-    base = list(s.committed)
-    deep = Prepared(base, TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
-    s._commit(deep, reply(len(base), 1, 9, kept=[0]), 0.01)   # node 0 kept, its child 2 rejected
-    assert s.st.rejections == 1
+    tree = Prepared([0, 5], TREE, DraftTree((3, 4, 6), (-1, -1, 0)), None, 0.001, 3, [0.6, 0.3, 0.4])
+    assert not tree.rejected([1], drew=True)
+    assert tree.rejected([0], drew=True)        # node 0 kept, its child 2 rejected
+    assert tree.rejected([], drew=True) and not tree.rejected([0, 2], drew=True)
+    assert not tree.rejected([0], drew=False)   # the generation ended there: nothing drawn
+    assert max(tree.tree.depths()) == 2
 
 
 async def test_the_pairing_is_decided_once_per_client_before_the_first_round(monkeypatch, tmp_path):

@@ -24,7 +24,7 @@ import pytest
 from cloud_verifier.backends.llama_cpp import LlamaCppBackend
 from cloud_verifier.engine import Limits
 from cloud_verifier.server import VerifierServer
-from edge_client.process import spawn_edge_server
+from hybridspec.launch import spawn_edge_server
 from edge_client.stopstrings import StopStrings, tokens_covering
 from llama_runtime import GGUFModel
 from spec_core.proto import verifier_pb2 as pb

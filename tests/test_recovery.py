@@ -347,16 +347,18 @@ async def test_a_long_generation_survives_more_restarts_than_max_replays():
 
 def test_replays_in_a_row_without_progress_are_bounded():
     """The control: the same budget stops a verifier that loses the session before anything commits."""
-    from edge_client.loop import RoundLoop
+    import types
+
+    from edge_client.crossvocab import PromptPlan
+    from edge_client.options import Speculation
+    from edge_client.remote import RemoteSession
     from edge_client.stats import GenerationStats
     from edge_client.transport import EdgeError
-    loop = RoundLoop.__new__(RoundLoop)
-    loop.link = type("Client", (), {"transport": edge_options("x:1", max_replays=3).transport})()
-    loop.st, loop.committed, loop.prompt_len = GenerationStats(), [0, 5, 6, 9], 3
-    loop.session_id, loop.last_round, loop.replays_in_a_row, loop.replayed_at = "s", 4, 0, -1
-    loop.stream = None
+    link = types.SimpleNamespace(verifier=None, transport=edge_options("x:1", max_replays=3).transport)
+    remote = RemoteSession(link, Speculation(plan="off"), SamplingSettings(), None, PromptPlan([0, 5, 6], None),
+                           GenerationStats())
+    remote.session_id, remote.last_round = "s", 4
     lost = EdgeError(grpc.StatusCode.NOT_FOUND, "session 's' is unknown here")
-    assert [loop._replay_after(lost) for _ in range(4)] == [True, True, True, False]
-    loop.committed.append(7)              # a round committed: the budget starts again
-    assert loop._replay_after(lost) is True
-    assert loop._replay_after(EdgeError(grpc.StatusCode.INVALID_ARGUMENT, "bad")) is False
+    assert [remote.replay_after(lost, 4) for _ in range(4)] == [True, True, True, False]
+    assert remote.replay_after(lost, 5) is True   # a round committed: the budget starts again
+    assert remote.replay_after(EdgeError(grpc.StatusCode.INVALID_ARGUMENT, "bad"), 5) is False

@@ -26,35 +26,35 @@ def test_fit_line_recovers_a_line_and_clamps_costs_at_zero():
 
 
 def test_the_edge_and_the_verifier_fit_their_lines_with_it():
-    from edge_client.continuations import UplinkFit
-    from edge_client.gamma import AdaptiveGamma, TreePolicy
+    from edge_client.estimates import Estimates, UplinkFit
+    from edge_client.planner import RoundPlan
+    from plan_feed import teach
     from spec_core.steering import PassCostLine
+    from spec_core.tree import TreeShape
     line = PassCostLine(min_passes=2)
     uplink = UplinkFit()
-    policy = AdaptiveGamma()
-    planner = TreePolicy(policy)
+    est = Estimates()
     for size in (8, 16, 32, 64):
         seconds = 0.002 + 0.001 * size
         line.observe(size, seconds)
         uplink.observe(size * 100, seconds)
-        policy.observe(gamma=size, num_accepted=0, draft_s=0.0, round_s=1.0, server_s=0.0, model_s=seconds)
-        planner._verify_points.append((size, seconds))
+        teach(est, RoundPlan("chain", size), tokens=1, rtt_s=0.0, model_s=seconds, draft_s=0.0)
     assert line.line() == pytest.approx((0.002, 0.001))
     assert uplink.seconds_per_byte() == pytest.approx(0.001 / 100)
-    assert tuple(fit_line(policy._verify_points)) == pytest.approx((0.002, 0.001))
-    # The planner's predicted round: 8 nodes on that line (no rows drafted, no round trip measured).
-    from edge_client.gamma import RoundPlan
-    from spec_core.tree import TreeShape
-    assert planner.predicted_round_s(RoundPlan("tree8", 2, TreeShape(8, 2, 2, 1))) == pytest.approx(0.002 + 0.008)
+    assert tuple(est.verify_line()) == pytest.approx((0.002, 0.001))
+    # The planner's predicted round: 8 nodes on that line (no drafting, no round trip, bytes free).
+    tree8 = RoundPlan("tree8", 2, TreeShape(8, 2, 2, 1))
+    assert est.round_s(tree8.nodes, tree8.rows) == pytest.approx(0.002 + 0.008)
 
 
 def test_the_edge_and_the_verifier_estimate_alpha_alike():
-    from edge_client.gamma import AdaptiveGamma
-    edge, verifier = AdaptiveGamma(decay=0.9), Acceptance(decay=0.9)
+    from edge_client.estimates import Estimates
+    from edge_client.planner import RoundPlan
+    from plan_feed import teach
+    edge, verifier = Estimates(), Acceptance(decay=0.9)
     for drafted, accepted in ((4, 4), (4, 1), (0, 0), (6, 2), (3, 3)):
         rejected = accepted < drafted
-        edge.observe(gamma=drafted, num_accepted=accepted, draft_s=0.01, round_s=0.1, server_s=0.01, model_s=0.01,
-                     rejected=rejected)
+        teach(edge, RoundPlan("chain", drafted), tokens=accepted + 1, rtt_s=0.1, model_s=0.01, draft_s=0.01)
         verifier.observe(drafted, accepted, rejected)
         assert edge.alpha == verifier.alpha
     # Never forgotten (decay 1): the Beta(1, 1) posterior mean, (accepted + 1) / (tested + 2).
@@ -107,8 +107,8 @@ def test_the_verifier_takes_its_wire_constants_from_spec_core():
 
 
 def test_the_edge_takes_its_wire_constants_from_spec_core():
-    from edge_client import crossvocab, loop, transport
+    from edge_client import crossvocab, remote, transport
     from spec_core import wire
     assert transport.RETRY_AFTER_KEY is wire.RETRY_AFTER_KEY
     assert set(wire.MESSAGE_SIZE_OPTIONS) <= set(transport.CHANNEL_OPTIONS)
-    assert loop.OPEN_KEY_BYTES is wire.OPEN_KEY_BYTES and crossvocab.VOCABULARY_MAX_BYTES == wire.MAX_MESSAGE_BYTES
+    assert remote.OPEN_KEY_BYTES is wire.OPEN_KEY_BYTES and crossvocab.VOCABULARY_MAX_BYTES == wire.MAX_MESSAGE_BYTES

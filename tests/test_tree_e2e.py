@@ -8,11 +8,14 @@ from cloud_verifier.backends.llama_cpp import LlamaCppBackend
 from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
 from edge_client.drafters import GGUFDrafter, SyntheticDrafter
-from edge_client.gamma import FixedGamma, RoundPlan, TreePolicy
+from edge_client.estimates import Estimates
+from edge_client.options import Speculation
+from edge_client.planner import Budget, arm_rate, candidate_arms
 from edge_client.text import SyntheticTokenizer
 from helpers import edge_options, running_server
 from spec_core.tree import TreeShape
 from spec_core.warping import SamplingSettings
+from plan_feed import plan, teach
 from test_e2e_grpc import PROMPTS, check_same_or_near_tie, target_greedy
 
 
@@ -72,49 +75,53 @@ async def test_synthetic_pair_with_trees_commits_the_kept_paths():
     assert gen.stats.tokens == 60 and gen.stats.tokens_per_round > 1
 
 
-def feed(policy: TreePolicy, rounds: int, per_node_s: float, tree_tokens: float, chain_tokens: float,
-         tree_extra_s: float = 0.0):
-    """Drive the policy with a modelled verifier: base 10 ms + per_node_s per node, RTT 50 ms,
-    draft 5 ms per row; chains and trees commit the given tokens per round, and a tree's drafting
-    takes tree_extra_s more than its rows (work the cost model does not see)."""
+AUTO4 = Speculation(gamma=4, tree="auto", plan="off")   # γ 4, chain or tree each round
+
+
+def feed(rounds: int, per_node_s: float, tree_tokens: float, chain_tokens: float,
+         tree_extra_s: float = 0.0) -> tuple[Estimates, dict[str, int]]:
+    """Plan each round with plan_round and teach the estimates what a modelled verifier did: base
+    10 ms + per_node_s per node, RTT 50 ms, draft 5 ms per row; chains and trees commit the given
+    tokens per round, and a tree's drafting takes tree_extra_s more than its rows (work the cost
+    model does not see). Returns the estimates and the rounds each arm got."""
+    est, chosen = Estimates(), {}
     for _ in range(rounds):
-        plan = policy.plan(remaining=1000)
-        nodes = plan.gamma if plan.shape is None else plan.shape.budget
-        rows = plan.gamma if plan.shape is None else 1 + (plan.shape.depth - 1) * plan.shape.width
-        model_s = 0.010 + per_node_s * nodes
-        tokens, extra = (chain_tokens, 0.0) if plan.shape is None else (tree_tokens, tree_extra_s)
-        policy.observe(plan, nodes=nodes, rows=rows, tokens=round(tokens), draft_s=0.005 * rows + extra,
-                       round_s=0.050 + model_s, server_s=model_s, model_s=model_s)
-    return policy
+        p = plan(est, AUTO4, remaining=1000)
+        chosen[p.arm] = chosen.get(p.arm, 0) + 1
+        model_s = 0.010 + per_node_s * p.nodes
+        tokens, extra = (chain_tokens, 0.0) if p.shape is None else (tree_tokens, tree_extra_s)
+        teach(est, p, tokens=round(tokens), rtt_s=0.050, model_s=model_s, draft_s=0.005 * p.rows + extra)
+    return est, chosen
 
 
-def tree_rounds(policy: TreePolicy) -> int:
-    return sum(v for k, v in policy.chosen.items() if k.startswith("tree"))
+def tree_rounds(chosen: dict[str, int]) -> int:
+    return sum(v for k, v in chosen.items() if k.startswith("tree"))
 
 
 def test_policy_finds_that_trees_do_not_pay_on_a_slow_verifier():
     """CPU-like: 30 ms per node. Trees commit 4 tokens, chains 3, but 16 nodes cost too much."""
-    p = feed(TreePolicy(FixedGamma(4), "auto"), 60, per_node_s=0.030, tree_tokens=4, chain_tokens=3)
-    assert p.chosen.get("chain", 0) > 40, p.chosen
-    assert p.predicted_rate(RoundPlan("chain", 4)) > p.predicted_rate(RoundPlan("tree4x", 4, p._shapes(4)["tree4x"]))
+    est, chosen = feed(60, per_node_s=0.030, tree_tokens=4, chain_tokens=3)
+    assert chosen.get("chain", 0) > 40, chosen
+    chain, *trees = candidate_arms(est, AUTO4, Budget(1000))
+    tree4x = next(t for t in trees if t.arm == "tree4x")
+    assert arm_rate(est, chain) > arm_rate(est, tree4x)
 
 
 def test_policy_takes_trees_on_a_flat_verifier():
     """GPU-like: 0.1 ms per node; the same tokens per round make the tree the better plan."""
-    p = feed(TreePolicy(FixedGamma(4), "auto"), 60, per_node_s=0.0001, tree_tokens=4, chain_tokens=3)
-    assert tree_rounds(p) > 40, p.chosen
+    est, chosen = feed(60, per_node_s=0.0001, tree_tokens=4, chain_tokens=3)
+    assert tree_rounds(chosen) > 40, chosen
 
 
 def test_fixed_tree_shape_is_cut_to_the_tokens_left():
-    p = TreePolicy(FixedGamma(4), TreeShape(budget=8, depth=4, branching=2, width=2))
-    assert p.plan(remaining=3).shape.depth == 2
-    assert p.plan(remaining=1).shape is None
+    spec = Speculation(gamma=4, tree=TreeShape(budget=8, depth=4, branching=2, width=2), plan="off")
+    assert plan(Estimates(), spec, remaining=3).shape.depth == 2
+    assert plan(Estimates(), spec, remaining=1).shape is None
 
 
 def test_a_tree_that_costs_more_than_the_model_says_is_left_for_the_chain():
     """Flat verifier, trees commit 4 tokens to the chain's 3 (test_policy_takes_trees_on_a_flat_verifier
     takes them: the control), but each tree round's drafting takes 60 ms the model does not predict:
     measured per arm, that excess makes the chain the faster plan (3 / 0.09 s > 4 / 0.15 s)."""
-    p = feed(TreePolicy(FixedGamma(4), "auto"), 60, per_node_s=0.0001, tree_tokens=4, chain_tokens=3,
-             tree_extra_s=0.060)
-    assert tree_rounds(p) < 15, p.chosen
+    est, chosen = feed(60, per_node_s=0.0001, tree_tokens=4, chain_tokens=3, tree_extra_s=0.060)
+    assert tree_rounds(chosen) < 15, chosen

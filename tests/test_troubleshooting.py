@@ -30,7 +30,7 @@ MESSAGE_ARGS = {
     # the OpenAI endpoint's HTTP errors
     "APIError": 1, "unsupported": 1,
     # the edge: option values and conflicts refused before the first round, and its own refusals
-    "OptionError": 1, "OptionConflict": 2, "EdgeError": 1,
+    "OptionError": 1, "OptionConflict": 2, "EdgeError": 1, "bad_reply": 0,
     # the commands' start-up refusals (one line, exit status 1 or 2), and what they pass on: a model
     # file missing or unloadable, plain text off loopback, a bad token file, a port not bound
     "SystemExit": 0, "ModelMissing": 0, "ModelUnloadable": 0, "FileNotFoundError": 0, "InsecureBindError": 0,

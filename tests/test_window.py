@@ -16,14 +16,14 @@ import asyncio
 import grpc
 import pytest
 
-import edge_client.loop as roundloop
-import edge_client.window as window
+import edge_client.remote as remote
+import edge_client.planner as planner
 from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
 from edge_client.drafters import SyntheticDrafter
 from edge_client.options import OptionError, ServerLimits, Speculation
+from edge_client.planner import WindowCosts, best_depth
 from edge_client.text import SyntheticTokenizer
-from edge_client.window import WindowCosts, window_depth
 from helpers import edge_options, generate_many, running_server, stub_for
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.warping import SamplingSettings
@@ -40,25 +40,25 @@ TREE = "budget=4,depth=2,branching=2,width=2"
 
 def test_a_slow_link_with_good_guesses_fills_the_window():
     c = WindowCosts(rtt_s=0.6, verify_s=0.02, draft_s=0.01, up_s=0.001, hit=0.8)
-    assert window_depth(c, 4) == 4
+    assert best_depth(c, 4) == 4
 
 
 def test_bad_guesses_keep_one_round_in_flight():
     c = WindowCosts(rtt_s=0.6, verify_s=0.02, draft_s=0.05, up_s=0.01, hit=0.05)
-    assert window_depth(c, 4) == 1
+    assert best_depth(c, 4) == 1
 
 
 def test_a_saturated_uplink_stops_the_window_early():
     """The uplink is the slowest stage: more rounds in flight only queue on it."""
     fast_link = WindowCosts(rtt_s=0.6, verify_s=0.02, draft_s=0.01, up_s=0.005, hit=0.9)
     slow_link = WindowCosts(rtt_s=0.6, verify_s=0.02, draft_s=0.01, up_s=0.3, hit=0.9)
-    assert window_depth(fast_link, 4) == 4
-    assert window_depth(slow_link, 4) == 2
+    assert best_depth(fast_link, 4) == 4
+    assert best_depth(slow_link, 4) == 2
 
 
 def test_a_loopback_link_needs_no_window():
     c = WindowCosts(rtt_s=0.0005, verify_s=0.005, draft_s=0.001, up_s=0.0, hit=0.5)
-    assert window_depth(c, 4) <= 2
+    assert best_depth(c, 4) <= 2
 
 
 # --- options ----------------------------------------------------------------------------------------
@@ -124,12 +124,12 @@ async def test_the_stream_answers_as_unary_verify_does():
 
 async def test_the_edge_uses_the_stream_when_offered_and_unary_otherwise(monkeypatch):
     used = []
-    orig = roundloop.RoundLoop._send
+    orig = remote.RemoteSession._round
 
     def spy(self, req):
         used.append(self.stream is not None)
         return orig(self, req)
-    monkeypatch.setattr(roundloop.RoundLoop, "_send", spy)
+    monkeypatch.setattr(remote.RemoteSession, "_round", spy)
     for offered in (True, False):
         used.clear()
         backend = SyntheticBackend(vocab=V, seed=0)
@@ -166,7 +166,7 @@ async def _windowed(backend, k: int, tree: str, tokens: int = N_TOKENS):
 @pytest.fixture
 def forced_depth(monkeypatch):
     """The window kept full (the cost model would not on loopback): exactness must not rest on it."""
-    monkeypatch.setattr(window, "window_depth", lambda costs, max_window: max_window)
+    monkeypatch.setattr(planner, "best_depth", lambda costs, max_window: max_window)
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -300,12 +300,12 @@ async def test_a_window_on_the_stream_replays_after_evictions(forced_depth, monk
     text; T = 1: every token once)."""
     from test_faults import VOCAB as FV, synthetic_greedy
     on_stream = []
-    orig = roundloop.RoundLoop._send
+    orig = remote.RemoteSession._round
 
     def spy(self, req):
         on_stream.append(bool(req.session_id) and self.stream is not None)
         return orig(self, req)
-    monkeypatch.setattr(roundloop.RoundLoop, "_send", spy)
+    monkeypatch.setattr(remote.RemoteSession, "_round", spy)
     async with running_server(SyntheticBackend(vocab=FV, step_ms=5.0)) as server:
         verify, calls, evicted = server.engine.verify, [0], []
 
