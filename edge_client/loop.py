@@ -395,7 +395,8 @@ class RoundLoop:
             self.planner.steer(reply.budget.max_gamma, reply.budget.max_tree_nodes)
         if self.link.on_round is not None:
             self.link.on_round(RoundEvent(gamma=depth, accepted=reply.num_accepted, tokens=n_new,
-                                          draft_s=prep.seconds, rpc_s=round_s, server_s=server_s))
+                                          draft_s=prep.seconds, rpc_s=round_s, server_s=server_s,
+                                          round=reply.round, base=len(prep.base), plan=prep.plan))
 
     # --- the end --------------------------------------------------------------------------------
 
