@@ -34,6 +34,7 @@ from spec_core.tree import ROOT, DraftTree
 from spec_core.verify import RoundResult, commit_round
 from spec_core.warping import SamplingSettings
 from test_continuations import FIXED, FLOAT, _draft, _outcomes, _verify
+from hybridspec.testing import exactness
 from test_exactness_stats import L, N, P_MIN, V, chi_square_p, exact_sequence_probs
 
 # --- literal cases ----------------------------------------------------------------------------
@@ -128,6 +129,7 @@ def _run(first, then, temperature, qmode, control="", n=N, sessions=1, batching=
 
     def one(k: int):
         rng, vrng = np.random.default_rng([7, k]), np.random.default_rng([11, k])
+        exactness.note_seed("sequences", [[7, k], [11, k]])
         state = backend.new_state()
         try:
             for _ in range(n // sessions):
@@ -178,6 +180,7 @@ def test_a_backend_that_does_not_fuse_runs_the_hit_as_a_second_round():
     backend.caps = dataclasses.replace(backend.caps, fuses=False)
     _, draft = synthetic_pair(vocab=V, seed=3, noise=1.5)
     rng, vrng = np.random.default_rng(1), np.random.default_rng(2)
+    exactness.note_seed("sequences", [1, 2])
     s, hits, state = SamplingSettings(temperature=1.0), [], backend.new_state()
     counts: dict[tuple, int] = {}
     for _ in range(N):
@@ -460,6 +463,7 @@ async def _waiting_round_session(monkeypatch, control: bool, tokens: int = 1500)
     _, draft = synthetic_pair(vocab=V, seed=0, noise=1.0)
     s = SamplingSettings(temperature=1.0)
     rng = np.random.default_rng(3)
+    exactness.note_seed("sequence", 3)
     backend = CountingPasses(vocab=V, seed=0)
     merged = 0
     async with running_server(backend, max_new_tokens_cap=tokens + 8) as server:
