@@ -9,9 +9,9 @@ deliberately biased variant that the check must catch:
 
 - "resample": on a rejection the verifier draws the corrected token from p instead of the residual
   norm(max(0, p - q)), in a share `control_rate` of rejections (a classic verifier bug);
-- "outcome-faults": besides the schedule's faults, a share `control_rate` of the rounds that kept
-  no draft lose their reply with the session evicted (the fault depends on the outcome, so an
-  unseeded redo redraws exactly the outcomes it dislikes);
+- "outcome-faults": besides the schedule's faults, a share `control_rate` of the rounds that
+  rejected a draft lose their reply with the session evicted (the fault depends on the outcome, so
+  an unseeded redo redraws exactly the outcomes it dislikes);
 - "redo-shape": an evicted round whose lost attempt rejected a draft is redone as a chain of the
   drafts that attempt kept (the redo's shape depends on the outcome it cannot have seen; with a
   seed the redo reuses the lost attempt's stream: candidate (b) of issue 42). It acts on the
@@ -168,14 +168,14 @@ class Faults:
             return reply
         gen = self._generation(req, reply)
         u = self._draw(gen, req)
-        kind = "evict" if u < c.evicted else "lost" if u < c.evicted + c.lost else None
-        if c.control == "outcome-faults" and kind is None and reply.num_accepted == 0 and len(req.draft_token_ids):
-            kind = "evict" if self._unseeded.random() < c.control_rate else None
-        if kind is None:
-            return reply
         nodes, tree = len(req.draft_token_ids), bool(req.draft_parents)
         depth = max(DraftTree(tuple(req.draft_token_ids), tuple(req.draft_parents)).depths(), default=0) \
             if tree else nodes
+        kind = "evict" if u < c.evicted else "lost" if u < c.evicted + c.lost else None
+        if c.control == "outcome-faults" and kind is None and reply.num_accepted < depth:
+            kind = "evict" if self._unseeded.random() < c.control_rate else None
+        if kind is None:
+            return reply
         plain = reply.continuation == 0 and not req.assumed_tokens   # the round's own draft ran
         if gen is not None:
             # (committed length, round, attempt, kind, nodes, tree, kept): the lost attempt, for redo_table
