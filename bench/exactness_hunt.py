@@ -204,35 +204,67 @@ def calibration(reps: int, seed: int = 0) -> dict:
 
 # --- the result file -------------------------------------------------------------------------------
 
-def report(lines: list[dict], path_note: str) -> Path:
+def _different_drafts(line: dict) -> int:
+    """Rounds refused as "already verified with different drafts": a retry that is not the same request
+    (candidate (a)), or a stale pipelined round whose number a fused continuation took (what the hunt met)."""
+    return sum(v for k, v in (line.get("refused") or {}).items() if "different drafts" in k)
+
+
+def _not_stale(line: dict) -> int:
+    """Of those, the ones that were not stale pipelined rounds (runs before the harness told them apart: None)."""
+    refused = line.get("refused") or {}
+    if any("different drafts" in k for k in refused) and not any("stale" in k for k in refused):
+        return None
+    return sum(v for k, v in refused.items() if "NOT a stale" in k)
+
+
+def report(lines: list[dict], note: str, command: str | None = None) -> Path:
+    """bench/results/exactness-hunt.json from the hunt's lines: per configuration its runs' p, the
+    blocks' KS p, its controls' p, the redo table; fault invariance; the calibration; every run."""
     runs = [x for x in lines if "config" in x]
     calib = next((x["calibration"] for x in reversed(lines) if "calibration" in x), {})
     rows, figures = [], {}
-    for name in sorted({x["config"] for x in runs if not x["control"]}):
+    for name in [c for c in CONFIGS if any(x["config"] == c for x in runs)]:
         mine = [x for x in runs if x["config"] == name]
-        ps = [x["p"] for x in mine]
         blocks = [p for x in mine for p in x["block_p"]]
         controls = [x for x in runs if x["config"].startswith(name + "+")]
-        tables = [x["redo_table"] for x in mine if x.get("redo_table")]
+        tables = [x["redo_table"] for x in mine if x.get("redo_table") and sum(map(sum, x["redo_table"]))]
         redo = np.sum(tables, axis=0).tolist() if tables else None
-        rows.append([name, len(mine), sum(x["transitions"] for x in mine), ", ".join(f"{p:.3g}" for p in ps),
-                     len(blocks), f"{min(blocks):.3g}" if blocks else "", f"{uniformity_p(blocks):.3g}" if blocks else "",
-                     "; ".join(f"{x['config'].split('+')[1]} {x['p']:.2g}" for x in controls),
-                     str(redo) if redo else "", sum(x["replays"] for x in mine), sum(x["lost"] for x in mine)])
+        fisher = float(fisher_exact(redo).pvalue) if redo and min(map(sum, redo)) else None
+        rows.append([name, len(mine), sum(x["transitions"] for x in mine), ", ".join(f"{x['p']:.3g}" for x in mine),
+                     len(blocks), min(blocks) if blocks else None, uniformity_p(blocks) if blocks else None,
+                     "; ".join(f"{x['config'].split('+')[1]} ({x['transitions'] // 1000}k) {x['p']:.2g}"
+                               for x in controls),
+                     str(redo) if redo else None, fisher, sum(x["evicted"] for x in mine), sum(x["lost"] for x in mine),
+                     sum(_different_drafts(x) for x in mine),
+                     None if any(_not_stale(x) is None for x in mine) else sum(_not_stale(x) for x in mine)])
         if blocks:
-            figures[f"{name}-block-ks-p"] = Figure(value=uniformity_p(blocks), quantity="KS p of block p-values",
-                                                   setup=name, unit="", fmt="{:.3g}")
-    tables = {"runs": Table(columns=["config", "runs", "transitions", "p per run", "blocks", "min block p",
-                                     "KS p (blocks)", "controls: p", "redo table [[full,same],[full,other]],...",
-                                     "replays", "lost replies"], rows=rows)}
-    tables["calibration"] = Table(columns=["test", "measure", "value"],
-                                  rows=[[k, m, v] for k, d in calib.items() for m, v in d.items()])
-    tables["every-run"] = Table(columns=["config", "seed", "transitions", "p", "bonferroni p", "block p", "retries",
-                                         "replays", "lost", "evicted", "passes", "shared passes", "redo fisher p"],
+            figures[f"{name}-block-ks-p"] = Figure(value=uniformity_p(blocks), setup=name, unit="", fmt="{:.2g}",
+                                                   quantity="KS p of the p-values of independent blocks of generations")
+    fmt = {"min block p": "{:.2g}", "KS p (blocks)": "{:.2g}", "redo Fisher p": "{:.2g}"}
+    tables = {"runs": Table(columns=["configuration", "runs", "transitions", "p per run", "blocks", "min block p",
+                                     "KS p (blocks)", "controls: p", "redo table", "redo Fisher p", "evictions",
+                                     "lost replies", "refused: different drafts", "of which not stale pipelined rounds"],
+                            rows=rows, fmt=fmt)}
+    inv = [x for x in lines if "invariance" in x]
+    tables["invariance"] = Table(columns=["configuration", "generations", "same tokens with faults as without",
+                                          "evictions", "lost replies"],
+                                 rows=[[x["invariance"], x["generations"], x["identical"], x["evicted"], x["lost"]]
+                                       for x in inv])
+    tables["calibration"] = Table(columns=["test on samples from the target", "measure", "value"],
+                                  rows=[[k, m, v] for k, d in calib.items() for m, v in d.items()],
+                                  fmt={"value": "{:.4g}"})
+    tables["every-run"] = Table(columns=["configuration", "seed", "transitions", "p", "bonferroni p", "min block p",
+                                         "KS p (blocks)", "retries", "replays", "lost", "evicted", "passes",
+                                         "shared passes", "redo Fisher p"],
                                 rows=[[x["config"], x["seed"], x["transitions"], x["p"], x["bonferroni_p"],
-                                       x["block_p"], x["retries"], x["replays"], x["lost"], x["evicted"], x["passes"],
-                                       x["shared_passes"], x.get("redo_fisher_p")] for x in runs])
-    return write_result("exactness-hunt", figures=figures, tables=tables, note=path_note,
+                                       min(x["block_p"]) if x["block_p"] else None, x.get("block_ks_p"), x["retries"],
+                                       x["replays"], x["lost"], x["evicted"], x["passes"], x["shared_passes"],
+                                       x.get("redo_fisher_p")] for x in runs])
+    tables["block-p"] = Table(columns=["configuration", "seed", "p of each block"],
+                              rows=[[x["config"], x["seed"], [round(p, 4) for p in x["block_p"]]] for x in runs
+                                    if x["block_p"]])
+    return write_result("exactness-hunt", figures=figures, tables=tables, note=note, command=command,
                         load_start=list(os.getloadavg()))
 
 
@@ -253,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jsonl", type=Path, required=True, help="one line per run appended here")
     ap.add_argument("--report", action="store_true", help="write bench/results/exactness-hunt.json from --jsonl")
     ap.add_argument("--note", default="")
+    ap.add_argument("--command", default=None, help="--report: the hunt's commands, for the result file")
     a = ap.parse_args(argv)
     logging.disable(logging.WARNING)   # a replay logs a warning each time: thousands here
 
@@ -262,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in line.items() if k not in ("block_p", "plans", "calibration")}), flush=True)
     if a.report:
         lines = [json.loads(x) for x in a.jsonl.read_text().splitlines() if x.strip()]
-        print(f"wrote {report(lines, a.note)}")
+        print(f"wrote {report(lines, a.note, a.command)}")
         return 0
     if a.calibration:
         emit({"calibration": calibration(a.calibration)})

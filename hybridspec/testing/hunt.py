@@ -143,6 +143,16 @@ class Faults:
         self.engine.verify = self.verify
         self._unseeded = np.random.default_rng([seed, 1])
 
+    def _stale(self, valid) -> bool:
+        """A pipelined round none of whose alternatives assumes what its session committed: it could
+        never run (a fused continuation of the round before took its number after the edge had
+        doomed it). The refusals that are not this would be retries that changed (candidate (a))."""
+        req, s = valid.req, self.engine.session(valid.req.session_id)
+        keys = [a.assumed for a in valid.alternatives]
+        base = req.committed_length - len(keys[0])
+        return s is not None and bool(keys[0]) and base >= 0 and \
+            all(list(s.tokens[base: base + len(k)]) != list(k) for k in keys)
+
     def _generation(self, req, reply) -> int | None:
         s = self.engine.session(reply.session_id)
         return s.settings.seed if s is not None else None
@@ -161,6 +171,8 @@ class Faults:
             # Candidate (a) of issue 42: a retry that is not byte-identical is refused "already
             # verified with different drafts"; any refusal is counted by its code and message head.
             key = f"{e.code.name}: {_message_kind(e.message)}"
+            if "different drafts" in e.message:
+                key += " (a stale pipelined round)" if self._stale(valid) else " (NOT a stale pipelined round)"
             self.refused[key] = self.refused.get(key, 0) + 1
             raise
         c, req = self.config, valid.req
