@@ -107,7 +107,8 @@ def one_run(config: HuntConfig, seed: int, transitions: int, blocks: int) -> dic
     rec = result.record
     ps = block_ps(rec, config.vocab, config.target_probs(), blocks) if blocks > 1 else []
     table = redo_table(rec) if config.evicted else None
-    line = {"config": config.name, "control": config.control, **result.summary(), "block_p": ps,
+    line = {"config": config.name, "control": config.control, "control_rate": config.control_rate,
+            **result.summary(), "block_p": ps,
             "block_ks_p": uniformity_p(ps) if ps else None, "redo_table": table,
             "redo_fisher_p": float(fisher_exact(table).pvalue) if table and min(map(sum, table)) else None,
             "plans": result.plans, "started": time.strftime("%H:%M:%S", time.gmtime(t0)),
@@ -233,8 +234,8 @@ def report(lines: list[dict], note: str, command: str | None = None) -> Path:
         fisher = float(fisher_exact(redo).pvalue) if redo and min(map(sum, redo)) else None
         rows.append([name, len(mine), sum(x["transitions"] for x in mine), ", ".join(f"{x['p']:.3g}" for x in mine),
                      len(blocks), min(blocks) if blocks else None, uniformity_p(blocks) if blocks else None,
-                     "; ".join(f"{x['config'].split('+')[1]} ({x['transitions'] // 1000}k) {x['p']:.2g}"
-                               for x in controls),
+                     "; ".join(f"{x['config'].split('+')[1]} {x.get('control_rate', 0.5):g} ({x['transitions'] // 1000}k): "
+                               f"{x['p']:.2g}" for x in controls),
                      str(redo) if redo else None, fisher, sum(x["evicted"] for x in mine), sum(x["lost"] for x in mine),
                      sum(_different_drafts(x) for x in mine),
                      None if any(_not_stale(x) is None for x in mine) else sum(_not_stale(x) for x in mine)])
