@@ -314,7 +314,8 @@ class RoundLoop:
                                       len(c.new), c.prep.rows, c.prep.seconds))
             if self.link.on_round is not None:
                 self.link.on_round(RoundEvent(gamma=depth, accepted=c.reply.accepted, tokens=len(c.new),
-                                              draft_s=c.prep.seconds, rpc_s=round_s, server_s=c.reply.server_s))
+                                              draft_s=c.prep.seconds, rpc_s=round_s, server_s=c.reply.server_s,
+                                              round=c.reply.round, base=len(c.prep.base), plan=c.prep.plan))
         first = rounds[0]
         # The verifier's line is fitted over the nodes its pass held (a fused pass: all of them), and
         # bytes per draft node over requests, both without the round that also carried the prompt.

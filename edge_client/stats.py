@@ -122,6 +122,9 @@ class RoundEvent:
     draft_s: float      # time drafting
     rpc_s: float        # wall time of the Verify RPC, retries included (round trip + server)
     server_s: float     # the server's own time for the round
+    round: int = 0      # the round number (within the verifier session)
+    base: int = 0       # the committed length (prompt included) the round was drafted after
+    plan: object = None  # its edge_client.gamma.RoundPlan: chain or tree, depth, shape (replay records)
 
 
 

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from hybridspec.machine import cpu_stall_us  # noqa: E402
+from hybridspec.testing import exactness  # noqa: E402
 from tiny_gguf import write_tiny_llama  # noqa: E402
 
 
@@ -33,8 +34,47 @@ BUSY_SHARE = 0.10   # an idle 2-core VM measured 3-4% over the 64-connection tes
 
 
 def pytest_runtest_setup(item):
+    exactness.begin(item.nodeid)
     if "timing" in item.keywords:
         item.stash[_TIMING_START] = (time.monotonic(), cpu_stall_us())
+
+
+def pytest_runtest_teardown(item):
+    exactness.end()
+
+
+# --- replay records (issue 42) ------------------------------------------------------------------------
+#
+# Every test runs with a hybridspec.testing.exactness.ReplayRecord open: the statistical helpers note
+# their seeds and p-values in it, every EdgeClient's committed rounds (the planner's plan per round)
+# go into it, and batched statistical tests add their passes (exactness.PassLog). When a test that
+# noted anything fails, the record is written under pytest's basetemp and its path is reported.
+
+def _edge_rounds_into_the_record() -> None:
+    from edge_client import client as client_mod
+    init = client_mod.EdgeClient.__init__
+    if getattr(init, "_records_rounds", False):
+        return
+
+    def recording_init(self, *a, **kw):
+        init(self, *a, **kw)
+        self.on_round = exactness.RoundLog(id(self), self.on_round)
+    recording_init._records_rounds = True
+    client_mod.EdgeClient.__init__ = recording_init
+
+
+_edge_rounds_into_the_record()
+
+
+def _write_replay_record(item, report) -> None:
+    record = exactness.current()
+    if record is None or not (record.seeds or record.results or record.generations):
+        return
+    factory = getattr(item.config, "_tmp_path_factory", None)
+    directory = factory.getbasetemp() / "replay" if factory is not None else None
+    path = record.write(directory)
+    report.sections.append(("replay record", f"{path}\n(the seeds, p-values, planned rounds and passes of "
+                                             f"this run; re-run the test id to replay what its seeds pin)"))
 
 
 _TIMING_START = pytest.StashKey[tuple]()
@@ -44,6 +84,8 @@ _TIMING_START = pytest.StashKey[tuple]()
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    if call.when == "call" and report.failed:
+        _write_replay_record(item, report)
     if call.when != "call" or not report.failed or "timing" not in item.keywords or _TIMING_START not in item.stash:
         return
     t0, stall0 = item.stash[_TIMING_START]

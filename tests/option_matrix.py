@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import numpy as np
-from scipy.stats import chisquare
 
 from cloud_verifier.backends.synthetic import SyntheticBackend
 from edge_client import EdgeClient
@@ -35,6 +34,8 @@ from edge_client.client import stream_cloud_only
 from edge_client.drafters import Draft, Drafter, SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
 from helpers import edge_options, running_server, stub_for
+from hybridspec.testing import exactness
+from hybridspec.testing.exactness import PassLog, transition_counts, transition_fit
 from spec_core.qcodec import EncodedQ
 from spec_core.synthetic import SyntheticLM
 from spec_core.warping import SamplingSettings, processed_probs
@@ -210,41 +211,14 @@ async def cloud_only(server, prompt_ids: list[int], settings: SamplingSettings) 
 
 def transition_p(combo: Combo, sequences: list[list[int]]) -> tuple[float, int]:
     """Chi-square p of the token transitions in `sequences` (each starting with its last prompt
-    token) against the target's processed bigram distribution; cells with an expected count < 5
-    are pooled per row. Returns (p, transitions counted)."""
+    token) against the target's processed bigram distribution, row by row with sparse cells pooled
+    (hybridspec.testing.exactness.transition_fit). Returns (p, transitions counted)."""
     lm = target_lm(combo.vocab)
     s = combo.settings(1)
-    v = lm.vocab
-    counts = np.zeros((v, v))
-    for seq in sequences:
-        for a, b in zip(seq, seq[1:]):
-            counts[a, b] += 1
-    obs, exp, dof = [], [], 0
-    for a in range(v):
-        row = counts[a].sum()
-        if not row:
-            continue
-        p = processed_probs(lm.logits([a]), s.temperature, s.top_k, s.top_p)
-        cells_o, cells_e = [], []
-        small_o = small_e = 0.0
-        for b in range(v):
-            if row * p[b] < 5:
-                small_o += counts[a, b]
-                small_e += row * p[b]
-            else:
-                cells_o.append(counts[a, b])
-                cells_e.append(row * p[b])
-        if small_e > 0:
-            cells_o.append(small_o)
-            cells_e.append(small_e)
-        obs += cells_o
-        exp += cells_e
-        dof += len(cells_o) - 1   # each row's total is fixed by the data
-    if dof <= 0:
-        return 1.0, int(counts.sum())
-    # scipy's default dof is len(obs) - 1; the rows fix (rows - 1) more totals.
-    ddof = len(obs) - 1 - dof
-    return float(chisquare(obs, exp, ddof=ddof).pvalue), int(counts.sum())
+    probs = np.stack([processed_probs(lm.logits([a]), s.temperature, s.top_k, s.top_p) for a in range(lm.vocab)])
+    fit = transition_fit(transition_counts(sequences, lm.vocab), probs)
+    exactness.note_config(combo=str(combo))
+    return exactness.noted_p(fit.p), fit.transitions
 
 
 def seeded_ids_by_work(combo: Combo, works: tuple[str, ...], tokens: int, seed: int) -> dict[str, list[int]]:
@@ -279,6 +253,9 @@ def run_combo(combo: Combo, tokens: int, seed: int = 7, check_seed: bool = True,
 async def _run_combo(combo: Combo, tokens: int, seed: int, check_seed: bool, wrap, runs: int, models,
                      given=None) -> dict:
     backend = given if given is not None else backend_for(combo, models)
+    if getattr(backend, "batcher", None) is not None:
+        PassLog(backend.batcher)   # each pass's composition, into the test's replay record
+    exactness.note_seed("run_combo", {"combo": str(combo), "seed": seed, "tokens": tokens})
     out: dict = {"combo": str(combo)}
     try:
         async with running_server(backend, max_sessions=16) as server:

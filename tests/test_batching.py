@@ -18,6 +18,8 @@ from edge_client import EdgeClient
 from edge_client.drafters import GGUFDrafter, SyntheticDrafter
 from edge_client.text import SyntheticTokenizer
 from helpers import HeldPasses, edge_options, generate_many, running_server, stub_for
+from hybridspec.testing import exactness
+from hybridspec.testing.exactness import PassLog
 from test_exactness_stats import chi_square_p, exact_sequence_probs
 from llama_runtime import GGUFModel, SharedKV
 from spec_core.batchplan import PassItem
@@ -558,6 +560,8 @@ async def test_sequences_follow_the_target_with_sessions_in_shared_batches(tree,
     backend = SyntheticBackend(vocab=V, seed=0, step_ms=2.0, batching=True, schedule=schedule, prefill_chunk=1)
     # Each pass waits (at most 20 ms) for 8 rounds to be there: sharing by construction, not by luck.
     held = HeldPasses(backend.batcher, lambda _: 8, max_wait_s=0.02)
+    PassLog(backend.batcher)   # each pass's composition, into the test's replay record
+    exactness.note_config(n=n, tree=tree, schedule=schedule, vocab=V, gamma=2, sampling="T 1, unseeded")
     counts = await _sequence_counts(backend, n, tree=tree, slo_tpot_ms=3.0 if schedule == "slack" else 0.0)
     shared = backend.batcher.passes
     backend.close()

@@ -126,6 +126,7 @@ def _run(first, then, temperature, qmode, control=False, n=N):
     target, draft = synthetic_pair(vocab=V, seed=3, noise=1.5)
     s = SamplingSettings(temperature=temperature)
     rng = np.random.default_rng(7)
+    exactness.note_seed("sequences", 7)
     counts: dict[tuple, int] = {}
     hits: list[bool] = []
     for _ in range(n):
@@ -184,7 +185,8 @@ def test_one_more_continuation_pays_only_when_likely_enough():
 # observed); passes if p > 1e-4. Negative control: a verifier that accepts every draft fails it at
 # the same sample size (the test has power); the wrong-prefix control is the simulation's above.
 
-from scipy.stats import chisquare  # noqa: E402
+from hybridspec.testing import exactness  # noqa: E402
+from hybridspec.testing.exactness import transition_counts, transition_fit  # noqa: E402
 
 from cloud_verifier.backends.synthetic import SyntheticBackend  # noqa: E402
 from edge_client import EdgeClient  # noqa: E402
@@ -198,23 +200,8 @@ E2E_T = SamplingSettings(temperature=1.0)
 
 def transition_p(sequences: list[list[int]]) -> float:
     target, _ = synthetic_pair(V, 0, 1.0, 1)
-    counts = np.zeros((V, V))
-    for seq in sequences:
-        for a, b in zip(seq, seq[1:]):
-            counts[a, b] += 1
-    obs, exp = [], []
-    for a in range(V):
-        row = counts[a].sum()
-        p = processed_probs(target.logits([a]), 1.0, 0, 1.0)
-        small_o = small_e = 0.0
-        for b in range(V):
-            if row * p[b] < 5:
-                small_o += counts[a, b]; small_e += row * p[b]
-            else:
-                obs.append(counts[a, b]); exp.append(row * p[b])
-        if small_e > 0:
-            obs.append(small_o); exp.append(small_e)
-    return float(chisquare(obs, exp, ddof=V - 1).pvalue)
+    probs = np.stack([processed_probs(target.logits([a]), 1.0, 0, 1.0) for a in range(V)])
+    return exactness.noted_p(transition_fit(transition_counts(sequences, V), probs).p)
 
 
 async def _generate(backend, sessions: int, tokens: int, concurrency: int, **kw):

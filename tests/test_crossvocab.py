@@ -23,6 +23,7 @@ from spec_core.qcodec import EncodedQ, encode_float
 from spec_core.synthetic import SyntheticLM
 from spec_core.verify import commit_round
 from spec_core.warping import SamplingSettings, processed_probs
+from hybridspec.testing import exactness
 from test_exactness_stats import chi_square_p
 from xvocab_pair import DRAFT, TARGET, longest_match_tokenizer
 from chain_round import chain_round
@@ -199,6 +200,8 @@ def generate(s, gamma, qmode, rng, m, **kw) -> tuple:
 def run(temperature, top_k, top_p, gamma, qmode, m=None, seed=0, n=N, **kw) -> float:
     m = m or intersection_map(DRAFT, TARGET)
     s = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p)
+    exactness.note_seed("run", {"seed": seed, "n": n, "settings": [temperature, top_k, top_p], "gamma": gamma,
+                                "qmode": str(qmode), **{k: str(v) for k, v in kw.items()}})
     rng = np.random.default_rng(seed)
     counts: dict[tuple, int] = {}
     for _ in range(n):

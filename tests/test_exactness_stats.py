@@ -11,8 +11,9 @@ import itertools
 
 import numpy as np
 import pytest
-from scipy.stats import chisquare
 
+from hybridspec.testing import exactness
+from hybridspec.testing.exactness import sequence_p
 from spec_core.drafting import QMode, draft_step
 from spec_core.synthetic import synthetic_pair
 from spec_core.verify import commit_round
@@ -53,17 +54,9 @@ def speculative_sequence(target, draft, prompt, s, gamma, qmode, rng, verify=cha
 
 
 def chi_square_p(counts: dict, expected_probs: dict, n: int) -> float:
-    obs, exp = [], []
-    small_o = small_e = 0.0
-    for seq, p in expected_probs.items():
-        if p * n < 5:
-            small_o += counts.get(seq, 0); small_e += p * n
-        else:
-            obs.append(counts.get(seq, 0)); exp.append(p * n)
-    if small_e > 0:
-        obs.append(small_o); exp.append(small_e)
-    exp = np.array(exp) * (sum(obs) / sum(exp))
-    return float(chisquare(obs, exp).pvalue)
+    """Chi-square p of sequence counts (n of them) against their exact probabilities, sparse cells
+    pooled (hybridspec.testing.exactness.sequence_p); noted in the test's replay record."""
+    return exactness.noted_p(sequence_p(counts, expected_probs))
 
 
 def sequence_counts(generate, temperature, top_k, top_p, seed=0, n=N):
@@ -71,6 +64,8 @@ def sequence_counts(generate, temperature, top_k, top_p, seed=0, n=N):
     (counts per sequence, exact target probabilities)."""
     target, draft = synthetic_pair(vocab=V, seed=3, noise=1.5)
     s = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p)
+    exactness.note_seed("sequence_counts", {"seed": seed, "n": n, "pair": "synthetic_pair(5, 3, 1.5)",
+                                            "settings": [temperature, top_k, top_p]})
     rng = np.random.default_rng(seed)
     counts: dict[tuple, int] = {}
     for _ in range(n):

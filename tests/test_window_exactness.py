@@ -32,6 +32,7 @@ from spec_core.tree import DraftTree
 from spec_core.verify import RoundResult, commit_round
 from spec_core.warping import SamplingSettings
 from test_continuations import _Draft, _outcomes, _verify
+from hybridspec.testing import exactness
 from test_exactness_stats import L, N, P_MIN, V, chi_square_p, exact_sequence_probs
 
 FLOAT = QMode("float", 0)
@@ -96,6 +97,7 @@ def _run(temperature: float, control: bool = False):
     target, draft = synthetic_pair(vocab=V, seed=3, noise=1.0, order=2)
     s = SamplingSettings(temperature=temperature)
     rng = np.random.default_rng(11)
+    exactness.note_seed("window_sequence", {"seed": 11, "n": N, "temperature": temperature, "control": control})
     counts: dict[tuple, int] = {}
     used: list[bool] = []
     for _ in range(N):
