@@ -330,6 +330,32 @@ def make_row(profile: Profile, mode: str, gamma: int | str, workload: str, index
     return row
 
 
+def ids_digest(ids) -> str:
+    """A short digest of generated token ids (equal ids, equal digest)."""
+    import hashlib
+    return hashlib.blake2b(",".join(str(int(t)) for t in ids).encode(), digest_size=8).hexdigest()
+
+
+def same_text(rows: list[dict]) -> dict:
+    """Per prompt and profile: the modes whose ids differ from cloud-only's (edge-only, the draft alone,
+    is left out). With --coupling gumbel every list is empty: the mode comparison carries no output
+    variance. Returns {"compared": runs compared, "differ": ["profile/workload#i: mode, ...", ...]}."""
+    groups: dict[tuple, dict[str, str]] = {}
+    for r in rows:
+        if r["mode"] != "edge-only" and r.get("ids_digest"):
+            groups.setdefault((r["profile"], r["workload"], r["prompt_index"]), {})[r["mode"]] = r["ids_digest"]
+    compared, differ = 0, []
+    for (profile, workload, index), by in groups.items():
+        ref = by.get("cloud-only")
+        if ref is None:
+            ref = next(iter(by.values()))
+        others = [m for m, d in by.items() if d != ref]
+        compared += len(by) - 1
+        if others:
+            differ.append(f"{profile}/{workload}#{index}: {', '.join(others)}")
+    return {"compared": compared, "differ": differ}
+
+
 def delay_profile(rtt_ms: float) -> Profile:
     half = Link((Delay(rtt_ms / 2),))
     return Profile(f"rtt{rtt_ms:g}", half, Link((Delay(rtt_ms / 2),)), description=f"pure delay, RTT {rtt_ms:g} ms",
