@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"cloud-verifier: --{flag.replace('_', '-')} must be in [0, 3600000] ms, got {value}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise SystemExit(f"cloud-verifier: --prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if not 0 <= args.pipeline_wait <= 3600:   # NaN fails too
+        raise SystemExit(f"cloud-verifier: --pipeline-wait must be in [0, 3600] seconds, got {args.pipeline_wait}")
     backend = backend_from_args(args)
     max_sessions = args.max_sessions or backend.caps.max_states or Limits.max_sessions
     limits = Limits(max_gamma=args.max_gamma, max_sessions=max_sessions, session_ttl_s=args.session_ttl,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 import logging
 import math
 import signal
@@ -34,7 +33,7 @@ from cloud_verifier.workers import run_in_thread
 from spec_core import __version__
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
-from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY
+from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +117,6 @@ class _CertificateWatch:
         log.info("TLS certificate reloaded from %s", self.paths[0])
         return grpc.ssl_server_certificate_configuration([(pems["key"], pems["certificate"])],
                                                          root_certificates=pems.get("client CA"))
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _Moved(Exception):

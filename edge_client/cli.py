@@ -147,6 +147,7 @@ def cmd_serve(args) -> int:
     from edge_client import serve
     from llama_runtime import ModelUnloadable
     options_from_args(args)       # a bad value is refused before a missing model is reported
+    serve.api_key_from_args(args)
     find_models(args)
 
     def ready(port: int, metrics_port: int | None) -> None:
@@ -184,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests generated at once, each with its own draft KV cache and verifier session; "
                         "more wait (keep it at most the verifier's --max-sessions)")
     p.add_argument("--served-model-name", help="model id in /v1/models and responses (default: the verifier's model)")
+    p.add_argument("--api-key", help="answer /v1 requests only with `Authorization: Bearer API_KEY` (401 otherwise; "
+                                     "/health stays open); needed to bind beyond loopback")
+    p.add_argument("--api-key-file", metavar="FILE", help="... the key read from the first line of FILE (not shown "
+                                                         "in the process list)")
     add_edge_options(p)
     p.set_defaults(func=cmd_serve)
 

@@ -6,6 +6,8 @@ required length.
 """
 from __future__ import annotations
 
+import ipaddress
+
 # Trailing metadata of a refusal for load (RESOURCE_EXHAUSTED or UNAVAILABLE): milliseconds to wait
 # before retrying, as a decimal string. The verifier sets it (cloud_verifier.admission); the edge obeys it.
 RETRY_AFTER_KEY = "retry-after-ms"
@@ -32,3 +34,15 @@ MESSAGE_SIZE_OPTIONS = (
 # OpenSession.open_key: random bytes the edge picks for a session's first round, so a retried open
 # finds the session it created instead of opening a second one.
 OPEN_KEY_BYTES = 16
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a bind address) is this machine's loopback: the one place both servers (the
+    verifier's gRPC port, the edge's OpenAI endpoint) may listen without TLS or a key."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
