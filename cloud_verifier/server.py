@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_verifier import metrics
-from cloud_verifier.first_token import FirstTokens, open_tokens
+from cloud_verifier.first_token import Admitted, FirstTokens
 from cloud_verifier.admission import (InflightGate, Refused, ReplaysFirst, RoundLimiter, ServerPolicy, TokenBucket,
                                      RETRY_AFTER_KEY)
 from cloud_verifier.auth import TokenFile
@@ -28,12 +28,12 @@ from cloud_verifier.backends.base import Backend
 from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.guard import CallGuard
 from cloud_verifier.sessions import current_tenant
-from cloud_verifier.validation import Limits, RequestError, quoted
+from cloud_verifier.validation import Limits, RequestError, ValidOpen, quoted
 from cloud_verifier.workers import run_in_thread
 from spec_core import __version__
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
-from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY, is_loopback
+from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY, QUEUED_KEY, REPLICAS_KEY, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.rounds = RoundLimiter(policy.tenant_rounds_per_s, policy.tenant_burst)
         self.inflight = InflightGate(policy.max_inflight_rounds or 4 * engine.limits.max_sessions)
         self.replays = ReplaysFirst(policy.replay_first_retry_after_s)
-        # Honest admission: a new session predicted to wait too long for its first token is told at once.
+        # A new session predicted to wait past its first-token target is told at once: queued, or refused.
         self.first_tokens = FirstTokens(engine.backend.prefill_rate, policy.admit_ttft_s)
         self.draining = False
         self.moved: set[str] = set()             # sessions handed back while draining
@@ -181,21 +181,23 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                           self.policy.session_retry_after_s, "slots", elsewhere=True)
         return True
 
-    def _admit_first_token(self, o: pb.OpenSession, replay: bool) -> int | None:
-        """A ticket for an open's first token (FirstTokens), or Refused: a new session that would wait
-        here longer than its TTFT target (its SLO's, else the server's, else policy.admit_ttft_s)."""
+    def _admit_first_token(self, o: pb.OpenSession, valid: ValidOpen, replay: bool, context) -> Admitted | None:
+        """An open's first token admitted (FirstTokens: queued when predicted past its TTFT target, its
+        SLO's, else the server's, else policy.admit_ttft_s), or Refused where another replica may serve
+        it now: the edge says it knows others (REPLICAS_KEY), or policy.admission is "refuse"."""
         if self.policy.admit_ttft_s <= 0:
             return None
-        ttft_s = o.slo.ttft_ms / 1e3 if o.HasField("slo") and o.slo.ttft_ms > 0 else None
+        ttft_s = valid.slo.ttft_s if valid.slo is not None and valid.slo.ttft_s else None
         if ttft_s is None and self.engine.default_slo is not None and self.engine.default_slo.ttft_s:
             ttft_s = self.engine.default_slo.ttft_s
-        tokens = open_tokens(len(o.prompt_token_ids), len(o.resume_token_ids),
-                             len(o.prompt_text.encode()) + sum(len(m.content.encode()) for m in o.prompt_messages))
-        return self.first_tokens.admit(tokens, replay, ttft_s)
+        elsewhere = self.policy.admission == "refuse" or (self.policy.admission == "auto"
+                                                           and _replicas(context) > 1)
+        return self.first_tokens.admit(len(valid.prompt) + len(valid.resume), replay, ttft_s, bytes(o.open_key),
+                                       elsewhere)
 
     async def Verify(self, request, context):
         try:
-            return await self._verify_round(request)
+            return await self._verify_round(request, context)
         except _Moved as m:
             metrics.ERRORS.labels(grpc.StatusCode.NOT_FOUND.name).inc()
             await context.abort(grpc.StatusCode.NOT_FOUND, m.message, trailing_metadata=((MOVED_KEY, "1"),))
@@ -251,8 +253,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         except Exception:  # noqa: BLE001 - without it the replica prefills the replay: slower, not wrong
             log.exception("writing a handed-back session's KV checkpoint failed")
 
-    async def _verify_round(self, request: pb.VerifyRequest) -> pb.VerifyReply:
-        """One round, as Verify and VerifyStream both run it; Refused / RequestError / _Moved for its status."""
+    async def _verify_round(self, request: pb.VerifyRequest, context=None) -> pb.VerifyReply:
+        """One round, as Verify and VerifyStream both run it; Refused / RequestError / _Moved for its status.
+        `context`: a unary call's, which carries a queued open's "first token in about N s" at once
+        (initial metadata QUEUED_KEY); a stream's rounds carry none (an edge opens with a unary call)."""
         if self.draining:
             await self._drained(request)
         self.rounds.admit(current_tenant.get())
@@ -265,14 +269,17 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 if request.session_id:
                     self._check_owner(request.session_id)
                 elif self._admit_open(request.open):
-                    replay = self.replays.admit(bool(request.open.resume_token_ids))
-                    first = self._admit_first_token(request.open, replay)   # cloud_verifier.first_token
                     opening = request.open.open_key
                     self._opening[tenant].append(opening)
+                    replay = self.replays.admit(bool(request.open.resume_token_ids))
+                    await self.engine.lifecycle.tokenize(valid.open)   # a text prompt counts in tokens
+                    first = self._admit_first_token(request.open, valid.open, replay, context)
+                    if first is not None and first.queued and context is not None:
+                        await context.send_initial_metadata(((QUEUED_KEY, str(math.ceil(first.predicted_s * 1e3))),))
                 return await self.engine.verify(valid)
             finally:
                 if first is not None:
-                    self.first_tokens.done(first)
+                    self.first_tokens.done(first.ticket)
                 if replay:
                     self.replays.done()
                 if opening is not None:
@@ -363,6 +370,17 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await self._refuse(context, r)
         except RequestError as e:
             await self._fail(context, e)
+
+
+def _replicas(context) -> int:
+    """The replicas the calling edge can go to (its REPLICAS_KEY request metadata; 1 when it says none)."""
+    for key, value in (context.invocation_metadata() or ()) if context is not None else ():
+        if key == REPLICAS_KEY:
+            try:
+                return max(1, int(value))
+            except ValueError:
+                return 1
+    return 1
 
 
 def _stream_error(code: grpc.StatusCode, message: str, retry_after_s: float | None) -> pb.StreamError:

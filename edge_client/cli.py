@@ -66,6 +66,9 @@ async def run_generate(args, options, settings: SamplingSettings, out=sys.stdout
     drafter, tokenizer = build_drafter(args, options.speculation)
     try:
         async with EdgeClient(options, drafter, tokenizer) as client:
+            if not quiet:   # a verifier busy with other prompts queues this one and says how long
+                client.verifier.on_queued = lambda s: print(f"queued: first token in about {s:.0f} s", file=sys.stderr,
+                                                            flush=True)
             gen = client.generate(prompt_of(args), settings)
             async for piece in gen:
                 if not quiet:

@@ -18,7 +18,8 @@ from edge_client.stats import CloudOnlyStats, GenerationStats
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
-from spec_core.wire import ELSEWHERE_KEY, MESSAGE_SIZE_OPTIONS, MOVED_KEY, RETRY_AFTER_KEY
+from spec_core.wire import (ELSEWHERE_KEY, HELD_KEY, MESSAGE_SIZE_OPTIONS, MOVED_KEY, QUEUED_KEY, REPLICAS_KEY,
+                            RETRY_AFTER_KEY)
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,31 @@ def elsewhere(e: grpc.aio.AioRpcError) -> bool:
     """Whether a verifier too busy for a new session said another replica may take it now (a first
     token predicted too late there, no session slot, replays first)."""
     return any(key == ELSEWHERE_KEY for key, _ in e.trailing_metadata() or ())
+
+
+def held(e: grpc.aio.AioRpcError) -> bool:
+    """Whether a refusal for a first token came with the place kept until its hint: come back then
+    (with a little jitter), not at a random multiple of it."""
+    return any(key == HELD_KEY for key, _ in e.trailing_metadata() or ())
+
+
+def queued_s(metadata) -> float | None:
+    """The predicted seconds to the first token of an open the verifier queued (its initial
+    metadata); None when it was not queued."""
+    for key, value in metadata or ():
+        if key == QUEUED_KEY:
+            try:
+                return max(0.0, float(value) / 1000)
+            except ValueError:
+                return None
+    return None
+
+
+def hint_wait_s(hint_s: float, kept: bool) -> float:
+    """How long to wait out a refusal's hint: the hint plus up to as much again, drawn at random, so
+    that edges refused together do not return together; a kept place (HELD_KEY) waits the hint plus
+    at most 5 %: the verifier admits it then, whoever came since."""
+    return hint_s * (1 + (0.05 if kept else 1.0) * random.random())
 
 
 def retry_delay_s(attempt: int) -> float:
@@ -195,6 +221,8 @@ class Verifier:
         self.stub: pb_grpc.VerifierStub | None = None
         self.reached = False   # the verifier has answered once: from then on calls wait for it to come back
         self._background: set[asyncio.Task] = set()  # Close calls that outlive a cancelled generation
+        # An open queued past its first-token target: called with the predicted seconds (the CLI prints it).
+        self.on_queued: Callable[[float], None] | None = None
 
     async def open(self) -> None:
         if self.channel is None:
@@ -304,11 +332,39 @@ class Verifier:
             st.bytes_up += req.ByteSize() + GRPC_FRAME_BYTES
             # Once a verifier has answered, wait for it to come back (restart) instead of failing fast;
             # before that, an address with nothing behind it fails within the retry budget.
-            reply = await self.stub.Verify(req, timeout=self.transport.deadline_s, wait_for_ready=self.wait_for_ready,
-                                           metadata=self.metadata)
+            if req.HasField("open"):
+                reply = await self._open(req, st)
+            else:
+                reply = await self.stub.Verify(req, timeout=self.transport.deadline_s,
+                                               wait_for_ready=self.wait_for_ready, metadata=self.metadata)
             st.bytes_down += reply.ByteSize() + GRPC_FRAME_BYTES
             return reply
         return await self.call(attempt, st, f"round {req.round}", retries)
+
+    async def _open(self, req: pb.VerifyRequest, st: GenerationStats) -> pb.VerifyReply:
+        """A round that opens a session: it tells the verifier how many replicas this edge can go to
+        (REPLICAS_KEY: with one, a verifier too busy queues it instead of refusing it). A queued open
+        is told its predicted first token at once (QUEUED_KEY): `on_queued` hears it, and the call
+        may last that long twice over, plus the deadline; otherwise the deadline holds as for any round."""
+        deadline_s = self.transport.deadline_s
+        replicas = len(replica_targets(self.transport.server))
+        call = self.stub.Verify(req, timeout=deadline_s + self.transport.max_wait_s, wait_for_ready=self.wait_for_ready,
+                                metadata=(*(self.metadata or ()), (REPLICAS_KEY, str(replicas))))
+        try:
+            # Initial metadata comes at once from a verifier that queued the open, else with the reply.
+            queued = queued_s(await asyncio.wait_for(call.initial_metadata(), deadline_s))
+            wait_s = deadline_s
+            if queued is not None:
+                st.queued_s = queued
+                log.info("round %d: queued, first token in about %.0f s", req.round, queued)
+                if self.on_queued is not None:
+                    self.on_queued(queued)
+                wait_s += 2 * queued
+            return await asyncio.wait_for(asyncio.shield(call), wait_s)
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "the open round took longer than its deadline") from None
 
     async def vocabulary(self, fingerprint: str, st: GenerationStats) -> pb.Vocabulary:
         async def ask() -> pb.Vocabulary:
@@ -344,8 +400,7 @@ class Verifier:
                     if moves > 1:
                         if waited_s >= self.transport.max_wait_s:
                             raise EdgeError(e.code(), e.details() or "", retry_after_s=hint_s) from None
-                        wait_s = min((hint_s or RETRY_BASE_S) * (1 + random.random()),
-                                     self.transport.max_wait_s - waited_s)
+                        wait_s = min(hint_wait_s(hint_s or RETRY_BASE_S, held(e)), self.transport.max_wait_s - waited_s)
                         st.backoffs += 1
                         st.backoff_s += wait_s
                         waited_s += wait_s
@@ -353,10 +408,9 @@ class Verifier:
                     continue
                 if hint_s is not None and e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) \
                         and waited_s < self.transport.max_wait_s:
-                    # Refused for load: wait the hint plus up to as much again, drawn at random, so
-                    # that edges refused together do not return together.
+                    # Refused for load: wait the hint, with jitter (hint_wait_s).
                     self.reached = True
-                    wait_s = min(hint_s * (1 + random.random()), self.transport.max_wait_s - waited_s)
+                    wait_s = min(hint_wait_s(hint_s, held(e)), self.transport.max_wait_s - waited_s)
                     st.backoffs += 1
                     st.backoff_s += wait_s
                     waited_s += wait_s

@@ -21,6 +21,18 @@ MOVED_KEY = "hybridspec-moved"
 # once; with none, it waits the retry hint. The value says nothing ("1").
 ELSEWHERE_KEY = "hybridspec-try-elsewhere"
 
+# Trailing metadata of a first-token refusal (cloud_verifier.first_token) whose place the verifier
+# keeps: the edge comes back at the hint, not at a random multiple of it. The value says nothing ("1").
+HELD_KEY = "hybridspec-place-held"
+
+# Initial metadata of an open the verifier queued past its first-token target (no other replica to
+# send it to): the predicted milliseconds to its first token, as a decimal string, sent at once.
+QUEUED_KEY = "hybridspec-queued-ms"
+
+# Request metadata of an open: how many replicas the edge can go to (its --server list), so that a
+# verifier too busy for a new session refuses it (try elsewhere) only when there is somewhere else.
+REPLICAS_KEY = "hybridspec-replicas"
+
 # The largest gRPC message either end sends or receives (gRPC's default is 4 MiB): a long prompt's
 # replay, a wide tree with float q, a vocabulary.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024

@@ -18,14 +18,14 @@ import grpc
 import numpy as np
 import pytest
 
-from cloud_verifier.admission import ServerPolicy
+from cloud_verifier.admission import Refused, ServerPolicy
 from cloud_verifier.backends.batcher import Batcher
 from cloud_verifier.backends.prefill_budget import (PrefillBudget, cap_prefills, chunk_tokens, order,
                                                     vllm_chunk_args)
 from cloud_verifier.backends.synthetic import SyntheticBackend
 from cloud_verifier.backends.vllm_prefill import PrefillMeter
 from cloud_verifier.engine import Limits
-from cloud_verifier.first_token import FirstTokens
+from cloud_verifier.first_token import HOLD_FACTOR, HOLD_GRACE_S, FirstTokens, Hold
 from cloud_verifier.server import VerifierServer
 from edge_client import EdgeClient
 from edge_client.drafters import SyntheticDrafter
@@ -34,7 +34,7 @@ from helpers import HeldPasses, edge_options, stub_for
 from spec_core.batchplan import PassItem
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.warping import SamplingSettings
-from spec_core.wire import ELSEWHERE_KEY, RETRY_AFTER_KEY
+from spec_core.wire import ELSEWHERE_KEY, HELD_KEY, QUEUED_KEY, REPLICAS_KEY, RETRY_AFTER_KEY
 
 VOCAB = 64
 PER_TOKEN_S = 0.001   # the fixed cost line of the batcher tests: 1 ms a token, no base
@@ -270,18 +270,96 @@ class Clock:
 def test_first_token_prediction_counts_the_queue_ahead_and_drains_it():
     clock = Clock()
     gate = FirstTokens(lambda: 100.0, default_ttft_s=10.0, clock=clock)   # 100 prefill tokens/s
-    a = gate.admit(500, replay=False, ttft_s=None)                           # 5 s: admitted
-    assert gate.history[-1].predicted_s == pytest.approx(5.0)
-    with pytest.raises(Exception) as refused:                                # 500 + 600 tokens: 11 s
-        gate.admit(600, replay=False, ttft_s=None)
-    assert refused.value.elsewhere and refused.value.retry_after_ms == 1000
+    a = gate.admit(500, replay=False, ttft_s=None, key=b"a")                 # 5 s: admitted
+    assert gate.history[-1].predicted_s == pytest.approx(5.0) and not gate.history[-1].queued
+    with pytest.raises(Refused) as refused:                                  # 500 + 600 tokens: 11 s, on a fleet
+        gate.admit(600, replay=False, ttft_s=None, key=b"b", elsewhere=True)
+    assert refused.value.elsewhere and refused.value.held and refused.value.retry_after_ms == 1000
     assert "another replica" in refused.value.message
-    gate.admit(600, replay=True, ttft_s=None)                                # a replay is never refused
-    clock.t = 8.0                                                            # 800 tokens prefilled since
-    assert gate.predict_s(100) == pytest.approx((1100 - 800 + 100) / 100)
-    assert gate.admit(100, replay=False, ttft_s=5.0) is not None             # its own target: 4 s, in
-    gate.done(a)
-    assert gate.refused == 1
+    gate.admit(600, replay=True, ttft_s=None, elsewhere=True)                # a replay is never refused
+    clock.t = 4.0                                                            # 400 tokens prefilled since
+    # b's held place (600 tokens, until 1 s x 1.5 + 5 s) counts ahead of a later arrival, not of b itself
+    assert gate.predict_s(100) == pytest.approx((1100 - 400 + 600 + 100) / 100)
+    assert gate.predict_s(600, key=b"b") == pytest.approx((1100 - 400 + 600) / 100)
+    assert gate.admit(100, replay=False, ttft_s=5.0).queued is True          # its own target: 14 s > 5 s, queued
+    gate.done(a.ticket)
+    assert gate.refused == 1 and gate.queued == 1
+
+
+def test_with_no_other_replica_a_session_past_its_target_is_queued_not_refused():
+    """The embedded default (one address): past the target, admitted and queued (its edge is told the
+    prediction); the same open from an edge that lists two replicas is refused (negative control)."""
+    clock = Clock()
+    gate = FirstTokens(lambda: 100.0, default_ttft_s=2.0, clock=clock)
+    gate.admit(1000, replay=False, ttft_s=None)                              # 10 s of work ahead
+    single = gate.admit(100, replay=False, ttft_s=None, key=b"s")
+    assert single.queued and single.predicted_s == pytest.approx(11.0) and gate.refused == 0
+    with pytest.raises(Refused):
+        gate.admit(100, replay=False, ttft_s=None, key=b"f", elsewhere=True)
+
+
+def test_a_prompt_that_alone_takes_longer_than_its_target_is_queued_even_on_a_fleet():
+    """No replica like this one would give it its first token in time: refusing it only delays it."""
+    gate = FirstTokens(lambda: 100.0, default_ttft_s=2.0, clock=Clock())
+    lone = gate.admit(1400, replay=False, ttft_s=None, key=b"l", elsewhere=True)   # 14 s on an idle verifier
+    assert lone.queued and gate.refused == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_retry_hint_never_exceeds_the_predicted_wait(seed):
+    rng = np.random.default_rng(seed)
+    clock = Clock()
+    gate = FirstTokens(lambda: float(rng.uniform(20, 400)), default_ttft_s=1.0, clock=clock)
+    refusals = 0
+    for i in range(200):
+        clock.t += float(rng.exponential(0.5))
+        tokens = int(rng.integers(1, 300))
+        try:
+            gate.admit(tokens, replay=False, ttft_s=float(rng.choice([0.0, 0.5, 3.0])), key=bytes([i]),
+                       elsewhere=True)
+        except Refused as r:
+            refusals += 1
+            h = gate.refusals[-1]
+            assert r.retry_after_ms / 1e3 <= h.predicted_s + 1e-3 and h.hint_s <= h.predicted_s
+    assert refusals > 10   # the check ran on refusals, not on an empty set
+
+
+def test_a_session_refused_earlier_goes_ahead_of_later_arrivals():
+    """A is refused on a fleet and its place held; C arrives later with a prompt that would fit its
+    target without A's place, and is refused because A's place counts ahead of it; A comes back
+    after its hint and is admitted whatever the prediction then (refused once, never twice). The
+    control: a keyless A holds no place, and C is admitted ahead of it."""
+    for keyed in (True, False):
+        clock = Clock()
+        gate = FirstTokens(lambda: 100.0, default_ttft_s=5.0, clock=clock)
+        gate.admit(450, replay=False, ttft_s=None)                             # 4.5 s of work ahead
+        key_a = b"a" * 16 if keyed else b""
+        with pytest.raises(Refused) as first:                                  # 4.5 + 1 s > 5 s
+            gate.admit(100, replay=False, ttft_s=None, key=key_a, elsewhere=True)
+        clock.t = 0.2
+        if keyed:
+            with pytest.raises(Refused):                                       # 4.3 + 1 + 0.5 s > 5 s
+                gate.admit(50, replay=False, ttft_s=None, key=b"c" * 16, elsewhere=True)
+            clock.t = first.value.retry_after_ms / 1e3
+            back = gate.admit(100, replay=False, ttft_s=None, key=key_a, elsewhere=True)
+            assert not back.queued or back.predicted_s > 5.0
+            assert gate.history[-1].held_since == 0.0 and key_a not in gate.holds
+        else:
+            assert not gate.admit(50, replay=False, ttft_s=None, key=b"c" * 16, elsewhere=True).queued
+            assert not gate.holds
+
+
+def test_a_held_place_lapses_when_its_session_does_not_come_back():
+    clock = Clock()
+    gate = FirstTokens(lambda: 100.0, default_ttft_s=1.0, clock=clock)
+    gate.admit(300, replay=False, ttft_s=None)
+    with pytest.raises(Refused) as r:
+        gate.admit(50, replay=False, ttft_s=None, key=b"k" * 16, elsewhere=True)
+    hint_s = r.value.retry_after_ms / 1e3
+    assert gate.held_tokens() == 50
+    clock.t = hint_s * HOLD_FACTOR + HOLD_GRACE_S + 0.01
+    gate.predict_s(1)
+    assert gate.held_tokens() == 0
 
 
 def test_first_token_prediction_learns_what_the_prefill_does_not_explain():
@@ -289,7 +367,7 @@ def test_first_token_prediction_learns_what_the_prefill_does_not_explain():
     gate = FirstTokens(lambda: 100.0, default_ttft_s=10.0, clock=clock)
     t = gate.admit(100, replay=False, ttft_s=None)     # 1 s of prefill predicted ...
     clock.t = 3.0
-    gate.done(t)                                       # ... it took 3 s: 2 s more, a fifth of it learnt
+    gate.done(t.ticket)                                # ... it took 3 s: 2 s more, a fifth of it learnt
     assert gate.overhead_s == pytest.approx(0.4)
     assert gate.predict_s(100) == pytest.approx(1.4)
 
@@ -328,13 +406,19 @@ def test_vllm_prefill_rate_is_tokens_over_the_union_of_the_prefills_intervals():
 
 # --- the verifier and the edge -------------------------------------------------------------------
 
-def _server(rate: float | None, admit_ttft_s: float = 1.0) -> VerifierServer:
-    """A batching synthetic verifier whose prefill rate reads `rate` tokens/s (None: its own)."""
-    backend = SyntheticBackend(vocab=VOCAB, batching=True)
+def _server(rate: float | None, admit_ttft_s: float = 1.0, ahead: int = 0, admission: str = "auto",
+            **backend) -> VerifierServer:
+    """A batching synthetic verifier whose prefill rate reads `rate` tokens/s (None: its own), with
+    `ahead` prompt tokens of a refused session's held place counted ahead of every new session (work
+    queued ahead, which no pass drains while the test runs)."""
+    backend = SyntheticBackend(vocab=VOCAB, batching=True, **backend)
     if rate is not None:
         backend.prefill_rate = lambda: rate
-    return VerifierServer(backend, "127.0.0.1", 0, Limits(), grace_s=0.5,
-                          policy=ServerPolicy(admit_ttft_s=admit_ttft_s))
+    server = VerifierServer(backend, "127.0.0.1", 0, Limits(), grace_s=0.5,
+                            policy=ServerPolicy(admit_ttft_s=admit_ttft_s, admission=admission))
+    if ahead:
+        server.servicer.first_tokens.holds[b"h" * 16] = Hold(ahead, 0.0, 1.0, 1.0, float("inf"))
+    return server
 
 
 def _open(prompt: int, key: bytes, resume: int = 0, ttft_ms: float = 0.0) -> pb.VerifyRequest:
@@ -345,35 +429,108 @@ def _open(prompt: int, key: bytes, resume: int = 0, ttft_ms: float = 0.0) -> pb.
     return pb.VerifyRequest(round=1, committed_length=prompt + resume, draft_token_ids=[7], open=o)
 
 
-async def test_a_verifier_predicted_too_slow_answers_with_a_hint_before_the_first_pass():
-    server = await _server(rate=100.0).start()   # 100 prefill tokens/s, first token within 1 s
+FLEET = ((REPLICAS_KEY, "2"),)   # what an edge given two replicas sends with its open
+
+
+async def test_one_replica_queues_a_late_session_and_says_how_long_at_once():
+    """500 tokens ahead at 100 tokens/s and a target of 1 s: a new session's first token is 5.5 s
+    away. From an edge that knows no other replica it is served, and told "5500 ms" in the initial
+    metadata before its reply; nothing is refused."""
+    server = await _server(rate=100.0, ahead=500).start()
+    try:
+        async with stub_for(server) as stub:
+            call = stub.Verify(_open(50, b"q" * 16), timeout=10)
+            queued = dict(await call.initial_metadata())
+            reply = await call
+            assert int(queued[QUEUED_KEY]) == pytest.approx(5500, abs=100)
+            assert reply.committed_length > 50
+            small = stub.Verify(_open(10, b"s" * 16, ttft_ms=60_000), timeout=10)   # its own target: not queued
+            assert QUEUED_KEY not in dict(await small.initial_metadata())
+            await small
+        gate = server.servicer.first_tokens
+        assert gate.refused == 0 and gate.queued == 1
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("fleet", ["edge lists two replicas", "operator flag"])
+async def test_a_fleet_refuses_before_the_first_pass_with_a_hint_within_the_wait_and_keeps_the_place(fleet):
+    """The same open where another replica may serve it: RESOURCE_EXHAUSTED before any pass, with a
+    hint below the predicted wait (5.5 s - 1 s), try-elsewhere and place-held; the same open back
+    (its open_key) is served. Replays and sessions with a target of their own are served."""
+    server = await _server(rate=100.0, ahead=500, admission="refuse" if fleet == "operator flag" else "auto").start()
+    metadata = FLEET if fleet == "edge lists two replicas" else None
     batcher = server.engine.backend.batcher
     try:
         async with stub_for(server) as stub:
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await stub.Verify(_open(500, b"r" * 16), timeout=10)   # 5 s predicted
+                await stub.Verify(_open(50, b"r" * 16), timeout=10, metadata=metadata)
             err = e.value
             meta = dict(err.trailing_metadata() or ())
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert int(meta[RETRY_AFTER_KEY]) >= 50 and meta[ELSEWHERE_KEY] == "1"
+            assert 4400 <= int(meta[RETRY_AFTER_KEY]) <= 4600 and meta[ELSEWHERE_KEY] == "1" and meta[HELD_KEY] == "1"
             assert "another replica" in err.details() and "retry after" in err.details()
             assert batcher.passes == 0 and len(server.engine.sessions) == 0   # no pass, no session
-            small = await stub.Verify(_open(50, b"s" * 16), timeout=10)        # 0.5 s: served
-            assert small.committed_length > 50 and batcher.passes > 0
-            passes = batcher.passes
-            await stub.Verify(_open(500, b"p" * 16, resume=2), timeout=10)     # a replay: served
-            await stub.Verify(_open(500, b"t" * 16, ttft_ms=10_000), timeout=10)   # its own target: served
-            assert batcher.passes > passes
+            back = await stub.Verify(_open(50, b"r" * 16), timeout=10, metadata=metadata)   # its place: served
+            assert back.committed_length > 50
+            await stub.Verify(_open(500, b"p" * 16, resume=2), timeout=10, metadata=metadata)     # a replay
+            await stub.Verify(_open(50, b"t" * 16, ttft_ms=60_000), timeout=10, metadata=metadata)   # own target
         assert server.servicer.first_tokens.refused == 1
     finally:
         await server.stop()
 
 
+async def test_a_text_prompt_is_counted_with_the_tokenizer():
+    """80 bytes of text that the target's tokenizer makes 81 tokens (one per character, and BOS):
+    at 10 tokens/s that is 8.1 s, past a 5 s target, so the open is queued; counted at 4 bytes a
+    token (20 tokens, 2 s) it would not have been."""
+    from xvocab_pair import TARGET, longest_match_tokenizer
+    server = await _server(rate=10.0, admit_ttft_s=5.0, vocabulary=TARGET,
+                           tokenize=longest_match_tokenizer(TARGET)).start()
+    try:
+        text = "ab" * 40
+        ids = server.engine.backend.prompt_ids(text, None)
+        assert len(ids) == 81
+        async with stub_for(server) as stub:
+            o = pb.OpenSession(prompt_text=text, open_key=b"x" * 16,
+                               sampling=pb.SamplingParams(temperature=0.0, max_new_tokens=2, top_p=1.0))
+            call = stub.Verify(pb.VerifyRequest(round=1, committed_length=0, draft_token_ids=[2], open=o), timeout=10)
+            assert int(dict(await call.initial_metadata())[QUEUED_KEY]) == pytest.approx(8100, abs=100)
+            await call
+        assert server.servicer.first_tokens.history[-1].tokens == 81
+    finally:
+        await server.stop()
+
+
+async def test_an_edge_with_one_replica_is_queued_shows_it_and_loses_nothing():
+    """The edge (one address) is queued with work ahead: it hears the prediction (on_queued, stats),
+    is never refused, and generates exactly what the same verifier gives with nothing ahead."""
+    outputs = {}
+    for ahead in (0, 500):
+        server = await _server(rate=100.0, ahead=ahead).start()
+        heard: list[float] = []
+        try:
+            client = EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=3, deadline_s=10),
+                                SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB))
+            async with client:
+                client.verifier.on_queued = heard.append
+                gen = client.generate([0, 5, 6, 7], SamplingSettings(temperature=0.8, seed=3, max_new_tokens=20,
+                                                                      ignore_eos=True))
+                await asyncio.wait_for(gen.text(), 20)
+            outputs[ahead] = list(gen.stats.token_ids)
+            assert gen.stats.backoffs == 0 and server.servicer.first_tokens.refused == 0
+            assert (heard == [gen.stats.queued_s] and gen.stats.queued_s == pytest.approx(5.04, abs=0.1)) if ahead \
+                else (heard == [] and gen.stats.queued_s == 0.0)
+        finally:
+            await server.stop()
+    assert outputs[500] == outputs[0] and len(outputs[0]) == 20
+
+
 async def test_an_edge_refused_for_its_first_token_moves_to_the_other_replica_and_loses_nothing():
-    """Replica A predicts every first token too late (1 prefill token/s), replica B is free. An
-    edge given "A,B" is refused by A before any pass, moves to B, and generates exactly what B alone
-    gives (greedy and seeded sampling alike)."""
-    a, b = await _server(rate=1.0).start(), await _server(rate=None).start()
+    """Replica A has 10,000 tokens queued ahead (100 s), replica B is free. An edge given "A,B" is
+    refused by A before any pass, moves to B, and generates exactly what B alone gives (greedy and
+    seeded sampling alike)."""
+    a, b = await _server(rate=100.0, ahead=10_000).start(), await _server(rate=None).start()
     try:
         outputs = {}
         for label, servers in (("alone", f"127.0.0.1:{b.port}"), ("moved", f"127.0.0.1:{a.port},127.0.0.1:{b.port}")):
@@ -389,6 +546,28 @@ async def test_an_edge_refused_for_its_first_token_moves_to_the_other_replica_an
         assert outputs["moved", 0.8] == outputs["alone", 0.8] and len(outputs["alone", 0.8]) == 30
         assert a.servicer.first_tokens.refused >= 1
         assert a.engine.backend.batcher.passes == 0 and len(a.engine.sessions) == 0
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_session_every_replica_refuses_is_refused_twice_at_most_and_comes_back_at_its_hint():
+    """Both replicas have work ahead (a first token 1.6 s away, target 1 s): the edge is refused by
+    A, moves to B, is refused there, waits B's hint (0.6 s, place held: at most 5 % more) and is
+    served from the place a replica held for it (the move after B's refusal goes back to A). Two
+    refusals in a row, one wait."""
+    a, b = await _server(rate=100.0, ahead=150).start(), await _server(rate=100.0, ahead=150).start()
+    try:
+        client = EdgeClient(edge_options(f"127.0.0.1:{a.port},127.0.0.1:{b.port}", gamma=3, deadline_s=10),
+                            SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB))
+        async with client:
+            gen = client.generate([0, 5, 6, 7], SamplingSettings(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+            await asyncio.wait_for(gen.text(), 20)
+        assert a.servicer.first_tokens.refused + b.servicer.first_tokens.refused == 2
+        hint_s = b.servicer.first_tokens.refusals[-1].hint_s
+        assert gen.stats.backoffs == 1 and hint_s <= gen.stats.backoff_s <= 1.05 * hint_s + 1e-3
+        served = [p for s in (a, b) for p in s.servicer.first_tokens.history]
+        assert len(served) == 1 and served[0].held_since is not None   # from the place one of them held
     finally:
         await a.stop()
         await b.stop()
