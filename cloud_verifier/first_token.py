@@ -60,6 +60,7 @@ class Prediction:
     queued: bool = False          # admitted over its target (its edge was told how long)
     held_since: float | None = None   # refused earlier with its place kept: when
     t_done: float | None = None
+    key: bytes = b""              # its open_key
 
     @property
     def took_s(self) -> float | None:
@@ -74,6 +75,7 @@ class Hold:
     hint_s: float
     predicted_s: float
     expires: float
+    key: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,8 @@ class FirstTokens:
             self.refused += 1
             hint_s = max(0.05, predicted - limit)   # < predicted: the work ahead drained to what the target leaves
             if key:
-                h = self.holds[key] = Hold(tokens, now, hint_s, predicted, now + hint_s * HOLD_FACTOR + HOLD_GRACE_S)
+                h = self.holds[key] = Hold(tokens, now, hint_s, predicted, now + hint_s * HOLD_FACTOR + HOLD_GRACE_S,
+                                           key)
                 self.refusals.append(h)
             raise Refused(f"a new session's first token would come in about {predicted:.1f} s here "
                           f"({self.backlog + self.held_tokens(key) + tokens:.0f} prompt tokens queued to prefill, its own "
@@ -144,7 +147,7 @@ class FirstTokens:
         ticket = next(self._tickets)
         prefill = None if predicted is None else predicted - self.overhead_s
         self._pending[ticket] = p = Prediction(tokens, replay, predicted, prefill, now, queued=over,
-                                               held_since=hold.t_refused if hold is not None else None)
+                                               held_since=hold.t_refused if hold is not None else None, key=key)
         self.backlog += tokens
         self.queued += over
         self.history.append(p)

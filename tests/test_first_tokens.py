@@ -43,9 +43,9 @@ PER_TOKEN_S = 0.001   # the fixed cost line of the batcher tests: 1 ms a token, 
 # --- the rule ------------------------------------------------------------------------------------
 
 def test_chunk_is_a_share_of_the_pace_in_tokens():
-    assert chunk_tokens(0.0, 0.001, 10, 0.05) == 15            # 0.3 x 50 ms at 1 ms a token
-    assert chunk_tokens(0.0, 0.001, 400, 0.05) == 120          # the live pass (400 ms) is the pace
-    assert chunk_tokens(0.0, 0.001, 10, 0.2) == 60             # a looser pace lets more in
+    assert chunk_tokens(0.0, 0.001, 10, 0.05) == 12            # 0.25 x 50 ms at 1 ms a token
+    assert chunk_tokens(0.0, 0.001, 400, 0.05) == 100          # the live pass (400 ms) is the pace
+    assert chunk_tokens(0.0, 0.001, 10, 0.2) == 50             # a looser pace lets more in
     assert chunk_tokens(0.002, 0.0002, 5, 0.05, pass_tokens=32) == 27   # what the pass has left
     assert chunk_tokens(0.0, 1.0, 5, 0.05) == 1                # a prefill always moves
     with pytest.raises(ValueError):
@@ -64,17 +64,17 @@ def test_prefills_take_the_budget_replays_first_then_by_arrival():
     assert cap_prefills([5, 27, 0], [5, 4, 300], [False, True, True], [1, 2], 12) == [5, 4, 8]
 
 
-def test_budget_is_unbounded_with_nobody_live_and_paced_by_the_tightest_slo_or_period():
+def test_budget_is_unbounded_with_nobody_live_and_paced_by_the_tightest_slo_or_round_without_prefills():
     b = PrefillBudget()
     assert b.chunk((0.0, PER_TOKEN_S), 0, now=0.0, pass_tokens=512, fallback=128) is None
     b.done(1, now=0.0)
-    assert b.chunk((0.0, PER_TOKEN_S), 5, now=1.0, pass_tokens=512, fallback=128) == 15   # the default pace
-    b.arrived(1, now=0.1)
-    b.done(1, now=0.3)                                       # a period of 300 ms, a think time of 100 ms
-    assert b.period[1] == pytest.approx(0.3) and b.think[1] == pytest.approx(0.1)
-    assert b.chunk((0.0, PER_TOKEN_S), 5, now=0.3, pass_tokens=512, fallback=128) == 90
-    b.pace[1] = 0.2                                          # an SLO stated: its slack is the prefill's
-    assert b.chunk((0.0, PER_TOKEN_S), 5, now=0.3, pass_tokens=512, fallback=128) == 60
+    assert b.chunk((0.0, PER_TOKEN_S), 5, now=1.0, pass_tokens=512, fallback=128) == 12   # the default pace
+    b.arrived(1, now=0.195)
+    b.done(1, now=0.3)                                       # a think time of 195 ms: + 5 ms of pass, 200 ms
+    assert b.think[1] == pytest.approx(0.195)
+    assert b.chunk((0.0, PER_TOKEN_S), 5, now=0.3, pass_tokens=512, fallback=128) == 50
+    b.pace[1] = 0.08                                         # an SLO stated: its slack is the prefill's
+    assert b.chunk((0.0, PER_TOKEN_S), 5, now=0.3, pass_tokens=512, fallback=128) == 20
     assert b.chunk((0.0, 0.0), 5, now=0.3, pass_tokens=512, fallback=128) == 128   # cost not measured yet
     assert b.chunk((0.0, PER_TOKEN_S), 0, now=0.3 + b.live_window_s + 1, pass_tokens=512, fallback=128) is None
 
@@ -82,7 +82,8 @@ def test_budget_is_unbounded_with_nobody_live_and_paced_by_the_tightest_slo_or_p
 def test_a_prefill_gets_the_idle_time_until_the_next_round_is_due():
     """Session 1 finished at 0.3 s and comes back after 100 ms (its think time): a pass without
     rounds planned at 0.31 s may run until 0.39 s (90 % of the think time: a round is expected a
-    little early), 75 tokens at 1 ms; at 0.39 s, or with its round waiting, it holds the ride's 60."""
+    little early), 75 tokens at 1 ms; at 0.39 s, or with its round waiting, it holds the ride's 50
+    (a quarter of its 200 ms SLO)."""
     b = PrefillBudget()
     b.pace[1] = 0.2
     b.done(1, now=0.2)
@@ -90,9 +91,9 @@ def test_a_prefill_gets_the_idle_time_until_the_next_round_is_due():
     b.done(1, now=0.3)
     cost = (0.005, PER_TOKEN_S)
     assert b.chunk(cost, 0, now=0.31, pass_tokens=512, fallback=128) == 75
-    assert b.chunk(cost, 0, now=0.39, pass_tokens=512, fallback=128) == 60
+    assert b.chunk(cost, 0, now=0.39, pass_tokens=512, fallback=128) == 50
     b.arrived(1, now=0.35)
-    assert b.chunk(cost, 0, now=0.35, pass_tokens=512, fallback=128) == 60
+    assert b.chunk(cost, 0, now=0.35, pass_tokens=512, fallback=128) == 50
     assert b.chunk(cost, 0, now=0.35, pass_tokens=512, fallback=128, busy={1}) is None   # its own prefill
 
 
@@ -157,8 +158,8 @@ def _live_session_beside_a_prompt(batcher: Batcher, prompt: int = 600) -> None:
 
 def test_a_prefill_chunk_beside_live_rounds_is_bounded_by_the_rule():
     """Every pass planned while session 1 is live holds at most the rule's chunk of session 2's
-    prompt (15 tokens: 0.3 x its 50 ms pace at 1 ms a token), counted in the passes the packer ran;
-    the prompt still gets in (all 600 tokens, over at least 600 / 15 passes)."""
+    prompt (12 tokens: 0.25 x its 50 ms pace at 1 ms a token), counted in the passes the packer ran;
+    the prompt still gets in (all 600 tokens, over at least 600 / 12 passes)."""
     packer = CountingPacker()
     batcher = Batcher(packer)
     batcher.cost, batcher.prefill_log = FixedCost(), []
@@ -167,7 +168,7 @@ def test_a_prefill_chunk_beside_live_rounds_is_bounded_by_the_rule():
     finally:
         batcher.close()
     bound = chunk_tokens(0.0, PER_TOKEN_S, 5, 0.05)
-    assert bound == 15
+    assert bound == 12
     assert all(p.chunk == bound and p.prefill_tokens <= p.chunk for p in batcher.prefill_log if p.chunk is not None)
     shared = [p for p in packer.passes if any(it.seq == 1 for it in p) and any(it.seq == 2 for it in p)]
     assert len(shared) >= 600 // bound - 1   # the prompt went in beside live rounds (all but its first pass)
@@ -178,7 +179,7 @@ def test_a_prefill_chunk_beside_live_rounds_is_bounded_by_the_rule():
 
 def test_negative_control_a_fixed_chunk_fills_passes_beside_live_rounds():
     """The same workload with a fixed --prefill-chunk (the rule off): the prompt takes what the
-    rounds leave of a pass, far more than the rule's 15 tokens, in passes that carry a live round."""
+    rounds leave of a pass, far more than the rule's 12 tokens, in passes that carry a live round."""
     packer = CountingPacker()
     batcher = Batcher(packer, prefill_chunk=16)
     batcher.cost = FixedCost()
@@ -188,14 +189,14 @@ def test_negative_control_a_fixed_chunk_fills_passes_beside_live_rounds():
         batcher.close()
     assert batcher.budget is None
     beside = [sum(it.seq == 2 for it in p) for p in packer.passes if any(it.seq == 1 for it in p)]
-    assert max(beside) > 15
+    assert max(beside) > 12
 
 
 def test_a_prefill_takes_whole_passes_while_the_live_session_is_away():
     """Session 1 is live but away (its think time 10 s: its next round is not due for a while):
     session 2's 600-token prompt goes in whole passes of 64, each planned with the rule (session 1
     live) — the idle time between rounds is the prefill's. Control: session 1's think time not
-    known, so its round may come at any time: the ride's 15 tokens a pass."""
+    known, so its round may come at any time: the ride's 12 tokens a pass."""
     for away in (True, False):
         packer = CountingPacker()
         batcher = Batcher(packer)
@@ -211,7 +212,7 @@ def test_a_prefill_takes_whole_passes_while_the_live_session_is_away():
         sizes = [sum(it.seq == 2 for it in p) for p in packer.passes if any(it.seq == 2 for it in p)]
         assert sum(sizes) == 600
         assert all(p.chunk is not None for p in batcher.prefill_log if p.prefill_tokens)   # session 1 live
-        assert max(sizes) == (64 if away else 15)
+        assert max(sizes) == (64 if away else 12)
 
 
 # --- the serial verifier (--batching off), counted -------------------------------------------------
@@ -235,14 +236,14 @@ def _serial_prefill_turns(backend: SyntheticBackend, live: bool, prompt: int = 6
 
 
 def test_the_serial_verifier_bounds_a_prefill_turn_beside_a_live_session_by_the_rule():
-    """--batching off: each turn of session 2's 600-token prompt holds the rule's 15 tokens (0.3 x
+    """--batching off: each turn of session 2's 600-token prompt holds the rule's 12 tokens (0.25 x
     the default 50 ms pace at 1 ms a token, the live round's own pass being 5 ms; session 1's think
-    time is not known, so no turn counts on idle time): at least 600 / 15 turns, which session 1's
+    time is not known, so no turn counts on idle time): at least 600 / 12 turns, which session 1's
     next round waits for one of at most."""
     backend = SyntheticBackend(vocab=VOCAB)
     planned = _serial_prefill_turns(backend, live=True)
     bound = chunk_tokens(0.0, PER_TOKEN_S, 5, backend.turns.budget.default_pace_s)
-    assert bound == 15
+    assert bound == 12
     assert all(turn.chunk == bound and turn.tokens == bound for turn in planned)
     assert len(planned) == -(-600 // bound) - 1   # the last chunk goes with the round's own turn
 
@@ -264,7 +265,7 @@ def test_the_serial_verifier_prices_a_new_prompt_for_admission():
     _serial_prefill_turns(backend, live=True)   # two sessions live, 5-token rounds counted
     live = backend.turns.budget.live(0.0)
     assert len(live) == 2
-    assert backend.prefill_rate() == pytest.approx(15 / (0.05 + 15 * PER_TOKEN_S))
+    assert backend.prefill_rate() == pytest.approx(12 / (0.05 + 12 * PER_TOKEN_S))
     for state in live:   # control: nobody live, the default 128 tokens a turn and no round between
         backend.turns.forget(state)
     assert backend.prefill_rate() == pytest.approx(1 / PER_TOKEN_S)

@@ -7,10 +7,10 @@ arrives while it runs waits for it too. What the prefill gets is what the live r
 - *a share of each pass*: a pass that carries rounds carries at most `share` x pace of prefill work,
 
       ride  = floor(share x pace / per_token)        # at least 1, at most what the pass has left
-      pace  = max(the live sessions' time per round, the tightest of: a session's TPOT SLO where it
-                  states one (the slack it allows goes to the prefill), else its measured period (the
-                  time from one of its requests finishing to the next finishing, smoothed;
-                  DEFAULT_PACE_S until measured),
+      pace  = max(the live sessions' time per round without prefills, the tightest of: a session's
+                  TPOT SLO where it states one (the slack it allows goes to the prefill), else its
+                  think time + the pass the live rounds take by themselves (DEFAULT_PACE_S until its
+                  think time is measured),
                   the pass the live rounds take by themselves: base + per_token x live_tokens)
 
 - *the idle time between rounds*: a round trip (and the edge's drafting) leaves the target idle
@@ -20,13 +20,16 @@ arrives while it runs waits for it too. What the prefill gets is what the live r
 
       idle  = max(ride, floor((next round due - now - base) / per_token))   # at most a whole pass
 
-So a round waits for at most a ride's worth of prefill in the pass in flight (or an idle pass that
-ran past a round that came early) and rides with at most another in its own: a prefill adds at most
-2 x share of the pace to any round, and about share of it on average, while the prefill gets the
-target's idle time and that share of its busy time (DEFAULT_SHARE = 0.3: the live rounds' time per
-round grows by share / (1 - share), 1.43x, at most, the pace being measured with the prefill in).
-With nobody live, a prefill takes whole passes. The pace is never below the live rounds' own pass:
-on an overloaded target (its passes already slower than the SLO) a prefill still moves.
+So a round that comes when it is due waits for no prefill and rides with at most `share` of its
+pace; one that comes early waits for the rest of the pass in flight (a ride's worth when a round
+was due): a prefill adds at most 2 x share of the pace to a round, and share of it when rounds come
+as they did, while the prefill gets the target's idle time and that share of its busy time. The
+pace is what a round takes without prefills (think time + the rounds' own pass), never what it
+took beside one: measured with the prefill in, the pace would grow with what the prefill adds, and
+the prefill with it (DEFAULT_SHARE = 0.25: a live round's time grows by a quarter when rounds come
+when due, by half at most). With nobody live, a prefill takes whole passes. The pace is never below
+the live rounds' own pass: on an overloaded target (its passes already slower than the SLO) a
+prefill still moves.
 
 Among prefills, replays go first, then new sessions, each in arrival order (`order`): the budget is
 spent on the oldest replay until its prompt is in, so first tokens come in the order sessions asked.
@@ -41,10 +44,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-DEFAULT_SHARE = 0.3        # of a live session's time per round one pass's prefill may take
+DEFAULT_SHARE = 0.25       # of a live session's time per round one pass's prefill may take
 DEFAULT_PACE_S = 0.05      # time per round of live sessions not measured yet and stating no SLO
 LIVE_WINDOW_S = 5.0        # a session is live while one of its requests finished this recently
-SMOOTHING = 0.25           # weight of the newest interval in a session's period and think time
+SMOOTHING = 0.25           # weight of the newest interval in a session's think time
 EARLY = 0.9                # a round is expected after this much of its session's think time
 VLLM_GPU_CHUNK = 256       # vLLM on a GPU: prefill tokens of one request per step (its curve is flat up to here)
 
@@ -53,8 +56,8 @@ def chunk_tokens(base_s: float, per_token_s: float, live_tokens: int, pace_s: fl
                  share: float = DEFAULT_SHARE, pass_tokens: int = 1 << 30) -> int:
     """Prefill tokens one pass may carry beside `live_tokens` tokens of live rounds (`ride` above).
 
-        chunk_tokens(0.0, 0.001, 10, 0.05)        == 15    # 0.3 x 50 ms at 1 ms a token
-        chunk_tokens(0.0, 0.001, 400, 0.05)       == 120   # the live pass (400 ms) is the pace
+        chunk_tokens(0.0, 0.001, 10, 0.05)        == 12    # 0.25 x 50 ms at 1 ms a token
+        chunk_tokens(0.0, 0.001, 400, 0.05)       == 100   # the live pass (400 ms) is the pace
         chunk_tokens(0.002, 0.0002, 5, 0.05, pass_tokens=32) == 27   # what the pass has left
     """
     if per_token_s <= 0:
@@ -90,7 +93,6 @@ class PrefillBudget:
     live_window_s: float = LIVE_WINDOW_S
     last_done: dict = field(default_factory=dict)    # seq -> perf_counter time its last request finished
     pace: dict = field(default_factory=dict)         # seq -> its SLO's time per output token, seconds
-    period: dict = field(default_factory=dict)       # seq -> smoothed seconds from one finish to the next
     think: dict = field(default_factory=dict)        # seq -> smoothed seconds from a finish to its next arrival
     waiting: set = field(default_factory=set)        # sequences with a request arrived and not finished
     replays: set = field(default_factory=set)        # sequences opened by a replay (served ahead of new ones)
@@ -105,16 +107,12 @@ class PrefillBudget:
         self.waiting.add(seq)
 
     def done(self, seq, now: float | None = None) -> None:
-        now = time.perf_counter() if now is None else now
-        last = self.last_done.get(seq)
-        if last is not None and now - last <= self.live_window_s:
-            self.period[seq] = _smooth(self.period.get(seq), now - last)
-        self.last_done[seq] = now
+        self.last_done[seq] = time.perf_counter() if now is None else now
         self.waiting.discard(seq)
         self.replays.discard(seq)
 
     def forget(self, seq) -> None:
-        for record in (self.last_done, self.pace, self.period, self.think):
+        for record in (self.last_done, self.pace, self.think):
             record.pop(seq, None)
         self.waiting.discard(seq)
         self.replays.discard(seq)
@@ -129,11 +127,12 @@ class PrefillBudget:
             old = self.round_tokens or live_tokens
             self.round_tokens = 0.875 * old + 0.125 * live_tokens
 
-    def pace_s(self, live: Iterable) -> float:
-        """The live sessions' time per round: the tightest of their SLOs (where stated: the slack
-        they allow is the prefill's) and measured periods (the default until one is measured)."""
-        return min((self.pace[s] if s in self.pace else self.period.get(s, self.default_pace_s) for s in live),
-                   default=self.default_pace_s)
+    def pace_s(self, live: Iterable, live_pass_s: float) -> float:
+        """The live sessions' time per round without prefills: the tightest of their SLOs (where
+        stated: the slack they allow is the prefill's) and their think times + `live_pass_s` (the
+        default until a think time is measured)."""
+        return min((self.pace[s] if s in self.pace else self.think[s] + live_pass_s if s in self.think
+                    else self.default_pace_s for s in live), default=self.default_pace_s)
 
     def next_due(self, live: Iterable, now: float) -> float:
         """Seconds until the next live round is expected (0: one is waiting now, or a live session's
@@ -158,7 +157,8 @@ class PrefillBudget:
         if per_token_s <= 0:
             return max(1, min(fallback, pass_tokens - live_tokens))
         rounds = live_tokens or int(round(self.round_tokens))
-        ride = chunk_tokens(base_s, per_token_s, rounds, self.pace_s(live), self.share, pass_tokens)
+        pace = self.pace_s(live, base_s + per_token_s * rounds)
+        ride = chunk_tokens(base_s, per_token_s, rounds, pace, self.share, pass_tokens)
         if live_tokens:
             return ride
         return idle_tokens(base_s, per_token_s, self.next_due(live, now), ride, pass_tokens)
@@ -172,10 +172,10 @@ class PrefillBudget:
         if per_token_s <= 0 or not live:
             return None
         rounds = min(pass_tokens - 1, max(1, int(round(self.round_tokens))))
-        pace = self.pace_s(live)
-        ride = chunk_tokens(base_s, per_token_s, rounds, pace, self.share, pass_tokens)
         live_pass = base_s + per_token_s * rounds
-        idle_s = max(0.0, pace - live_pass) if all(s in self.think for s in live) and len(live) == 1 else 0.0
+        pace = self.pace_s(live, live_pass)
+        ride = chunk_tokens(base_s, per_token_s, rounds, pace, self.share, pass_tokens)
+        idle_s = EARLY * max(0.0, pace - live_pass) if len(live) == 1 and live[0] in self.think else 0.0
         idle = max(0, math.floor((idle_s - base_s) / per_token_s)) if idle_s > base_s else 0
         return (ride + idle) / (max(pace, live_pass) + per_token_s * ride)
 
