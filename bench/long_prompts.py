@@ -19,14 +19,15 @@ bench/first_tokens.py's `--parts`; one result file, bench/results/long-prompts.j
 - edges: the issue's case with real drafting on both edges: one edge generating (bundled draft),
   another with a `--idle-prompt`-token prompt arriving 2 s later; its first token beside / alone,
   refusals.
-- fleet: two synthetic replicas with 8 live edges each; twelve new sessions with 1,500-token
-  prompts and a first-token target of 1 s arrive 0.02 s apart on edges that list both replicas
+- fleet: two synthetic replicas with 8 live edges each; sixteen new sessions with 1,500-token
+  prompts and a first-token target of 600 ms arrive 0.01 s apart on edges that list both replicas
   (each its own first). Per refused session: refusals in a row (at most two), and for those that waited out
   a hint (place held), the first token predicted at the refusal against the time it came.
 """
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from hybridspec.figures import Figure, Table, write_result
 from spec_core.warping import SamplingSettings
 
 RESULT = "long-prompts"
-SYNTHETIC_LIVE, FLEET_LIVE, FLEET_ARRIVALS, FLEET_EVERY_S, FLEET_TTFT_MS, FLEET_PROMPT = 16, 8, 12, 0.02, 1000.0, 1500
+SYNTHETIC_LIVE, FLEET_LIVE, FLEET_ARRIVALS, FLEET_EVERY_S, FLEET_TTFT_MS, FLEET_PROMPT = 16, 8, 16, 0.01, 600.0, 1500
 
 
 def _q(xs: list[float], q: float) -> float | None:
@@ -59,6 +60,48 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _client(target, server: str, drafter: str = "lookup", on_round=None, ttft_ms: float = 0.0) -> EdgeClient:
+    opts = EdgeOptions(Transport(server, deadline_s=120, max_wait_s=120), Speculation(gamma=4, slo_ttft_ms=ttft_ms))
+    if drafter == "gguf":
+        from edge_client.drafters import DEFAULT_DRAFT, GGUFDrafter
+        d = GGUFDrafter(str(DEFAULT_DRAFT), n_threads=1)
+        return EdgeClient(opts, d, d.model, on_round=on_round)
+    return EdgeClient(opts, target.drafter(), target.tokenizer, on_round=on_round)
+
+
+def _live_main(kind: str, lists: list[str], n: int, drafter: str, tokens: int, pipe) -> None:
+    """The live edges' process: `n` edges generate until "stop" comes down `pipe`; "warm" goes up
+    once each has committed twice, then their commit times (time.perf_counter: CLOCK_MONOTONIC,
+    the same clock as the parent's)."""
+    from first_tokens import Target
+    target = Target(kind, sessions=1, fixed=False)
+    commits: dict[int, list[float]] = {k: [] for k in range(n)}
+
+    async def live(k: int) -> None:
+        on_round = lambda _ev: commits[k].append(time.perf_counter())   # noqa: E731
+        async with _client(target, lists[k % len(lists)], drafter, on_round) as c:
+            j = 0
+            while True:
+                gen = c.generate(target.prompt(np.random.default_rng([k, j]), 16),
+                                 SamplingSettings(temperature=0.0, max_new_tokens=tokens, ignore_eos=True))
+                await gen.text()
+                j += 1
+
+    async def main() -> None:
+        tasks = [asyncio.ensure_future(live(k)) for k in range(n)]
+        while sum(1 for c in commits.values() if len(c) >= 2) < n:
+            await asyncio.sleep(0.05)
+        pipe.send("warm")
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, pipe.recv)
+        loop.set_exception_handler(lambda _loop, _context: None)   # rounds cut short by the stop: not news
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        pipe.send(commits)
+    asyncio.run(main())
+
+
 class Bed:
     """Verifier replicas of one kind ("llamacpp": the bundled target, `threads`; "synthetic"), in
     this process, and the edges that talk to them."""
@@ -70,8 +113,7 @@ class Bed:
         self.target = Target(kind, sessions=sessions, fixed=False)
         self.servers: list[VerifierServer] = []
         self.commits: dict[int, list[float]] = {}
-        self._stop = asyncio.Event()
-        self._live: list[asyncio.Task] = []
+        self._live = None   # (process, pipe) of the live edges
 
     def backend(self):
         if self.kind == "llamacpp":
@@ -88,42 +130,40 @@ class Bed:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        self._stop.set()
-        await asyncio.gather(*self._live, return_exceptions=True)
+        await self.stop_live()
         for s in self.servers:
             await s.stop()
             s.engine.backend.close()
 
     def client(self, k: int, drafter: str = "lookup", on_round=None, ttft_ms: float = 0.0) -> EdgeClient:
-        opts = EdgeOptions(Transport(self.lists[k % len(self.lists)], deadline_s=120, max_wait_s=120),
-                           Speculation(gamma=4, slo_ttft_ms=ttft_ms))
-        if drafter == "gguf":
-            from edge_client.drafters import DEFAULT_DRAFT, GGUFDrafter
-            d = GGUFDrafter(str(DEFAULT_DRAFT), n_threads=1)
-            return EdgeClient(opts, d, d.model, on_round=on_round)
-        return EdgeClient(opts, self.target.drafter(), self.target.tokenizer, on_round=on_round)
+        return _client(self.target, self.lists[k % len(self.lists)], drafter, on_round, ttft_ms)
 
     def prompt(self, seed, n: int) -> list[int]:
         return self.target.prompt(np.random.default_rng(seed), n)
 
-    def start_live(self, n: int, drafter: str = "lookup", tokens: int = 64) -> None:
-        """`n` edges generating `tokens` at a time, again and again, until the bed closes."""
-        async def live(k: int) -> None:
-            self.commits[k] = []
-            async with self.client(k, drafter, on_round=lambda _ev: self.commits[k].append(time.perf_counter())) as c:
-                j = 0
-                while not self._stop.is_set():
-                    gen = c.generate(self.prompt([k, j], 16), SamplingSettings(temperature=0.0, max_new_tokens=tokens,
-                                                                              ignore_eos=True))
-                    await gen.text()
-                    j += 1
-        self._live += [asyncio.ensure_future(live(k)) for k in range(n)]
+    async def start_live(self, n: int, drafter: str = "lookup", tokens: int = 64) -> None:
+        """`n` edges generating `tokens` at a time, again and again, in a process of their own (so
+        that their rounds do not queue in this process's event loop beside the verifier's and the
+        arrival's), until `stop_live`; returns once each has committed twice."""
+        ctx = multiprocessing.get_context("spawn")
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=_live_main, args=(self.kind, self.lists, n, drafter, tokens, there), daemon=True)
+        proc.start()
+        there.close()   # the child's end: a child that dies ends this side's recv (EOFError)
+        self._live = (proc, here)
+        assert await asyncio.get_running_loop().run_in_executor(None, here.recv) == "warm"
 
-    async def live_warm(self, n: int) -> None:
-        while sum(1 for c in self.commits.values() if len(c) >= 2) < n:
-            await asyncio.sleep(0.05)
+    async def stop_live(self) -> None:
+        if self._live is None:
+            return
+        proc, pipe = self._live
+        self._live = None
+        pipe.send("stop")
+        self.commits = await asyncio.get_running_loop().run_in_executor(None, pipe.recv)
+        proc.join(30)
 
     def gaps(self, t0: float, t1: float) -> list[float]:
+        """The live edges' seconds between commits within [t0, t1] (after stop_live)."""
         return [b - a for c in self.commits.values() for a, b in zip(c, c[1:]) if t0 <= a and b <= t1]
 
     async def arrival(self, ids: list[int], k: int = 1000, drafter: str = "lookup", ttft_ms: float = 0.0) -> dict:
@@ -244,14 +284,14 @@ async def _alone(kind: str, args, ids: list[int], drafter: str = "lookup") -> di
 async def _beside(kind: str, args, ids: list[int], live: int, live_drafter: str, arrival_drafter: str = "lookup",
                   window_s: float | None = None) -> tuple[dict, list[float], list[float]]:
     async with Bed(kind, args.threads, sessions=live + 8) as bed:
-        bed.start_live(live, live_drafter, tokens=600 if arrival_drafter == "gguf" else 64)
-        await bed.live_warm(live)
+        await bed.start_live(live, live_drafter, tokens=600 if arrival_drafter == "gguf" else 64)
         t0 = time.perf_counter()
         await asyncio.sleep(args.window if window_s is None else window_s)
         t1 = time.perf_counter()
         out = await bed.arrival(ids, drafter=arrival_drafter)
         t2 = time.perf_counter()
         out["refused"] += bed.servers[0].servicer.first_tokens.refused
+        await bed.stop_live()
         return out, bed.gaps(t0, t1), bed.gaps(t1, t2)
 
 
@@ -333,8 +373,7 @@ def part_edges(args) -> tuple[Table, dict]:
 async def _fleet(args, rep: int) -> list[list]:
     policy = ServerPolicy(evict_idle_after_s=5.0)
     async with Bed("synthetic", replicas=2, sessions=FLEET_LIVE * 2 + FLEET_ARRIVALS + 4, policy=policy) as bed:
-        bed.start_live(2 * FLEET_LIVE)
-        await bed.live_warm(2 * FLEET_LIVE)
+        await bed.start_live(2 * FLEET_LIVE)
         await asyncio.sleep(1.0)
 
         async def one(j: int) -> dict:

@@ -217,16 +217,18 @@ def test_a_prefill_takes_whole_passes_while_the_live_session_is_away():
 
 # --- the serial verifier (--batching off), counted -------------------------------------------------
 
-def _serial_prefill_turns(backend: SyntheticBackend, live: bool, prompt: int = 600) -> list:
-    """Session 1 answers a 5-token round (live, unless released), then session 2's `prompt`-token
-    prompt goes in; returns the turns its prefill took, as planned (Turns.prefill_log). Liveness
-    never lapses here (a window of 1e9 s), whatever the machine's speed."""
+def _serial_prefill_turns(backend: SyntheticBackend, live: bool, prompt: int = 600, away: bool = False) -> list:
+    """Session 1 answers a 5-token round (live, unless released; `away`: its think time 10 s), then
+    session 2's `prompt`-token prompt goes in; returns the turns its prefill took, as planned
+    (Turns.prefill_log). Liveness never lapses here (a window of 1e9 s), whatever the machine's speed."""
     turns = backend.turns
     turns.cost, turns.prefill_log = FixedCost(), []
     if turns.budget is not None:
         turns.budget.live_window_s = 1e9
     first, second = backend.new_state(), backend.new_state()
     backend.target_logits(first, [2, 3, 4, 5, 6], 5)
+    if away:
+        turns.budget.think[id(first)] = 10.0
     if not live:
         backend.release(first)
     forwarded = backend.forward_tokens()
@@ -246,6 +248,13 @@ def test_the_serial_verifier_bounds_a_prefill_turn_beside_a_live_session_by_the_
     assert bound == 12
     assert all(turn.chunk == bound and turn.tokens == bound for turn in planned)
     assert len(planned) == -(-600 // bound) - 1   # the last chunk goes with the round's own turn
+
+
+def test_the_serial_verifier_gives_a_prefill_whole_passes_while_the_live_session_is_away():
+    """Session 1 live but away (think time 10 s): session 2's prompt takes a whole pass a turn (512
+    tokens; the rest goes with its round's own turn), each planned with the rule."""
+    planned = _serial_prefill_turns(SyntheticBackend(vocab=VOCAB), live=True, away=True)
+    assert [(turn.tokens, turn.chunk) for turn in planned] == [(512, 512)]
 
 
 def test_negative_controls_the_serial_verifier_with_a_fixed_chunk_or_nobody_live():
