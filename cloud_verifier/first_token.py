@@ -135,7 +135,7 @@ class FirstTokens:
         over = not replay and limit > 0 and predicted is not None and predicted > limit
         if over and elsewhere and hold is None and tokens / self.rate() + self.overhead_s <= limit:
             self.refused += 1
-            hint_s = max(0.05, predicted - limit)   # < predicted: the work ahead drained to what the target leaves
+            hint_s = min(predicted, max(0.05, predicted - limit))   # the work ahead drained to what the target leaves
             if key:
                 h = self.holds[key] = Hold(tokens, now, hint_s, predicted, now + hint_s * HOLD_FACTOR + HOLD_GRACE_S,
                                            key)
