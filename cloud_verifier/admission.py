@@ -15,9 +15,9 @@ metadata `retry-after-ms`, also in the message), instead of queueing without bou
 - replays (opens that carry resumed tokens: edges whose verifier restarted or drained) go ahead
   of new sessions: while one is being opened, a new session is refused with a short hint
   (`ReplaysFirst`), so the edges that were mid-generation get the verifier's prefill first;
-- a new session predicted to get its first token after its target is queued with a progress
-  signal, or refused with its place held where another replica may serve it
-  (cloud_verifier.first_token; `admission`);
+- a new session predicted to get its first token after its target is queued (answered at once
+  with how long, `Queued`, while its round goes on), or refused with its place held where another
+  replica may serve it (cloud_verifier.first_token; `admission`);
 - a draining verifier (SIGTERM) takes no new session (UNAVAILABLE, reason "draining").
 
 An edge that sees the hint waits at least that long, plus jitter, and retries the same request
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from spec_core.wire import ELSEWHERE_KEY, HELD_KEY, MOVED_KEY, RETRY_AFTER_KEY
+from spec_core.wire import ELSEWHERE_KEY, HELD_KEY, MOVED_KEY, QUEUED_KEY, RETRY_AFTER_KEY
 
 ADMISSION_MODES = ("auto", "refuse", "queue")
 
@@ -81,6 +81,25 @@ class Refused(Exception):
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         return ((RETRY_AFTER_KEY, str(self.retry_after_ms)),) + (((MOVED_KEY, "1"),) if self.moved else ()) \
             + (((ELSEWHERE_KEY, "1"),) if self.elsewhere else ()) + (((HELD_KEY, "1"),) if self.held else ())
+
+
+class Queued(Refused):
+    """A new session admitted past its first-token target where it has nowhere else to go
+    (cloud_verifier.first_token): its round goes on here, and its edge is answered at once with
+    the predicted first token (QUEUED_KEY, and as the retry hint) so that it can say so; asked again
+    (the same open), it gets the reply when the round is done. An edge that does not know QUEUED_KEY
+    waits the hint, as for any refusal for load, and asks again."""
+
+    def __init__(self, admitted):
+        wait_s = admitted.predicted_s
+        super().__init__(f"queued: this new session's first token should come in about {wait_s:.1f} s here "
+                         f"({admitted.ahead_tokens:.0f} prompt tokens to prefill, its own included, past its "
+                         f"time-to-first-token target of {admitted.target_s:.1f} s); its prompt is being prefilled: "
+                         "send the same open again (its open_key) to wait for the reply", wait_s, "queued")
+        self.queued_ms = self.retry_after_ms
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return super().trailing_metadata() + ((QUEUED_KEY, str(self.queued_ms)),)
 
 
 class TokenBucket:

@@ -18,8 +18,10 @@ When the prediction is above the session's target (its SLO's ttft_ms, else the s
 --slo-ttft-ms, else `--admit-ttft-ms`):
 
 - where no other replica is known (`elsewhere` False: a single address, the embedded default), the
-  session is admitted and *queued*: it waits its turn (prefills go in arrival order) and the
-  servicer tells its edge "first token in about N s" (initial metadata QUEUED_KEY) at once;
+  session is admitted and *queued*: its round goes on in its turn (prefills go in arrival order)
+  and the servicer answers its edge at once, "first token in about N s" (admission.Queued:
+  RESOURCE_EXHAUSTED with QUEUED_KEY and the same hint); the edge asks again with the same open
+  and gets the reply when the round is done;
 - where another replica may serve it now (the edge lists several, or the operator runs a fleet
   behind one address: `--admission refuse`), it is refused at once with RESOURCE_EXHAUSTED,
   `retry-after-ms` = predicted - target (when the work ahead will have drained enough: never more
@@ -81,10 +83,13 @@ class Hold:
 @dataclass(frozen=True)
 class Admitted:
     """An admitted open: its ticket (give it back with FirstTokens.done), its predicted first token
-    (None: not known) and whether it was queued over its target (its edge is told `predicted_s`)."""
+    (None: not known), whether it was queued over its target (its edge is told `predicted_s`), the
+    prompt tokens to prefill up to its own, its own included, and its target."""
     ticket: int
     predicted_s: float | None
     queued: bool
+    ahead_tokens: float = 0.0
+    target_s: float = 0.0
 
 
 class FirstTokens:
@@ -148,10 +153,11 @@ class FirstTokens:
         prefill = None if predicted is None else predicted - self.overhead_s
         self._pending[ticket] = p = Prediction(tokens, replay, predicted, prefill, now, queued=over,
                                                held_since=hold.t_refused if hold is not None else None, key=key)
+        ahead = self.backlog + self.held_tokens(key) + tokens
         self.backlog += tokens
         self.queued += over
         self.history.append(p)
-        return Admitted(ticket, predicted, over)
+        return Admitted(ticket, predicted, over, ahead, limit)
 
     def done(self, ticket: int) -> None:
         """The open's first round was answered (or failed)."""

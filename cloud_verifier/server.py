@@ -21,8 +21,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_verifier import metrics
 from cloud_verifier.first_token import Admitted, FirstTokens
-from cloud_verifier.admission import (InflightGate, Refused, ReplaysFirst, RoundLimiter, ServerPolicy, TokenBucket,
-                                     RETRY_AFTER_KEY)
+from cloud_verifier.admission import (InflightGate, Queued, Refused, ReplaysFirst, RoundLimiter, ServerPolicy,
+                                     TokenBucket, RETRY_AFTER_KEY)
 from cloud_verifier.auth import TokenFile
 from cloud_verifier.backends.base import Backend
 from cloud_verifier.engine import VerifierEngine
@@ -33,7 +33,7 @@ from cloud_verifier.workers import run_in_thread
 from spec_core import __version__
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
-from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY, QUEUED_KEY, REPLICAS_KEY, is_loopback
+from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY, REPLICAS_KEY, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._saving: dict[str, asyncio.Future] = {}   # their KV checkpoints being written
         self._handback: TokenBucket | None = None   # paces them (policy.drain_sessions_per_s)
         self._opening: collections.defaultdict[str, list[bytes]] = collections.defaultdict(list)  # open keys admitted
+        self._going_on: set[asyncio.Task] = set()   # queued opens' rounds, answered already (_go_on)
 
     async def _fail(self, context, e: RequestError):
         metrics.ERRORS.labels(e.code.name).inc()
@@ -167,8 +168,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _admit_open(self, o: pb.OpenSession) -> bool:
         """Refuse a new session for load; False for a retried first round (its session exists)."""
         engine = self.engine
-        if o.open_key and engine.open_key_known(o.open_key):
-            return False
+        if o.open_key and (engine.open_key_known(o.open_key) or o.open_key in self._opening.get(current_tenant.get(), ())):
+            return False   # asked again: the session exists, or its open is under way (a queued one goes on)
         cap, tenant = self.policy.tenant_max_sessions, current_tenant.get()
         # Opens admitted but not stored yet (making their KV cache) count too, or concurrent opens
         # would all pass. (A keyless open counts twice while it runs: edges always send a key.)
@@ -255,14 +256,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def _verify_round(self, request: pb.VerifyRequest, context=None) -> pb.VerifyReply:
         """One round, as Verify and VerifyStream both run it; Refused / RequestError / _Moved for its status.
-        `context`: a unary call's, which carries a queued open's "first token in about N s" at once
-        (initial metadata QUEUED_KEY); a stream's rounds carry none (an edge opens with a unary call)."""
+        `context`: a unary call's. An open queued past its first-token target on such a call is answered
+        at once (`Queued`: its edge is told how long) while its round goes on here (`_go_on`); its edge
+        asks again with the same open and gets the reply when the round is done. A stream's rounds are
+        never answered so (an edge opens with a unary call)."""
         if self.draining:
             await self._drained(request)
         self.rounds.admit(current_tenant.get())
         with self.inflight:
             metrics.INFLIGHT.set(self.inflight.inflight)
-            tenant, opening, replay, first = current_tenant.get(), None, False, None
+            tenant, opening, replay, first, handed = current_tenant.get(), None, False, None, False
             try:
                 # Content first: a malformed round is INVALID_ARGUMENT whatever the load.
                 valid = self.engine.validate(request)
@@ -275,18 +278,43 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     await self.engine.lifecycle.tokenize(valid.open)   # a text prompt counts in tokens
                     first = self._admit_first_token(request.open, valid.open, replay, context)
                     if first is not None and first.queued and context is not None:
-                        await context.send_initial_metadata(((QUEUED_KEY, str(math.ceil(first.predicted_s * 1e3))),))
+                        self._go_on(valid, first, replay, opening, tenant)
+                        handed = True
+                        raise Queued(first)
                 return await self.engine.verify(valid)
             finally:
-                if first is not None:
-                    self.first_tokens.done(first.ticket)
-                if replay:
-                    self.replays.done()
-                if opening is not None:
-                    self._opening[tenant].remove(opening)
-                    if not self._opening[tenant]:
-                        del self._opening[tenant]
+                if not handed:
+                    self._opened(first, replay, opening, tenant)
                 metrics.INFLIGHT.set(self.inflight.inflight - 1)
+
+    def _opened(self, first: Admitted | None, replay: bool, opening: bytes | None, tenant: str) -> None:
+        """An admitted open's round has ended (answered or failed): its bookkeeping goes."""
+        if first is not None:
+            self.first_tokens.done(first.ticket)
+        if replay:
+            self.replays.done()
+        if opening is not None:
+            self._opening[tenant].remove(opening)
+            if not self._opening[tenant]:
+                del self._opening[tenant]
+
+    def _go_on(self, valid, first: Admitted, replay: bool, opening: bytes | None, tenant: str) -> None:
+        """A queued open's round, run without its call (answered at once): counted in flight until it
+        ends; its reply waits in the session's reply cache for the edge's next ask (a failure: that ask
+        runs the round again and gets the status itself)."""
+        self.inflight.inflight += 1
+
+        async def run() -> None:
+            try:
+                await self.engine.verify(valid)
+            except Exception as e:  # noqa: BLE001 - see above
+                log.info("a queued open's round failed (its edge's next ask runs it again): %s", e)
+            finally:
+                self.inflight.inflight -= 1
+                self._opened(first, replay, opening, tenant)
+        task = asyncio.ensure_future(run())
+        self._going_on.add(task)
+        task.add_done_callback(self._going_on.discard)
 
     async def VerifyStream(self, request_iterator, context):
         """A session's rounds over one stream: each goes through `_verify_round`, as a unary Verify

@@ -50,6 +50,7 @@ CHANNEL_OPTIONS = [
     ("grpc.lb_policy_name", "pick_first"),
 ]
 RETRY_BASE_S, RETRY_CAP_S = 0.05, 1.0   # a lost call's retry: full-jitter exponential back-off, capped
+MAX_QUEUED_ASKS = 3   # "queued" answers to one call asked again at once; beyond, the hint is waited out
 
 
 def channel_target(server: str) -> str:
@@ -99,8 +100,8 @@ def held(e: grpc.aio.AioRpcError) -> bool:
 
 
 def queued_s(metadata) -> float | None:
-    """The predicted seconds to the first token of an open the verifier queued (its initial
-    metadata); None when it was not queued."""
+    """The predicted seconds to the first token of an open the verifier queued (the trailing metadata
+    of its answer); None when it was not queued."""
     for key, value in metadata or ():
         if key == QUEUED_KEY:
             try:
@@ -343,30 +344,13 @@ class Verifier:
 
     async def _open(self, req: pb.VerifyRequest, st: GenerationStats) -> pb.VerifyReply:
         """A round that opens a session: it tells the verifier how many replicas this edge can go to
-        (REPLICAS_KEY: with one, a verifier too busy queues it instead of refusing it). A queued open
-        is told its predicted first token at once (QUEUED_KEY): `on_queued` hears it, and the call
-        may last that long twice over, plus the deadline; otherwise the deadline holds as for any round."""
-        deadline_s = self.transport.deadline_s
+        (REPLICAS_KEY: with one, a verifier too busy queues it instead of refusing it). Once the
+        verifier said it queued the open (`call`: QUEUED_KEY), the call may last that long twice over
+        beyond the deadline."""
         replicas = len(replica_targets(self.transport.server))
-        call = self.stub.Verify(req, timeout=deadline_s + self.transport.max_wait_s, wait_for_ready=self.wait_for_ready,
-                                metadata=(*(self.metadata or ()), (REPLICAS_KEY, str(replicas))))
-        if not hasattr(call, "initial_metadata"):   # a stub wrapped in a coroutine (a test's, a proxy's)
-            return await call
-        try:
-            # Initial metadata comes at once from a verifier that queued the open, else with the reply.
-            queued = queued_s(await asyncio.wait_for(call.initial_metadata(), deadline_s))
-            wait_s = deadline_s
-            if queued is not None:
-                st.queued_s = queued
-                log.info("round %d: queued, first token in about %.0f s", req.round, queued)
-                if self.on_queued is not None:
-                    self.on_queued(queued)
-                wait_s += 2 * queued
-            return await asyncio.wait_for(asyncio.shield(call), wait_s)
-        except asyncio.TimeoutError:
-            call.cancel()
-            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       "the open round took longer than its deadline") from None
+        return await self.stub.Verify(req, timeout=self.transport.deadline_s + 2 * st.queued_s,
+                                      wait_for_ready=self.wait_for_ready,
+                                      metadata=(*(self.metadata or ()), (REPLICAS_KEY, str(replicas))))
 
     async def vocabulary(self, fingerprint: str, st: GenerationStats) -> pb.Vocabulary:
         async def ask() -> pb.Vocabulary:
@@ -379,7 +363,7 @@ class Verifier:
         """`attempt()`, one RPC, until it answers: a refusal for load (a retry hint) is waited out,
         UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED are retried after retry_delay_s; anything else, or
         running out of patience, raises EdgeError."""
-        attempts, waited_s, moves = 0, 0.0, 0
+        attempts, waited_s, moves, asks = 0, 0.0, 0, 0
         max_retries = self.transport.max_retries if retries is None else retries
         while True:
             channel = self.channel
@@ -389,6 +373,16 @@ class Verifier:
                 return answer
             except grpc.aio.AioRpcError as e:
                 hint_s = retry_after_s(e)
+                queued = queued_s(e.trailing_metadata()) if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                if queued is not None and asks < MAX_QUEUED_ASKS:
+                    # Queued: the round goes on there; ask again at once (the same request) for its reply.
+                    asks += 1
+                    self.reached = True
+                    st.queued_s = queued
+                    log.info("%s: queued, first token in about %.0f s", what, queued)
+                    if self.on_queued is not None:
+                        self.on_queued(queued)
+                    continue
                 if (moved(e) or elsewhere(e)) and self._move_from(channel):
                     # A draining replica: a session it handed back is replayed on the next replica
                     # (the caller replays on NOT_FOUND); a refused new session goes there at once

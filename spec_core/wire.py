@@ -25,8 +25,9 @@ ELSEWHERE_KEY = "hybridspec-try-elsewhere"
 # keeps: the edge comes back at the hint, not at a random multiple of it. The value says nothing ("1").
 HELD_KEY = "hybridspec-place-held"
 
-# Initial metadata of an open the verifier queued past its first-token target (no other replica to
-# send it to): the predicted milliseconds to its first token, as a decimal string, sent at once.
+# Trailing metadata of the answer to an open the verifier queued past its first-token target (no
+# other replica to send it to): the predicted milliseconds to its first token, as a decimal string.
+# The round goes on there; the edge asks again with the same open for the reply.
 QUEUED_KEY = "hybridspec-queued-ms"
 
 # Request metadata of an open: how many replicas the edge can go to (its --server list), so that a

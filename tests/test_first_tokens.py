@@ -496,21 +496,25 @@ FLEET = ((REPLICAS_KEY, "2"),)   # what an edge given two replicas sends with it
 
 async def test_one_replica_queues_a_late_session_and_says_how_long_at_once():
     """500 tokens ahead at 100 tokens/s and a target of 1 s: a new session's first token is 5.5 s
-    away. From an edge that knows no other replica it is served, and told "5500 ms" in the initial
-    metadata before its reply; nothing is refused."""
+    away. From an edge that knows no other replica it is queued: answered at once with "5500 ms"
+    (QUEUED_KEY, and the same retry hint; no try-elsewhere) while its round goes on, and the same
+    open asked again gets the round's reply. Nothing is refused."""
     server = await _server(rate=100.0, ahead=500).start()
     try:
         async with stub_for(server) as stub:
-            call = stub.Verify(_open(50, b"q" * 16), timeout=10)
-            queued = dict(await call.initial_metadata())
-            reply = await call
-            assert int(queued[QUEUED_KEY]) == pytest.approx(5500, abs=100)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Verify(_open(50, b"q" * 16), timeout=10)
+            meta = dict(e.value.trailing_metadata() or ())
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in e.value.details()
+            assert int(meta[QUEUED_KEY]) == int(meta[RETRY_AFTER_KEY]) == pytest.approx(5500, abs=100)
+            assert ELSEWHERE_KEY not in meta and HELD_KEY not in meta
+            reply = await stub.Verify(_open(50, b"q" * 16), timeout=10)   # asked again: the round's reply
             assert reply.committed_length > 50
-            small = stub.Verify(_open(10, b"s" * 16, ttft_ms=60_000), timeout=10)   # its own target: not queued
-            assert QUEUED_KEY not in dict(await small.initial_metadata())
-            await small
+            small = await stub.Verify(_open(10, b"s" * 16, ttft_ms=60_000), timeout=10)   # its own target: served
+            assert small.committed_length > 10
         gate = server.servicer.first_tokens
-        assert gate.refused == 0 and gate.queued == 1
+        assert gate.refused == 0 and gate.queued == 1 and len(gate.history) == 2   # the ask again: not admitted again
+        assert len(server.engine.sessions) == 2 and server.servicer.inflight.inflight == 0
     finally:
         await server.stop()
 
@@ -519,7 +523,8 @@ async def test_one_replica_queues_a_late_session_and_says_how_long_at_once():
 async def test_a_fleet_refuses_before_the_first_pass_with_a_hint_within_the_wait_and_keeps_the_place(fleet):
     """The same open where another replica may serve it: RESOURCE_EXHAUSTED before any pass, with a
     hint below the predicted wait (5.5 s - 1 s), try-elsewhere and place-held; the same open back
-    (its open_key) is served. Replays and sessions with a target of their own are served."""
+    (its open_key) is admitted (queued, then served). Replays and sessions with a target of their own
+    are served."""
     server = await _server(rate=100.0, ahead=500, admission="refuse" if fleet == "operator flag" else "auto").start()
     metadata = FLEET if fleet == "edge lists two replicas" else None
     batcher = server.engine.backend.batcher
@@ -533,7 +538,11 @@ async def test_a_fleet_refuses_before_the_first_pass_with_a_hint_within_the_wait
             assert 4400 <= int(meta[RETRY_AFTER_KEY]) <= 4600 and meta[ELSEWHERE_KEY] == "1" and meta[HELD_KEY] == "1"
             assert "another replica" in err.details() and "retry after" in err.details()
             assert batcher.passes == 0 and len(server.engine.sessions) == 0   # no pass, no session
-            back = await stub.Verify(_open(50, b"r" * 16), timeout=10, metadata=metadata)   # its place: served
+            # Back with its place held: admitted (queued: the held place of the test never drains).
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Verify(_open(50, b"r" * 16), timeout=10, metadata=metadata)
+            assert QUEUED_KEY in dict(e.value.trailing_metadata()) and ELSEWHERE_KEY not in dict(e.value.trailing_metadata())
+            back = await stub.Verify(_open(50, b"r" * 16), timeout=10, metadata=metadata)
             assert back.committed_length > 50
             await stub.Verify(_open(500, b"p" * 16, resume=2), timeout=10, metadata=metadata)     # a replay
             await stub.Verify(_open(50, b"t" * 16, ttft_ms=60_000), timeout=10, metadata=metadata)   # own target
@@ -556,9 +565,11 @@ async def test_a_text_prompt_is_counted_with_the_tokenizer():
         async with stub_for(server) as stub:
             o = pb.OpenSession(prompt_text=text, open_key=b"x" * 16,
                                sampling=pb.SamplingParams(temperature=0.0, max_new_tokens=2, top_p=1.0))
-            call = stub.Verify(pb.VerifyRequest(round=1, committed_length=0, draft_token_ids=[2], open=o), timeout=10)
-            assert int(dict(await call.initial_metadata())[QUEUED_KEY]) == pytest.approx(8100, abs=100)
-            await call
+            req = pb.VerifyRequest(round=1, committed_length=0, draft_token_ids=[2], open=o)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Verify(req, timeout=10)
+            assert int(dict(e.value.trailing_metadata())[QUEUED_KEY]) == pytest.approx(8100, abs=100)
+            await stub.Verify(req, timeout=10)
         assert server.servicer.first_tokens.history[-1].tokens == 81
     finally:
         await server.stop()
@@ -633,3 +644,20 @@ async def test_a_session_every_replica_refuses_is_refused_twice_at_most_and_come
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_queued_open_may_last_past_the_deadline_without_a_retry():
+    """The edge's deadline is 1 s; the open is queued (500 tokens of places held ahead, predicted
+    about 5 s) and its own prefill takes 2 s (4 ms a token): told how long at once, the edge waits
+    for it instead of timing out and retrying."""
+    server = await _server(rate=100.0, ahead=500, step_ms=0.0, per_token_ms=4.0).start()
+    try:
+        client = EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=2, deadline_s=1.0),
+                            SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB))
+        async with client:
+            gen = client.generate([0] + [5] * 499, SamplingSettings(temperature=0.0, max_new_tokens=3,
+                                                                    ignore_eos=True))
+            await asyncio.wait_for(gen.text(), 60)
+        assert gen.stats.queued_s > 5.0 and gen.stats.retries == 0 and gen.stats.ttft_s > 1.0
+    finally:
+        await server.stop()
