@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -84,12 +85,21 @@ def _live_main(kind: str, lists: list[str], n: int, drafter: str, tokens: int, p
             while True:
                 gen = c.generate(target.prompt(np.random.default_rng([k, j]), 16),
                                  SamplingSettings(temperature=0.0, max_new_tokens=tokens, ignore_eos=True))
-                await gen.text()
+                try:
+                    await gen.text()
+                except Exception as e:  # noqa: BLE001 - a live edge that failed starts a new generation
+                    print(f"live edge {k}: {e!r}", file=sys.stderr, flush=True)
+                    await asyncio.sleep(0.5)
                 j += 1
 
     async def main() -> None:
         tasks = [asyncio.ensure_future(live(k)) for k in range(n)]
+        give_up = time.monotonic() + 600
         while sum(1 for c in commits.values() if len(c) >= 2) < n:
+            if time.monotonic() > give_up or any(t.done() for t in tasks):
+                pipe.send(f"not warm: {[len(c) for c in commits.values()]} commits, "
+                          f"{[repr(t.exception()) for t in tasks if t.done()][:2]}")
+                return
             await asyncio.sleep(0.05)
         pipe.send("warm")
         loop = asyncio.get_running_loop()
@@ -151,16 +161,23 @@ class Bed:
         proc.start()
         there.close()   # the child's end: a child that dies ends this side's recv (EOFError)
         self._live = (proc, here)
-        assert await asyncio.get_running_loop().run_in_executor(None, here.recv) == "warm"
+        said = await asyncio.get_running_loop().run_in_executor(None, here.recv)
+        if said != "warm":
+            raise RuntimeError(f"the live edges did not start: {said}")
 
     async def stop_live(self) -> None:
         if self._live is None:
             return
         proc, pipe = self._live
         self._live = None
-        pipe.send("stop")
-        self.commits = await asyncio.get_running_loop().run_in_executor(None, pipe.recv)
+        try:
+            pipe.send("stop")
+            self.commits = await asyncio.get_running_loop().run_in_executor(None, pipe.recv)
+        except (OSError, EOFError):   # the process ended already (its edges did not start)
+            pass
         proc.join(30)
+        if proc.is_alive():
+            proc.kill()
 
     def gaps(self, t0: float, t1: float) -> list[float]:
         """The live edges' seconds between commits within [t0, t1] (after stop_live)."""
@@ -432,7 +449,7 @@ def run(args, parts: list[str], load_start: list[float]) -> None:
     for part in parts:
         table, figs = PARTS[part](args)
         tables[part] = table
-        figures.update(figs)
+        figures.update({k: f for k, f in figs.items() if f.value is not None})   # a figure is a number
         # after every part: a run cut short keeps what it measured
         write_result(RESULT, tables=tables, figures=figures, load_start=load_start, note=args.note)
         print(table.render(), flush=True)
