@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -82,7 +83,7 @@ def _live_main(kind: str, lists: list[str], n: int, drafter: str, tokens: int, p
         on_round = lambda _ev: commits[k].append(time.perf_counter())   # noqa: E731
         async with _client(target, lists[k % len(lists)], drafter, on_round) as c:
             j = 0
-            while True:
+            while not stop.is_set():
                 gen = c.generate(target.prompt(np.random.default_rng([k, j]), 16),
                                  SamplingSettings(temperature=0.0, max_new_tokens=tokens, ignore_eos=True))
                 try:
@@ -92,23 +93,32 @@ def _live_main(kind: str, lists: list[str], n: int, drafter: str, tokens: int, p
                     await asyncio.sleep(0.5)
                 j += 1
 
+    stop = asyncio.Event()
+
     async def main() -> None:
         tasks = [asyncio.ensure_future(live(k)) for k in range(n)]
-        give_up = time.monotonic() + 600
-        while sum(1 for c in commits.values() if len(c) >= 2) < n:
-            if time.monotonic() > give_up or any(t.done() for t in tasks):
+        t0 = time.monotonic()
+        # Warm: every edge has committed twice, or after 30 s all but an eighth (one stuck edge, seen
+        # on a loaded machine, must not hold the run up: its gaps are simply missing).
+        while (ready := sum(1 for c in commits.values() if len(c) >= 2)) < n:
+            if any(t.done() for t in tasks) or time.monotonic() - t0 > 600:
                 pipe.send(f"not warm: {[len(c) for c in commits.values()]} commits, "
                           f"{[repr(t.exception()) for t in tasks if t.done()][:2]}")
                 return
+            if time.monotonic() - t0 > 30 and ready >= n - n // 8:
+                print(f"live edges warm but {n - ready}: commits {[len(c) for c in commits.values()]}",
+                      file=sys.stderr, flush=True)
+                break
             await asyncio.sleep(0.05)
         pipe.send("warm")
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, pipe.recv)
-        loop.set_exception_handler(lambda _loop, _context: None)   # rounds cut short by the stop: not news
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Stop between generations (a cancelled one waits for its session's Close up to its deadline);
+        # the commit times go up as soon as they are in, and whatever has not ended by then is left.
+        stop.set()
+        await asyncio.wait(tasks, timeout=30)
         pipe.send(commits)
+        os._exit(0)
     asyncio.run(main())
 
 
