@@ -11,8 +11,9 @@ bench/first_tokens.py's `--parts`; one result file, bench/results/long-prompts.j
   order; refusals (there must be none) and whether the open was queued.
 - cpu / synthetic: one live edge on the CPU target (its drafts from the bundled draft model, so its
   rounds leave the verifier idle while it drafts) / 16 live edges on the synthetic batching target
-  (20 ms + 0.05 ms a token a pass, synthetic drafts). The live edges generate for `--window` s with
-  no arrival (their gaps between commits: "alone"), then a new session with a prompt of each of
+  (20 ms + 0.05 ms a token a pass, synthetic drafts). The live edges run in a process of their own
+  and generate for `--window` s with no arrival (their gaps between commits: "alone"), then a new
+  session (an edge in this process, beside the verifier) with a prompt of each of
   `--prompts` tokens arrives (its first token, and the live edges' gaps until then: "beside").
   Its time alone comes from a fresh verifier with nobody live. Ratios: first token beside / alone,
   and the live edges' p95 gap beside / alone.
