@@ -17,6 +17,11 @@ Printed and written to bench/results/first-tokens-<backend>.json: the live edges
 commits (median, p95, max) per phase, and for the arrivals: first tokens (median, max), how many
 were refused at least once (and so moved or waited), and the verifier's predicted first token over
 the one measured (median), for the opens it admitted.
+
+Long prompts served at once (`--parts idle,cpu,synthetic,edges,fleet`, one result file
+bench/results/long-prompts.json; bench/long_prompts.py holds these parts):
+
+    PYTHONPATH=$PWD python bench/first_tokens.py --parts idle,cpu,synthetic,edges,fleet --repeats 3
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cloud_verifier.admission import ServerPolicy  # noqa: E402
 from cloud_verifier.engine import Limits  # noqa: E402
@@ -169,6 +175,16 @@ def _q(xs: list[float], q: float) -> float | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default="arrivals",
+                   help="comma list: arrivals (the run above, default), or the long-prompt parts idle, cpu, "
+                        "synthetic, edges, fleet (bench/long_prompts.py)")
+    p.add_argument("--repeats", type=int, default=3, help="(long-prompt parts) repeats, modes interleaved")
+    p.add_argument("--threads", type=int, default=1, help="(long-prompt parts) llama.cpp threads of the verifier "
+                                                          "and of plain llama.cpp")
+    p.add_argument("--prompts", default="200,800,1500", help="(cpu, synthetic) new sessions' prompt tokens")
+    p.add_argument("--idle-prompt", type=int, default=1400, help="(idle, edges) the long prompt's tokens")
+    p.add_argument("--window", type=float, default=4.0,
+                   help="(cpu, synthetic) seconds the live edges' gaps are measured without an arrival")
     p.add_argument("--backend", choices=["synthetic", "llamacpp"], default="synthetic")
     p.add_argument("--edges", default="16", help="comma list of live edge counts")
     p.add_argument("--replicas", default="1", help="comma list of replica counts")
@@ -188,6 +204,11 @@ def main() -> None:
     args = p.parse_args()
     load_start = [round(x, 2) for x in os.getloadavg()]
     print(f"# {summary()}\n# load {load_start}")
+    parts = [x for x in args.parts.split(",") if x]
+    if parts != ["arrivals"]:
+        import long_prompts
+        long_prompts.run(args, parts, load_start)
+        return
     rows = []
     for edges in [int(x) for x in args.edges.split(",")]:
         for replicas in [int(x) for x in args.replicas.split(",")]:

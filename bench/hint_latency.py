@@ -4,7 +4,9 @@ retry hint, while live edges generate and another session's long prompt is being
     PYTHONPATH=$PWD python bench/hint_latency.py --backend llamacpp    # bundled target, 1 thread
     PYTHONPATH=$PWD python bench/hint_latency.py --backend synthetic   # the flat GPU-like target
 
-One in-process verifier (batching, live rounds first, honest admission) serves `--edges` live edges;
+One in-process verifier (batching, live rounds first, admission as one replica of a fleet:
+`--admission refuse`, so that a session past its target is refused rather than queued) serves
+`--edges` live edges;
 one session with a `--long`-token prompt arrives (no TTFT target of its own: the verifier's default
 applies, so it is admitted and prefilled); then `--probes` new sessions, one every `--every` seconds,
 each with a `--prompt`-token prompt and a TTFT target of `--slo-ms`, on an edge that does not wait
@@ -43,7 +45,7 @@ async def run(args) -> dict:
     target = Target(args.backend, sessions=args.edges + args.probes + 4, fixed=False)
     limits = Limits(max_sessions=target.sessions, default_max_new_tokens=256)
     server = await VerifierServer(target.backend(), "127.0.0.1", 0, limits, grace_s=0.5,
-                                  policy=ServerPolicy(evict_idle_after_s=5.0)).start()
+                                  policy=ServerPolicy(evict_idle_after_s=5.0, admission="refuse")).start()
     address = f"127.0.0.1:{server.port}"
     stop, commits = asyncio.Event(), [0] * args.edges
     refusals: list[tuple[float, str, float | None]] = []   # (seconds to the refusal, status, hint s)

@@ -15,6 +15,9 @@ metadata `retry-after-ms`, also in the message), instead of queueing without bou
 - replays (opens that carry resumed tokens: edges whose verifier restarted or drained) go ahead
   of new sessions: while one is being opened, a new session is refused with a short hint
   (`ReplaysFirst`), so the edges that were mid-generation get the verifier's prefill first;
+- a new session predicted to get its first token after its target is queued (answered at once
+  with how long, `Queued`, while its round goes on), or refused with its place held where another
+  replica may serve it (cloud_verifier.first_token; `admission`);
 - a draining verifier (SIGTERM) takes no new session (UNAVAILABLE, reason "draining").
 
 An edge that sees the hint waits at least that long, plus jitter, and retries the same request
@@ -28,7 +31,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from spec_core.wire import ELSEWHERE_KEY, MOVED_KEY, RETRY_AFTER_KEY
+from spec_core.wire import ELSEWHERE_KEY, HELD_KEY, MOVED_KEY, QUEUED_KEY, RETRY_AFTER_KEY
+
+ADMISSION_MODES = ("auto", "refuse", "queue")
 
 
 @dataclass(frozen=True)
@@ -47,9 +52,16 @@ class ServerPolicy:
                                           # restores them from the KV store: docs/operations.md)
     drain_timeout_s: float = 60.0         # ... and exits after this long even if some were never handed back
     replay_first_retry_after_s: float = 0.25   # hint to a new session while replays are being admitted
-    admit_ttft_s: float = 10.0            # a new session predicted to wait longer for its first token (and
-                                          # stating no target of its own) is refused at once (cloud_verifier.
-                                          # first_token); 0: never
+    admit_ttft_s: float = 10.0            # the first-token target of a new session stating none (cloud_verifier.
+                                          # first_token): past it, queued with a progress signal, or refused at
+                                          # once where another replica may serve it; 0: no check
+    admission: str = "auto"               # past the target: "auto" refuses when the edge knows other replicas
+                                          # and queues otherwise, "refuse" always (a fleet behind one address),
+                                          # "queue" never
+
+    def __post_init__(self):
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSION_MODES)}, got {self.admission!r}")
 
 
 class Refused(Exception):
@@ -57,17 +69,37 @@ class Refused(Exception):
 
     def __init__(self, message: str, retry_after_s: float, reason: str,
                  code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED, moved: bool = False,
-                 elsewhere: bool = False):
+                 elsewhere: bool = False, held: bool = False):
         self.retry_after_ms = max(1, math.ceil(retry_after_s * 1000))
         self.message = f"{message}; retry after {self.retry_after_ms} ms"
         self.code, self.reason = code, reason   # reason: the metric label
         self.moved = moved                      # a draining verifier: another replica will take it now
         self.elsewhere = elsewhere              # this replica is too busy: another one may take it now
+        self.held = held                        # ... and keeps its place until the hint (cloud_verifier.first_token)
         super().__init__(self.message)
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         return ((RETRY_AFTER_KEY, str(self.retry_after_ms)),) + (((MOVED_KEY, "1"),) if self.moved else ()) \
-            + (((ELSEWHERE_KEY, "1"),) if self.elsewhere else ())
+            + (((ELSEWHERE_KEY, "1"),) if self.elsewhere else ()) + (((HELD_KEY, "1"),) if self.held else ())
+
+
+class Queued(Refused):
+    """A new session admitted past its first-token target where it has nowhere else to go
+    (cloud_verifier.first_token): its round goes on here, and its edge is answered at once with
+    the predicted first token (QUEUED_KEY, and as the retry hint) so that it can say so; asked again
+    (the same open), it gets the reply when the round is done. An edge that does not know QUEUED_KEY
+    waits the hint, as for any refusal for load, and asks again."""
+
+    def __init__(self, admitted):
+        wait_s = admitted.predicted_s
+        super().__init__(f"queued: this new session's first token should come in about {wait_s:.1f} s here "
+                         f"({admitted.ahead_tokens:.0f} prompt tokens to prefill, its own included, past its "
+                         f"time-to-first-token target of {admitted.target_s:.1f} s); its prompt is being prefilled: "
+                         "send the same open again (its open_key) to wait for the reply", wait_s, "queued")
+        self.queued_ms = self.retry_after_ms
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return super().trailing_metadata() + ((QUEUED_KEY, str(self.queued_ms)),)
 
 
 class TokenBucket:

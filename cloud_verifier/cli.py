@@ -9,7 +9,7 @@ import sys
 log = logging.getLogger(__name__)
 
 def _add_serve(sub) -> None:
-    from cloud_verifier.admission import ServerPolicy   # their defaults are the options' defaults
+    from cloud_verifier.admission import ADMISSION_MODES, ServerPolicy   # their defaults are the options' defaults
     from cloud_verifier.validation import Limits
     p = sub.add_parser("serve", help="serve the Verifier gRPC service",
                        description="Serve a target model. The embedded default is a GGUF file on llama.cpp (CPU).")
@@ -106,9 +106,13 @@ def _add_serve(sub) -> None:
                    help="seconds a session must be idle before a new session may evict it; until then newcomers "
                         "get RESOURCE_EXHAUSTED with a retry hint")
     s.add_argument("--admit-ttft-ms", type=float, default=ServerPolicy.admit_ttft_s * 1e3,
-                   help="a new session predicted to wait longer for its first token (and stating no target of its "
-                        "own, with no --slo-ttft-ms) is refused at once with a retry hint, so that its edge tries "
-                        "another replica (default 10000; 0: never)")
+                   help="the first-token target of a new session stating none (with no --slo-ttft-ms): predicted "
+                        "past it, the session is queued and its edge told how long, or refused at once with a retry "
+                        "hint where another replica may serve it (--admission) (default 10000; 0: no check)")
+    s.add_argument("--admission", choices=ADMISSION_MODES, default=ServerPolicy.admission,
+                   help="a new session predicted past its first-token target: auto (default) refuses it, keeping "
+                        "its place, when its edge lists other replicas, and queues it otherwise; refuse: always (a "
+                        "fleet behind one address, e.g. a load balancer); queue: never")
     s.add_argument("--grace", type=float, default=5.0, help="seconds for rounds in flight to finish on SIGTERM")
     s.add_argument("--drain-rate", type=float, default=ServerPolicy.drain_sessions_per_s,
                    help="on SIGTERM, hand sessions back to their edges (which replay them on another replica) this "
@@ -202,7 +206,8 @@ def security_from_args(args):
     policy = ServerPolicy(tenant_max_sessions=args.tenant_max_sessions, tenant_rounds_per_s=args.tenant_rounds_per_s,
                           tenant_burst=args.tenant_burst, max_inflight_rounds=args.max_inflight_rounds,
                           evict_idle_after_s=args.evict_idle_after, drain_sessions_per_s=args.drain_rate,
-                          drain_timeout_s=args.drain_timeout, admit_ttft_s=args.admit_ttft_ms / 1e3)
+                          drain_timeout_s=args.drain_timeout, admit_ttft_s=args.admit_ttft_ms / 1e3,
+                          admission=args.admission)
     return tls, tokens, policy
 
 
@@ -231,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"cloud-verifier: --{flag.replace('_', '-')} must be in [0, 3600000] ms, got {value}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise SystemExit(f"cloud-verifier: --prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if not 0 <= args.pipeline_wait <= 3600:   # NaN fails too
+        raise SystemExit(f"cloud-verifier: --pipeline-wait must be in [0, 3600] seconds, got {args.pipeline_wait}")
     backend = backend_from_args(args)
     limits = limits_from_args(args, backend)
     try:

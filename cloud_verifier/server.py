@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 import logging
 import math
 import signal
@@ -21,20 +20,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_verifier import metrics
-from cloud_verifier.first_token import FirstTokens, open_tokens
-from cloud_verifier.admission import (InflightGate, Refused, ReplaysFirst, RoundLimiter, ServerPolicy, TokenBucket,
-                                     RETRY_AFTER_KEY)
+from cloud_verifier.first_token import Admitted, FirstTokens
+from cloud_verifier.admission import (InflightGate, Queued, Refused, ReplaysFirst, RoundLimiter, ServerPolicy,
+                                     TokenBucket, RETRY_AFTER_KEY)
 from cloud_verifier.auth import TokenFile
 from cloud_verifier.backends.base import Backend
 from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.guard import CallGuard
 from cloud_verifier.sessions import current_tenant
-from cloud_verifier.validation import Limits, RequestError, quoted
+from cloud_verifier.validation import Limits, RequestError, ValidOpen, quoted
 from cloud_verifier.workers import run_in_thread
 from spec_core import __version__, clock
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
-from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY
+from spec_core.wire import MESSAGE_SIZE_OPTIONS, MOVED_KEY, REPLICAS_KEY, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -120,16 +119,6 @@ class _CertificateWatch:
                                                          root_certificates=pems.get("client CA"))
 
 
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class _Moved(Exception):
     """A draining verifier hands a session back: the edge replays it on another replica."""
 
@@ -148,13 +137,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.rounds = RoundLimiter(policy.tenant_rounds_per_s, policy.tenant_burst)
         self.inflight = InflightGate(policy.max_inflight_rounds or 4 * engine.limits.max_sessions)
         self.replays = ReplaysFirst(policy.replay_first_retry_after_s)
-        # Honest admission: a new session predicted to wait too long for its first token is told at once.
+        # A new session predicted to wait past its first-token target is told at once: queued, or refused.
         self.first_tokens = FirstTokens(engine.backend.prefill_rate, policy.admit_ttft_s)
         self.draining = False
         self.moved: set[str] = set()             # sessions handed back while draining
         self._saving: dict[str, asyncio.Future] = {}   # their KV checkpoints being written
         self._handback: TokenBucket | None = None   # paces them (policy.drain_sessions_per_s)
         self._opening: collections.defaultdict[str, list[bytes]] = collections.defaultdict(list)  # open keys admitted
+        self._going_on: set[asyncio.Task] = set()   # queued opens' rounds, answered already (_go_on)
 
     async def _fail(self, context, e: RequestError):
         metrics.ERRORS.labels(e.code.name).inc()
@@ -178,8 +168,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _admit_open(self, o: pb.OpenSession) -> bool:
         """Refuse a new session for load; False for a retried first round (its session exists)."""
         engine = self.engine
-        if o.open_key and engine.open_key_known(o.open_key):
-            return False
+        if o.open_key and (engine.open_key_known(o.open_key) or o.open_key in self._opening.get(current_tenant.get(), ())):
+            return False   # asked again: the session exists, or its open is under way (a queued one goes on)
         cap, tenant = self.policy.tenant_max_sessions, current_tenant.get()
         # Opens admitted but not stored yet (making their KV cache) count too, or concurrent opens
         # would all pass. (A keyless open counts twice while it runs: edges always send a key.)
@@ -192,21 +182,23 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                           self.policy.session_retry_after_s, "slots", elsewhere=True)
         return True
 
-    def _admit_first_token(self, o: pb.OpenSession, replay: bool) -> int | None:
-        """A ticket for an open's first token (FirstTokens), or Refused: a new session that would wait
-        here longer than its TTFT target (its SLO's, else the server's, else policy.admit_ttft_s)."""
+    def _admit_first_token(self, o: pb.OpenSession, valid: ValidOpen, replay: bool, context) -> Admitted | None:
+        """An open's first token admitted (FirstTokens: queued when predicted past its TTFT target, its
+        SLO's, else the server's, else policy.admit_ttft_s), or Refused where another replica may serve
+        it now: the edge says it knows others (REPLICAS_KEY), or policy.admission is "refuse"."""
         if self.policy.admit_ttft_s <= 0:
             return None
-        ttft_s = o.slo.ttft_ms / 1e3 if o.HasField("slo") and o.slo.ttft_ms > 0 else None
+        ttft_s = valid.slo.ttft_s if valid.slo is not None and valid.slo.ttft_s else None
         if ttft_s is None and self.engine.default_slo is not None and self.engine.default_slo.ttft_s:
             ttft_s = self.engine.default_slo.ttft_s
-        tokens = open_tokens(len(o.prompt_token_ids), len(o.resume_token_ids),
-                             len(o.prompt_text.encode()) + sum(len(m.content.encode()) for m in o.prompt_messages))
-        return self.first_tokens.admit(tokens, replay, ttft_s)
+        elsewhere = self.policy.admission == "refuse" or (self.policy.admission == "auto"
+                                                           and _replicas(context) > 1)
+        return self.first_tokens.admit(len(valid.prompt) + len(valid.resume), replay, ttft_s, bytes(o.open_key),
+                                       elsewhere)
 
     async def Verify(self, request, context):
         try:
-            return await self._verify_round(request)
+            return await self._verify_round(request, context)
         except _Moved as m:
             metrics.ERRORS.labels(grpc.StatusCode.NOT_FOUND.name).inc()
             await context.abort(grpc.StatusCode.NOT_FOUND, m.message, trailing_metadata=((MOVED_KEY, "1"),))
@@ -262,35 +254,67 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         except Exception:  # noqa: BLE001 - without it the replica prefills the replay: slower, not wrong
             log.exception("writing a handed-back session's KV checkpoint failed")
 
-    async def _verify_round(self, request: pb.VerifyRequest) -> pb.VerifyReply:
-        """One round, as Verify and VerifyStream both run it; Refused / RequestError / _Moved for its status."""
+    async def _verify_round(self, request: pb.VerifyRequest, context=None) -> pb.VerifyReply:
+        """One round, as Verify and VerifyStream both run it; Refused / RequestError / _Moved for its status.
+        `context`: a unary call's. An open queued past its first-token target on such a call is answered
+        at once (`Queued`: its edge is told how long) while its round goes on here (`_go_on`); its edge
+        asks again with the same open and gets the reply when the round is done. A stream's rounds are
+        never answered so (an edge opens with a unary call)."""
         if self.draining:
             await self._drained(request)
         self.rounds.admit(current_tenant.get())
         with self.inflight:
             metrics.INFLIGHT.set(self.inflight.inflight)
-            tenant, opening, replay, first = current_tenant.get(), None, False, None
+            tenant, opening, replay, first, handed = current_tenant.get(), None, False, None, False
             try:
                 # Content first: a malformed round is INVALID_ARGUMENT whatever the load.
                 valid = self.engine.validate(request)
                 if request.session_id:
                     self._check_owner(request.session_id)
                 elif self._admit_open(request.open):
-                    replay = self.replays.admit(bool(request.open.resume_token_ids))
-                    first = self._admit_first_token(request.open, replay)   # cloud_verifier.first_token
                     opening = request.open.open_key
                     self._opening[tenant].append(opening)
+                    replay = self.replays.admit(bool(request.open.resume_token_ids))
+                    await self.engine.lifecycle.tokenize(valid.open)   # a text prompt counts in tokens
+                    first = self._admit_first_token(request.open, valid.open, replay, context)
+                    if first is not None and first.queued and context is not None:
+                        self._go_on(valid, first, replay, opening, tenant)
+                        handed = True
+                        raise Queued(first)
                 return await self.engine.verify(valid)
             finally:
-                if first is not None:
-                    self.first_tokens.done(first)
-                if replay:
-                    self.replays.done()
-                if opening is not None:
-                    self._opening[tenant].remove(opening)
-                    if not self._opening[tenant]:
-                        del self._opening[tenant]
+                if not handed:
+                    self._opened(first, replay, opening, tenant)
                 metrics.INFLIGHT.set(self.inflight.inflight - 1)
+
+    def _opened(self, first: Admitted | None, replay: bool, opening: bytes | None, tenant: str) -> None:
+        """An admitted open's round has ended (answered or failed): its bookkeeping goes."""
+        if first is not None:
+            self.first_tokens.done(first.ticket)
+        if replay:
+            self.replays.done()
+        if opening is not None:
+            self._opening[tenant].remove(opening)
+            if not self._opening[tenant]:
+                del self._opening[tenant]
+
+    def _go_on(self, valid, first: Admitted, replay: bool, opening: bytes | None, tenant: str) -> None:
+        """A queued open's round, run without its call (answered at once): counted in flight until it
+        ends; its reply waits in the session's reply cache for the edge's next ask (a failure: that ask
+        runs the round again and gets the status itself)."""
+        self.inflight.inflight += 1
+
+        async def run() -> None:
+            try:
+                await self.engine.verify(valid)
+            except Exception as e:  # noqa: BLE001 - see above
+                log.info("a queued open's round failed (its edge's next ask runs it again): %s", e)
+            finally:
+                self.inflight.inflight -= 1
+                self._opened(first, replay, opening, tenant)
+        task = asyncio.ensure_future(run())
+        self._going_on.add(task)
+        task.add_done_callback(self._going_on.discard)
 
     async def VerifyStream(self, request_iterator, context):
         """A session's rounds over one stream: each goes through `_verify_round`, as a unary Verify
@@ -374,6 +398,17 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await self._refuse(context, r)
         except RequestError as e:
             await self._fail(context, e)
+
+
+def _replicas(context) -> int:
+    """The replicas the calling edge can go to (its REPLICAS_KEY request metadata; 1 when it says none)."""
+    for key, value in (context.invocation_metadata() or ()) if context is not None else ():
+        if key == REPLICAS_KEY:
+            try:
+                return max(1, int(value))
+            except ValueError:
+                return 1
+    return 1
 
 
 def _stream_error(code: grpc.StatusCode, message: str, retry_after_s: float | None) -> pb.StreamError:

@@ -264,15 +264,20 @@ class SessionLifecycle:
                                "draw a fresh random key per generation")
         return session
 
+    async def tokenize(self, valid: ValidOpen) -> None:
+        """A text prompt's ids, once, in `valid` (admission counts them in tokens; `open` uses them)."""
+        if valid.text is not None or valid.messages is not None:
+            valid.prompt = await self.validator.tokenize_prompt(valid.text, valid.messages, "open.")
+            valid.text = valid.messages = None
+            self.validator.check_context(len(valid.prompt) + len(valid.resume))
+
     async def open(self, req: pb.VerifyRequest, valid: ValidOpen) -> Session:
         o = req.open
+        await self.tokenize(valid)
         prompt, resume, settings, slo = valid.prompt, valid.resume, valid.settings, valid.slo
         # The gumbel coupling reads noise keyed by the seed: without one, the session draws its own
         # and keeps it (a replay to this session reads the same noise).
         settings = settings.with_session_seed()
-        if valid.text is not None or valid.messages is not None:
-            prompt = await self.validator.tokenize_prompt(valid.text, valid.messages, "open.")
-            self.validator.check_context(len(prompt) + len(resume))
         tokens = prompt + resume
         # The verifier's stream must be independent of the edge's even when both get the same user
         # seed (identical streams correlate draft sampling with acceptance and bias the output), and

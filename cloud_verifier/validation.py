@@ -89,7 +89,8 @@ def quoted(text: str, limit: int = QUOTE_CHARS) -> str:
 
 @dataclass
 class ValidOpen:
-    """A first round's `open`, validated; a text prompt is tokenized once the session is admitted."""
+    """A first round's `open`, validated; a text prompt is tokenized before its first token is admitted
+    (SessionLifecycle.tokenize: admission counts its tokens)."""
 
     prompt: list[int]                       # the prompt's ids (empty for a text prompt)
     text: str | None                        # a text prompt, or

@@ -76,6 +76,9 @@ async def run_generate(args, options, settings: SamplingSettings, out=sys.stdout
     drafter, tokenizer = build_drafter(args, options.speculation)
     try:
         async with EdgeClient(options, drafter, tokenizer) as client:
+            if not quiet:   # a verifier busy with other prompts queues this one and says how long
+                client.verifier.on_queued = lambda s: print(f"queued: first token in about {s:.0f} s", file=sys.stderr,
+                                                            flush=True)
             if getattr(args, "cloud_only", False):
                 gen = client.generate_cloud_only(prompt_of(args), settings)
             else:
@@ -165,6 +168,7 @@ def cmd_serve(args) -> int:
     from edge_client import serve
     from llama_runtime import ModelUnloadable
     options_from_args(args)       # a bad value is refused before a missing model is reported
+    serve.api_key_from_args(args)
     find_models(args)
 
     def ready(port: int, metrics_port: int | None) -> None:
@@ -206,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "more wait (keep it at most the verifier's --max-sessions)")
     p.add_argument("--served-model-name", help="model id in /v1/models and responses (default: the verifier's model)")
     add_coupling_arg(p)
+    p.add_argument("--api-key", help="answer /v1 requests only with `Authorization: Bearer API_KEY` (401 otherwise; "
+                                     "/health stays open); needed to bind beyond loopback")
+    p.add_argument("--api-key-file", metavar="FILE", help="... the key read from the first line of FILE (not shown "
+                                                         "in the process list)")
     add_edge_options(p)
     p.set_defaults(func=cmd_serve)
 

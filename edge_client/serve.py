@@ -9,7 +9,10 @@ drafted here and verified on the cloud verifier. Each request is one `EdgeClient
 - drafting runs in one worker thread, so the sessions' drafting is serialised on the CPU while
   their Verify round trips overlap on the event loop;
 - stop strings are cut on the decoded text (`stopstrings`); the verifier session of a request
-  that ends early (stop string, client gone) is closed, so it frees its KV cache at once.
+  that ends early (stop string, client gone) is closed, so it frees its KV cache at once;
+- with an API key (`--api-key`, `--api-key-file`, as vLLM's and llama.cpp's servers take one) the
+  /v1 routes answer only requests with `Authorization: Bearer KEY` (401 otherwise); /health stays
+  open for probes. Without a key the endpoint binds loopback addresses only.
 
 The request and response shapes live in `openai_protocol`, the Prometheus metrics in `metrics`.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import math
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import grpc
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from edge_client.client import EdgeClient, EdgeError, GenerationStats, RoundEvent
@@ -38,10 +42,11 @@ from edge_client.drafters import Drafter, GGUFDrafter
 from edge_client.metrics import EdgeMetrics
 from edge_client.openai_protocol import (APIError, ChatRequest, CompletionRequest, ResponseShape, SamplingRequest,
                                          Usage, parse)
-from edge_client.options import EdgeOptions, build_drafter, draft_path, options_from_args
+from edge_client.options import EdgeOptions, OptionError, build_drafter, draft_path, options_from_args
 from edge_client.stopstrings import StopStrings, tokens_covering
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.warping import REJECTION, SamplingError, SamplingSettings
+from spec_core.wire import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -343,13 +348,15 @@ async def unless_disconnected(request: Request, awaitable):
         watcher.cancel()
 
 
-def create_app(service: EdgeService) -> FastAPI:
-    """The OpenAI API on `service`, which the app starts and stops with itself (its lifespan)."""
+def create_app(service: EdgeService, api_key: str | None = None) -> FastAPI:
+    """The OpenAI API on `service`, which the app starts and stops with itself (its lifespan);
+    with `api_key`, its /v1 routes want `Authorization: Bearer <api_key>`."""
     app = FastAPI(title="hybridspec edge", summary="OpenAI-compatible API: drafted here, verified in the cloud",
                   lifespan=_lifespan)
     # The handlers are module-level functions that find the service here, so that one router
     # serves every app and each handler reads (and tests) on its own.
     app.state.service = service
+    app.state.api_key = api_key
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(ClientGone, _client_gone)
     app.include_router(router)
@@ -367,6 +374,19 @@ async def _lifespan(app: FastAPI):
 
 def _service(request: Request) -> EdgeService:
     return request.app.state.service
+
+
+async def _authorized(request: Request) -> None:
+    """With an API key set, a /v1 request must carry it as `Authorization: Bearer KEY` (compared in
+    constant time); 401 in OpenAI's shape otherwise, as OpenAI's own API answers a wrong key."""
+    key = request.app.state.api_key
+    if key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise APIError(401, "a valid API key is required: send the key this server was started with (--api-key) "
+                            "as `Authorization: Bearer KEY` (OpenAI clients: api_key=KEY)",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 async def _api_error(request: Request, e: APIError):
@@ -390,7 +410,7 @@ async def health(request: Request):
     return {"status": "ok", "verifier": service.server, "model": service.model_name(info)}
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", dependencies=[Depends(_authorized)])
 async def models(request: Request):
     service = _service(request)
     info = await service.server_info()
@@ -399,13 +419,13 @@ async def models(request: Request):
         "root": info.model, "max_model_len": info.n_ctx, "backend": info.backend}]}
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", dependencies=[Depends(_authorized)])
 async def chat_completions(request: Request):
     req = parse(ChatRequest, await _body_of(request))
     return await _respond(_service(request), request, req, chat=True)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", dependencies=[Depends(_authorized)])
 async def completions(request: Request):
     req = parse(CompletionRequest, await _body_of(request))
     return await _respond(_service(request), request, req, chat=False)
@@ -470,6 +490,30 @@ async def _stream(metrics: EdgeMetrics, shape: ResponseShape, pieces, first: str
 
 # --- process ------------------------------------------------------------------------------------
 
+def api_key_from_args(args) -> str | None:
+    """The key of --api-key or --api-key-file (its first line); OptionError for both, an empty key or
+    an unreadable file, and for a bind beyond loopback without a key (anyone who reaches the port
+    would spend the verifier's tenant and the device's CPU)."""
+    key, path = getattr(args, "api_key", None), getattr(args, "api_key_file", None)
+    if key is not None and path is not None:
+        raise OptionError("argument --api-key", "give --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise OptionError("argument --api-key-file", f"cannot read {path}: {e.strerror}") from None
+        if not key:
+            raise OptionError("argument --api-key-file", f"{path} is empty: its first line is the key")
+    elif key is not None and not key.strip():
+        raise OptionError("argument --api-key", "the key is empty")
+    key = key.strip() if key is not None else None
+    if key is None and not is_loopback(args.host):
+        raise OptionError("argument --host", f"{args.host} is beyond loopback: give --api-key (or --api-key-file) so "
+                          "that only callers with the key reach the endpoint, or bind 127.0.0.1")
+    return key
+
+
 def service_from_args(args) -> EdgeService:
     """Load the draft (once) and build the service from `edge-client serve` arguments (OptionError
     for a bad one, before anything loads)."""
@@ -528,11 +572,12 @@ async def serve(app: FastAPI, host: str, port: int, on_ready: Callable[[int], No
 
 def run(args, on_ready: Callable[[int, int | None], None] | None = None) -> int:
     """`edge-client serve`: returns the exit code."""
+    api_key = api_key_from_args(args)
     service = service_from_args(args)
     metrics_port = service.metrics.serve(args.metrics_port, args.host) if args.metrics_port is not None else None
     if metrics_port is not None:
         log.info("edge metrics on http://%s:%d/metrics", args.host, metrics_port)
-    app = create_app(service)
+    app = create_app(service, api_key)
     asyncio.run(serve(app, args.host, args.port,
                       on_ready=(lambda port: on_ready(port, metrics_port)) if on_ready else None))
     return 0

@@ -31,6 +31,8 @@ class GenerationStats:
     replays: int = 0
     backoffs: int = 0               # refusals for load waited out (RESOURCE_EXHAUSTED / UNAVAILABLE + hint)
     backoff_s: float = 0.0          # total time spent waiting them out
+    queued_s: float = 0.0           # the verifier queued the open past its first-token target: the first
+                                    # token it predicted then, seconds (0: not queued)
     draft_s: float = 0.0            # total time drafting
     server_model_s: float = 0.0     # total time in the target model (server's own timing)
     finish_reason: str = ""

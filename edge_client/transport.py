@@ -19,7 +19,8 @@ from spec_core.proto import couplings
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
 from spec_core.warping import SamplingSettings
-from spec_core.wire import ELSEWHERE_KEY, MESSAGE_SIZE_OPTIONS, MOVED_KEY, RETRY_AFTER_KEY
+from spec_core.wire import (ELSEWHERE_KEY, HELD_KEY, MESSAGE_SIZE_OPTIONS, MOVED_KEY, QUEUED_KEY, REPLICAS_KEY,
+                            RETRY_AFTER_KEY)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ CHANNEL_OPTIONS = [
     ("grpc.lb_policy_name", "pick_first"),
 ]
 RETRY_BASE_S, RETRY_CAP_S = 0.05, 1.0   # a lost call's retry: full-jitter exponential back-off, capped
+MAX_QUEUED_ASKS = 3   # "queued" answers to one call asked again at once; beyond, the hint is waited out
 
 
 def channel_target(server: str) -> str:
@@ -90,6 +92,31 @@ def elsewhere(e: grpc.aio.AioRpcError) -> bool:
     """Whether a verifier too busy for a new session said another replica may take it now (a first
     token predicted too late there, no session slot, replays first)."""
     return any(key == ELSEWHERE_KEY for key, _ in e.trailing_metadata() or ())
+
+
+def held(e: grpc.aio.AioRpcError) -> bool:
+    """Whether a refusal for a first token came with the place kept until its hint: come back then
+    (with a little jitter), not at a random multiple of it."""
+    return any(key == HELD_KEY for key, _ in e.trailing_metadata() or ())
+
+
+def queued_s(metadata) -> float | None:
+    """The predicted seconds to the first token of an open the verifier queued (the trailing metadata
+    of its answer); None when it was not queued."""
+    for key, value in metadata or ():
+        if key == QUEUED_KEY:
+            try:
+                return max(0.0, float(value) / 1000)
+            except ValueError:
+                return None
+    return None
+
+
+def hint_wait_s(hint_s: float, kept: bool) -> float:
+    """How long to wait out a refusal's hint: the hint plus up to as much again, drawn at random, so
+    that edges refused together do not return together; a kept place (HELD_KEY) waits the hint plus
+    at most 5 %: the verifier admits it then, whoever came since."""
+    return hint_s * (1 + (0.05 if kept else 1.0) * random.random())
 
 
 def retry_delay_s(attempt: int) -> float:
@@ -196,6 +223,8 @@ class Verifier:
         self.stub: pb_grpc.VerifierStub | None = None
         self.reached = False   # the verifier has answered once: from then on calls wait for it to come back
         self._background: set[asyncio.Task] = set()  # Close calls that outlive a cancelled generation
+        # An open queued past its first-token target: called with the predicted seconds (the CLI prints it).
+        self.on_queued: Callable[[float], None] | None = None
 
     async def open(self) -> None:
         if self.channel is None:
@@ -305,11 +334,24 @@ class Verifier:
             st.bytes_up += req.ByteSize() + GRPC_FRAME_BYTES
             # Once a verifier has answered, wait for it to come back (restart) instead of failing fast;
             # before that, an address with nothing behind it fails within the retry budget.
-            reply = await self.stub.Verify(req, timeout=self.transport.deadline_s, wait_for_ready=self.wait_for_ready,
-                                           metadata=self.metadata)
+            if req.HasField("open"):
+                reply = await self._open(req, st)
+            else:
+                reply = await self.stub.Verify(req, timeout=self.transport.deadline_s,
+                                               wait_for_ready=self.wait_for_ready, metadata=self.metadata)
             st.bytes_down += reply.ByteSize() + GRPC_FRAME_BYTES
             return reply
         return await self.call(attempt, st, f"round {req.round}", retries)
+
+    async def _open(self, req: pb.VerifyRequest, st: GenerationStats) -> pb.VerifyReply:
+        """A round that opens a session: it tells the verifier how many replicas this edge can go to
+        (REPLICAS_KEY: with one, a verifier too busy queues it instead of refusing it). Once the
+        verifier said it queued the open (`call`: QUEUED_KEY), the call may last that long twice over
+        beyond the deadline."""
+        replicas = len(replica_targets(self.transport.server))
+        return await self.stub.Verify(req, timeout=self.transport.deadline_s + 2 * st.queued_s,
+                                      wait_for_ready=self.wait_for_ready,
+                                      metadata=(*(self.metadata or ()), (REPLICAS_KEY, str(replicas))))
 
     async def vocabulary(self, fingerprint: str, st: GenerationStats) -> pb.Vocabulary:
         async def ask() -> pb.Vocabulary:
@@ -322,7 +364,7 @@ class Verifier:
         """`attempt()`, one RPC, until it answers: a refusal for load (a retry hint) is waited out,
         UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED are retried after retry_delay_s; anything else, or
         running out of patience, raises EdgeError."""
-        attempts, waited_s, moves = 0, 0.0, 0
+        attempts, waited_s, moves, asks = 0, 0.0, 0, 0
         max_retries = self.transport.max_retries if retries is None else retries
         while True:
             channel = self.channel
@@ -332,6 +374,16 @@ class Verifier:
                 return answer
             except grpc.aio.AioRpcError as e:
                 hint_s = retry_after_s(e)
+                queued = queued_s(e.trailing_metadata()) if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                if queued is not None and asks < MAX_QUEUED_ASKS:
+                    # Queued: the round goes on there; ask again at once (the same request) for its reply.
+                    asks += 1
+                    self.reached = True
+                    st.queued_s = queued
+                    log.info("%s: queued, first token in about %.0f s", what, queued)
+                    if self.on_queued is not None:
+                        self.on_queued(queued)
+                    continue
                 if (moved(e) or elsewhere(e)) and self._move_from(channel):
                     # A draining replica: a session it handed back is replayed on the next replica
                     # (the caller replays on NOT_FOUND); a refused new session goes there at once
@@ -345,8 +397,7 @@ class Verifier:
                     if moves > 1:
                         if waited_s >= self.transport.max_wait_s:
                             raise EdgeError(e.code(), e.details() or "", retry_after_s=hint_s) from None
-                        wait_s = min((hint_s or RETRY_BASE_S) * (1 + random.random()),
-                                     self.transport.max_wait_s - waited_s)
+                        wait_s = min(hint_wait_s(hint_s or RETRY_BASE_S, held(e)), self.transport.max_wait_s - waited_s)
                         st.backoffs += 1
                         st.backoff_s += wait_s
                         waited_s += wait_s
@@ -354,10 +405,9 @@ class Verifier:
                     continue
                 if hint_s is not None and e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) \
                         and waited_s < self.transport.max_wait_s:
-                    # Refused for load: wait the hint plus up to as much again, drawn at random, so
-                    # that edges refused together do not return together.
+                    # Refused for load: wait the hint, with jitter (hint_wait_s).
                     self.reached = True
-                    wait_s = min(hint_s * (1 + random.random()), self.transport.max_wait_s - waited_s)
+                    wait_s = min(hint_wait_s(hint_s, held(e)), self.transport.max_wait_s - waited_s)
                     st.backoffs += 1
                     st.backoff_s += wait_s
                     waited_s += wait_s

@@ -300,7 +300,9 @@ def test_a_long_round_is_not_taken_for_a_prefill():
 
 @pytest.mark.parametrize("argv, flag", [(["--slo-tpot-ms", "-1"], "--slo-tpot-ms"),
                                         (["--slo-ttft-ms", "4e6"], "--slo-ttft-ms"),
-                                        (["--prefill-chunk", "0"], "--prefill-chunk")])
+                                        (["--prefill-chunk", "0"], "--prefill-chunk"),
+                                        (["--pipeline-wait", "-1"], "--pipeline-wait"),
+                                        (["--pipeline-wait", "nan"], "--pipeline-wait")])
 def test_bad_server_flags_exit_with_the_flag_named_before_a_model_loads(argv, flag):
     from cloud_verifier.cli import main
     with pytest.raises(SystemExit) as e:

@@ -13,9 +13,9 @@ tokens evaluated for the cache, not for rows) takes at most `prefill_chunk` toke
 until every round in it got all it had (`spec_core.batchplan.chunk_prefills`): rounds are served
 as if each prompt had a chunk left to evaluate, and wait for no more of a prompt than the pass in
 flight when they arrived. Without a fixed `prefill_chunk` the chunk is sized pass by pass from the
-measured cost line and the live sessions' pace, and every pass holds at most that many prefill
-tokens while any session is live, prefill-only passes included
-(cloud_verifier.backends.prefill_budget: replays first, then new sessions in arrival order).
+measured cost line and the live sessions' pace: a share of each pass that carries rounds, and in
+a pass without any, the time until the next live round is due (cloud_verifier.backends.
+prefill_budget: replays first, then new sessions in arrival order).
 Either way a pass is a set of tokens whose rows do not depend on each other: the order changes
 when a round is done, never what it computes.
 The batcher also keeps the line of its pass costs (`cost`, seconds over tokens) that the engine's
@@ -130,7 +130,6 @@ class Batcher:
         self.budget: PrefillBudget | None = PrefillBudget() if prefill_chunk is None else None
         self.prefill_log: list[PrefillPass] | None = None   # set to a list to record every pass's plan
         self._prefill_rates: tuple[float, float] | None = None   # (while live, idle) tokens/s: prefill_rate
-        self._last_round_done = float("-inf")
         self._deadlines: dict[int, float] = {}
         self._cond = threading.Condition()
         self._queue: list[_Request] = []
@@ -182,27 +181,26 @@ class Batcher:
                 self.budget.pace[seq] = tpot_s
 
     def prefill_rate(self) -> float | None:
-        """Prefill tokens a second this batcher gives new sessions now: the rule's chunk a pass while
-        sessions are live, whole passes otherwise; None until the pass cost is measured. Any thread
-        may ask: the batcher thread prices both after every pass (`_price_prefill`)."""
+        """Prefill tokens a second this batcher gives new sessions now: the rule's share of the live
+        rounds' passes and the idle time between them while sessions are live, whole passes
+        otherwise; None until the pass cost is measured. Any thread may ask: the batcher thread
+        prices both after every pass (`_price_prefill`)."""
         rates = self._prefill_rates
         if rates is None:
             return None
-        live = self.budget is not None and clock.now() - self._last_round_done <= self.budget.live_window_s
+        # Live: a session that has not closed had a request finish lately (a closed one is forgotten).
+        live = self.budget is not None and bool(self.budget.live(clock.now()))
         return rates[0] if live else rates[1]
 
     def _price_prefill(self) -> None:
-        base_s, per_token_s = self.cost.line()
+        cost = self.cost.line()
+        base_s, per_token_s = cost
         if per_token_s <= 0:
             return
         n = self.packer.n_ubatch
         idle = n / (base_s + per_token_s * n)
-        live = idle
-        if self.budget is not None:
-            rounds = min(n - 1, int(round(self.budget.round_tokens)))
-            chunk = chunk_tokens(base_s, per_token_s, rounds, self.budget.default_pace_s, self.budget.share, n)
-            live = chunk / (base_s + per_token_s * (rounds + chunk))
-        self._prefill_rates = (live, idle)
+        live = self.budget.rate(cost, clock.now(), n) if self.budget is not None else None
+        self._prefill_rates = (live or idle, idle)
 
     def _submit(self, req: _Request) -> tuple[np.ndarray, float, float]:
         with self._cond:
@@ -272,7 +270,10 @@ class Batcher:
                 while (left := deadline - clock.now()) > 0 and not self._closed:
                     self._cond.wait(left)
             new, self._queue = self._queue, []
-            return new
+        if self.budget is not None:   # live rounds first: when each session's requests arrive (think time)
+            for req in new:
+                self.budget.arrived(req.seq, req.t_submit)
+        return new
 
     def _run(self) -> None:
         while self._turn():
@@ -340,7 +341,8 @@ class Batcher:
         if self.budget is not None:   # live rounds first: the chunk from the measured cost (prefill_budget)
             live_tokens = min(self.packer.n_ubatch, sum(n for n, p in zip(pending, prefill) if not p))
             live_chunk = self.budget.chunk(self.cost.line(), live_tokens, now, self.packer.n_ubatch,
-                                           self.prefill_chunk)
+                                           self.prefill_chunk,
+                                           busy={req.seq for req, p in zip(self._active, prefill) if p})
             chunk = live_chunk or self.prefill_chunk
         if self.schedule == "slack":
             slack = [(req.deadline if req.deadline is not None else req.t_submit) - now for req in self._active]
@@ -406,7 +408,6 @@ class Batcher:
         req.error, req.t_done = error, clock.now()
         if error is None and self.budget is not None:
             self.budget.done(req.seq, req.t_done)
-            self._last_round_done = req.t_done
         if req in self._active:
             self._active.remove(req)
         if req in self._waiting:

@@ -10,11 +10,12 @@ The batching backends do the same inside their passes (spec_core.batchplan.chunk
 
 Live rounds first (`live_first`, when no chunk is fixed): the batchers' rule and record
 (cloud_verifier.backends.prefill_budget.PrefillBudget) size each turn of a prefill while another
-session is live, from the cost line of the turns measured here: a turn's prefill tokens cost at
-most a quarter of the live sessions' time per output token (the turn's own fixed cost comes on
-top, as a pass's does), so a live round waits for at most that. With nobody live, `chunk` a turn.
-The chunk is sized again before every turn, so a session that becomes live mid-prefill is
-served from the next one.
+session is live, from the cost line of the turns measured here: a turn of a prefill is a pass
+without rounds, so it runs until the next live round is due (the live sessions' think times), and
+never holds less than the rule's share of their time per round (when a round waits, or is due,
+that is all it holds: a live round waits for at most that). With nobody live, `chunk` a turn. The
+chunk is sized again before every turn, so a session that becomes live mid-prefill is served from
+the next one.
 """
 from __future__ import annotations
 
@@ -79,22 +80,25 @@ class Turns:
                 self.budget.forget(key)
 
     def prefill_rate(self) -> float | None:
-        """Prefill tokens a second a new session gets now (cloud_verifier.first_token): a chunk a
-        turn, and between two of its turns one round of each live session; None until measured."""
-        base_s, per_token_s = self.cost.line()
+        """Prefill tokens a second a new session gets now (cloud_verifier.first_token): `chunk` a turn
+        while nobody is live, else the rule's share of the live rounds' time and the idle time
+        between them (PrefillBudget.rate); None until measured."""
+        cost = self.cost.line()
+        base_s, per_token_s = cost
         if per_token_s <= 0:
             return None
-        with self._cond:
-            live = len(self.budget.live(time.perf_counter())) if self.budget is not None else 0
-            rounds = self.budget.round_tokens if self.budget is not None else 0.0
-        chunk = self._next_chunk().tokens
-        return chunk / (base_s + per_token_s * chunk + live * (base_s + per_token_s * max(1.0, rounds)))
+        live = None
+        if self.budget is not None:
+            with self._cond:
+                live = self.budget.rate(cost, time.perf_counter(), self.pass_tokens)
+        return live or self.chunk / (base_s + per_token_s * self.chunk)
 
-    def _next_chunk(self) -> PrefillTurn:
+    def _next_chunk(self, key: Hashable | None = None) -> PrefillTurn:
         if self.budget is None:
             return PrefillTurn(self.chunk, None)
         with self._cond:
-            rule = self.budget.chunk(self.cost.line(), 0, time.perf_counter(), self.pass_tokens, self.chunk)
+            rule = self.budget.chunk(self.cost.line(), 0, time.perf_counter(), self.pass_tokens, self.chunk,
+                                     busy=() if key is None else (key,))
         return PrefillTurn(rule or self.chunk, rule)
 
     @contextlib.contextmanager
@@ -119,11 +123,14 @@ class Turns:
         tokens of the request; without it, or for a short prefill, fn does it all). `key`: the
         session, live once fn has run."""
         t0 = time.perf_counter()
+        if self.budget is not None and key is not None:
+            with self._cond:
+                self.budget.arrived(key, t0)
         model_s, n, round_tokens = 0.0, held, 0
         while True:
             with self.turn():   # the chunk is sized in the turn: who is live now
                 t1, mark = time.perf_counter(), self._observed
-                plan = self._next_chunk() if prefix is not None else None
+                plan = self._next_chunk(key) if prefix is not None else None
                 if plan is None or upto - n <= plan.tokens:
                     value = fn()
                     model_s += time.perf_counter() - t1
