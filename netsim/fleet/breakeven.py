@@ -28,12 +28,12 @@ from dataclasses import replace
 
 from netsim.fleet.acceptance import CURVES, Curve, get_curve, measured_curves
 from netsim.fleet.costs import kv_sessions
-from netsim.fleet.devices import DEVICES
+from netsim.fleet.devices import DEVICES, this_machine
 from netsim.fleet.regime import HYBRID_MODES, SPEC_MODES, RegimeConfig, cell_costs, cloud_only, hybrid, server_spec
 
 PANELS = tuple((gpu, key, context) for gpu in ("h100", "h200") for key in ("8b-bf16", "70b-fp8")
                for context in (1024, 8192))
-X_MS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 11.0, 16.0, 22.0, 30.0, 40.0)
+X_MS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 11.0, 16.0, 22.0, 30.0, 45.0, 70.0, 110.0)
 TAU_LO, TAU_HI = 1.1, 4.9
 MARKED_DRAFTS = ("eagle3-llama31-8b", "eagle1-llama31-8b", "eagle3-minicpm3", "ours-bundled", "ours-gemma")
 
@@ -111,6 +111,10 @@ def breakeven(panels=PANELS, links=("lan",), xs=X_MS, cfg: RegimeConfig | None =
     family = get_curve(cfg.eagle_curve)
     tol = published_tolerance()
     drafts = marked_drafts()
+    devices = dict(DEVICES)
+    ours = this_machine()
+    if ours is not None:   # our own edge (its 135M draft, timed here; busy unless measured quiet)
+        devices[ours.key] = ours
     lines, marks = [], []
     for gpu, key, context in panels:
         for link in links:
@@ -120,7 +124,7 @@ def breakeven(panels=PANELS, links=("lan",), xs=X_MS, cfg: RegimeConfig | None =
             for x in xs:
                 lines.append({"gpu": gpu, "target": key, "context": context, "link": link, "x_ms": x,
                               "tau4": panel.break_even(x, family)})
-            for dkey, device in DEVICES.items():
+            for dkey, device in devices.items():
                 for ckey, curve in drafts.items():
                     r = panel.ratio(device.draft_s * 1e3, curve)
                     marks.append({"gpu": gpu, "target": key, "context": context, "link": link, "device": dkey,
@@ -128,7 +132,7 @@ def breakeven(panels=PANELS, links=("lan",), xs=X_MS, cfg: RegimeConfig | None =
                                   "tau4": round(curve.tokens_per_step(4), 3), "ratio": round(r, 4),
                                   "verdict": verdict(r, tol)})
     return {"config": cfg.describe(), "setting": setting, "tolerance": tol, "family": family.to_json(),
-            "devices": {k: d.to_json() for k, d in DEVICES.items()},
+            "devices": {k: d.to_json() for k, d in devices.items()},
             "drafts": {k: c.to_json() for k, c in drafts.items()}, "xs": list(xs), "lines": lines, "marks": marks}
 
 

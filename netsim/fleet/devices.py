@@ -15,9 +15,10 @@ decoding (memory-bound) and by parameters for the prompt (compute-bound):
                (XiongjieDai/GPU-Benchmarks-on-LLM-Inference issue #1).
   laptop-gpu   Apple M5 GPU (Metal), llama-bench: TinyLlama-1.1B Q4_0 (0.59 GiB) tg128 149.69 t/s,
                pp512 3,959 t/s (ggml-org/llama.cpp PR #16634).
-  this-machine this repository's CI-class VM (2 cores, x86-64), the bundled SmolLM2-135M draft as
-               `edge-client eval-draft` timed it (one thread): a busy machine, so labelled busy, and a
-               135M draft, not the 1B (not scaled: it is what our own edge runs).
+  this-machine this repository's CI-class VM, the bundled SmolLM2-135M draft as bench/device_speed.py
+               times it (one thread), when it has been run: busy unless the load was at most 0.5 per
+               core, and a 135M draft, not the 1B (not scaled: it is what our own edge runs). Not in
+               the table the map uses (`DEVICES`); the break-even marks it.
 
 Context: decoding reads the weights and the draft's KV cache, so a token at `context` takes
 draft_s · (1 + context · kv_bytes_per_token / weight_bytes) (the KV read at the rate the weights
@@ -28,6 +29,7 @@ earlier context is in the draft's KV already (its first prefill is a one-time co
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 MIB = 1 << 20
@@ -85,10 +87,21 @@ DEVICES = {
 DEFAULT_DEVICE = "laptop-gpu"
 
 
-def this_machine(draft_tokens_per_s: float, prefill_s: float, source: str) -> Device:
-    """Our own edge's drafting speed as eval-draft timed it (busy: the machine was shared)."""
-    return Device("this-machine", "this machine (2-core VM, busy)", 1.0 / draft_tokens_per_s, prefill_s, source,
-                  busy=True, draft="SmolLM2-135M (the bundled draft)")
+def this_machine(results_dir=None) -> Device | None:
+    """Our own edge as bench/device_speed.py timed it here (bench/results/device-this-machine.json),
+    busy when the load at its start or end was above 0.5 per core; None when it has not been run."""
+    from hybridspec.figures import RESULTS, read_result
+    path = (results_dir or RESULTS) / "device-this-machine.json"
+    if not path.is_file():
+        return None
+    result = read_result(path)
+    cores = max(1, int((result.machine or {}).get("cores") or os.cpu_count() or 1))
+    loads = [v[0] for v in (result.load or {}).values() if v]
+    busy = not loads or max(loads) > 0.5 * cores
+    return Device("this-machine", "this machine (the CI-class VM)" + (", busy" if busy else ""),
+                  float(result.figures["draft-ms"].value) / 1e3, float(result.figures["prefill-ms"].value) / 1e3,
+                  f"bench/device_speed.py, {result.date}" + (" (measured busy: not a published figure)" if busy else ""),
+                  busy=busy, draft="SmolLM2-135M draft (bundled)")
 
 
 def get_device(key: str) -> Device:
