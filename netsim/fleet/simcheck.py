@@ -169,15 +169,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result", default="gpu-sim", help="the result's name in bench/results/ ('' for none)")
     parser.add_argument("--cells", default="near", choices=("near", "fixed"),
                         help="near: every cell within 10%% of the better baseline and the fixed ones; fixed: CHECK_CELLS")
+    parser.add_argument("--part", default="1/1", help="I/N: simulate every N-th cell from the I-th (parallel runs)")
+    parser.add_argument("--rows-out", default=None, help="also write the simulated rows (JSON) here")
+    parser.add_argument("--merge", nargs="*", default=None,
+                        help="no simulation: the registry from --rows-out files of the parts")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     load = [round(x, 2) for x in os.getloadavg()]
     cfg = config_from_args(args)
     table = HostPathTable.load(args.host_path_table) if args.host_path_table else HostPathTable.load()
+    import json
+    from pathlib import Path
     checked = check_cells(cfg, table, args.setting) if args.cells == "near" else list(CHECK_CELLS)
-    logging.info("%d cells to simulate", len(checked))
-    rows = sim_check(checked, cfg=cfg, setting=args.setting, table=table,
-                     duration_s=args.duration, progress=logging.info)
+    if args.merge is not None:
+        rows = [r for path in args.merge for r in json.loads(Path(path).read_text())]
+    else:
+        i, n = (int(x) for x in args.part.split("/"))
+        mine = checked[i - 1::n]
+        logging.info("%d cells to simulate (part %s of %d)", len(mine), args.part, len(checked))
+        rows = sim_check(mine, cfg=cfg, setting=args.setting, table=table, duration_s=args.duration,
+                         progress=logging.info)
+        if args.rows_out:
+            Path(args.rows_out).write_text(json.dumps(rows, indent=1))
     cells = Table(SIM_COLUMNS, sim_rows(rows), {"map tok/s": "{:,}", "simulated tok/s": "{:,}"})
     logging.info("%s", cells.render())
     errors = {kind: max((abs(r["error"]) for r in rows if "error" in r
