@@ -45,7 +45,15 @@ def render(result: dict, out: Path) -> Path:
     for ax, (gpu, target, context, link) in zip(axes.flat, panels):
         ls = [r for r in lines if (r["GPU"], r["target"], r["context"], r["link"]) == (gpu, target, context, link)]
         xs = [r["drafting ms/token"] for r in ls]
-        ys = [r["break-even τ4"] if r["break-even τ4"] != "none" else None for r in ls]
+        if all(r["break-even τ4"] == "no session fits" for r in ls):
+            ax.text(0.5, 0.5, "no session's KV fits\nbeside the weights", transform=ax.transAxes, ha="center",
+                    va="center", fontsize=9)
+            ax.set_title(f"{gpu.upper()}, {target}, {context}, {link}", fontsize=9)
+            ax.set_xscale("log")
+            ax.set_xlim(min(r["drafting ms/token"] for r in ls), max(r["drafting ms/token"] for r in ls))
+            ax.set_ylim(1.0, 5.0)
+            continue
+        ys = [r["break-even τ4"] if isinstance(r["break-even τ4"], (int, float)) else None for r in ls]
         pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "k-", lw=2, label="hybrid = best vLLM (ratio 1)")

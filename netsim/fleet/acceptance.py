@@ -13,13 +13,13 @@ the mean conditional acceptance of its last (up to) three positions (stated in `
 
 The catalogue (`CURVES`):
 
-  eagle3-llama31-8b   vLLM, EAGLE-3 head yuhuili/EAGLE3-LLaMA3.1-Instruct-8B on Llama-3.1-8B-Instruct,
+  eagle3-llama8b   vLLM, EAGLE-3 head yuhuili/EAGLE3-LLaMA3.1-Instruct-8B on Llama-3.1-8B-Instruct,
                       MT-bench, greedy, chain drafts, mean acceptance length by num_speculative_tokens
                       K = 2..7: 2.36, 2.79, 3.08, 3.32, 3.46, 3.54 (vllm-project/vllm issue #20780; K = 7
                       again 3.53 in issue #26191: 12,208 accepted in 4,816 drafts). Positions 1 and 2 are
                       split (their sum is 1.36) so that the conditional acceptance at positions 2 and 3
                       is equal; from position 3 on reach[k] = τ(k) − τ(k − 1).
-  eagle1-llama31-8b   the same source, EAGLE-1 head: 2.1, 2.29, 2.39, 2.43, 2.45, 2.47 (split alike).
+  eagle1-llama8b   the same source, EAGLE-1 head: 2.1, 2.29, 2.39, 2.43, 2.45, 2.47 (split alike).
   eagle3-minicpm3     vLLM, an EAGLE-3 head for MiniCPM3 (vllm-project/vllm PR #24243): per-position
                       acceptance 0.58, 0.34, 0.22, 0.15, 0.11, mean acceptance length 2.47 (200 samples,
                       10 concurrent, RTX 4090; 2.44 at one at a time).
@@ -182,7 +182,7 @@ NGRAM_CODE_EDIT = Curve(
     tuple(r * _EDIT_DRAFTED / (_EDIT_DRAFTED + _EDIT_UNDRAFTED) for r in (0.81, 0.74, 0.70, 0.68, 0.66)),
     "vllm-project/vllm PR #24344 (vdaita/edit_5k_char, prompt_lookup 2..5: per-position 0.81/0.74/0.70/0.68/0.66 "
     "over the 993 steps that drafted, 821 steps without a draft)")
-CURVES = {"eagle3-llama31-8b": EAGLE3_LLAMA31_8B, "eagle1-llama31-8b": EAGLE1_LLAMA31_8B,
+CURVES = {"eagle3-llama8b": EAGLE3_LLAMA31_8B, "eagle1-llama8b": EAGLE1_LLAMA31_8B,
           "eagle3-minicpm3": EAGLE3_MINICPM3, "ngram-code-edit": NGRAM_CODE_EDIT}
 
 

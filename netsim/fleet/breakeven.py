@@ -35,7 +35,7 @@ PANELS = tuple((gpu, key, context) for gpu in ("h100", "h200") for key in ("8b-b
                for context in (1024, 8192))
 X_MS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 11.0, 16.0, 22.0, 30.0, 45.0, 70.0, 110.0)
 TAU_LO, TAU_HI = 1.1, 4.9
-MARKED_DRAFTS = ("eagle3-llama31-8b", "eagle1-llama31-8b", "eagle3-minicpm3", "ours-bundled", "ours-gemma")
+MARKED_DRAFTS = ("eagle3-llama8b", "eagle1-llama8b", "eagle3-minicpm3", "ours-bundled", "ours-gemma")
 
 
 class Panel:
@@ -121,6 +121,10 @@ def breakeven(panels=PANELS, links=("lan",), xs=X_MS, cfg: RegimeConfig | None =
             if progress:
                 progress(f"{gpu} {key} {context // 1024}k {link}")
             panel = Panel(gpu, key, context, link, cfg, row)
+            if panel.kv_slots < 1:   # not one session's KV fits beside the weights: no mode serves
+                lines += [{"gpu": gpu, "target": key, "context": context, "link": link, "x_ms": x, "tau4": None,
+                           "fits": False} for x in xs]
+                continue
             for x in xs:
                 lines.append({"gpu": gpu, "target": key, "context": context, "link": link, "x_ms": x,
                               "tau4": panel.break_even(x, family)})
@@ -136,13 +140,38 @@ def breakeven(panels=PANELS, links=("lan",), xs=X_MS, cfg: RegimeConfig | None =
             "drafts": {k: c.to_json() for k, c in drafts.items()}, "xs": list(xs), "lines": lines, "marks": marks}
 
 
+def _at(lines: list[dict], x: float):
+    """The break-even τ4 at drafting time x from a panel's solved points: interpolated in log x between
+    the two around it, "none" when the point above has none (the line ends before x)."""
+    import math
+    if any(l.get("fits") is False for l in lines):
+        return "no session fits", "no mode serves"
+    pts = sorted((l["x_ms"], l["tau4"]) for l in lines)
+    above = next((p for p in pts if p[0] >= x), pts[-1])
+    below = [p for p in pts if p[0] <= x]
+    if above[1] is None:
+        return "none", f"none at {above[0]:g} ms"
+    if not below or below[-1][1] is None or below[-1][0] == above[0]:
+        return round(above[1], 2), f"at {above[0]:g} ms"
+    (x0, y0), (x1, y1) = below[-1], above
+    w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return round(y0 + w * (y1 - y0), 2), f"between {x0:g} and {x1:g} ms, log-interpolated"
+
+
 def panel_name(gpu: str, key: str, context: int, link: str) -> str:
-    return f"{gpu}-{key.split('-')[0]}-{context // 1024}k-{link}"
+    """A panel's name in figure keys (no digit-dash-digit: a key names what it measures)."""
+    return f"{gpu}-llama{key.split('-')[0]}-ctx{context // 1024}k-{link}"
 
 
 def write_results(result: dict, name: str = "gpu-breakeven", load_start=None):
+    """The registry's tables and figures; the verdicts are judged against the model's error as it is
+    recorded now (a later simulation can move it without solving the lines again)."""
     from hybridspec.figures import Figure, Table, write_result
-    tol = result["tolerance"]
+    from netsim.fleet.modelerror import published_tolerance
+    from netsim.fleet.regime_report import verdict
+    tol = result["tolerance"] = published_tolerance()
+    for m in result["marks"]:
+        m["verdict"] = verdict(m["ratio"], tol)
     setup = (f"regime map, {result['setting']} rounds; device draft: EAGLE-3's curve moved to τ4; the best of vLLM's "
              f"draft model (the device's draft), EAGLE-3 and n-gram; model error {tol:.1%}")
     figures = {}
@@ -152,7 +181,7 @@ def write_results(result: dict, name: str = "gpu-breakeven", load_start=None):
         figures[f"device-{dkey}-prefill-ms"] = Figure(d["prefill_ms_per_token"], f"prompt time per token, {d['draft']}",
                                                       f"{d['name']}: {d['source']}", "ms", "{:.2f} ms")
     for dkey, d in result["devices"].items():
-        for m in (m for m in result["marks"] if m["device"] == dkey and m["draft"] == "eagle3-llama31-8b"):
+        for m in (m for m in result["marks"] if m["device"] == dkey and m["draft"] == "eagle3-llama8b"):
             pname = panel_name(m["gpu"], m["target"], m["context"], m["link"])
             figures[f"{pname}-{dkey}-ratio-eagle3"] = Figure(
                 m["ratio"], "hybrid ÷ best vLLM proposer, tokens/s per GPU, device draft as good as EAGLE-3",
@@ -163,13 +192,14 @@ def write_results(result: dict, name: str = "gpu-breakeven", load_start=None):
     for pname, ls in by_panel.items():
         for dkey, d in result["devices"].items():
             x = d["draft_ms"]
-            below = [l for l in ls if l["x_ms"] <= x]
-            near = below[-1] if below else ls[0]
+            tau, how = _at(ls, x)
+            if tau == "no session fits":
+                continue
             figures[f"{pname}-{dkey}-tau4"] = Figure(
-                "none" if near["tau4"] is None else round(near["tau4"], 2),
-                "device τ4 at which the hybrid equals vLLM's best proposer (none: no τ4 up to 4.9)",
-                f"{pname}, drafting {near['x_ms']:g} ms/token (the grid point at or below {d['name']}'s "
-                f"{x:g}); {setup}", "tokens", "{}")
+                TAU_HI if tau == "none" else tau,
+                "device τ4 at which the hybrid equals vLLM's best proposer",
+                f"{pname}, {d['name']} drafting {x:g} ms/token ({how}); {setup}", "tokens",
+                "none up to {}" if tau == "none" else "{}")
     for gpu in dict.fromkeys(m["gpu"] for m in result["marks"]):
         ms = [m for m in result["marks"] if m["gpu"] == gpu]
         figures[f"{gpu}-measured-wins"] = Figure(sum(m["verdict"] == "win" for m in ms),
@@ -187,6 +217,7 @@ def write_results(result: dict, name: str = "gpu-breakeven", load_start=None):
                                                  f"{best['draft']}; {setup}", "x", "{:.2f}×")
     lines_table = Table(["GPU", "target", "context", "link", "drafting ms/token", "break-even τ4"],
                         [[l["gpu"], l["target"], f"{l['context'] // 1024}k", l["link"], l["x_ms"],
+                          "no session fits" if l.get("fits") is False else
                           "none" if l["tau4"] is None else round(l["tau4"], 2)] for l in result["lines"]])
     marks_table = Table(["GPU", "target", "context", "link", "device", "ms/token", "draft", "τ4", "hybrid ÷ best vLLM",
                          "verdict"],
@@ -215,7 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--xs", default=",".join(f"{x:g}" for x in X_MS), help="drafting ms per token to solve at")
     parser.add_argument("--out", default="results/breakeven.json", help="the full result (JSON)")
     parser.add_argument("--result", default="gpu-breakeven", help="registry name ('' for none)")
+    parser.add_argument("--from-json", default=None,
+                        help="write the registry from a saved --out file (verdicts against today's model error)")
     args = parser.parse_args(argv)
+    if args.from_json:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        logging.info("wrote %s", write_results(json.loads(Path(args.from_json).read_text()), args.result))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     load = [round(x, 2) for x in os.getloadavg()]
     result = breakeven(links=tuple(args.links.split(",")), xs=tuple(float(x) for x in args.xs.split(",")),

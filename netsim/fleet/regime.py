@@ -150,7 +150,7 @@ class RegimeConfig:
     prompt_tokens: int = 128           # new tokens per request (the session's earlier context is cached)
     # Each server proposer's acceptance curve (netsim.fleet.acceptance: a named measurement each); the
     # draft model on the GPU runs the device's own draft (None) unless one is named.
-    eagle_curve: str = "eagle3-llama31-8b"
+    eagle_curve: str = "eagle3-llama8b"
     ngram_curve: str = "ngram-chat"
     draft_model_curve: str | None = None
     measured: MeasuredInputs | None = None
