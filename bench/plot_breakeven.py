@@ -35,7 +35,8 @@ def render(result: dict, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     lines, marks, devices = _rows(result, "lines"), _rows(result, "marks"), _rows(result, "devices")
-    panels = list(dict.fromkeys((r["GPU"], r["target"], r["context"], r["link"]) for r in lines))
+    panels = sorted(dict.fromkeys((r["GPU"], r["target"], r["context"], r["link"]) for r in lines),
+                    key=lambda p: (p[0], float(p[1].split("b")[0]), int(str(p[2]).rstrip("k")), p[3]))
     cols = 4
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False, sharey=True)
@@ -65,9 +66,10 @@ def render(result: dict, out: Path) -> Path:
             ax.axvline(d["ms/token (short context)"], color="tab:blue", ls="--", lw=0.8)
             ax.text(d["ms/token (short context)"], 4.95, d["device"], rotation=90, va="top", ha="right", fontsize=7,
                     color="tab:blue")
-        for name, tau in drafts.items():
+        for i, (name, tau) in enumerate(sorted(drafts.items(), key=lambda kv: kv[1])):
             ax.axhline(tau, color="grey", ls=":", lw=0.8)
-            ax.text(xs[0], tau, name, va="bottom", fontsize=6, color="grey")
+            ax.text(xs[0] if i % 2 == 0 else xs[-1], tau, name, va="bottom" if i % 2 == 0 else "top",
+                    ha="left" if i % 2 == 0 else "right", fontsize=6, color="grey")
         for m in (m for m in marks if (m["GPU"], m["target"], m["context"], m["link"]) == (gpu, target, context, link)):
             marker, color = VERDICT_STYLE[m["verdict"]]
             ax.plot(m["ms/token"], m["τ4"], marker, color=color, ms=5)
