@@ -17,8 +17,11 @@ Per method: output tokens/s over all requests (wall clock of one `generate` over
 once), vLLM's own spec-decode counters where it has them (drafts, draft tokens, accepted tokens:
 acceptance = accepted / draft tokens; mean tokens per step = 1 + accepted / drafts; and per position,
 `spec_decode_num_accepted_tokens_per_pos` / drafts: the proposer's acceptance curve, `reach`, as
-netsim.fleet.acceptance reads one), and whether each greedy output equals plain decoding's
-(speculative decoding is lossless: it should).
+netsim.fleet.acceptance reads one; vLLM counts the steps that drafted, so for n-gram it is the curve
+given a match, where netsim's emulation (edge_client/draftmaker/chain.py) counts every step and
+reports the share that matched), and whether each greedy output equals plain decoding's
+(speculative decoding is lossless: it should). The engines keep their stats (disable_log_stats
+False): without them `LLM.get_metrics()` has no spec-decode counters.
 
 With --prompts-file (eval-draft's JSON lines, e.g. edge_client/prompts/eval.jsonl) the requests are
 those prompts in the target's chat template, as token ids (the bundled GGUF's tokenizer, which the
@@ -184,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = args.methods.split(",")
     for m in methods:
         speculative_config(m, args.gamma, "draft")   # refuse an unknown method before any engine starts
-    engine_args = {"max_model_len": 1024, **{k: literal(v) for k, v in (kv.split("=", 1) for kv in args.vllm_arg)}}
+    # disable_log_stats=False: LLM.get_metrics() has the spec-decode counters only when stats are kept
+    engine_args = {"max_model_len": 1024, "disable_log_stats": False, **{k: literal(v) for k, v in (kv.split("=", 1) for kv in args.vllm_arg)}}
     prompts = (eval_prompts(args.prompts_file, args.per_category) if args.prompts_file
                else [f"[{i}] {TEXT * 3}" for i in range(args.prompts)])
     if args.dry_run:
