@@ -16,7 +16,12 @@
 # 5. vLLM speculating for itself beside plain decoding (bench/vllm_self_spec.py: n-gram and a draft
 #    model, the same prompts, one engine each): the second baseline of the per-GPU comparison
 #    (docs/operators.md), measured; --short: plain and n-gram at tiny sizes (a vLLM that refuses
-#    speculative decoding on CPU is reported as refused, not failed);
+#    speculative decoding on CPU is reported as refused, not failed); the requests are eval-draft's
+#    prompts (edge_client/prompts/eval.jsonl) as token ids, and each proposer's acceptance per draft
+#    position comes from vLLM's own counters (on a GPU also n-gram and a draft model at γ 8);
+# 5a. (before 5) the acceptance curve of our device draft on the same prompts (edge-client eval-draft, llama.cpp:
+#    `chain`), beside vLLM's n-gram rule as netsim emulates it (`ngram`): the curves netsim/fleet uses,
+#    next to what the real proposer measured in step 5;
 # 6. on a GPU: step 3 again with a vLLM verifier (SmolLM2 dequantized, started here) and
 #    prompt-lookup edges (--drafter lookup, drafting emulated).
 # Every step is time-boxed by what is left of the budget (560 s; --short 480 s: the short run starts vLLM four times on a CPU); a step that fails
@@ -68,6 +73,7 @@ if [ -z "$PY" ] && [ -n "${WHEELS:-}" ]; then
 fi
 PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PROMPTS=edge_client/prompts/eval.jsonl   # eval-draft's prompts: vLLM's proposers and our draft on the same ones
 # vLLM on CPU: a small KV cache, and no core reserved for its bookkeeping (scripts/test_vllm.sh).
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
@@ -113,15 +119,37 @@ else
   say "## vLLM counters per round: skipped (vllm is not importable by $PY)"; FAILED=$((FAILED + 1))
 fi
 
+# --- 5a. our device draft's acceptance curve on the same prompts (llama.cpp; no vLLM, no GPU) --------
+DRAFT=${HYBRIDSPEC_MODELS:-models}/smollm2-draft.gguf
+ACC=$(dirname "$RESULTS")/device_acceptance$([ $SHORT = 1 ] && echo _short || echo _gpu).json
+if [ ! -f "$DRAFT" ]; then
+  step "the device draft (made from the bundled target)" 120 "$PY" -m edge_client make-draft --method requant --type Q4_0 --out "$DRAFT"
+fi
+if [ $SHORT = 1 ]; then
+  step "device draft acceptance, same prompts" 90 bash -c '"$0" -m edge_client eval-draft --target smollm2 --draft "$1" \
+    --prompts "$2" --per-category 1 --tokens 8 --temperatures 0 --fom-temperature 0 --no-speed --json > "$3"' "$PY" "$DRAFT" "$PROMPTS" "$ACC"
+else
+  step "device draft acceptance, same prompts" 100 bash -c '"$0" -m edge_client eval-draft --target smollm2 --draft "$1" \
+    --prompts "$2" --tokens 48 --temperatures 0 --fom-temperature 0 --no-speed --json > "$3"' "$PY" "$DRAFT" "$PROMPTS" "$ACC"
+fi
+if [ -s "$ACC" ]; then
+  "$PY" -c "import json, sys; r = json.load(open(sys.argv[1]))
+print('device draft (llama.cpp), tokens per step by γ:', r['chain']['0']['tokens_per_step'])
+print('n-gram as netsim emulates it, tokens per step by γ:', r['ngram']['tokens_per_step'])" "$ACC" | tee -a "$RESULTS"
+fi
+
 # --- 5. vLLM speculating for itself, beside plain decoding ------------------------------------------
 if has vllm; then
   if [ $SHORT = 1 ]; then
-    step "vLLM speculating for itself" 400 "$PY" bench/vllm_self_spec.py --prompts 2 --max-tokens 8 \
-      --methods none,ngram --vllm-arg dtype=float32 --out "$(dirname "$RESULTS")/vllm_self_spec_short.json"
+    step "vLLM speculating for itself" 370 "$PY" bench/vllm_self_spec.py --prompts-file "$PROMPTS" --per-category 1 \
+      --max-tokens 8 --methods none,ngram --vllm-arg dtype=float32 --out "$(dirname "$RESULTS")/vllm_self_spec_short.json"
   else
     step "vLLM speculating for itself" 150 "$PY" bench/vllm_self_spec.py --prompts 64 --max-tokens 128 \
       --vllm-arg gpu_memory_utilization=0.3 --vllm-arg enforce_eager=true \
       --out "$(dirname "$RESULTS")/vllm_self_spec_gpu.json"
+    step "vLLM's acceptance per position (eval prompts, γ 8)" 110 "$PY" bench/vllm_self_spec.py --prompts-file "$PROMPTS" \
+      --max-tokens 48 --gamma 8 --methods ngram,draft_model --vllm-arg gpu_memory_utilization=0.3 \
+      --vllm-arg enforce_eager=true --out "$(dirname "$RESULTS")/vllm_acceptance_gpu.json"
   fi
 else
   say "## vLLM speculating for itself: skipped (vllm is not importable by $PY)"; FAILED=$((FAILED + 1))

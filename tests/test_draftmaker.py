@@ -18,7 +18,8 @@ from llama_runtime import GGUFModel
 PROMPTS = [Prompt("code", "def list"), Prompt("chat", "hello world"), Prompt("chat", "the list of it")]
 # The keys the eval-draft JSON documents (edge_client/draftmaker/evaluate.py).
 REPORT_KEYS = {"target", "draft", "settings", "overall", "categories", "per_prompt", "expected_tokens_per_round",
-               "speed", "verify", "hybrid", "vocabulary", "elapsed_s"}
+               "speed", "verify", "hybrid", "vocabulary", "elapsed_s", "chain", "chain_by_category", "ngram",
+               "ngram_by_category"}
 HYBRID_KEYS = {"link", "rtt_s", "uplink_bytes_per_s", "bytes_per_draft_token", "temperature", "alpha",
                "draft_threads", "t_draft_s", "best_gamma", "tokens_per_s", "tokens_per_s_by_gamma",
                "cloud_only_tokens_per_s"}
@@ -130,6 +131,11 @@ def test_eval_of_a_model_against_itself_accepts_everything(tiny4, tmp_path):
     assert alpha["0.7"] == pytest.approx(1.0, abs=1e-9) and alpha["1"] == pytest.approx(1.0, abs=1e-9)
     assert set(rep["categories"]) == {"code", "chat"} and rep["categories"]["chat"]["prompts"] == 2
     assert rep["expected_tokens_per_round"]["0"]["8"] == pytest.approx(9.0)
+    # The chain walked over the continuations: every draft accepted at every position (the end of a
+    # continuation is not counted against a position), so τ(γ) = γ + 1.
+    assert rep["chain"]["0"]["reach"]["3"] == [1.0, 1.0, 1.0] and rep["chain"]["0"]["tokens_per_step"]["3"] == 4.0
+    assert set(rep["chain_by_category"]) == {"code", "chat"}
+    assert 0.0 <= rep["ngram"]["proposed_share"]["3"] <= 1.0
     assert set(rep["speed"]["draft"]) == {"1"} and rep["speed"]["draft"]["1"] > 0
     assert 1 <= rep["hybrid"]["best_gamma"] <= 3 and rep["hybrid"]["tokens_per_s"] > 0
     json.dumps(rep)  # the report is plain JSON
@@ -143,6 +149,10 @@ def test_eval_of_a_noisy_draft_and_tokenizer_mismatch(tiny4):
     positions = noisy.overall["positions"]
     assert positions["0"] == sum(r["positions"]["0"] for r in noisy.per_prompt)
     assert noisy.vocabulary is None and "coverage" not in noisy.overall  # same tokenizer
+    # A chain cannot accept its k-th draft more often than its (k-1)-th; τ(γ) <= γ + 1.
+    for t, chain in noisy.chain.items():
+        for g, reach in chain["reach"].items():
+            assert all(a >= b for a, b in zip(reach, reach[1:])) and chain["tokens_per_step"][g] <= int(g) + 1
     # Another tokenizer is scored across vocabularies (tests/test_pair.py), unless asked to refuse it.
     with pytest.raises(ValueError, match="do not share a tokenizer"):
         evaluate_drafts(tiny4["target"], [tiny4["other_vocab"]], PROMPTS, max_new_tokens=4, measure_speed=False,

@@ -44,4 +44,12 @@ def test_gpu_check_short_mode_runs_every_step(tmp_path):
     assert "## vLLM speculating for itself" in results
     spec = json.loads((tmp_path / "vllm_self_spec_short.json").read_text())
     assert [r["method"] for r in spec["rows"]] == ["none", "ngram"] and "tokens_per_s" in spec["rows"][0]
+    # ... on eval-draft's prompts, with n-gram's acceptance per draft position from vLLM's own counters
+    # where this vLLM speculated (a CPU build may refuse it: then the row says so).
+    ngram = spec["rows"][1]
+    assert spec["prompts"] and ("refused" in ngram or "reach" in ngram or not ngram.get("acceptance"))
+    # Our device draft's acceptance curve on the same prompts (llama.cpp), beside the n-gram emulation.
+    assert "## device draft acceptance, same prompts" in results and "device draft (llama.cpp)" in results
+    device = json.loads((tmp_path / "device_acceptance_short.json").read_text())
+    assert device["chain"]["0"]["reach"]["8"] and device["ngram"]["tokens_per_step"]
     assert "0 step(s) failed" in results

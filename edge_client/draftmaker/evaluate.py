@@ -59,7 +59,13 @@ JSON report keys (`EvalReport.to_json()`):
                                 target_tokens, draft_tokens, draft_strings, shared_strings,
                                 share, mapped_tokens, rolled_back_per_sync}
   per_prompt                   [{category, prompt_tokens, positions{T}, alpha{T}}]
-  expected_tokens_per_round    {T: {γ: (1 − α^(γ+1)) / (1 − α)} for γ = 1..8}
+  expected_tokens_per_round    {T: {γ: (1 − α^(γ+1)) / (1 − α)} for γ = 1..8} (flat α: an estimate)
+  chain                        {T: {reach: {γ: [P(accepted >= k)]}, tokens_per_step: {γ: τ}, committed_per_step}}:
+                               the acceptance curve of a chain of γ drafts walked over the continuations
+                               (edge_client/draftmaker/chain.py), pooled and per category (`chain_by_category`)
+  ngram                        the same at T = 0 for vLLM's n-gram proposer (prompt lookup, n 2..4) on the
+                               target's greedy text, with `proposed_share` (steps that found a match);
+                               per category in `ngram_by_category`
   speed                        {draft: {threads: tok/s}, target: {threads: tok/s}, tokens, repeats} or null
   verify                       {threads, seconds_by_rows{k}, base_s, per_token_s, method} or null
   hybrid                       {link, rtt_s, uplink_bytes_per_s, bytes_per_draft_token, temperature,
@@ -81,6 +87,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from edge_client.draftmaker.chain import ChainTally, score_chain, score_lookup
 from spec_core.costmodel import RoundCosts, best_gamma, expected_tokens_per_round
 from spec_core.warping import is_greedy, processed_probs, sample
 
@@ -374,6 +381,10 @@ class EvalReport:
     verify: dict | None = None
     hybrid: dict | None = None
     vocabulary: dict | None = None
+    chain: dict | None = None
+    chain_by_category: dict | None = None
+    ngram: dict | None = None
+    ngram_by_category: dict | None = None
     elapsed_s: float = 0.0
 
     def to_json(self) -> dict:
@@ -437,6 +448,9 @@ def evaluate_drafts(target_path: str | os.PathLike, draft_paths: Sequence[str | 
                 "prompts_file": prompts_file}
     reports = [_report(target_path, scored.target_fingerprint, path, score, settings)
                for path, score in zip(draft_paths, scored.drafts)]
+    for r in reports:
+        r.ngram = scored.ngram[""].summary() if "" in scored.ngram else None
+        r.ngram_by_category = {c: t.summary() for c, t in scored.ngram.items() if c}
     if measure_speed:
         _speed_and_merit(reports, target_path, draft_paths, scored.speed_prompt,
                          [s.payload_rows for s in scored.drafts], fom_temperature, speed_tokens, speed_repeats,
@@ -473,10 +487,14 @@ class _DraftScore:
     by_category: dict[str, _Tally] = field(default_factory=dict)
     per_prompt: list[dict] = field(default_factory=list)
     payload_rows: np.ndarray | None = None      # q shipped at the figure of merit's T, for the payload size
+    chain: dict = field(default_factory=dict)   # T key -> ChainTally (pooled)
+    chain_by_category: dict = field(default_factory=dict)   # category -> T key -> ChainTally
 
     def record(self, category: str, row: dict, t: str, acc: _Acceptance) -> None:
         self.overall.add(t, acc.values, acc.covered)
         self.by_category[category].add(t, acc.values, acc.covered)
+        score_chain(self.chain.setdefault(t, ChainTally()), acc.values)
+        score_chain(self.chain_by_category.setdefault(category, {}).setdefault(t, ChainTally()), acc.values)
         row["positions"][t] = len(acc.values)
         row["alpha"][t] = float(acc.values.mean())
         if acc.payload is not None and len(acc.payload):
@@ -494,6 +512,7 @@ class _Scored(NamedTuple):
     target_fingerprint: str
     drafts: list[_DraftScore]
     speed_prompt: _SpeedPrompt | None
+    ngram: dict   # category ("" pooled) -> ChainTally of the n-gram proposer on the target's greedy text
 
 
 def _score_all(target_path, draft_paths, prompts: list[Prompt], plan: _Plan, threads: int, cross_vocab: bool,
@@ -508,14 +527,18 @@ def _score_all(target_path, draft_paths, prompts: list[Prompt], plan: _Plan, thr
         target_ctx = target.new_context(n_ctx=2048)
         draft_ctxs = [d.new_context(n_ctx=2048) for d in drafts]
         speed_prompt = None
+        ngram: dict[str, ChainTally] = {}
         for i, prompt in enumerate(prompts):
             note(f"prompt {i + 1}/{len(prompts)} ({prompt.category})")
             first = _score_prompt(i, prompt, target, target_ctx, drafts, draft_ctxs, scores, plan)
+            if first is not None:   # the prompt and its greedy continuation: vLLM's n-gram proposer on it
+                for key in ("", prompt.category):
+                    score_lookup(ngram.setdefault(key, ChainTally()), first.target_ids, first.continuation)
             speed_prompt = speed_prompt or first
         target_ctx.close()
         for ctx in draft_ctxs:
             ctx.close()
-        return _Scored(target.fingerprint, scores, speed_prompt)
+        return _Scored(target.fingerprint, scores, speed_prompt, ngram)
     finally:
         target.close()
         for m in drafts:
@@ -563,7 +586,7 @@ def _score_prompt(i: int, prompt: Prompt, target, target_ctx, drafts, draft_ctxs
             conts[sample_temp] = target_continuation(target_ctx, ids, plan.max_new_tokens, sample_temp, rng,
                                                      target.eog_ids)
         cont = conts[sample_temp]
-        if speed_prompt is None and sample_temp == 0.0:
+        if speed_prompt is None and sample_temp == 0.0:   # (the first T = 0 continuation of this prompt)
             speed_prompt = _SpeedPrompt(ids, cont, [list(ids) if s.cross is None else list(p)
                                                     for s, p in zip(scores, draft_prompts)])
         target_logits = teacher_forced_logits(target_ctx, ids, cont)
@@ -610,6 +633,8 @@ def _report(target_path, target_fingerprint: str, draft_path, score: _DraftScore
         expected_tokens_per_round={t: {str(g): expected_tokens_per_round(a, g) for g in GAMMAS}
                                    for t, a in summary["alpha"].items()},
         vocabulary=_vocabulary_json(score.cross),
+        chain={t: c.summary() for t, c in score.chain.items()},
+        chain_by_category={cat: {t: c.summary() for t, c in by_t.items()} for cat, by_t in score.chain_by_category.items()},
     )
 
 

@@ -107,6 +107,23 @@ def hit_probability(alpha: float, gamma: int, guess: float, continuations: int) 
     return min(1.0, sum(o.prob for o in outcomes))
 
 
+def hit_probability_curve(curve, gamma: int, guess: float, continuations: int) -> float:
+    """`hit_probability` with acceptance by position (netsim.fleet.acceptance.Curve): the round stops at
+    draft j with probability reach(j) − reach(j + 1) and takes the bonus with reach(γ); the outcomes
+    are ranked as spec_core.continuations.chain_outcomes ranks them, and the `continuations` most
+    probable are covered. A flat curve gives hit_probability's figure."""
+    if continuations <= 0:
+        return 0.0
+    cands = [guess * (1.0 - guess) ** i for i in range(4)]
+    probs = []
+    for j in range(gamma):
+        stop = curve.at(j) - curve.at(j + 1)
+        probs += [(stop * c, j + 1) for c in cands if c > 0]
+    probs += [(curve.at(gamma) * c, gamma + 1) for c in cands if c > 0]
+    probs.sort(key=lambda pc: (-pc[0], pc[1]))
+    return min(1.0, sum(p for p, _ in probs[:continuations]))
+
+
 def load_measured(path: Path = CONTINUATIONS_SUMMARY) -> MeasuredInputs:
     runs = hit_runs(json.loads(Path(path).read_text()))
     sent = sum(r.continuations * r.rounds for r in runs if r.mode.startswith("continuations"))

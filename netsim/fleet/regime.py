@@ -51,15 +51,18 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from netsim.fleet.acceptance import Curve, get_curve
+from netsim.fleet.acceptance import rounds_per_request as _curve_rounds
 from netsim.fleet.costs import (H100, H100_FP8_FLOPS, H100_MEMORY, H200, H200_FP8_FLOPS, H200_MEMORY, LLAMA_8B,
                                 LLAMA_8B_ATTENTION, LLAMA_70B_ATTENTION, LLAMA_70B_FP8, KvOffload, RooflineCost,
                                 RoundWork, kv_sessions)
 from netsim.fleet.hostpath import HostPath
 from netsim.fleet.links import ROUND_BYTES, STREAM_BYTES
-from netsim.fleet.measured import MeasuredInputs, hit_probability, load_measured
+from netsim.fleet.devices import DEFAULT_DEVICE, DEVICES, Device, get_device
+from netsim.fleet.measured import MeasuredInputs, hit_probability, hit_probability_curve, load_measured  # noqa: F401
+from netsim.fleet.regime_report import GPU_NAMES, HYBRID_MODES, SPEC_MODES
 from netsim.fleet.serverspec import DRAFTS, ServerSpecCost, draft_cost
 from netsim.profiles import get_profile
-from spec_core.costmodel import expected_tokens_per_round
 from spec_core.kvpark import ParkCandidate, ParkCost, worth_moving
 
 
@@ -72,8 +75,8 @@ class Gpu:
     memory_bytes: float
 
 
-GPUS = {"h100": Gpu("H100 SXM", H100["hbm_bytes_per_s"], H100["flops_per_s"], H100_FP8_FLOPS, H100_MEMORY),
-        "h200": Gpu("H200 SXM", H200["hbm_bytes_per_s"], H200["flops_per_s"], H200_FP8_FLOPS, H200_MEMORY)}
+GPUS = {"h100": Gpu(GPU_NAMES["h100"], H100["hbm_bytes_per_s"], H100["flops_per_s"], H100_FP8_FLOPS, H100_MEMORY),
+        "h200": Gpu(GPU_NAMES["h200"], H200["hbm_bytes_per_s"], H200["flops_per_s"], H200_FP8_FLOPS, H200_MEMORY)}
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,13 @@ class RegimeConfig:
     slo_tpot_s: float = 0.150          # the SLO, on the p95 gap or the mean TPOT (`slo_on`)
     slo_on: str = "p95-gap"            # "p95-gap" (as a reader feels it) or "mean-tpot"
     gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)   # the best for each cell and mode is reported
-    draft_s: float = 0.010             # the device's time per draft token (our assumption: a phone-class CPU)
+    # The device (netsim.fleet.devices: a published llama.cpp measurement per class) and its time per draft
+    # token at short context; draft_s overrides the device's (the break-even sweeps it). The draft's KV
+    # grows the time with the context; a request's new prompt tokens are prefilled on the device.
+    device: str = DEFAULT_DEVICE
+    draft_s: float | None = None
+    device_prefill: bool = True
+    draft_kv: bool = True              # the draft's KV read per token grows its time with the context
     edge_s: float = 0.002              # the edge's own time per round outside drafting
     continuations: tuple[int, ...] = (1, 2, 4, 8)   # per round in flight; the best is reported
     guess: float | None = None         # None: measured (netsim.fleet.measured)
@@ -139,7 +148,11 @@ class RegimeConfig:
     flops_efficiency: float = 0.6
     max_tokens: int = 256              # generated per request
     prompt_tokens: int = 128           # new tokens per request (the session's earlier context is cached)
-    ngram_alpha: float = 0.3           # n-gram (prompt lookup) drafts' α on free text (our assumption)
+    # Each server proposer's acceptance curve (netsim.fleet.acceptance: a named measurement each); the
+    # draft model on the GPU runs the device's own draft (None) unless one is named.
+    eagle_curve: str = "eagle3-llama8b"
+    ngram_curve: str = "ngram-chat"
+    draft_model_curve: str | None = None
     measured: MeasuredInputs | None = None
 
     def inputs(self) -> MeasuredInputs:
@@ -159,19 +172,54 @@ class RegimeConfig:
     def memory_bytes(self) -> float:
         return GPUS[self.gpu].memory_bytes
 
+    def device_(self) -> Device:
+        return get_device(self.device)
+
+    def draft_s_short(self) -> float:
+        return self.device_().draft_s if self.draft_s is None else self.draft_s
+
+    def draft_s_at(self, context: int) -> float:
+        """The device's time per draft token with `context` tokens in its draft's KV."""
+        return self.device_().draft_s_at(context if self.draft_kv else 0, self.draft_s_short())
+
+    def prefill_s(self) -> float:
+        """A request's new prompt on the device (scaled with draft_s when that is overridden)."""
+        if not self.device_prefill:
+            return 0.0
+        d = self.device_()
+        return self.prompt_tokens * d.prefill_s * self.draft_s_short() / d.draft_s
+
+    def curve(self, method: str, device_curve: Curve) -> Curve:
+        """The acceptance curve of vLLM's `method`: its named measurement, or the device's own draft."""
+        if method == "EAGLE":
+            return get_curve(self.eagle_curve)
+        if method == "n-gram":
+            return get_curve(self.ngram_curve)
+        return device_curve if self.draft_model_curve is None else get_curve(self.draft_model_curve)
+
     def describe(self) -> dict:
         g = GPUS[self.gpu]
         return {"gpu": g.name, "memory_gb": g.memory_bytes / 1e9, "hbm_tb_s": g.hbm_bytes_per_s / 1e12,
                 "kv_dtype": self.kv_dtype, "bw_efficiency": self.bw_efficiency,
                 "flops_efficiency": self.flops_efficiency, "slo_s": self.slo_tpot_s, "slo_on": self.slo_on,
-                "draft_ms": self.draft_s * 1e3, "edge_ms": self.edge_s * 1e3, "max_tokens": self.max_tokens,
+                "device": self.device_().to_json(), "draft_ms": self.draft_s_short() * 1e3,
+                "device_prefill_ms": self.prefill_s() * 1e3, "edge_ms": self.edge_s * 1e3, "max_tokens": self.max_tokens,
                 "prompt_tokens": self.prompt_tokens, "guess": self.guess_(), "window": self.window_(),
                 "bytes_per_continuation": self.bytes_per_continuation_(), "continuations": list(self.continuations),
-                "gammas": list(self.gammas), "ngram_alpha": self.ngram_alpha, "measured": self.inputs().describe(),
+                "gammas": list(self.gammas), "curves": {m: self.curve(m, Curve.flat(0.0, "the device's draft")).describe()
+                                                      if m != "draft model" or self.draft_model_curve
+                                                      else "the device's draft (on the GPU)"
+                                                      for m in ("EAGLE", "n-gram", "draft model")},
+                "measured": self.inputs().describe(),
                 "round_work": self.round_work.describe(), "offload": self.offload.describe(), "parking": self.parking}
 
 
-_hit = functools.lru_cache(maxsize=65536)(hit_probability)
+_hit = functools.lru_cache(maxsize=65536)(hit_probability_curve)
+
+
+def as_curve(draft) -> Curve:
+    """A device draft given as a flat α or a Curve."""
+    return draft if isinstance(draft, Curve) else Curve.flat(float(draft))
 
 
 @functools.lru_cache(maxsize=1)
@@ -218,19 +266,29 @@ def link_wait_s(profile_name: str, up_bytes: float = ROUND_BYTES[0], down_bytes:
     return sum(one_way_s(profile_name, up_bytes, down_bytes))
 
 
-@functools.lru_cache(maxsize=4096)
-def rounds_per_request(alpha: float, gamma: int, tokens: int) -> float:
-    """Expected rounds (or spec steps) to commit `tokens`, each committing 1 + accepted within what is
-    left (γ capped at the tokens left − 1, as the edge and the simulation cap it)."""
-    f = [0.0] * (tokens + 1)
-    for r in range(1, tokens + 1):
-        g = max(0, min(gamma, r - 1))
-        total = 1.0
-        for a in range(g + 1):   # a accepted: α^a (1 − α), the last one α^g
-            p = alpha ** a * ((1.0 - alpha) if a < g else 1.0)
-            total += p * f[r - min(a + 1, r)]
-        f[r] = total
-    return f[tokens]
+def rounds_per_request(draft, gamma: int, tokens: int) -> float:
+    """Expected rounds (or spec steps) to commit `tokens` with a device draft (a flat α or a Curve),
+    each committing 1 + accepted within what is left (γ capped at the tokens left − 1, as the edge and
+    the simulation cap it)."""
+    return _curve_rounds(as_curve(draft), gamma, tokens)
+
+
+def mean_pass_s(cost, tokens: float, sessions: float, prompt_tokens: float, prompts: float, hybrid: bool) -> float:
+    """A pass's mean time when `tokens` are its rounds' (or steps') own and a Poisson number of new
+    requests' prompts (mean `prompts`) add `prompt_tokens` each: the mean of each pass's roofline, not
+    the roofline of the mean pass (a pass that holds a prompt can be compute-bound while the mean pass
+    is not: the 70B at 1k context, where the simulation charges each pass its own prompts)."""
+    if prompts <= 0 or prompt_tokens <= 0:
+        return cost.pass_s(max(1.0, tokens), max(1.0, sessions), hybrid)
+    total = acc = 0.0
+    p, m = math.exp(-prompts), 0
+    top = prompts + 8.0 * math.sqrt(prompts) + 8.0
+    while m <= top and acc < 1.0 - 1e-7:
+        total += p * cost.pass_s(max(1.0, tokens + m * prompt_tokens), max(1.0, sessions), hybrid)
+        acc += p
+        m += 1
+        p *= prompts / m
+    return total / acc
 
 
 def _p95_gap(gaps: list[tuple[float, float]]) -> float:
@@ -259,9 +317,10 @@ class StreamState:
     parts: object
 
 
-def stream_state(n: int, cost, link: str, cfg: RegimeConfig, gamma: int = 0, alpha: float = 0.0) -> StreamState:
+def stream_state(n: int, cost, link: str, cfg: RegimeConfig, gamma: int = 0, alpha=0.0) -> StreamState:
     """n streams; gamma 0: plain decoding (one token a step), else vLLM speculating with `cost` a
-    ServerSpecCost. A request: its prompt's pass makes its first token, then steps of E tokens."""
+    ServerSpecCost and acceptance `alpha` (a flat α or a Curve). A request: its prompt's pass makes its
+    first token, then steps of E tokens."""
     up, down = one_way_s(link, *STREAM_BYTES)
     L, P = cfg.max_tokens, cfg.prompt_tokens
     steps = 1.0 + (rounds_per_request(alpha, gamma, L - 1) if gamma else L - 1)   # per request
@@ -271,7 +330,8 @@ def stream_state(n: int, cost, link: str, cfg: RegimeConfig, gamma: int = 0, alp
     k, step = float(n), 0.0
     for _ in range(60):
         step_tokens = k * tokens_per_request / steps
-        step = cost.pass_s(max(1.0, step_tokens), max(1.0, k), hybrid=False)   # a ServerSpecCost ignores hybrid
+        # a ServerSpecCost ignores hybrid; each step's prompts are its own (mean_pass_s)
+        step = mean_pass_s(cost, k * per_step * (steps - 1) / steps, k, P, k / steps, hybrid=False)
         cycle = steps * step + up + down + 0.5 * step
         k_new = n * steps * step / cycle
         if abs(k_new - k) < 1e-6 * max(k, 1.0):
@@ -315,10 +375,10 @@ def spec_cost(target: Target, key: str, method: str, cost: RooflineCost, gamma: 
     return ServerSpecCost(cost, draft_cost(draft, cost, 0.5 if cfg.kv_dtype == "fp8" else 1.0), gamma)
 
 
-def server_spec(target: Target, key: str, method: str, cost: RooflineCost, alpha: float, link: str,
+def server_spec(target: Target, key: str, method: str, cost: RooflineCost, alpha, link: str,
                 cfg: RegimeConfig) -> Point:
-    """vLLM speculating for itself with `method`: the best γ; the draft's weights and KV take their
-    share of memory (every session holds both caches)."""
+    """vLLM speculating for itself with `method` at acceptance `alpha` (a flat α or a Curve): the best γ;
+    the draft's weights and KV take their share of memory (every session holds both caches)."""
     best = None
     for gamma in cfg.gammas:
         sc = spec_cost(target, key, method, cost, gamma, cfg)
@@ -346,8 +406,12 @@ class HybridState:
     hit: float = 0.0
 
 
-def _period(cycle: float, hit: float, window: int, edge_busy: float, pass_s: float) -> float:
-    return max((1.0 - hit) * cycle + hit * max(cycle / window, pass_s), edge_busy)
+def _period(cycle: float, hit: float, window: int, edge_busy: float, pass_s: float, ahead_s: float = 0.0) -> float:
+    """A round's mean period: a miss waits the whole cycle; a hit follows the round before it by a
+    window's share of the cycle of a pipelined round, whose drafting is its continuations' too
+    (`ahead_s` more than a plain round's: the edge drafts it after the reply of the round two back,
+    as netsim.fleet.simulation's window does), and never sooner than a pass."""
+    return max((1.0 - hit) * cycle + hit * max((cycle + ahead_s) / window, pass_s), edge_busy)
 
 
 def hybrid_state(n: int, gamma: int, alpha: float, cost: RooflineCost, link: str, cfg: RegimeConfig,
@@ -358,11 +422,16 @@ def hybrid_state(n: int, gamma: int, alpha: float, cost: RooflineCost, link: str
     work = cfg.round_work
     window = cfg.window_() if continuations else 1
     up_bytes = ROUND_BYTES[0] + continuations * cfg.bytes_per_continuation_()
-    rounds = rounds_per_request(alpha, gamma, cfg.max_tokens)
-    tokens = (work.tokens(gamma, 1) if work.path == "ideal" else work.mean_tokens(gamma)) + cfg.prompt_tokens / rounds
-    link_s = link_wait_s(link, up_bytes) + gamma * cfg.draft_s + cfg.edge_s
-    edge_busy = (1 + continuations) * gamma * cfg.draft_s + cfg.edge_s
-    hit = _hit(alpha, gamma, cfg.guess_(), continuations) if continuations else 0.0
+    curve = as_curve(alpha)
+    rounds = rounds_per_request(curve, gamma, cfg.max_tokens)
+    own = work.tokens(gamma, 1) if work.path == "ideal" else work.mean_tokens(gamma)   # a round's, prompt aside
+    tokens = own + cfg.prompt_tokens / rounds
+    draft_s = cfg.draft_s_at(cost.context_tokens)
+    link_s = link_wait_s(link, up_bytes) + gamma * draft_s + cfg.edge_s
+    edge_busy = (1 + continuations) * gamma * draft_s + cfg.edge_s
+    ahead_s = continuations * gamma * draft_s   # a pipelined round's drafting beyond a plain round's
+    prefill = cfg.prefill_s()   # per request, on the device before its first round's drafts
+    hit = _hit(curve, gamma, cfg.guess_(), continuations) if continuations else 0.0
     nbytes = cost.kv_bytes_per_token * cost.context_tokens
     copy_s = cfg.offload.copy_s(nbytes)
     # Write-through: parking copies nothing, a restore the whole context (as the simulation prices it).
@@ -371,18 +440,19 @@ def hybrid_state(n: int, gamma: int, alpha: float, cost: RooflineCost, link: str
     k, parked = 1.0, 0
     for _ in range(80):
         parts = cost.parts(k * tokens, k, hybrid=True)
-        pass_s = parts.total_s
+        pass_s = mean_pass_s(cost, k * own, k, cfg.prompt_tokens, k / rounds, hybrid=True)
         at_verifier = pass_s * (1.0 + 0.5 * min(1.0, k))
         cycle = link_s + at_verifier
-        period = _period(cycle, hit, window, edge_busy, pass_s)
-        period_parked = _period(cycle + exposed, hit, window, edge_busy, pass_s)
+        period = _period(cycle, hit, window, edge_busy, pass_s, ahead_s)
+        period_parked = _period(cycle + exposed, hit, window, edge_busy, pass_s, ahead_s)
         share = min(1.0, (copy_s + at_verifier) / period_parked)   # of its time a parked session is resident
         gap = ParkCandidate(0, 0.0, int(nbytes), max(0.0, period - at_verifier))   # its mean idle gap
         if kv_slots is not None and n > kv_slots and worth_moving(gap, 0.0, move) and share < 1.0:
             parked = min(n, math.ceil((n - kv_slots) / (1.0 - share)))
         else:
             parked = 0
-        rounds_per_s = (n - parked) / period + parked / period_parked
+        # a request's device prefill keeps its session away from the verifier once per `rounds` rounds
+        rounds_per_s = (n - parked) / (period + prefill / rounds) + parked / (period_parked + prefill / rounds)
         k_new = min(float(n), rounds_per_s * pass_s)
         if abs(k_new - k) < 1e-5 * max(k, 1.0):
             break
@@ -390,17 +460,17 @@ def hybrid_state(n: int, gamma: int, alpha: float, cost: RooflineCost, link: str
     e = cfg.max_tokens / rounds
     slow = period_parked if parked else period
     cycle_slow = cycle + (exposed if parked else 0.0)
-    gpu = max(parts.memory_s, parts.compute_s) / pass_s * at_verifier
+    gpu = (pass_s - parts.host_s - parts.overhead_s) / pass_s * at_verifier
     scale = slow / cycle_slow
     shares = {"link": link_s * scale, "host link (PCIe)": (exposed if parked else 0.0) * scale,
               "compute" if parts.compute_s >= parts.memory_s else "HBM bandwidth": gpu * scale,
               "host path": parts.host_s / pass_s * at_verifier * scale}
     # Gaps between replies: a miss (or every round, one at a time) waits the cycle; a hit follows its
     # round by the rest of the period's share.
-    short = max(cycle_slow / window, pass_s, edge_busy) if hit else cycle_slow
+    short = max((cycle_slow + ahead_s) / window, pass_s, edge_busy) if hit else cycle_slow
     gap95 = _p95_gap([(cycle_slow, 1.0 - hit), (short, hit)] if hit else [(max(cycle_slow, edge_busy), 1.0)])
     return HybridState(slow, slow / e, e * rounds_per_s, (n - parked) + parked * share, parked,
-                       parked * copy_s / period_parked, shares, gap95, cycle_slow, hit)
+                       parked * copy_s / period_parked, shares, gap95, cycle_slow + prefill, hit)
 
 
 def _hybrid_fails(state: HybridState, n: int, kv_slots: int, host_slots: int, cfg: RegimeConfig) -> str | None:
@@ -468,8 +538,6 @@ def _hybrid_point(cost, alpha, link, cfg, gamma, c, parking, kv_slots, host_slot
 
 # --- the map ---------------------------------------------------------------------------------
 
-SPEC_MODES = tuple(f"vLLM spec, {m}" for m in ("draft model", "EAGLE", "n-gram"))
-HYBRID_MODES = ("hybrid, one round", "hybrid, in flight")
 MODES = ("cloud-only", *SPEC_MODES, *HYBRID_MODES)
 
 
@@ -481,23 +549,27 @@ def cell_costs(key: str, context: int, cfg: RegimeConfig, device: HostPath) -> t
     return target, target_cost(target, context, cfg, device, stream_rows(device, 4))
 
 
-def regime_cell(key: str, context: int, link: str, alpha: float, cfg: RegimeConfig, device: HostPath) -> dict:
-    """Every mode's best point in one cell, and the hybrid's ratios to both baselines."""
+def regime_cell(key: str, context: int, link: str, draft, cfg: RegimeConfig, device: HostPath,
+                modes=None) -> dict:
+    """Every mode's best point in one cell, and the hybrid's ratios to both baselines. `draft`: the
+    device draft's acceptance (a Curve, or a flat α); each of vLLM's proposers has its own curve
+    (RegimeConfig.curve)."""
     target, cost = cell_costs(key, context, cfg, device)
+    curve = as_curve(draft)
     kv_slots = kv_sessions(cfg.memory_bytes, cost)
     host_slots = cfg.offload.host_sessions(cost)
     points = {"cloud-only": cloud_only(cost, kv_slots, link, cfg)}
     for mode in SPEC_MODES:
         method = mode.split(", ", 1)[1]
-        points[mode] = server_spec(target, key, method, cost, cfg.ngram_alpha if method == "n-gram" else alpha,
-                                   link, cfg)
+        points[mode] = server_spec(target, key, method, cost, cfg.curve(method, curve), link, cfg)
     for mode in HYBRID_MODES:
-        points[mode] = hybrid(cost, alpha, link, cfg, mode.endswith("in flight"), kv_slots, host_slots)
+        points[mode] = hybrid(cost, curve, link, cfg, mode.endswith("in flight"), kv_slots, host_slots)
     cloud = points["cloud-only"].tokens_per_s
     spec = max(points[m].tokens_per_s for m in SPEC_MODES)
     baseline = max(cloud, spec)   # what the operator would run: plain decoding or its best speculation
     best_spec = max(SPEC_MODES, key=lambda m: points[m].tokens_per_s)
-    out = {"gpu": cfg.gpu, "target": key, "kv_dtype": cfg.kv_dtype, "context": context, "link": link, "alpha": alpha,
+    out = {"gpu": cfg.gpu, "target": key, "kv_dtype": cfg.kv_dtype, "context": context, "link": link,
+           "draft": curve.name, "tau4": round(curve.tokens_per_step(4), 3), "draft_ms": cfg.draft_s_short() * 1e3,
            "kv_slots": kv_slots, "host_slots": host_slots, "best_spec": best_spec, "modes": {}}
     for mode, p in points.items():
         out["modes"][mode] = {**p.__dict__, "x_cloud": p.tokens_per_s / cloud if cloud else None,
@@ -506,17 +578,28 @@ def regime_cell(key: str, context: int, link: str, alpha: float, cfg: RegimeConf
     return out
 
 
+def default_drafts() -> tuple[Curve, ...]:
+    """The device drafts of the map: the family of vLLM's EAGLE-3 curve (its shape, RegimeConfig's
+    eagle_curve) at τ(4) 2.5, at EAGLE-3's own 3.08 (the device's draft as good as the server's head)
+    and at 3.8 (a draft better than the head, e.g. from context only the device has)."""
+    base = get_curve(RegimeConfig.eagle_curve)
+    return (base.with_tokens_per_step(2.5, name="τ4 2.50"), Curve(f"τ4 {base.tokens_per_step(4):.2f} (= EAGLE-3)",
+            base.reach, base.source), base.with_tokens_per_step(3.8, name="τ4 3.80"))
+
+
 def regime_map(gpus=("h100", "h200"), targets=("8b-bf16", "70b-fp8"), contexts=(1024, 8192, 32768),
-               links=("lan", "lte", "3g"), alphas=(0.5, 0.7, 0.85), setting: str = "greedy",
+               links=("lan", "lte", "3g"), drafts=None, setting: str = "greedy",
                cfg: RegimeConfig | None = None, table=None, progress=None) -> dict:
     """Every cell: plain decoding, vLLM speculating for itself (three proposers) and the hybrid (one
-    round at a time; rounds in flight), tokens/s per GPU at the SLO, what binds, the p95 gap and TTFT."""
+    round at a time; rounds in flight), tokens/s per GPU at the SLO, what binds, the p95 gap and TTFT.
+    `drafts`: the device drafts (Curves or flat α; default `default_drafts()`)."""
     from dataclasses import replace
 
     from netsim.fleet.hostpath import HostPathTable
     cfg = cfg or RegimeConfig()
     table = table or HostPathTable.load()
     device = table.get("batched-on-device", setting)
+    drafts = default_drafts() if drafts is None else drafts
     cells = []
     for gpu in gpus:
         gcfg = replace(cfg, gpu=gpu)
@@ -525,111 +608,10 @@ def regime_map(gpus=("h100", "h200"), targets=("8b-bf16", "70b-fp8"), contexts=(
                 progress(f"{gpu} {key}")
             for context in contexts:
                 for link in links:
-                    for alpha in alphas:
-                        cells.append(regime_cell(key, context, link, alpha, gcfg, device))
-    return {"setting": setting, "config": cfg.describe(), "host": device.describe(), "cells": cells}
-
-
-# --- what the map says -----------------------------------------------------------------------
-
-def _x(v) -> str:
-    return "–" if v is None else f"{v:.2f}×"
-
-
-def _ms(v) -> str:
-    return "–" if v is None else f"{v * 1e3:.0f}"
-
-
-def hybrid_best(cell: dict) -> str:
-    return max(HYBRID_MODES, key=lambda m: cell["modes"][m]["tokens_per_s"])
-
-
-def ratio_rows(result: dict, gpu: str) -> list[list]:
-    """One row per cell of `gpu`: cloud-only tok/s, each mode × cloud-only, the hybrid ÷ the best vLLM spec."""
-    rows = []
-    for c in (c for c in result["cells"] if c["gpu"] == gpu):
-        m = c["modes"]
-        best = hybrid_best(c)
-        rows.append([c["target"], f"{c['context'] // 1024}k", c["link"], c["alpha"],
-                     round(m["cloud-only"]["tokens_per_s"]), f"{m['cloud-only']['binds']}, n {m['cloud-only']['sessions']}",
-                     *[m[k]["x_cloud"] for k in SPEC_MODES], *[m[k]["x_cloud"] for k in HYBRID_MODES],
-                     m[best]["x_spec"], m[best]["x_best"], f"{m[best]['binds']}, γ {m[best]['gamma']}, n {m[best]['sessions']}"
-                     + (f", c {m[best]['continuations']}, hit {m[best]['hit']:.2f}" if m[best]["continuations"] else "")])
-    return rows
-
-
-RATIO_COLUMNS = ["target", "context", "link", "α", "cloud-only tok/s", "cloud-only binds",
-                 "draft model ×", "EAGLE ×", "n-gram ×", "hybrid one round ×", "hybrid in flight ×",
-                 "hybrid ÷ best vLLM spec", "hybrid ÷ better baseline", "hybrid binds"]
-
-
-def gap_rows(result: dict, gpu: str) -> list[list]:
-    """One row per cell of `gpu`: the p95 gap and mean TTFT (ms) of plain decoding, the best vLLM spec
-    and the best hybrid at their points."""
-    rows = []
-    for c in (c for c in result["cells"] if c["gpu"] == gpu):
-        m = c["modes"]
-        spec, hyb = m[c["best_spec"]], m[hybrid_best(c)]
-        rows.append([c["target"], f"{c['context'] // 1024}k", c["link"], c["alpha"],
-                     *[round(p[k] * 1e3, 1) if p[k] is not None else None
-                       for p in (m["cloud-only"], spec, hyb) for k in ("gap_p95_s", "ttft_s")],
-                     round(hyb["tpot_s"] * 1e3, 1) if hyb["tpot_s"] else None])
-    return rows
-
-
-GAP_COLUMNS = ["target", "context", "link", "α", "cloud-only p95 gap ms", "cloud-only TTFT ms",
-               "best vLLM spec p95 gap ms", "best vLLM spec TTFT ms", "hybrid p95 gap ms", "hybrid TTFT ms",
-               "hybrid mean TPOT ms"]
-
-
-def summary(result: dict) -> dict:
-    """Counts for the prose, per GPU: cells where the hybrid (its better mode) beats plain decoding and
-    the best vLLM spec, its best ratio to each, and the cells where vLLM spec beats plain decoding."""
-    out = {}
-    for gpu in dict.fromkeys(c["gpu"] for c in result["cells"]):
-        cells = [c for c in result["cells"] if c["gpu"] == gpu]
-        hyb = [c["modes"][hybrid_best(c)] for c in cells]
-        # EAGLE ÷ the hybrid at 8k-32k context, where both serve
-        long = [c["modes"]["vLLM spec, EAGLE"]["tokens_per_s"] / h["tokens_per_s"] for c, h in zip(cells, hyb)
-                if c["context"] >= 8192 and h["tokens_per_s"] and c["modes"]["vLLM spec, EAGLE"]["tokens_per_s"]]
-        out[gpu] = {"cells": len(cells),
-                    "hybrid_beats_cloud": sum((h["x_cloud"] or 0) > 1.0 for h in hyb),
-                    "hybrid_beats_spec": sum((h["x_spec"] or 0) > 1.0 for h in hyb),
-                    "hybrid_beats_best": sum((h["x_best"] or 0) > 1.0 for h in hyb),
-                    "hybrid_2x_cloud": sum((h["x_cloud"] or 0) >= 2.0 for h in hyb),
-                    "max_x_cloud": max((h["x_cloud"] or 0) for h in hyb),
-                    "max_x_spec": max((h["x_spec"] or 0) for h in hyb),
-                    "spec_beats_cloud": sum((c["modes"][c["best_spec"]]["x_cloud"] or 0) > 1.0 for c in cells),
-                    "hybrid_zero": sum(h["tokens_per_s"] == 0 for h in hyb),
-                    "eagle_over_hybrid_long": [min(long), max(long)] if long else None,
-                    "max_x_best_3g": max([(h["x_best"] or 0) for c, h in zip(cells, hyb) if c["link"] == "3g"],
-                                         default=None),
-                    "beats_spec_cells": [f"{c['target']} {c['context'] // 1024}k {c['link']} α {c['alpha']:g}"
-                                         for c, h in zip(cells, hyb) if (h["x_spec"] or 0) > 1.0]}
-    return out
-
-
-def regime_markdown(result: dict) -> str:
-    cfg = result["config"]
-    lines = [f"# Regime map: the hybrid per GPU against plain decoding and vLLM's own speculative decoding",
-             "", f"A mean-value model (netsim/fleet/regime.py), not a measurement; {result['setting']} rounds. SLO: "
-             f"{cfg['slo_on']} <= {cfg['slo_s'] * 1e3:g} ms. KV cache {cfg['kv_dtype']}; HBM × {cfg['bw_efficiency']:g}, "
-             f"FLOPs × {cfg['flops_efficiency']:g}. Requests: {cfg['prompt_tokens']} new tokens, {cfg['max_tokens']} "
-             f"generated. Edge: drafting {cfg['draft_ms']:g} ms/token, {cfg['edge_ms']:g} ms a round. Rounds in flight: "
-             f"{cfg['measured']}. n-gram α {cfg['ngram_alpha']:g}. {result['host']}.", ""]
-    for gpu in dict.fromkeys(c["gpu"] for c in result["cells"]):
-        lines += [f"## {GPUS[gpu].name}", "", "| " + " | ".join(RATIO_COLUMNS) + " |",
-                  "|" + "---|" * len(RATIO_COLUMNS)]
-        for row in ratio_rows(result, gpu):
-            lines.append("| " + " | ".join(_x(v) if i >= 6 and not isinstance(v, str) else
-                                           (f"{v:g}" if isinstance(v, float) else str(v))
-                                           for i, v in enumerate(row)) + " |")
-        lines += ["", "| " + " | ".join(GAP_COLUMNS) + " |", "|" + "---|" * len(GAP_COLUMNS)]
-        for row in gap_rows(result, gpu):
-            lines.append("| " + " | ".join("–" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
-                                           for v in row) + " |")
-        lines.append("")
-    return "\n".join(lines) + "\n"
+                    for draft in drafts:
+                        cells.append(regime_cell(key, context, link, draft, gcfg, device))
+    return {"setting": setting, "config": cfg.describe(), "host": device.describe(), "cells": cells,
+            "drafts": [as_curve(d).to_json() for d in drafts]}
 
 
 def regime_arguments(parser) -> None:
@@ -643,7 +625,12 @@ def regime_arguments(parser) -> None:
     parser.add_argument("--kv-dtype", default=d.kv_dtype, choices=KV_DTYPES, help="the KV cache's dtype")
     parser.add_argument("--flops-efficiency", type=float, default=d.flops_efficiency, help="achieved / peak FLOPs")
     parser.add_argument("--bw-efficiency", type=float, default=d.bw_efficiency, help="achieved / peak HBM bandwidth")
-    parser.add_argument("--draft-ms", type=float, default=d.draft_s * 1e3, help="device drafting time per token (ms)")
+    parser.add_argument("--device", default=d.device, choices=sorted(DEVICES),
+                        help="the device class (netsim/fleet/devices.py: its drafting and prefill times, sourced)")
+    parser.add_argument("--draft-ms", type=float, default=None,
+                        help="device drafting time per token at short context (ms; default: the device's)")
+    parser.add_argument("--no-device-prefill", action="store_true",
+                        help="do not charge a request's new prompt tokens on the device")
     parser.add_argument("--edge-ms", type=float, default=d.edge_s * 1e3, help="the edge's own time per round (ms)")
     parser.add_argument("--window", type=int, default=None, help="rounds in flight (default: the measured depth)")
     parser.add_argument("--guess", type=float, default=None,
@@ -654,7 +641,11 @@ def regime_arguments(parser) -> None:
                         help="continuations per round in flight to try (comma-separated)")
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens generated per request")
     parser.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="new prompt tokens per request")
-    parser.add_argument("--ngram-alpha", type=float, default=d.ngram_alpha, help="α of vLLM's n-gram drafts")
+    parser.add_argument("--eagle-curve", default=d.eagle_curve,
+                        help="acceptance curve of vLLM's EAGLE head (netsim/fleet/acceptance.py: a key, or flat:ALPHA)")
+    parser.add_argument("--ngram-curve", default=d.ngram_curve, help="acceptance curve of vLLM's n-gram proposer")
+    parser.add_argument("--draft-model-curve", default=None,
+                        help="acceptance curve of vLLM's draft model (default: the device's draft, run on the GPU)")
     parser.add_argument("--parking", action="store_true",
                         help="let the hybrid park waiting sessions' KV in host memory (off: every mode holds its "
                              "sessions' KV on the GPU, as the baselines do)")
@@ -665,71 +656,13 @@ def regime_arguments(parser) -> None:
 def config_from_args(args) -> RegimeConfig:
     return RegimeConfig(slo_tpot_s=args.slo_ms / 1e3, slo_on=args.slo_on, kv_dtype=args.kv_dtype,
                         flops_efficiency=args.flops_efficiency, bw_efficiency=args.bw_efficiency,
-                        draft_s=args.draft_ms / 1e3, edge_s=args.edge_ms / 1e3, window=args.window, guess=args.guess,
+                        device=args.device, draft_s=None if args.draft_ms is None else args.draft_ms / 1e3,
+                        device_prefill=not args.no_device_prefill, edge_s=args.edge_ms / 1e3, window=args.window, guess=args.guess,
                         bytes_per_continuation=args.bytes_per_continuation,
                         continuations=tuple(int(c) for c in args.continuations.split(",")),
-                        max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, ngram_alpha=args.ngram_alpha,
+                        max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, eagle_curve=args.eagle_curve,
+                        ngram_curve=args.ngram_curve, draft_model_curve=args.draft_model_curve,
                         parking=args.parking)
-
-
-def _cell_figures(result: dict, setup: str) -> dict:
-    """Headline figures per GPU: the counts of `summary`."""
-    from hybridspec.figures import Figure
-    figs = {}
-    for gpu, s in summary(result).items():
-        where = f"{GPUS[gpu].name}, {s['cells']} cells; {setup}"
-        figs[f"{gpu}-hybrid-beats-spec"] = Figure(s["hybrid_beats_spec"], "cells where the hybrid's tokens/s per GPU "
-                                                  "beats the best of vLLM's own speculative decoding", where, "cells")
-        figs[f"{gpu}-hybrid-beats-best"] = Figure(s["hybrid_beats_best"], "cells where the hybrid's tokens/s per GPU "
-                                                  "beats both plain decoding and vLLM's best speculative decoding",
-                                                  where, "cells")
-        figs[f"{gpu}-hybrid-beats-cloud"] = Figure(s["hybrid_beats_cloud"], "cells where the hybrid's tokens/s per "
-                                                   "GPU beats plain decoding", where, "cells")
-        figs[f"{gpu}-spec-beats-cloud"] = Figure(s["spec_beats_cloud"], "cells where vLLM's best speculative "
-                                                 "decoding beats plain decoding", where, "cells")
-        figs[f"{gpu}-max-x-spec"] = Figure(round(s["max_x_spec"], 4), "the hybrid's best tokens/s per GPU over the "
-                                           "best vLLM speculative decoding", where, "x", "{:.2f}×")
-        figs[f"{gpu}-max-x-cloud"] = Figure(round(s["max_x_cloud"], 4), "the hybrid's best tokens/s per GPU over "
-                                            "plain decoding", where, "x", "{:.2f}×")
-        figs[f"{gpu}-hybrid-zero"] = Figure(s["hybrid_zero"], "cells where no hybrid session meets the SLO", where,
-                                            "cells")
-        figs[f"{gpu}-cells"] = Figure(s["cells"], "cells in the map", where, "cells")
-        if s["max_x_best_3g"] is not None:
-            figs[f"{gpu}-max-x-best-3g"] = Figure(round(s["max_x_best_3g"], 4), "the hybrid's best tokens/s per GPU "
-                                                  "over the better baseline on 3g", where, "x", "{:.2f}×")
-        if s["eagle_over_hybrid_long"]:
-            for end, v in zip(("min", "max"), s["eagle_over_hybrid_long"]):
-                figs[f"{gpu}-eagle-over-hybrid-long-{end}"] = Figure(
-                    round(v, 4), f"vLLM with an EAGLE head over the hybrid, tokens/s per GPU at the same α, the "
-                    f"{end} over the 8k-32k cells where both serve", where, "x", "{:.2f}×")
-    return figs
-
-
-def write_results(result: dict, name: str, command: str | None = None, load_start=None):
-    """The map into the figures registry: a ratio table and a gap table per GPU, the headline counts,
-    the measured runs the rounds in flight are charged from."""
-    from hybridspec.figures import Table, write_result
-    from netsim.fleet.measured import MEASURED_GAMMA
-    cfg = result["config"]
-    setup = (f"SLO {cfg['slo_on']} <= {cfg['slo_s'] * 1e3:g} ms, KV {cfg['kv_dtype']}, FLOPs x "
-             f"{cfg['flops_efficiency']:g}, HBM x {cfg['bw_efficiency']:g}, {result['setting']} rounds"
-             + (", hybrid parks KV in host memory" if cfg["parking"] else ""))
-    fmt = {c: "{:.2f}×" for c in RATIO_COLUMNS[6:13]}
-    fmt["cloud-only tok/s"] = "{:,}"
-    tables = {}
-    for gpu in dict.fromkeys(c["gpu"] for c in result["cells"]):
-        tables[gpu] = Table(RATIO_COLUMNS, ratio_rows(result, gpu), fmt)
-        tables[f"{gpu}-gaps"] = Table(GAP_COLUMNS, gap_rows(result, gpu))
-    m = RegimeConfig().inputs()
-    tables["measured-hits"] = Table(
-        ["pair", "profile", "mode", "α", "rounds", "continuations per round", "hits", "hit rate measured",
-         "model's hit rate at the fitted guess"],
-        [[r.pair, r.profile, r.mode, round(r.alpha, 3), r.rounds, round(r.continuations, 2), r.hits,
-          round(r.hits / r.rounds, 2), round(hit_probability(r.alpha, MEASURED_GAMMA, m.guess,
-                                                             max(1, round(r.continuations))), 2)] for r in m.runs])
-    return write_result(name, figures=_cell_figures(result, setup), tables=tables, command=command,
-                        load_start=load_start, clock="model",
-                        note=f"a model: its figures do not depend on the machine. {setup}. {cfg['measured']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -742,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from netsim.fleet.hostpath import HostPathTable
+    from netsim.fleet.regime_report import regime_markdown, summary, write_results
     parser = argparse.ArgumentParser(prog="python -m netsim.fleet.regime", description=__doc__.split("\n")[0])
     regime_arguments(parser)
     parser.add_argument("--gpus", default="h100,h200", help="comma-separated: h100, h200")

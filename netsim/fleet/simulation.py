@@ -63,7 +63,21 @@ class FleetConfig:
     profiles: list = field(default_factory=lambda: ["lan"])   # profile names (or Profile objects)
     gamma: int = 4
     alpha: float = 0.7                  # per-token acceptance
+    # Acceptance by draft position (netsim.fleet.acceptance.Curve); None: flat α. Draft k is accepted with
+    # the curve's conditional probability given the k − 1 before it (one uniform draw each, as for α).
+    curve: object | None = None
     draft_s: float = 0.002              # device drafting time per token
+    request_edge_s: float = 0.0         # hybrid: the edge's work before a request's first round (its prefill)
+    # Rounds in flight (hybrid): up to `window` rounds per edge at once. While a round is in flight the
+    # edge drafts the next one with `continuations` alternatives for the outcomes it thinks likely
+    # (drafting (1 + continuations)·γ tokens, uploading `bytes_per_continuation` more each); when the round
+    # before it is verified, one of them is what it committed with probability `hit` (the map's model of
+    # the measured hits, netsim.fleet.measured): the verifier then runs that one in a later pass; on a
+    # miss it runs none, and the edge, told by the reply, drafts afresh from what was committed.
+    window: int = 1
+    continuations: int = 0
+    hit: float = 0.0
+    bytes_per_continuation: float = 0.0
     max_tokens: int = 64                # per request; requests back to back
     prompt_tokens: int = 13
     # Per round (hybrid) or streamed token (cloud-only). CPU work is done by one processor, a piece at
@@ -104,6 +118,11 @@ class FleetConfig:
     # Each edge's first request starts with a uniformly drawn share of its tokens already made, so the
     # edges' requests are out of step from the start (a steady state; else they all end together).
     stagger: bool = False
+    # Each edge's first request starts at a uniform draw from [0, start_spread_s). With back-to-back passes
+    # and links shorter than a pass, the passes' groups of sessions keep the sizes their start gave them
+    # (a round returns within the next pass and joins the one after); a spread over many passes starts
+    # them in groups of nearly equal size, as request boundaries do over a longer run.
+    start_spread_s: float = 0.05
 
 
 # --- the verifier's work --------------------------------------------------------------------
@@ -117,6 +136,13 @@ class _Job:
     gamma: int = 0                      # hybrid: drafts in the round
     rows: int = 1                       # of its tokens, those whose logits it wants (the last ones)
     deadline: float | None = None       # when it is due under the SLO (spec_core.slo.Slo.due)
+    # rounds in flight (hybrid, window > 1)
+    prev: "_Job | None" = None          # the round in flight it was drafted after (its base is that one's outcome)
+    next: "_Job | None" = None
+    verified: bool = False              # its pass is done
+    hit: bool | None = None             # a pipelined round: whether one of its continuations was committed (None: not known yet)
+    held: bool = False                  # it reached the verifier before the round it follows was verified
+    dropped: bool = False               # a miss (or after one, or past its request's end): never verified
 
 
 class _Cpu:
@@ -144,6 +170,7 @@ class Reply:
     """A round's answer reaches its edge."""
     edge: int
     tokens: int                         # tokens it commits (accepted + 1, within max_tokens)
+    job: object = None                  # the round answered
 
 
 @dataclass(slots=True)
@@ -197,6 +224,8 @@ class _Edge:
     at_verifier: bool = False           # offload: a round of it is queued, copied in or in a pass
     answered_s: float | None = None     # when its last round's pass ended (None: no round yet)
     mean_gap_s: float | None = None     # offload: its mean idle gap, the victim choice's forecast
+    inflight: list = field(default_factory=list)   # rounds sent (or being drafted), not yet answered, oldest first
+    draft_free_s: float = 0.0           # when its device is done drafting what it has started
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -241,6 +270,7 @@ class _Simulation:
         self.prefill_chunk = max(1, cfg.prefill_chunk or cfg.max_batch_tokens // 4)
         self.steering = Steering(cfg.gamma) if cfg.steer else None
         self.work_rng = random.Random(cfg.seed * 7_919 + 1)   # its own, so the acceptance draws stay as they were
+        self.hit_rng = random.Random(cfg.seed * 15_485_863 + 5)   # rounds in flight: whether a continuation hit
         self.stagger_rng = random.Random(cfg.seed * 104_729 + 3)
         self.good_tokens = 0                 # committed in the window by requests that met the SLO
         self.verdicts: list[bool] = []
@@ -305,14 +335,40 @@ class _Simulation:
         if self.in_window(t):
             self.committed_in_window += n
 
-    def send_round(self, i: int, t: float, gamma: int, extra_tokens: int = 0) -> None:
-        cfg = self.cfg
+    def send_round(self, i: int, t: float, gamma: int, extra_tokens: int = 0, after: _Job | None = None) -> _Job:
+        """Draft a round on edge i from `t` (once its device is free) and send it; `after`: the round in
+        flight it is pipelined behind (drafted with its continuations)."""
+        cfg, e = self.cfg, self.edges[i]
         r = self.work_rng.randint(1, self.work.block_size) if self.work.path != "ideal" else 1
         tokens = self.work.tokens(gamma, r) + extra_tokens
         if self.in_window(t):
             self.requests_sent += self.work.requests(gamma)
-        self.push(t + gamma * cfg.draft_s + cfg.edge_overhead_s,
-                  Send(i, "up", self.up_bytes, Arrive(_Job(i, tokens, gamma=gamma, rows=gamma + 1))))
+        job = _Job(i, tokens, gamma=gamma, rows=gamma + 1, prev=after)
+        extra = cfg.continuations if after is not None else 0
+        start = max(t, e.draft_free_s)
+        e.draft_free_s = start + (1 + extra) * gamma * cfg.draft_s
+        nbytes = self.up_bytes + int(extra * cfg.bytes_per_continuation)
+        if after is not None:
+            after.next = job
+        e.inflight.append(job)
+        self.push(e.draft_free_s + cfg.edge_overhead_s, Send(i, "up", nbytes, Arrive(job)))
+        return job
+
+    def fill_window(self, i: int, t: float) -> None:
+        """Rounds in flight: pipeline rounds behind the last one in flight while the window has room and
+        the request has tokens left for them (each counted at its full γ + 1)."""
+        cfg, e = self.cfg, self.edges[i]
+        while 0 < len(e.inflight) < cfg.window:
+            left = cfg.max_tokens - e.committed - sum(j.gamma + 1 for j in e.inflight)
+            if left < 2:
+                return
+            self.send_round(i, t, self.gamma_for(e, left), after=e.inflight[-1])
+
+    def drop_after(self, job: _Job) -> None:
+        """`job` will never be verified: neither will any round pipelined behind it."""
+        while job is not None and not job.dropped:
+            job.dropped = True
+            job = job.next
 
     def start_request(self, i: int, t: float) -> None:
         cfg, e = self.cfg, self.edges[i]
@@ -324,7 +380,11 @@ class _Simulation:
         # A new session on the verifier: no α measured, no first token yet.
         e.acceptance, e.first_token_at = Acceptance(), None
         if self.hybrid:
-            self.send_round(i, t, self.gamma_for(e, cfg.max_tokens - done), cfg.prompt_tokens)
+            for job in e.inflight:   # rounds past the request's end are never verified
+                self.drop_after(job)
+            e.inflight, e.draft_free_s = [], t
+            self.send_round(i, t + cfg.request_edge_s, self.gamma_for(e, cfg.max_tokens - done), cfg.prompt_tokens)
+            self.fill_window(i, t + cfg.request_edge_s)
         else:
             self.streams[i] = cfg.max_tokens - done
             self.push(t + cfg.edge_overhead_s, Send(i, "up", self.up_bytes, Arrive(_Job(i, cfg.prompt_tokens))))
@@ -375,6 +435,12 @@ class _Simulation:
 
     def on_arrive(self, t: float, arrive: Arrive) -> None:
         job = arrive.job
+        if job.dropped:
+            return                      # a miss: the verifier runs none of its continuations
+        if job.prev is not None and not job.prev.verified:
+            job.held = True             # its base is not committed yet: it waits for the round before it
+            job.arrived_s = t
+            return
         self.reach_verifier(job, t)
         if self.offloading:
             e = self.edges[job.edge]
@@ -450,13 +516,23 @@ class _Simulation:
                 self.server_times.append(out - job.arrived_s)
             if self.hybrid:
                 remaining = cfg.max_tokens - e.committed
-                accepted = 0
-                while accepted < job.gamma and self.rng.random() < cfg.alpha:
-                    accepted += 1
+                accepted = self.accepted(job.gamma)
                 committed = min(accepted + 1, remaining)
                 if e.first_token_at is None:
                     e.first_token_at = (t, e.committed + committed)
                 e.acceptance.observe(job.gamma, accepted, accepted < job.gamma)
+                job.verified = True
+                nxt = job.next
+                if nxt is not None and not nxt.dropped:
+                    nxt.hit = self.hit_rng.random() < cfg.hit and committed < remaining
+                    if not nxt.hit:
+                        self.drop_after(nxt)
+                    elif nxt.held:      # it is here already: it joins the next pass
+                        nxt.held = False
+                        arrived = nxt.arrived_s
+                        self.reach_verifier(nxt, t)
+                        nxt.arrived_s = arrived
+                        self.waiting.append(nxt)
                 if self.steering:
                     self.steering.observe_commit(t, committed)
                     e.budget = self.steering.budget(e.acceptance, t)
@@ -466,11 +542,9 @@ class _Simulation:
                 if self.offloading:
                     e.at_verifier = False
                     self.idle_resident.add(i)
-                self.push(out, Send(i, "down", self.down_bytes, Reply(i, committed)))
+                self.push(out, Send(i, "down", self.down_bytes, Reply(i, committed, job)))
             else:
-                accepted = 0
-                while accepted < job.gamma and self.rng.random() < cfg.alpha:
-                    accepted += 1
+                accepted = self.accepted(job.gamma)
                 made = min(accepted + 1, self.streams[i])
                 self.streams[i] -= made
                 if e.first_token_at is None:
@@ -490,15 +564,29 @@ class _Simulation:
             self.bring_back(t)
         self.next_pass(t)
 
+    def accepted(self, gamma: int) -> int:
+        """Drafts accepted of `gamma`: each in turn with its acceptance given the ones before."""
+        accepted, curve = 0, self.cfg.curve
+        while accepted < gamma and self.rng.random() < (curve.conditional(accepted + 1) if curve is not None
+                                                        else self.cfg.alpha):
+            accepted += 1
+        return accepted
+
     def on_reply(self, t: float, reply: Reply) -> None:
         cfg, i = self.cfg, reply.edge
         ready = self.edge_cpus[i].run(t, cfg.edge_cpu_s)   # the reply taken in, the next draft's code run
         self.commit(i, ready, reply.tokens)
         e = self.edges[i]
+        if reply.job in e.inflight:
+            e.inflight.remove(reply.job)
         if e.committed >= cfg.max_tokens:
             self.start_request(i, ready)
-        else:
+            return
+        if e.inflight and e.inflight[0].dropped:   # a miss: what was drafted ahead is void
+            e.inflight, e.draft_free_s = [], ready
+        if not e.inflight:
             self.send_round(i, ready, self.gamma_for(e, cfg.max_tokens - e.committed))
+        self.fill_window(i, ready)
 
     def on_token(self, t: float, token: Token) -> None:
         ready = self.edge_cpus[token.edge].run(t, self.cfg.edge_cpu_s)
@@ -511,7 +599,7 @@ class _Simulation:
         handlers = {Send: self.on_send, Arrive: self.on_arrive, PassDone: self.on_pass_done, Reply: self.on_reply,
                     Token: self.on_token, Ready: self.on_ready, Retry: self.on_retry}
         for i in range(cfg.edges):
-            self.start_request(i, self.rng.uniform(0.0, 0.05))
+            self.start_request(i, self.rng.uniform(0.0, cfg.start_spread_s))
         while self.events:
             t, _, event = heapq.heappop(self.events)
             if t > self.t_end:
