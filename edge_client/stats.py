@@ -126,7 +126,7 @@ class RoundEvent:
     server_s: float     # the server's own time for the round
     round: int = 0      # the round number (within the verifier session)
     base: int = 0       # the committed length (prompt included) the round was drafted after
-    plan: object = None  # its edge_client.gamma.RoundPlan: chain or tree, depth, shape (replay records)
+    plan: object = None  # its edge_client.planner.RoundPlan: chain or tree, depth, shape (replay records)
 
 
 

@@ -50,7 +50,7 @@ from cloud_verifier.validation import RequestError
 from edge_client import EdgeClient
 from edge_client import session as session_mod
 from edge_client.drafters import SyntheticDrafter
-from edge_client.gamma import RoundPlan
+from edge_client.planner import RoundPlan
 from edge_client.options import EdgeOptions, Speculation, Transport
 from edge_client.text import SyntheticTokenizer
 from hybridspec.testing.exactness import PassLog, ReplayRecord, TransitionFit, transition_counts, transition_fit
@@ -119,8 +119,8 @@ class ResamplingBackend(SyntheticBackend):
         super().__init__(**kw)
         self.rate = rate
 
-    def accept(self, logits, tree, draft_probs, settings, rng):
-        out = super().accept(logits, tree, draft_probs, settings, rng)
+    def accept(self, logits, tree, draft_probs, settings, rng, position=None):
+        out = super().accept(logits, tree, draft_probs, settings, rng, position)
         last = out.path[-1] if out.path else ROOT
         if tree.children().get(last) and rng.random() < self.rate:   # a rejection: some child was tested
             p = processed_probs(logits[last + 1], settings.temperature, settings.top_k, settings.top_p)
@@ -218,9 +218,11 @@ def _plan_to_list(plan) -> list:
     return [plan.arm, plan.gamma] + ([shape.budget, shape.depth, shape.branching, shape.width] if shape else [])
 
 
-def _plan_from_list(x: list) -> RoundPlan:
+def _plan_from_list(x: list, chosen: RoundPlan) -> RoundPlan:
+    """The recorded shape (arm, γ, tree shape) on the plan chosen now: its window depth, fusing and
+    drafting ahead are not recorded (the docs: what a replay does not pin)."""
     shape = TreeShape(*x[2:6]) if len(x) > 2 else None
-    return RoundPlan(x[0], x[1], shape)
+    return dataclasses.replace(chosen, arm=x[0], gamma=x[1], shape=shape)
 
 
 class PlanHook:
@@ -238,15 +240,12 @@ class PlanHook:
         hook = self
 
         class HookedLoop(original):
-            def __init__(self, *a, **kw):
-                super().__init__(*a, **kw)
-                plan = self.planner.plan
-                loop = self
-
-                def planned(remaining: int, peek: bool = False):
-                    chosen = plan(remaining, peek)
-                    return chosen if peek else hook.choose(loop, chosen)
-                self.planner.plan = planned
+            def _plan(self, remaining: int) -> RoundPlan:
+                chosen = super()._plan(remaining)
+                # A fresh round's plan (the round drafted after what is committed); the plans of
+                # continuations drafted behind a round in flight (fewer tokens remaining) are left alone.
+                fresh = remaining == self._remaining(self.committed)
+                return hook.choose(self, chosen) if fresh else chosen
         session_mod.RoundLoop = HookedLoop
         try:
             yield self
@@ -254,12 +253,12 @@ class PlanHook:
             session_mod.RoundLoop = original
 
     def choose(self, loop, chosen: RoundPlan) -> RoundPlan:
-        gen, base = loop.settings.seed, len(loop.committed)
+        gen, base = loop.remote.settings.seed, len(loop.committed)
         if self.recorded is not None and gen in self.recorded and base in self.recorded[gen]:
             self.pinned += 1
-            return _plan_from_list(self.recorded[gen][base])
+            return _plan_from_list(self.recorded[gen][base], chosen)
         kept = self.faults.lost_kept.pop((gen, base), None) if self.config.control == "redo-shape" else None
-        return chosen if kept is None else RoundPlan("chain", kept)
+        return chosen if kept is None else dataclasses.replace(chosen, arm="chain", gamma=kept, shape=None)
 
 
 # --- one run -----------------------------------------------------------------------------------------
