@@ -42,7 +42,7 @@ from spec_core.estimates import Acceptance
 from spec_core.proto import qpayload
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.tree import ROOT
-from spec_core.warping import SamplingSettings
+from spec_core.warping import REJECTION, SamplingSettings
 from spec_core.wire import OPEN_KEY_BYTES
 
 log = logging.getLogger(__name__)
@@ -107,11 +107,19 @@ class RoundLoop:
 
     def _send(self, req: pb.VerifyRequest):
         if not req.session_id:
-            return self.verifier.open_round(req, self.st)
+            return self._open(req)
         if self.stream is None:
             return self.verifier.verify(req, self.st)
         self.stream.follow(self.verifier.stub)   # the replica the session was (re)opened on
         return verify_on_stream(self.verifier, self.stream, req, self.st)
+
+    async def _open(self, req: pb.VerifyRequest) -> pb.VerifyReply:
+        if self.st.replays and self.settings.coupling != REJECTION:
+            # A replay may reach another verifier than the one negotiated with (a restart, a replica
+            # move): its ServerInfo is asked again before the open (Verifier.verify refuses one that
+            # does not list the coupling). One call per replay, with a coupling other than the default.
+            self.verifier.forget_limits()
+        return await self.verifier.open_round(req, self.st)
 
     def _remaining(self, base: Sequence[int]) -> int:
         return self.settings.max_new_tokens - (len(base) - self.prompt_len)
