@@ -27,7 +27,7 @@ from edge_client.transport import EdgeError, sampling_proto
 from spec_core.proto import qpayload
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.qcodec import EncodedQ
-from spec_core.warping import SamplingSettings
+from spec_core.warping import REJECTION, SamplingSettings
 from spec_core.wire import OPEN_KEY_BYTES
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,11 @@ class RemoteSession:
 
     async def _round(self, req: pb.VerifyRequest) -> Reply:
         if not req.session_id:
+            if self.st.replays and self.settings.coupling != REJECTION:
+                # A replay may reach another verifier than the one negotiated with (a restart, a replica
+                # move): its ServerInfo is asked again before the open (Verifier.verify refuses one that
+                # does not list the coupling). One call per replay, with a coupling other than the default.
+                self.verifier.forget_limits()
             reply = await self.verifier.open_round(req, self.st)
         elif self.stream is None:
             reply = await self.verifier.verify(req, self.st)

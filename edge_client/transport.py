@@ -18,7 +18,7 @@ from spec_core import clock
 from spec_core.proto import couplings
 from spec_core.proto import verifier_pb2 as pb
 from spec_core.proto import verifier_pb2_grpc as pb_grpc
-from spec_core.warping import SamplingSettings
+from spec_core.warping import REJECTION, SamplingSettings
 from spec_core.wire import (ELSEWHERE_KEY, HELD_KEY, MESSAGE_SIZE_OPTIONS, MOVED_KEY, QUEUED_KEY, REPLICAS_KEY,
                             RETRY_AFTER_KEY)
 
@@ -219,6 +219,7 @@ class Verifier:
         self.channels: list[grpc.aio.Channel] = [] if channel is None else [channel]
         self._targets: list[str] = []
         self._pinned: set[grpc.aio.Channel] = set()   # channels to one replica only, opened by a move
+        self._addresses: dict[grpc.aio.Channel, str] = {}   # what each own channel was opened to
         self._retired: set[asyncio.Task] = set()   # channels replaced, closing
         self.stub: pb_grpc.VerifierStub | None = None
         self.reached = False   # the verifier has answered once: from then on calls wait for it to come back
@@ -230,6 +231,7 @@ class Verifier:
         if self.channel is None:
             self._targets = replica_targets(self.transport.server)
             self.channels = [open_channel(target, **self.security.channel_kwargs()) for target in self._targets]
+            self._addresses = dict(zip(self.channels, self._targets))
             self.channel = self.channels[0]
         self.stub = pb_grpc.VerifierStub(self.channel)
 
@@ -257,6 +259,7 @@ class Verifier:
         if self.channel is channel:
             k = (self.channels.index(channel) + 1) % len(self.channels)
             new = open_channel(self._targets[k].split(",")[0], **self.security.channel_kwargs())
+            self._addresses[new] = self._targets[k].split(",")[0]
             self._pinned.add(new)
             self._replace(k, new)
         return True
@@ -267,7 +270,9 @@ class Verifier:
         if channel is not self.channel or channel not in self._pinned:
             return False
         k = self.channels.index(channel)
-        self._replace(k, open_channel(self._targets[k], **self.security.channel_kwargs()))
+        new = open_channel(self._targets[k], **self.security.channel_kwargs())
+        self._addresses[new] = self._targets[k]
+        self._replace(k, new)
         return True
 
     def _replace(self, k: int, new: grpc.aio.Channel) -> None:
@@ -279,6 +284,7 @@ class Verifier:
         self.channels[k] = self.channel = new
         self.stub = pb_grpc.VerifierStub(new)
         self._pinned.discard(old)
+        self._addresses.pop(old, None)
         # Nothing of ours waits on the old one (the calls follow `stub`): close it, briefly.
         task = asyncio.ensure_future(old.close(grace=1.0))
         self._retired.add(task)
@@ -329,8 +335,16 @@ class Verifier:
     def forget_limits(self) -> None:
         _SERVER_LIMITS.pop(self.channel, None)
 
+    def address(self) -> str:
+        """Where the calls go now: the replica a move went to, else the address (or replica list) given."""
+        return self._addresses.get(self.channel, self.transport.server)
+
     async def verify(self, req: pb.VerifyRequest, st: GenerationStats, retries: int | None = None) -> pb.VerifyReply:
+        coupling = couplings.from_wire(req.open.sampling.coupling) if req.HasField("open") else None
+
         async def attempt() -> pb.VerifyReply:
+            if coupling not in (None, REJECTION):
+                await self._check_coupling(coupling, st)
             st.bytes_up += req.ByteSize() + GRPC_FRAME_BYTES
             # Once a verifier has answered, wait for it to come back (restart) instead of failing fast;
             # before that, an address with nothing behind it fails within the retry budget.
@@ -352,6 +366,16 @@ class Verifier:
         return await self.stub.Verify(req, timeout=self.transport.deadline_s + 2 * st.queued_s,
                                       wait_for_ready=self.wait_for_ready,
                                       metadata=(*(self.metadata or ()), (REPLICAS_KEY, str(replicas))))
+
+    async def _check_coupling(self, coupling: str, st: GenerationStats) -> None:
+        """An open that asks for `coupling` goes only to a verifier that lists it in ServerInfo.couplings
+        (asked once per channel: after a replica move, the replica's; the edge asks again after a
+        restart, RoundLoop._open): one that does not, e.g. a verifier from before the field, would
+        check by rejection sampling without a word. FAILED_PRECONDITION, naming the replica."""
+        refusal = (await self.limits(st)).coupling_refusal(coupling)
+        if refusal:
+            raise EdgeError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"the verifier at {self.address()} cannot open this generation: {refusal}")
 
     async def vocabulary(self, fingerprint: str, st: GenerationStats) -> pb.Vocabulary:
         async def ask() -> pb.Vocabulary:

@@ -12,7 +12,8 @@ none; the llama.cpp tiny models through the CLI):
 - negative control: a verifier whose noise is keyed by the round (the position within the round)
   instead of the absolute position commits other ids than cloud-only;
 - refusals before the first round: a verifier that does not list the coupling (one from before
-  the field, or a backend without it), and the verifier's own checks of SamplingParams.coupling.
+  the field, or a backend without it), and the verifier's own checks of SamplingParams.coupling;
+  and before a replay opens on another replica that does not list it.
 """
 from __future__ import annotations
 
@@ -277,8 +278,6 @@ async def test_an_old_verifier_is_refused_before_the_first_round():
 
 
 async def test_a_backend_without_the_coupling_is_refused_by_both_ends():
-    from cloud_verifier.backends.vllm import VllmBackend   # imports without vLLM installed
-    assert VllmBackend.caps.couplings == (REJECTION,)      # the vLLM backend: rejection sampling only
     backend = SyntheticBackend(vocab=VOCAB)
     backend.caps = dataclasses.replace(backend.caps, couplings=(REJECTION,))
     e = await _refused(backend)
@@ -301,6 +300,56 @@ async def test_a_backend_without_the_coupling_is_refused_by_both_ends():
             assert list(info.couplings) == [pb.COUPLING_REJECTION]
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("second_offers", [False, True], ids=["old-second-replica", "control"])
+async def test_a_replay_on_a_replica_that_does_not_offer_the_coupling_is_refused(second_offers):
+    """Two replicas; the first drains mid-generation and hands the session back ("moved"), so the edge
+    replays on the second. One that does not list gumbel in ServerInfo.couplings (a verifier from
+    before the field: it would check by rejection sampling without a word) is refused before the
+    replay opens, naming the coupling and the replica; the control (it lists it) finishes with
+    cloud-only's ids."""
+    from cloud_verifier.server import VerifierServer
+    from cloud_verifier.engine import Limits
+    s = SamplingSettings(max_new_tokens=40, ignore_eos=True, seed=6, coupling=GUMBEL, **TOP_P)
+    servers = [VerifierServer(SyntheticBackend(vocab=VOCAB, step_ms=2), "127.0.0.1", 0, Limits(), grace_s=2.0)
+               for _ in range(2)]
+    for server in servers:
+        await server.start()
+    if not second_offers:
+        original = servers[1].engine.server_info
+
+        def old():
+            info = original()
+            del info.couplings[:]
+            return info
+        servers[1].engine.server_info = old
+    second = f"127.0.0.1:{servers[1].port}"
+    try:
+        async with EdgeClient(edge_options(",".join(f"127.0.0.1:{x.port}" for x in servers), gamma=3),
+                              SyntheticDrafter(VOCAB, noise=1.0), SyntheticTokenizer(VOCAB)) as c:
+            gen = c.generate([0, 5, 6, 7], s)
+
+            async def run():
+                async for _ in gen:
+                    if gen.stats.rounds == 3 and not servers[0].servicer.draining:
+                        servers[0].servicer.drain()
+            if second_offers:
+                await run()
+            else:
+                with pytest.raises(EdgeError) as e:
+                    await run()
+    finally:
+        for server in servers:
+            await server.stop()
+            server.engine.backend.close()
+    assert gen.stats.replays == 1
+    if second_offers:
+        assert gen.stats.token_ids == await reference_ids([0, 5, 6, 7], s)
+        return
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"the verifier at {second} cannot open" in str(e.value) and "--coupling gumbel" in str(e.value)
+    assert len(gen.stats.token_ids) < 40
 
 
 # --- the real programs (tiny GGUF models, llama.cpp) -----------------------------------------------

@@ -17,11 +17,18 @@ Checked here:
   pipeline / continuations / window / fused / the planner's × q × greedy / top-k / top-p): each one
   runs and gives the equal result (greedy: the Generate stream; sampled: the same seed twice), none
   is refused. The vLLM suite runs 49 of them (every chain / tree × work × sampling, auto × every
-  work); the whole (189) with HYBRIDSPEC_MATRIX=all.
+  work); the whole (189) with HYBRIDSPEC_MATRIX=all;
+- `--coupling gumbel`: the hybrid's ids equal the Generate stream's (same seed and coupling), token for
+  token: chains and trees at top-p, top-k and plain T 1.0 (listed supports and whole rows), with fused
+  continuations and a window, 6 sessions at once mixing couplings (4 gumbel, 2 rejection), every
+  session evicted twice mid-generation (the edge replays); a negative control (the noise keyed by
+  the round: row 0 of every round reads position 0) must break equality; the capability, and the
+  refusal where rounds would not be decided in the engine.
 Marked `vllm` (scripts/test_vllm.sh); skipped when vllm is not importable.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 
 import numpy as np
@@ -30,7 +37,7 @@ import pytest
 from edge_client.options import Speculation, refuse_conflicts
 from option_matrix import QS, SAMPLINGS, SHAPES, WORKS, Combo, run_combo, vllm_combos
 from spec_core.tree import DraftTree
-from spec_core.warping import SamplingSettings
+from spec_core.warping import GUMBEL, REJECTION, SamplingSettings
 from test_vllm_backend import PROMPT, _check_same_or_near_tie, _greedy_hybrid_and_reference, needs_vllm
 
 N = 32
@@ -263,3 +270,143 @@ def test_a_sample_of_the_vllm_rows_runs_and_is_exact(vllm_backend, tiny_vllm, co
 @pytest.mark.parametrize("combo", vllm_combos() if WHOLE else [], ids=str)
 def test_whole_vllm_matrix(vllm_backend, tiny_vllm, combo):
     check_vllm_row(combo, vllm_backend, tiny_vllm)
+
+
+# --- --coupling gumbel: the hybrid's ids are cloud-only's ------------------------------------------
+# Both sides are decided in vLLM's worker by torch_accept (a hybrid round: y = argmax(log p + g) at every
+# row of its chunks; a Generate step: the round without drafts, VllmBackend._gumbel_round), so equality
+# checks the noise's keying (seed, absolute position), the walk, and that a row computed in a
+# verification chunk and in a one-token Generate chunk give the same y. tests/test_gumbel_torch.py
+# checks the device walk against spec_core.tree.gumbel_walk draw for draw.
+
+G_N = 24
+G_SAMPLINGS = {"top-p": dict(temperature=0.8, top_p=0.9), "top-k": dict(temperature=0.7, top_k=20),
+             "plain": dict(temperature=1.0)}
+
+
+@pytest.fixture(scope="module")
+def gumbel_warm(vllm_backend):
+    """A fresh engine's first forward pass is slow (seconds on CPU); a prompt of 3 tokens takes it, too
+    short for the prefill meter (vllm_prefill.MIN_TOKENS), whose rate would otherwise make the server
+    refuse the first sessions for their predicted time to first token."""
+    vllm_backend.target_logits(None, [1, 5, 6], 1)
+
+
+def gumbel(seed: int, sampling: str) -> SamplingSettings:
+    return SamplingSettings(max_new_tokens=G_N, ignore_eos=True, seed=seed, coupling=GUMBEL, **G_SAMPLINGS[sampling])
+
+
+async def hybrid_and_cloud_only(backend, tiny, settings: list[SamplingSettings], shape: str = "chain",
+                                work: str = "none", during=None, before=None):
+    """Each one's cloud-only stream, then generations of PROMPT with `settings` at once through one edge
+    client (chains of 4, or trees; `work`: WORK's options, or none): (the hybrid generations, the
+    cloud-only ones). `during(server, gen)` runs after each piece of the first generation;
+    `before(server)` before the hybrids start."""
+    from edge_client import EdgeClient
+    from edge_client.drafters import GGUFDrafter
+    from helpers import edge_options, running_server
+    kw = dict(max_tree_nodes=16) if shape == "tree" else {}
+    drafter = GGUFDrafter(str(tiny["draft"]), n_threads=1, n_ctx=512, **kw)
+    try:
+        async with running_server(backend, max_sessions=16) as server:
+            async with EdgeClient(edge_options(f"127.0.0.1:{server.port}", gamma=CHAIN_GAMMA, **WORK.get(work, {}),
+                                               **(dict(tree=TREE) if shape == "tree" else {})),
+                                  drafter, drafter.model) as c:
+                refs = [c.generate_cloud_only(PROMPT, s) for s in settings]
+                for r in refs:
+                    await r.text()
+                if before is not None:
+                    before(server)
+                gens = [c.generate(PROMPT, s) for s in settings]
+
+                async def run(k, gen):
+                    async for _ in gen:
+                        if k == 0 and during is not None:
+                            during(server, gen)
+                await asyncio.gather(*(run(k, g) for k, g in enumerate(gens)))
+    finally:
+        drafter.close()
+    return gens, refs
+
+
+def check_equal(gen, ref) -> None:
+    ids, want = gen.stats.token_ids, ref.stats.token_ids
+    assert len(want) == G_N and ref.stats.seed == gen.stats.seed
+    assert ids == want, (f"the hybrid's ids differ from cloud-only's at seed {gen.stats.seed}, first at "
+                         f"{next(i for i, (a, b) in enumerate(zip(ids, want)) if a != b)}: {ids} vs {want}")
+
+
+@needs_vllm
+@pytest.mark.parametrize("shape, sampling, work", [("chain", "top-p", "none"), ("tree", "top-k", "none"),
+                                                   ("tree", "plain", "none"), ("chain", "top-p", "fused"),
+                                                   ("tree", "top-k", "window")])
+async def test_gumbel_hybrid_equals_cloud_only(vllm_backend, tiny_vllm, gumbel_warm, shape, sampling, work):
+    rounds0 = vllm_backend.session_rounds
+    (gen,), (ref,) = await hybrid_and_cloud_only(vllm_backend, tiny_vllm, [gumbel(5, sampling)], shape, work)
+    check_equal(gen, ref)
+    st = gen.stats
+    assert st.coupling == GUMBEL and st.rounds < G_N   # drafts were kept: the equality is not every round's correction
+    assert st.tree_rounds >= st.rounds - 1 if shape == "tree" else st.tree_rounds == 0
+    assert work == "none" or _sent(st, work) > 0, f"no continuation was sent: {st.round_stats()}"
+    assert vllm_backend.session_rounds - rounds0 >= G_N + st.rounds   # every step and round decided in the engine
+
+
+@needs_vllm
+async def test_gumbel_six_sessions_at_once_mixing_couplings(vllm_backend, tiny_vllm, gumbel_warm):
+    """4 gumbel sessions (other seeds and settings) and 2 rejection ones generate together: each gumbel
+    one equals its cloud-only stream; the rejection ones run to the end."""
+    settings = [gumbel(20, "top-p"), gumbel(21, "top-k"), gumbel(22, "plain"), gumbel(23, "top-p"),
+                SamplingSettings(max_new_tokens=G_N, ignore_eos=True, seed=24, temperature=0.8, top_p=0.9),
+                SamplingSettings(max_new_tokens=G_N, ignore_eos=True, temperature=0.0)]
+    gens, refs = await hybrid_and_cloud_only(vllm_backend, tiny_vllm, settings)
+    for gen, ref in zip(gens[:4], refs[:4]):
+        check_equal(gen, ref)
+    assert len({tuple(g.stats.token_ids) for g in gens[:4]}) == 4
+    for gen in gens[4:]:
+        assert gen.stats.coupling == REJECTION and len(gen.stats.token_ids) == G_N
+
+
+@needs_vllm
+async def test_gumbel_evicted_sessions_replay_to_the_same_ids(vllm_backend, tiny_vllm, gumbel_warm):
+    """Every session dropped twice mid-generation (their vLLM requests end): the edge replays, and the
+    ids are still cloud-only's."""
+    evicted = []
+
+    def evict(server, gen):
+        if len(evicted) < 2 and gen.stats.rounds in (2, 5) and gen.stats.rounds not in evicted:
+            server.engine.drop_sessions()
+            evicted.append(gen.stats.rounds)
+    (gen,), (ref,) = await hybrid_and_cloud_only(vllm_backend, tiny_vllm, [gumbel(8, "top-p")], during=evict)
+    assert gen.stats.replays >= 1
+    check_equal(gen, ref)
+
+
+@needs_vllm
+async def test_gumbel_noise_keyed_by_round_breaks_equality(vllm_backend, tiny_vllm, gumbel_warm, monkeypatch):
+    """Negative control: the hybrid's rounds told position 0 for their row 0 (the noise keyed by the
+    round, not the absolute position; the cloud-only streams ran before, unpatched)."""
+    from cloud_verifier.backends import vllm_sessions
+    spec = vllm_sessions.accept_spec
+
+    def round_keyed(*args, **kw):
+        out = spec(*args, **kw)
+        if out.get("round", {}).get("gumbel"):
+            out["round"]["gumbel"][1] = 0
+        return out
+    gens, refs = await hybrid_and_cloud_only(
+        vllm_backend, tiny_vllm, [gumbel(seed, "top-p") for seed in (5, 6)],
+        before=lambda server: monkeypatch.setattr(vllm_sessions, "accept_spec", round_keyed))
+    assert all(g.stats.token_ids != r.stats.token_ids for g, r in zip(gens, refs))
+
+
+@needs_vllm
+def test_gumbel_offered_where_rounds_are_decided_in_the_engine_and_refused_elsewhere(vllm_backend):
+    assert GUMBEL in vllm_backend.caps.couplings and vllm_backend.gumbel_refusal() is None
+    vllm_backend.engine_maths = False
+    try:
+        refusal = vllm_backend.gumbel_refusal()
+        assert "--coupling gumbel" in refusal and "engine maths off" in refusal
+        with pytest.raises(ValueError, match="--coupling gumbel on the vllm backend"):
+            vllm_backend.verify_round(None, [1, 5, 6], DraftTree.chain([7]), None, gumbel(1, "top-p"), None)
+    finally:
+        vllm_backend.engine_maths = True

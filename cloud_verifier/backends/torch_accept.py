@@ -14,7 +14,15 @@ sparse, dense) and its uniforms, drawn on the host from the session's own genera
 (`round_uniforms`): one for each node's accept test and one for the corrected or bonus draw. So a
 seeded session is reproducible on this path whatever else shares the pass.
 
-What runs, per pass:
+With the gumbel coupling (settings.coupling "gumbel", spec_core.gumbel has the rule and the proof)
+a round reads no q and no uniform: at every row it owns, y = argmax(log p + g), p the row's processed
+distribution (step 1 below, the same warping) and g the noise of (the session's seed, the absolute
+position the row predicts: `PassRound.position` for row 0), computed here from the same 52-bit
+integers as spec_core.gumbel (`gumbel_noise_bits`); only the rows' y cross to the host, where the walk
+moves to the child carrying y (spec_core.tree.gumbel_walk), y at the row it stops at being the
+corrected or bonus token. Rounds of both couplings share a pass.
+
+What runs, per pass (the rejection coupling):
   1. warping, per row and vectorised over rows with equal settings kinds: temperature, then top-k
      (ties at the k-th value kept), then top-p over the stable descending order (ties: lower id
      first), as spec_core.warping. A row is summarised by (max, kept boundary, normaliser), so
@@ -71,7 +79,8 @@ class PassRound:
     tree: DraftTree                                 # [n] drafts (a chain: parents i - 1)
     draft_probs: Sequence[EncodedQ | None] | None   # [n] q per node, or None: point masses
     settings: SamplingSettings
-    uniforms: np.ndarray                            # [n + 1] in [0, 1): round_uniforms
+    uniforms: np.ndarray                            # [n + 1] in [0, 1): round_uniforms (gumbel: unread)
+    position: int | None = None                     # gumbel: the absolute position row 0 predicts
 
 
 def round_uniforms(n_nodes: int, rng: np.random.Generator) -> np.ndarray:
@@ -310,11 +319,14 @@ def accept_pass(logits: torch.Tensor, rounds: Sequence[PassRound]) -> list[TreeR
 
     logits  # [rows, vocab] on any device (float32, bf16 or float16); each round reads its
     len(tree) + 1 rows from first_row. Exactly spec_core.verify / spec_core.tree's rule (module
-    docstring: where the float order differs)."""
+    docstring: where the float order differs); rounds whose settings say gumbel, gumbel_walk's."""
     if not rounds:
         return []
     for rd in rounds:
-        assert len(rd.uniforms) == len(rd.tree) + 1, (len(rd.uniforms), len(rd.tree))
+        if rd.settings.gumbel:
+            assert rd.settings.seed is not None and rd.position is not None, "the gumbel coupling needs seed and position"
+        else:
+            assert len(rd.uniforms) == len(rd.tree) + 1, (len(rd.uniforms), len(rd.tree))
         assert rd.first_row + len(rd.tree) + 1 <= logits.shape[0], (rd.first_row, len(rd.tree), logits.shape)
     dev = logits.device
     # Only the rows the rounds own are warped (a pass may hold rows of other requests).
@@ -328,6 +340,19 @@ def accept_pass(logits: torch.Tensor, rounds: Sequence[PassRound]) -> list[TreeR
                      np.array([rd.settings.temperature for rd in rounds])[per_row],
                      np.array([rd.settings.top_k for rd in rounds])[per_row],
                      np.array([rd.settings.top_p for rd in rounds])[per_row])
+    out: list[TreeResult | None] = [None] * len(rounds)
+    gumbel = [j for j, rd in enumerate(rounds) if rd.settings.gumbel]
+    rejection = [j for j, rd in enumerate(rounds) if not rd.settings.gumbel]
+    for part, decide in ((gumbel, _gumbel_results), (rejection, _rejection_results)):
+        if part:
+            for j, result in zip(part, decide(rows_logits, warp, [rounds[j] for j in part], local)):
+                out[j] = result
+    return out
+
+
+def _rejection_results(rows_logits, warp, rounds: Sequence[PassRound], local) -> list[TreeResult]:
+    """Rounds of the rejection coupling: accept tests (chains on the device, trees walked on the host),
+    then one draw per round (module docstring)."""
     nodes = _Nodes(rounds)
     chains = [j for j, rd in enumerate(rounds) if rd.tree.is_chain]
     trees = [j for j, rd in enumerate(rounds) if not rd.tree.is_chain]
@@ -499,9 +524,11 @@ def _packed_q(nodes, dev) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.as_tensor(q_ids, device=dev), torch.as_tensor(q_w, device=dev)
 
 
-# --- the gumbel coupling's noise, on the device ----------------------------------------------------
+# --- the gumbel coupling, on the device ---------------------------------------------------------------
 
 _M16, _M32 = 0xFFFF, 0xFFFFFFFF
+# Whole rows (T > 0 without a listed support) are scored this many (row, token) entries at a time.
+_GUMBEL_CHUNK = 1 << 22
 
 
 def _mulmod32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -519,19 +546,82 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise_bits(seed: int, position: int, ids: torch.Tensor) -> torch.Tensor:
-    """spec_core.gumbel.noise_bits in torch (int64 lanes, masked): the same 52-bit integers, bit for
-    bit, on any device  # ids: [n] int64 -> [n] int64. So the vLLM path can read the noise the edge
-    reads; spec_core.gumbel says what the noise is."""
-    from spec_core.gumbel import position_keys
-    k0, k1, k2, k3 = position_keys(seed, position)
+def _noise_bits(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The 52-bit integers of spec_core.gumbel.noise_bits, each row with its own lane keys
+    # keys: [R, 4] int64 (position_keys), ids: [R, m] int64 -> [R, m] int64."""
     v = ids.to(torch.int64)
-    hi = _mix32(_mix32(v ^ k0) ^ k1)
-    lo = _mix32(_mix32(v ^ k2) ^ k3)
+    hi = _mix32(_mix32(v ^ keys[:, 0:1]) ^ keys[:, 1:2])
+    lo = _mix32(_mix32(v ^ keys[:, 2:3]) ^ keys[:, 3:4])
     return (hi << 20) | (lo >> 12)
 
 
-def gumbel_noise(seed: int, position: int, ids: torch.Tensor) -> torch.Tensor:
-    """g = -log(-log u), u = (n + 1/2) / 2^52 exact in float64  # [n] -> [n] float64."""
-    u = (gumbel_noise_bits(seed, position, ids).to(torch.float64) + 0.5) * 2.0 ** -52
+def _noise_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """g = -log(-log u), u = (n + 1/2) / 2^52 exact in float64."""
+    u = (bits.to(torch.float64) + 0.5) * 2.0 ** -52
     return -torch.log(-torch.log(u))
+
+
+def _keys(seed: int, positions, dev) -> torch.Tensor:
+    """[len(positions), 4] int64: the lane keys of (seed, position) per row."""
+    from spec_core.gumbel import position_keys
+    return torch.as_tensor(np.array([position_keys(seed, int(p)) for p in positions], dtype=np.int64).reshape(-1, 4),
+                           device=dev)
+
+
+def gumbel_noise_bits(seed: int, position: int, ids: torch.Tensor) -> torch.Tensor:
+    """spec_core.gumbel.noise_bits in torch (int64 lanes, masked): the same 52-bit integers, bit for
+    bit, on any device  # ids: [n] int64 -> [n] int64. So the vLLM path reads the noise the edge
+    reads; spec_core.gumbel says what the noise is."""
+    return _noise_bits(_keys(seed, [position], ids.device), ids[None, :])[0]
+
+
+def gumbel_noise(seed: int, position: int, ids: torch.Tensor) -> torch.Tensor:
+    """g at `ids`  # [n] -> [n] float64."""
+    return _noise_from_bits(gumbel_noise_bits(seed, position, ids))
+
+
+def _gumbel_results(logits, warp: RowWarp, rounds: Sequence[PassRound], local) -> list[TreeResult]:
+    """Rounds of the gumbel coupling: y = argmax(log p + g) at every row they own, in one batch
+    (listed rows over their kept ids, the others over the whole row, a chunk of rows at a time), ties
+    to the lowest id as spec_core.gumbel.gumbel_argmax; then each round's walk on the host: move to the
+    child carrying y, else y is the corrected token (at a leaf, the bonus)."""
+    dev, vocab = logits.device, logits.shape[1]
+    rows, keys = [], []
+    for rd in rounds:
+        positions = [rd.position] + [rd.position + d for d in rd.tree.depths()]   # row i + 1: after node i
+        rows.append(local[np.arange(rd.first_row, rd.first_row + len(rd.tree) + 1)])
+        keys.append(_keys(rd.settings.seed, positions, dev))
+    rows_t = torch.as_tensor(np.concatenate(rows), device=dev)
+    keys_t = torch.cat(keys)
+    y = torch.empty(len(rows_t), dtype=torch.int64, device=dev)
+    listed = warp.support_len[rows_t] > 0
+    part = torch.nonzero(listed)[:, 0]
+    if len(part):
+        r = rows_t[part]
+        ids = warp.support[r]                                      # [L, m] ascending, vocab-padded
+        scores = torch.log(warp.probs_at(logits, r[:, None], ids)) + _noise_from_bits(_noise_bits(keys_t[part], ids))
+        y[part] = ids.gather(-1, scores.argmax(dim=-1, keepdim=True))[:, 0]
+    rest = torch.nonzero(~listed)[:, 0]
+    step = max(1, _GUMBEL_CHUNK // vocab)
+    ids = torch.arange(vocab, device=dev)[None, :]
+    for a in range(0, len(rest), step):
+        part = rest[a:a + step]
+        r = rows_t[part]
+        scores = torch.log(warp.rows_probs(logits, r)) + _noise_from_bits(_noise_bits(keys_t[part], ids.expand(len(r), -1)))
+        y[part] = scores.argmax(dim=-1)
+    y_host = y.cpu().numpy()
+    out, at = [], 0
+    for rd in rounds:
+        ys = y_host[at:at + len(rd.tree) + 1]   # [n + 1]: row 0, then after each node
+        at += len(rd.tree) + 1
+        children = rd.tree.children()
+        node, path = ROOT, []
+        while True:
+            target = int(ys[node + 1])
+            child = next((c for c in children.get(node, []) if rd.tree.tokens[c] == target), None)
+            if child is None:
+                out.append(TreeResult(path, target))
+                break
+            node = child
+            path.append(child)
+    return out

@@ -65,6 +65,7 @@ concurrent sessions are batched by vLLM's scheduler. Scripts that construct it n
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -89,7 +90,7 @@ from spec_core.fingerprint import tokenizer_fingerprint
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import ROOT, DraftTree, NodeScore, TreeResult, tree_tokens_needed, verify_tree_from_scores
 from spec_core.verify import RoundResult
-from spec_core.warping import REJECTION, SamplingSettings, processed_probs, sample
+from spec_core.warping import GUMBEL, REJECTION, SamplingSettings, processed_probs, sample
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +193,9 @@ class VllmBackend(Backend):
     # vLLM's scheduler mixes the rounds of all sessions in flight (batching); the HF tokenizer gives
     # GetVocabulary, text and chat prompts; its maths work from scores or in its engine, not on host
     # rows, so a hit continuation runs as a second request (fuses False).
-    # Rejection sampling only: its rounds are decided in vLLM's worker (torch_accept) or from vLLM's own
-    # samples, and its Generate stream is vLLM's sampler; the gumbel coupling is refused at open.
-    caps = Capabilities(trees=True, batching=True, vocabulary=True, fuses=False, couplings=(REJECTION,))
+    # Both couplings: the gumbel coupling's rounds and Generate steps are decided in vLLM's worker
+    # (torch_accept), so it is offered only where that path runs (sessions: `gumbel_refusal`).
+    caps = Capabilities(trees=True, batching=True, vocabulary=True, fuses=False, couplings=(REJECTION, GUMBEL))
     one_request = True  # greedy and top-k rounds: one request with prompt logprobs (False: gamma + 1 requests)
     sessions = True     # ... as a chunk of the session's own request that keeps its KV (vllm_sessions)
     whole_row_sessions = True  # top-p / plain sampled chains too: whole rows cross to Python (docs/vllm.md)
@@ -235,6 +236,9 @@ class VllmBackend(Backend):
         if self.sessions and not self.sessions_supported:
             log.warning("vLLM sessions are off (KV-cache groups per worker: %s); rounds re-prefill the block tail",
                         groups)
+        if self.gumbel_refusal() is not None:   # not offered (ServerInfo.couplings), refused at open
+            self.caps = dataclasses.replace(self.caps, couplings=(REJECTION,))
+            log.warning("%s: ServerInfo.couplings lists rejection only", self.gumbel_refusal())
         self.start_s = time.perf_counter() - t0
         n_vocab = int(self._llm.model_config.get_vocab_size())
         log.info("vLLM engine for %s ready in %.1f s (vocab %d, tokenizer %d)", model, self.start_s, n_vocab, n_tok)
@@ -371,9 +375,10 @@ class VllmBackend(Backend):
     def _engine_round(self, state: VllmSession, committed: list[int], tree: DraftTree, paths: list[list[int]],
                       draft_probs, settings: SamplingSettings, rng: np.random.Generator):
         """A round decided in the engine: a chunk per path (vllm_sessions.session_verdict); the uniforms
-        from the session's generator (torch_accept.round_uniforms), so a seeded session is reproducible."""
+        from the session's generator (torch_accept.round_uniforms), so a seeded session is reproducible
+        (the gumbel coupling reads none)."""
         from cloud_verifier.backends.torch_accept import round_uniforms
-        uniforms = round_uniforms(len(tree), rng)
+        uniforms = np.empty(0) if settings.gumbel else round_uniforms(len(tree), rng)
         got = self._run(self._batch_call(session_verdict(self._llm, state, committed, paths, tree, draft_probs,
                                                          settings, uniforms)))
         with self._stats_lock:
@@ -501,6 +506,8 @@ class VllmBackend(Backend):
         generator) scores p at the tokens the rule reads there (tree_tokens_needed, `logprob_token_ids`;
         a chain: its draft token) and samples y ~ p; a node whose read set holds a dense q asks for its
         whole processed row instead. verify_tree_from_scores runs the rule (proof there)."""
+        if settings.gumbel:
+            return self._gumbel_round(state, list(committed), tree, settings)
         t0 = time.perf_counter()
         committed = list(committed)
         path = self.round_path(settings, tree=not tree.is_chain, state=state, steady=False).removeprefix("tree-")
@@ -554,9 +561,43 @@ class VllmBackend(Backend):
 
     def sample_next(self, state, tokens: Sequence[int], settings: SamplingSettings,
                     rng: np.random.Generator) -> BackendSample:
+        """The cloud-only stream's next token: vLLM's sampler with the session's settings; with the gumbel
+        coupling the target's Gumbel-max token at position len(tokens), a round without drafts decided
+        in the engine (_gumbel_round: the same maths as a hybrid round's)."""
+        if settings.gumbel:
+            got = self._gumbel_round(state, list(tokens), DraftTree((), ()), settings)
+            return BackendSample(got.result.next_token, 0.0, got.model_s)
         t0 = time.perf_counter()
         out = self._run(self._one(tokens, self._params(settings, int(rng.integers(0, 2**62)))))
         return BackendSample(int(out.outputs[0].token_ids[0]), 0.0, time.perf_counter() - t0)
+
+    def gumbel_refusal(self) -> str | None:
+        """Why this backend cannot verify with the gumbel coupling now (None: it can). Its rounds and
+        Generate steps are decided in the engine alone (torch_accept: the noise where the logits are);
+        the paths whose rows cross to this process sample from vLLM's own sampler after a leaf."""
+        if self.one_request and self.sessions and self.sessions_supported and self.engine_maths:
+            return None
+        return ("--coupling gumbel on the vllm backend needs its rounds decided in vLLM's engine, on sessions "
+                f"(sessions {'on' if self.sessions and self.one_request else 'off'}, supported by this model: "
+                f"{self.sessions_supported}, engine maths {'on' if self.engine_maths else 'off'})")
+
+    def _gumbel_round(self, state, committed: list[int], tree: DraftTree, settings: SamplingSettings) -> BackendRound:
+        """A round of the gumbel coupling (a Generate step: the round without drafts), decided in the engine:
+        y = argmax(log p + g) at every row (torch_accept), on the session's own request, or for a caller
+        without one (tools, tests) a session of its own for this round. Reads no q and no uniform."""
+        refusal = self.gumbel_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
+        t0 = time.perf_counter()
+        own = not isinstance(state, VllmSession)
+        session = self.new_state() if own else state
+        try:
+            paths = [tree.path_to(leaf) for leaf in tree.leaves()][::-1] or [[]]   # the first leaf last
+            got = self._engine_round(session, committed, tree, paths, None, settings, None)
+        finally:
+            if own:
+                self.release(session)
+        return BackendRound(got, 0.0, time.perf_counter() - t0)
 
     def target_logits(self, state, tokens: Sequence[int], rows: int) -> tuple[np.ndarray, float, float]:
         """Full log-probability rows (logits up to a constant per row)  # [rows, vocab].

@@ -35,17 +35,13 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
-
 import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import PrefillStats
 from vllm.v1.outputs import LogprobsTensors
 
 from cloud_verifier.backends.torch_accept import PassRound, accept_pass
-from cloud_verifier.backends.vllm_sessions import ACCEPT_ARG, unpack_q
-from spec_core.tree import DraftTree
-from spec_core.warping import SamplingSettings
+from cloud_verifier.backends.vllm_sessions import ACCEPT_ARG, spec_round
 
 log = logging.getLogger(__name__)
 
@@ -234,14 +230,10 @@ def accept_step(runner, hidden_states: torch.Tensor, num_scheduled_tokens: dict[
         spec = accepting[req_id][0]
         if "round" not in spec:   # a tree's earlier leaf: its rows wait for the last one
             continue
-        rd = spec["round"]
-        tree = DraftTree(tuple(rd["tokens"]), tuple(rd["parents"]))
+        tree, qs, settings, uniforms, position = spec_round(spec["round"])
         rows = stash.pop(req_id)
         pieces.append(torch.stack([rows[i] for i in range(len(tree) + 1)]))
-        temperature, top_k, top_p = rd["settings"]
-        rounds.append(PassRound(first_row, tree, None if rd["q"] is None else [unpack_q(q) for q in rd["q"]],
-                                SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p),
-                                np.asarray(rd["u"], dtype=np.float64)))
+        rounds.append(PassRound(first_row, tree, qs, settings, uniforms, position))
         req_ids.append(req_id)
         first_row += len(tree) + 1
     if not rounds:

@@ -31,7 +31,7 @@ import numpy as np
 
 from spec_core.qcodec import EncodedQ
 from spec_core.tree import DraftTree, TreeResult
-from spec_core.warping import SamplingSettings
+from spec_core.warping import GUMBEL, SamplingSettings
 
 log = logging.getLogger(__name__)
 
@@ -130,19 +130,34 @@ def unpack_q(packed) -> EncodedQ | None:
 
 
 def accept_spec(rows: Sequence[int], tree: DraftTree | None = None, draft_probs=None,
-                settings: SamplingSettings | None = None, uniforms: np.ndarray | None = None) -> dict:
+                settings: SamplingSettings | None = None, uniforms: np.ndarray | None = None,
+                position: int | None = None) -> dict:
     """extra_args[ACCEPT_ARG] of a chunk whose decision runs in the engine (vllm_engine_ext.accept_step):
     the chunk's last len(rows) prompt positions give its round's rows `rows` (0: after the committed
     tokens, i + 1: after node i; the last position is the one vLLM samples after); the chunk that
-    completes the round also carries it (the tree, q, settings and round_uniforms), plain values."""
+    completes the round also carries it (the tree, q, settings and round_uniforms; with the gumbel
+    coupling the seed, as text: a uint64, and `position`, the absolute position row 0 predicts), plain
+    values."""
     spec: dict = {"rows": [int(r) for r in rows]}
     if tree is not None:
         spec["round"] = {"tokens": [int(t) for t in tree.tokens], "parents": [int(p) for p in tree.parents],
                          "q": None if draft_probs is None else [pack_q(q) for q in draft_probs],
                          "settings": [float(settings.temperature if not settings.greedy else 0.0),
                                       int(settings.top_k), float(settings.top_p)],
-                         "u": [float(u) for u in uniforms]}
+                         "u": [float(u) for u in uniforms],
+                         "gumbel": [str(settings.seed), int(position)] if settings.gumbel else None}
     return spec
+
+
+def spec_round(rd: dict) -> tuple[DraftTree, list | None, SamplingSettings, np.ndarray, int | None]:
+    """accept_spec's round back: (tree, q, settings, uniforms, position)."""
+    temperature, top_k, top_p = rd["settings"]
+    gumbel = rd.get("gumbel")
+    settings = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p,
+                                **(dict(seed=int(gumbel[0]), coupling=GUMBEL) if gumbel else {}))
+    return (DraftTree(tuple(rd["tokens"]), tuple(rd["parents"])),
+            None if rd["q"] is None else [unpack_q(q) for q in rd["q"]], settings,
+            np.asarray(rd["u"], dtype=np.float64), int(gumbel[1]) if gumbel else None)
 
 
 def accept_params(spec: dict):
@@ -207,7 +222,8 @@ async def _session_chunk(llm, session: VllmSession, committed: list[int], drafts
     from vllm.engine.protocol import StreamingInput
     from vllm.sampling_params import RequestOutputKind
 
-    assert committed and drafts, "a session round needs committed tokens and drafts"
+    assert committed and (drafts or ACCEPT_ARG in (params.extra_args or {})), \
+        "a session round needs committed tokens, and drafts unless it is decided in the engine"
     n = len(committed)
     if not session.live:   # the context first, reading the prefix cache, one row back
         session.chunks = asyncio.Queue()
@@ -233,17 +249,19 @@ async def _session_chunk(llm, session: VllmSession, committed: list[int], drafts
 async def session_verdict(llm, session: VllmSession, committed: list[int], paths: list[list[int]], tree: DraftTree,
                           draft_probs, settings: SamplingSettings, uniforms: np.ndarray) -> TreeResult:
     """A round decided in the engine (vllm_engine_ext.accept_step): a chunk per path of node indices
-    (a chain: one path, every node), in turn, each cut back to where it leaves the ones before, each
-    naming the tree rows its positions give; the last carries the round. Returns its verdict."""
+    (a chain: one path, every node; a round without drafts, a Generate step of the gumbel coupling:
+    one empty path, the chunk being the last committed token), in turn, each cut back to where it
+    leaves the ones before, each naming the tree rows its positions give; the last carries the round
+    (row 0 predicts position len(committed)). Returns its verdict."""
     if session.lock is None:
         session.lock = asyncio.Lock()
     async with session.lock:
         try:
             for k, path in enumerate(paths):
-                reuse = min(max((common_prefix(path, p) for p in paths[:k]), default=0), len(path) - 1)
+                reuse = max(0, min(max((common_prefix(path, p) for p in paths[:k]), default=0), len(path) - 1))
                 rows = [0 if j == 0 else path[j - 1] + 1 for j in range(reuse, len(path) + 1)]
                 last = k == len(paths) - 1
-                spec = accept_spec(rows, *((tree, draft_probs, settings, uniforms) if last else ()))
+                spec = accept_spec(rows, *((tree, draft_probs, settings, uniforms, len(committed)) if last else ()))
                 out = await _session_chunk(llm, session, committed, [tree.tokens[i] for i in path],
                                            accept_params(spec), reuse)
             return read_verdict(out)
