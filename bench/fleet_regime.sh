@@ -34,4 +34,4 @@ regime regime-mean-tpot --slo-on mean-tpot
 regime regime-fp8-kv --kv-dtype fp8
 regime regime-top-p --setting top-p
 nice -n 10 "$PY" -m netsim.fleet.breakeven --out "$OUT/breakeven/breakeven.json" --result gpu-breakeven
-"$PY" bench/plot_breakeven.py
+"$PY" -m hybridspec.plots gpu-breakeven per-gpu

@@ -257,11 +257,12 @@ def draw_gpu_map(source: str = "gpu-regime", tables: tuple[str, ...] = ("h100", 
         for k, key in enumerate(tables):
             rows = _table_rows(results[source].tables[key])
             ys = list(dict.fromkeys((r["target"], r["context"]) for r in rows))
-            xs = list(dict.fromkeys((r["link"], r["α"]) for r in rows))
+            col = "α" if "α" in rows[0] else "device draft"   # older maps: one α for both sides
+            xs = list(dict.fromkeys((r["link"], r[col]) for r in rows))
             grid = np.full((len(ys), len(xs)), np.nan)
             for r in rows:
                 v = r[column]
-                grid[ys.index((r["target"], r["context"])), xs.index((r["link"], r["α"]))] = (
+                grid[ys.index((r["target"], r["context"])), xs.index((r["link"], r[col]))] = (
                     float("nan") if v is None else float(v))
             ax = fig.add_axes((0.1 + k * 0.42, 0.22, 0.36, 0.62))
             cmap = matplotlib.colormaps["RdBu"].copy()
@@ -273,13 +274,83 @@ def draw_gpu_map(source: str = "gpu-regime", tables: tuple[str, ...] = ("h100", 
                     v = grid[i, j]
                     ax.text(j, i, "n/a" if np.isnan(v) else "—" if v == 0 else f"{v:.2f}", ha="center",
                             va="center", fontsize=5.5)
-            ax.set_xticks(range(len(xs)), [f"{link} {a:g}" for link, a in xs], rotation=90, fontsize=6)
+            ax.set_xticks(range(len(xs)), [f"{link} {a:g}" if isinstance(a, (int, float)) else f"{link} {a}"
+                                           for link, a in xs], rotation=90, fontsize=6)
             ax.set_yticks(range(len(ys)), [f"{t} {c}" for t, c in ys] if k == 0 else [], fontsize=6.5)
             ax.set_title(key.upper(), fontsize=9)
         fig.colorbar(im, cax=fig.add_axes((0.92, 0.22, 0.015, 0.62)))
         fig.suptitle("Per GPU: the hybrid's tokens/s over the best of vLLM's own speculative decoding\n"
                      "blue > 1: the hybrid serves more per GPU; —: no hybrid session meets the SLO; "
                      "n/a: not even one session fits in KV", fontsize=8.5)
+        footnote(fig, {source: results[source]})
+    return draw
+
+
+VERDICT_STYLE = {"win": ("o", "tab:green"), "tie": ("s", "tab:orange"), "loss": ("x", "tab:red")}
+
+
+def draw_breakeven(source: str = "gpu-breakeven") -> Callable:
+    """Per GPU, target and context (one panel each): the device's drafting time per token (x, log
+    scale) against its draft's mean acceptance length at 4 drafts (τ4, y); the line where the hybrid's
+    tokens/s per GPU equal the best of vLLM's own proposers (above it the hybrid gets more); the devices
+    of the table as vertical lines, the drafts measured as horizontal ones, and at each device × draft
+    crossing its own ratio's verdict (win / tie within the model's error / loss)."""
+    def draw(fig, results: dict) -> None:
+        import matplotlib.pyplot as plt
+        t = results[source].tables
+        lines, marks, devices = _table_rows(t["lines"]), _table_rows(t["marks"]), _table_rows(t["devices"])
+        panels = sorted(dict.fromkeys((r["GPU"], r["target"], r["context"], r["link"]) for r in lines),
+                        key=lambda p: (p[0], float(p[1].split("b")[0]), int(str(p[2]).rstrip("k")), p[3]))
+        cols = 4
+        rows = (len(panels) + cols - 1) // cols
+        fig.set_size_inches(4.2 * cols, 3.6 * rows)
+        axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
+        drafts: dict = {}
+        for m in marks:
+            drafts.setdefault(m["draft"], m["τ4"])
+        for ax, (gpu, target, context, link) in zip(axes.flat, panels):
+            ls = [r for r in lines if (r["GPU"], r["target"], r["context"], r["link"]) == (gpu, target, context, link)]
+            xs = [r["drafting ms/token"] for r in ls]
+            ax.set_xscale("log")
+            ax.set_xlim(min(xs), max(xs))
+            ax.set_ylim(1.0, 5.0)
+            ax.set_title(f"{gpu.upper()}, {target}, {context}, {link}", fontsize=9)
+            if all(r["break-even τ4"] == "no session fits" for r in ls):
+                ax.text(0.5, 0.5, "no session's KV fits\nbeside the weights", transform=ax.transAxes, ha="center",
+                        va="center", fontsize=9)
+                continue
+            ys = [r["break-even τ4"] if isinstance(r["break-even τ4"], (int, float)) else None for r in ls]
+            pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "k-", lw=2)
+                ax.fill_between([p[0] for p in pts], [p[1] for p in pts], 5.0, color="tab:green", alpha=0.08)
+            never = [x for x, y in zip(xs, ys) if y is None]
+            if never:
+                ax.axvspan(min(never), max(xs), color="tab:red", alpha=0.06)
+            for d in devices:
+                ax.axvline(d["ms/token (short context)"], color="tab:blue", ls="--", lw=0.8)
+                ax.text(d["ms/token (short context)"], 4.95, d["device"], rotation=90, va="top", ha="right",
+                        fontsize=7, color="tab:blue")
+            for i, (name, tau) in enumerate(sorted(drafts.items(), key=lambda kv: kv[1])):
+                ax.axhline(tau, color="grey", ls=":", lw=0.8)
+                ax.text(xs[0] if i % 2 == 0 else xs[-1], tau, name, va="bottom" if i % 2 == 0 else "top",
+                        ha="left" if i % 2 == 0 else "right", fontsize=6, color="grey")
+            for m in marks:
+                if (m["GPU"], m["target"], m["context"], m["link"]) == (gpu, target, context, link):
+                    marker, color = VERDICT_STYLE[m["verdict"]]
+                    ax.plot(m["ms/token"], m["τ4"], marker, color=color, ms=5)
+            ax.set_xlabel("device drafting ms/token (short context)", fontsize=8)
+            ax.set_ylabel("device draft τ4", fontsize=8)
+            ax.tick_params(labelsize=7)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        handles = [plt.Line2D([], [], color="k", lw=2, label="ratio 1: hybrid = best of vLLM's proposers"),
+                   plt.Line2D([], [], color="tab:red", lw=6, alpha=0.2, label="no τ4 up to 4.9 pays"),
+                   *[plt.Line2D([], [], ls="", marker=mk, color=c, label=f"measured device × draft: {v}")
+                     for v, (mk, c) in VERDICT_STYLE.items()]]
+        fig.legend(handles=handles, loc="lower right", bbox_to_anchor=(0.995, 0.0), ncol=3, fontsize=8, frameon=False)
+        fig.suptitle("Per GPU: the hybrid pays above the line", fontsize=10)
+        fig.tight_layout(rect=(0, 0.07, 1, 0.97))
         footnote(fig, {source: results[source]})
     return draw
 
@@ -295,6 +366,8 @@ PICTURES: list[Picture] = [
             ("docs/when-it-pays.md",)),
     Picture("many-edges", "many edges on one verifier", ("many-edges-synthetic",), draw_many_edges(), (8.5, 4.0),
             ("docs/many-edges.md",)),
+    Picture("gpu-breakeven", "per GPU, target and context: the break-even of the device's speed and its draft's τ4",
+            ("gpu-breakeven",), draw_breakeven(), (16.8, 10.8), ("docs/operators.md",)),
     Picture("per-gpu", "per GPU against vLLM's own speculation", ("gpu-regime",), draw_gpu_map(), (9.0, 5.2),
             ("docs/operators.md",)),
 ]

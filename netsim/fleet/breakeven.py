@@ -19,7 +19,7 @@ Marked on it: the devices of the table (netsim.fleet.devices, vertical) and the 
 device with each measured draft, its ratio and verdict computed with that draft's own curve.
 
 `python -m netsim.fleet.breakeven` writes bench/results/gpu-breakeven.json (rendered into
-docs/operators.md; bench/plot_breakeven.py draws it).
+docs/operators.md; `python -m hybridspec.plots` draws it).
 """
 from __future__ import annotations
 
