@@ -228,7 +228,8 @@ def write_results(result: dict, name: str = "gpu-breakeven", load_start=None):
                     [[k, d["name"], d["draft"], d["draft_ms"], d["prefill_ms_per_token"], d["source"]]
                      for k, d in result["devices"].items()])
     return write_result(name, figures=figures, tables={"lines": lines_table, "marks": marks_table, "devices": devices},
-                        load_start=load_start, note="a model: its figures do not depend on the machine. " + setup)
+                        load_start=load_start, clock="model",
+                        note="a model: its figures do not depend on the machine. " + setup)
 
 
 def main(argv: list[str] | None = None) -> int:
