@@ -114,6 +114,12 @@ class RoundLoop:
         remaining = self._remaining(self.committed)
         plan = self._plan(remaining)
         self.st.plan_reasons = plan.why
+        redo = self._redo()
+        if redo is not None:   # the failed round again, as it was drafted (`_failed`)
+            self.st.redone_rounds += 1
+            self._send(self.remote.last_round + 1, [Continuation([], redo[0])], pipelined=False, fused=redo[1],
+                       how="redo")
+            return
         prep, how = self.window.take_ahead(self.committed), "ahead"
         if prep is not None:   # the round trip's continuation came true: this draft is ready
             self.st.continuation_hits += 1
@@ -123,6 +129,9 @@ class RoundLoop:
         fused = await self._fused(prep, plan, remaining)
         self._send(self.remote.last_round + 1, [Continuation([], prep)], pipelined=False, fused=fused,
                    how="fused" if fused else how)
+
+    def _redo(self) -> tuple[Prepared, list[Continuation]] | None:
+        return self.window.take_redo(self.committed)
 
     async def _fused(self, prep: Prepared, plan: RoundPlan, remaining: int) -> list[Continuation]:
         """With a plan that fuses: continuations for this round's likely outcomes, drafted before it
@@ -233,15 +242,25 @@ class RoundLoop:
 
     async def _failed(self, head: Flight, e: EdgeError) -> str:
         """The oldest round's call failed: a pipelined one is a miss (an error commits nothing, and
-        what followed it cannot run); else replay in a new session, or fail the generation."""
+        what followed it cannot run); else replay in a new session, or fail the generation.
+
+        Either way the next round is this one's draft again, unchanged (with the continuations fused
+        into its pass), not a draft planned afresh. The verifier may have run the failed round before
+        its reply was lost (an eviction after the round), drawing an outcome from the seeded stream of
+        this committed length; a redo of another shape would read the same stream, and a shape chosen
+        after the loss, from timings the lost outcome shaped, could then depend on that outcome and
+        bias which outcome commits. The same draft on the same stream gives the outcome the lost
+        reply carried (docs/exactness.md, the hunt's redo table)."""
         if head.pipelined:
             self.window.doom_after(head.round)
             self.st.discarded_rounds += 1
             self.est.observe(ReplyTaught((), pipelined=False, ahead_draft_s=head.ahead_draft_s, answered=False))
+            self.window.keep_for_redo(head, self.committed)
             return ""
         await self.window.cancel_all()
         if not self.remote.replay_after(e, len(self.committed)):
             raise e
+        self.window.keep_for_redo(head, self.committed)
         return ""
 
     def _discard(self, head: Flight, reply: Reply, round_s: float) -> None:
@@ -315,7 +334,8 @@ class RoundLoop:
             if self.link.on_round is not None:
                 self.link.on_round(RoundEvent(gamma=depth, accepted=c.reply.accepted, tokens=len(c.new),
                                               draft_s=c.prep.seconds, rpc_s=round_s, server_s=c.reply.server_s,
-                                              round=c.reply.round, base=len(c.prep.base), plan=c.prep.plan))
+                                              round=c.reply.round, base=len(c.prep.base), plan=c.prep.plan,
+                                              nodes=len(tree)))
         first = rounds[0]
         # The verifier's line is fitted over the nodes its pass held (a fused pass: all of them), and
         # bytes per draft node over requests, both without the round that also carried the prompt.

@@ -41,6 +41,7 @@ class GenerationStats:
     plans: str = ""                 # rounds sent per arm (chain, tree2x, tree4x, a fixed tree): `shapes` summed
     reused_drafts: int = 0          # drafted tokens reused from proactive drafting (--proactive)
     discarded_rounds: int = 0       # pipelined rounds dropped because their base was not committed
+    redone_rounds: int = 0          # rounds sent again as drafted after their call failed (a replay, a miss)
     pipelined_rounds: int = 0       # pipelined rounds whose base was committed (verified, kept)
     draft_rolled_back: int = 0      # across tokenizers: draft tokens re-tokenized away (KV rolled back)
     draft_retokenized: int = 0      # across tokenizers: draft tokens tokenized anew from committed text
@@ -127,6 +128,7 @@ class RoundEvent:
     round: int = 0      # the round number (within the verifier session)
     base: int = 0       # the committed length (prompt included) the round was drafted after
     plan: object = None  # its edge_client.planner.RoundPlan: chain or tree, depth, shape (replay records)
+    nodes: int = 0      # draft nodes the round carried (its plan's size, or fewer where drafting stopped)
 
 
 

@@ -40,6 +40,7 @@ class Window:
     flights: list[Flight] = field(default_factory=list)
     ahead: list[Continuation] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)   # rounds in flight when a pipelined one was sent
+    redo: tuple[Prepared, list[Continuation]] | None = None   # a failed round's draft and fused continuations
 
     def live(self) -> int:
         return sum(f.live for f in self.flights)
@@ -82,6 +83,17 @@ class Window:
             return None
         after = next((c for c in last.continuations if extends(c.prep.base, committed)), None)
         return after if after is not None and len(after.prep.tree) else None
+
+    def keep_for_redo(self, failed: Flight, committed: list[int]) -> None:
+        """A round's call failed (its reply lost with its session, a stale pipelined round refused): its
+        own draft for what is committed, and the continuations fused into its pass, are what the next
+        round sends again, unchanged (edge_client.loop: the redo)."""
+        own = next((c.prep for c in failed.continuations if c.prep.base == committed), None)
+        self.redo = None if own is None else (own, list(failed.fused))
+
+    def take_redo(self, committed: list[int]) -> tuple[Prepared, list[Continuation]] | None:
+        redo, self.redo = self.redo, None
+        return redo if redo is not None and redo[0].base == committed else None
 
     def take_ahead(self, committed: list[int]) -> Prepared | None:
         """The draft made ahead for what was committed, if one was (a hit); the others are dropped."""

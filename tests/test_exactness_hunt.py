@@ -78,6 +78,23 @@ def test_a_redo_shaped_by_the_lost_outcome_is_seen_in_the_redo_table():
     assert _redo_fisher_p(shaped.record) < P_MIN, redo_table(shaped.record)
 
 
+def test_with_the_planner_every_redo_is_the_lost_round_as_drafted():
+    """Issue 42's candidate (b) at its root: with the planner on, a failed round used to be planned
+    afresh after the replay; with a seed the redo reads the lost attempt's stream, so a shape chosen
+    after the loss (from timings the lost outcome may shape) could bias the output. Measured before
+    the change, comparing the nodes each attempt carried: 27 of 624 redos took another shape, with no
+    sign of dependence on the lost outcome (Fisher p 0.65, seeds 3-6 at 2,000 transitions). The edge
+    now sends the failed round again as drafted: the table's "other shape" column is empty (this
+    assertion fails on the edge before the change). Control: the redo-shape control fills it."""
+    config = HuntConfig("redo-planner", tokens=100, concurrency=8, **F15)
+    run_ = _run(config, 2000)
+    table = redo_table(run_.record)
+    assert sum(table[0]) + sum(table[1]) > 20 and table[0][1] == table[1][1] == 0, table
+    assert run_.fit.p > P_MIN, f"p = {run_.fit.p:.3g}; replay record: {run_.record.write()}"
+    shaped = redo_table(_run(dataclasses.replace(config, control="redo-shape"), 2000).record)
+    assert shaped[0][1] + shaped[1][1] > 0, shaped
+
+
 def test_a_seeded_run_with_faults_replays_token_for_token():
     """Plan off, seeded, 15 % + 15 % faults: the record's seeds and fault schedule give every
     generation's tokens again, and they are the tokens of the same seeds without any fault (so with

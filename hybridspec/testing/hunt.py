@@ -246,6 +246,11 @@ class PlanHook:
                 # continuations drafted behind a round in flight (fewer tokens remaining) are left alone.
                 fresh = remaining == self._remaining(self.committed)
                 return hook.choose(self, chosen) if fresh else chosen
+
+            def _redo(self):
+                # The redo-shape control is an edge that plans a failed round afresh (the edge sends
+                # it again as drafted, RoundLoop._failed), here shaped by the lost outcome.
+                return None if hook.config.control == "redo-shape" else super()._redo()
         session_mod.RoundLoop = HookedLoop
         try:
             yield self
@@ -331,7 +336,7 @@ async def run(config: HuntConfig, seed: int, transitions: int, record: ReplayRec
         rounds: list = []
 
         def on_round(ev):
-            rounds.append([ev.round, ev.base, ev.accepted, ev.tokens, _plan_to_list(ev.plan)])
+            rounds.append([ev.round, ev.base, ev.accepted, ev.tokens, _plan_to_list(ev.plan), ev.nodes])
         async with EdgeClient(config.edge_options(server.port), SyntheticDrafter(config.vocab, seed=config.target_seed,
                               noise=config.draft_noise), SyntheticTokenizer(config.vocab), on_round=on_round) as c:
             while not queue.empty():
@@ -403,7 +408,9 @@ def redo_table(record: ReplayRecord) -> list[list[int]]:
             if kind != "evict" or redo is None or not redo[4] or nodes == 0:
                 continue
             plan = redo[4]
-            redo_nodes = plan[1] if len(plan) == 2 else plan[2]
+            # The nodes the redo carried (records before they were kept: its plan's size, which a
+            # draft that stopped early, at a stop token or the length limit, falls short of).
+            redo_nodes = redo[5] if len(redo) > 5 else plan[1] if len(plan) == 2 else plan[2]
             same = (len(plan) > 2) == tree and redo_nodes == nodes
             table[0 if accepted == nodes else 1][0 if same else 1] += 1
     return table
