@@ -115,6 +115,9 @@ def breakeven(panels=PANELS, links=("lan",), xs=X_MS, cfg: RegimeConfig | None =
     ours = this_machine()
     if ours is not None:   # our own edge (its 135M draft, timed here; busy unless measured quiet)
         devices[ours.key] = ours
+    # Solved at each device's own speed too, so that its figure is the line's value there, not an
+    # interpolation across a point where the break-even leaves the sweep.
+    xs = tuple(sorted(set(xs) | {round(d.draft_s * 1e3, 2) for d in devices.values()}))
     lines, marks = [], []
     for gpu, key, context in panels:
         for link in links:
