@@ -30,9 +30,12 @@ def _device_host_s() -> tuple[float, str]:
     return row["fixed_s"] + row["per_round_s"], f"{row['source']}: {row['note']}"
 
 
+DEVICE_DRAFT_S = 0.010   # a phone-class CPU's draft token (EDGE_NOTE); the regime map now reads its devices
+                         # from a table (netsim.fleet.devices), this table keeps the assumption it states
+
+
 def _edge() -> EdgeCosts:
-    regime = RegimeConfig()
-    return EdgeCosts(draft_row_s=regime.draft_s, host_round_s=regime.edge_s)
+    return EdgeCosts(draft_row_s=DEVICE_DRAFT_S, host_round_s=RegimeConfig().edge_s)
 
 
 EDGE_NOTE = ("edge: netsim.fleet.regime's device assumption (10 ms a draft token, 2 ms a round outside drafting: "
