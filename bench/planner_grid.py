@@ -3,7 +3,7 @@
 named cost tables on named links, each on several prompts.
 
     python bench/planner_grid.py [--workers 2] [--tokens 128] [--table-tokens 256] [--prompts 4]
-    python bench/planner_grid.py --fixed-from bench/results/planner-grid.json   # rerun auto only
+    python bench/planner_grid.py --auto-cache /tmp/auto-2.jsonl   # after a planner change: rerun auto only
 
 Writes bench/results/planner-grid.json (`"clock": "virtual"`): the goal's figures (the least ratio,
 the share of cells at ≥ 0.95×, per named table), the named cases' table, the worst cells with the
@@ -19,7 +19,8 @@ import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+import zlib
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from pathlib import Path
 
@@ -42,16 +43,26 @@ def run_task(task):
     return fn(case, prompts, modes)
 
 
-def merge(new: dict, old: dict | None) -> dict:
-    """new's runs (auto) over old's (every mode), per prompt."""
-    if old is None:
-        return new
-    out = {"runs": {}, "why": {}}
-    for seed in new["runs"]:
-        s = str(seed)
-        out["runs"][seed] = {**old["runs"][s], **new["runs"][seed]}
-        out["why"][seed] = {**old["why"][s], **new["why"][seed]}
+def load_cache(path: Path) -> dict:
+    """{case key: {"runs", "why"}} from a JSON-lines cache (a line per case run)."""
+    out = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            d = json.loads(line)
+            out[d["key"]] = d["res"]
     return out
+
+
+def merge(a: dict, b: dict) -> dict:
+    """Two runs of one case (different modes on the same prompts), per prompt."""
+    seeds = sorted(a["runs"], key=int)
+    return {"runs": {int(s): {**a["runs"][s], **b["runs"][s]} for s in seeds},
+            "why": {int(s): {**a["why"][s], **b["why"][s]} for s in seeds}}
+
+
+def order(cases: list) -> list:
+    """A fixed spread-out order (so that a partial run covers the grid)."""
+    return sorted(cases, key=lambda kc: zlib.crc32(key(*kc).encode()))
 
 
 def main() -> int:
@@ -62,7 +73,11 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--cells", type=int, help="only every k-th grid cell, k = 216 // CELLS (a quick check)")
     ap.add_argument("--no-tables", action="store_true")
-    ap.add_argument("--fixed-from", type=Path, help="reuse the fixed modes' runs of this result; rerun auto only")
+    ap.add_argument("--fixed-cache", type=Path, default=Path("/tmp/planner-grid-fixed.jsonl"),
+                    help="the fixed modes' runs, kept between runs (they do not depend on the planner's choices)")
+    ap.add_argument("--auto-cache", type=Path, default=Path("/tmp/planner-grid-auto.jsonl"),
+                    help="auto's runs; give a new file after changing the planner")
+    ap.add_argument("--report-only", action="store_true", help="report the cases both caches hold; run nothing")
     ap.add_argument("--name", default="planner-grid")
     args = ap.parse_args()
     load_start = list(os.getloadavg())
@@ -72,30 +87,38 @@ def main() -> int:
     cases = [("grid", c) for c in cells]
     if not args.no_tables:
         cases += [("table", TableCase(t, link, tokens=args.table_tokens)) for t in TABLES for link in LINKS]
-    old = json.loads(args.fixed_from.read_text())["raw"] if args.fixed_from else None
-    modes = ("auto",) if old else (*FIXED_MODES, "auto", *BESIDE)
-    tasks = [(kind, case, args.prompts, modes) for kind, case in cases]
+    caches = {"fixed": (args.fixed_cache, (*FIXED_MODES, *BESIDE)), "auto": (args.auto_cache, ("auto",))}
+    have = {which: load_cache(path) for which, (path, _) in caches.items()}
+    tasks = [(which, kind, case) for kind, case in order(cases) for which in caches
+             if key(kind, case) not in have[which]]
     t0 = time.perf_counter()
-    raw = {}
-    with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for n, ((kind, case), res) in enumerate(zip(cases, pool.map(run_task, tasks)), 1):
-            k = key(kind, case)
-            raw[k] = merge(res, old.get(k) if old else None)
-            print(f"\r{n}/{len(cases)} cases, {time.perf_counter() - t0:.0f} s", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+    if tasks and not args.report_only:
+        with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(run_task, (kind, case, args.prompts, caches[which][1])): (which, kind, case)
+                       for which, kind, case in tasks}
+            for n, fut in enumerate(as_completed(futures), 1):
+                which, kind, case = futures[fut]
+                res = fut.result()
+                with caches[which][0].open("a") as f:
+                    f.write(json.dumps({"key": key(kind, case), "res": res}) + "\n")
+                have[which][key(kind, case)] = json.loads(json.dumps(res))
+                print(f"\r{n}/{len(tasks)} runs, {time.perf_counter() - t0:.0f} s", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
     real_s = time.perf_counter() - t0
-    doc = report(cases, raw, args)
+    done = [(kind, case) for kind, case in cases if all(key(kind, case) in have[w] for w in caches)]
+    raw = {key(kind, case): merge(have["fixed"][key(kind, case)], have["auto"][key(kind, case)]) for kind, case in done}
+    doc = report(done, raw, args)
     path = write_result(args.name, figures=doc["figures"], tables=doc["tables"], load_start=load_start, clock="virtual",
                         note="virtual clock: the ratios are the cost model's, the same on any machine; the synthetic "
-                             f"pair; {real_s / 60:.1f} min on this machine")
+                             f"pair; {len(done)} of {len(cases)} cases")
     out = json.loads(path.read_text())
-    out["raw"] = {k: {"runs": v["runs"], "why": v["why"]} for k, v in raw.items()}
+    out["raw"] = raw
     path.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
     for t in doc["tables"].values():
         print(t.render(), end="\n\n")
     for k, f in doc["figures"].items():
         print(f"{k}: {f.render()}  ({f.quantity})")
-    print(f"wrote {path} in {real_s / 60:.1f} min")
+    print(f"{len(done)} of {len(cases)} cases; wrote {path} in {real_s / 60:.1f} min")
     return 0
 
 
