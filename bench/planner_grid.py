@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridspec.figures import Figure, Table, write_result  # noqa: E402
-from netsim.virtual.heldout import (BESIDE, FIXED_MODES, LINKS, TABLES, TableCase, grid_case, held_out,  # noqa: E402
+from netsim.virtual.heldout import (BESIDE, UNSTEERED, FIXED_MODES, LINKS, TABLES, TableCase, grid_case, held_out,  # noqa: E402
                                     labels, meets, table_case)
 from netsim.virtual.sweep import Cell, default_grid  # noqa: E402
 
@@ -55,9 +55,11 @@ def load_cache(path: Path) -> dict:
 
 def merge(a: dict, b: dict) -> dict:
     """Two runs of one case (different modes on the same prompts), per prompt."""
-    seeds = sorted(a["runs"], key=int)
-    return {"runs": {int(s): {**a["runs"][s], **b["runs"][s]} for s in seeds},
-            "why": {int(s): {**a["why"][s], **b["why"][s]} for s in seeds}}
+    def get(d, s):
+        return d.get(s, d.get(str(s)))
+    seeds = sorted({int(s) for s in a["runs"]})
+    return {"runs": {s: {**get(a["runs"], s), **get(b["runs"], s)} for s in seeds},
+            "why": {s: {**get(a["why"], s), **get(b["why"], s)} for s in seeds}}
 
 
 def order(cases: list) -> list:
@@ -77,6 +79,8 @@ def main() -> int:
                     help="the fixed modes' runs, kept between runs (they do not depend on the planner's choices)")
     ap.add_argument("--auto-cache", type=Path, default=Path("/tmp/planner-grid-auto.jsonl"),
                     help="auto's runs; give a new file after changing the planner")
+    ap.add_argument("--unsteered-cache", type=Path, default=Path("/tmp/planner-grid-unsteered.jsonl"),
+                    help="auto-unsteered's runs (auto without the verifier's draft budget)")
     ap.add_argument("--report-only", action="store_true", help="report the cases both caches hold; run nothing")
     ap.add_argument("--name", default="planner-grid")
     args = ap.parse_args()
@@ -87,7 +91,8 @@ def main() -> int:
     cases = [("grid", c) for c in cells]
     if not args.no_tables:
         cases += [("table", TableCase(t, link, tokens=args.table_tokens)) for t in TABLES for link in LINKS]
-    caches = {"fixed": (args.fixed_cache, (*FIXED_MODES, *BESIDE)), "auto": (args.auto_cache, ("auto",))}
+    caches = {"fixed": (args.fixed_cache, (*FIXED_MODES, *BESIDE)), "auto": (args.auto_cache, ("auto",)),
+              "unsteered": (args.unsteered_cache, (UNSTEERED,))}
     have = {which: load_cache(path) for which, (path, _) in caches.items()}
     tasks = [(which, kind, case) for kind, case in order(cases) for which in caches
              if key(kind, case) not in have[which]]
@@ -106,7 +111,8 @@ def main() -> int:
         print(file=sys.stderr)
     real_s = time.perf_counter() - t0
     done = [(kind, case) for kind, case in cases if all(key(kind, case) in have[w] for w in caches)]
-    raw = {key(kind, case): merge(have["fixed"][key(kind, case)], have["auto"][key(kind, case)]) for kind, case in done}
+    raw = {key(kind, case): merge(merge(have["fixed"][key(kind, case)], have["auto"][key(kind, case)]),
+                                  have["unsteered"][key(kind, case)]) for kind, case in done}
     doc = report(done, raw, args)
     path = write_result(args.name, figures=doc["figures"], tables=doc["tables"], load_start=load_start, clock="virtual",
                         note="virtual clock: the ratios are the cost model's, the same on any machine; the synthetic "
@@ -132,14 +138,16 @@ def report(cases, raw, args) -> dict:
         h["shapes"] = first.get("auto", {}).get("shapes") or {}
         (grid if kind == "grid" else named).append((case, h))
     figures, tables = {}, {}
-    cols = ["auto tok/s", "held-out best", "its tok/s", "auto ÷ held-out best", "auto ÷ in-sample best", "cloud-only tok/s"]
+    cols = ["auto tok/s", "held-out best", "its tok/s", "auto ÷ held-out best", "auto ÷ in-sample best",
+            "unsteered auto ÷ held-out best", "cloud-only tok/s"]
     fmt = {"auto tok/s": "{:.2f}", "its tok/s": "{:.2f}", "auto ÷ held-out best": "{:.2f}×",
-           "auto ÷ in-sample best": "{:.2f}×", "cloud-only tok/s": "{:.2f}", "α": "{:g}", "slope": "{:.0%}"}
+           "auto ÷ in-sample best": "{:.2f}×", "unsteered auto ÷ held-out best": "{:.2f}×", "cloud-only tok/s": "{:.2f}", "α": "{:g}", "slope": "{:.0%}"}
 
     def row(h):
         chosen = "/".join(sorted(set(h["chosen"])))
         its = sum(h["means"][c] for c in h["chosen"]) / len(h["chosen"])
-        return [h["auto"], chosen, its, h["ratio"], h["ratio_in_sample"], h["means"].get("cloud-only")]
+        return [h["auto"], chosen, its, h["ratio"], h["ratio_in_sample"], h["ratio_unsteered"],
+                h["means"].get("cloud-only")]
     if grid:
         ratios = [h["ratio"] for _, h in grid]
         setup = f"synthetic grid, {len(grid)} cells, {args.tokens} tokens, {args.prompts} prompts (virtual clock)"
@@ -153,12 +161,26 @@ def report(cases, raw, args) -> dict:
         figures["grid-cells"] = Figure(len(grid), "grid cells", setup, "", "{:d}")
         figures["grid-goal"] = Figure("met" if meets(ratios) else "missed",
                                       "≥ 0.95× in ≥ 95 % of cells and never below 0.85×", setup)
+        free = [h["ratio_unsteered"] for _, h in grid if h["ratio_unsteered"] is not None]
+        if free:
+            figures["grid-unsteered-min"] = Figure(min(free), "least auto-unsteered ÷ held-out best (the verifier's "
+                                                   "draft budget ignored)", setup, "×", "{:.2f}×")
+            figures["grid-unsteered-share"] = Figure(sum(r >= 0.95 for r in free) / len(free),
+                                                     "share of cells where auto-unsteered ≥ 0.95× the held-out best",
+                                                     setup, "", "{:.0%}")
         worst = sorted(grid, key=lambda ch: ch[1]["ratio"])[:12]
         tables["worst"] = Table(["RTT ms", "draft ms/row", "pass ms", "slope", "α", *cols, "auto's last plan"],
                                 [[c.rtt_ms, c.draft_ms, c.pass_ms, c.slope, c.alpha, *row(h), h["why"]] for c, h in worst],
                                 fmt)
     if named:
         tables["named"] = Table(["cost table", "link", *cols], [[c.table, c.link, *row(h)] for c, h in named], fmt)
+        summary = []
+        for t in TABLES:
+            rs = [h["ratio"] for c, h in named if c.table == t]
+            if rs:
+                summary.append([t, len(rs), min(rs), sum(rs) / len(rs), "met" if min(rs) >= 0.95 else "missed"])
+        tables["named-summary"] = Table(["cost table", "links", "least auto ÷ held-out best", "mean", "≥ 0.95× on each"],
+                                        summary, {"least auto ÷ held-out best": "{:.2f}×", "mean": "{:.2f}×"})
         for t in TABLES:
             rs = [h["ratio"] for c, h in named if c.table == t]
             if rs:

@@ -8,7 +8,8 @@ case's ratio is auto's tokens/s over the chosen mode's on the scoring half, the 
 
 The fixed modes are the edge's speculative shapes that `auto` chooses among (FIXED_MODES); cloud-only
 and cloud-stepwise are not shapes of a round (the planner cannot pick them) and `adaptive` is not
-fixed: they are run and reported beside, not in the bar.
+fixed: they are run and reported beside, not in the bar. `auto-unsteered` is the planner with the
+verifier's draft budget ignored (steer False): its ratio says what steering costs a lone session.
 
     from netsim.virtual.heldout import grid_case, table_case, held_out
     runs = grid_case(Cell(400, 8, 40, 0.0, 0.9, tokens=128), prompts=2)["runs"]   # {seed: {mode: tok/s}}
@@ -26,6 +27,7 @@ from netsim.virtual.sweep import Cell, noise_for_alpha, run_modes
 
 FIXED_MODES = ("per-token", "hybrid", "tree", "proactive", "pipeline", "continuations", "window", "fused")
 BESIDE = ("cloud-only", "adaptive")           # run and shown, not in the bar
+UNSTEERED = "auto-unsteered"                  # auto without the verifier's draft budget: what steering costs
 GAMMA = 4
 # named cases: the shipped tables of the bundled pair's CPU verifier and of GPU verifiers, on named links
 TABLES = ("smollm2-provisional", "flat-gpu", "h100-8b-bf16", "h100-70b-fp8")
@@ -96,7 +98,11 @@ def held_out(runs: dict, auto: str = "auto", fixed: Iterable[str] = FIXED) -> di
         ratios.append(mean(auto, score) / max(mean(best, score), 1e-12))
     every = {m: mean(m, seeds) for m in runs[seeds[0]]}
     in_sample = max(every[m] for m in fixed)
-    return {"ratio": sum(ratios) / len(ratios), "folds": ratios, "chosen": chosen,
+    unsteered = None
+    if all(UNSTEERED in runs[s] for s in seeds):
+        unsteered = sum(mean(UNSTEERED, score) / max(mean(best, score), 1e-12)
+                        for (pick, score), best in zip((halves, halves[::-1]), chosen)) / 2
+    return {"ratio": sum(ratios) / len(ratios), "folds": ratios, "chosen": chosen, "ratio_unsteered": unsteered,
             "auto": every[auto], "in_sample_best": in_sample, "ratio_in_sample": every[auto] / max(in_sample, 1e-12),
             "means": every}
 
