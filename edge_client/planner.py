@@ -30,7 +30,9 @@ The choices, in order:
    (draft + upload + round trip + pass, over the slowest of those stages; when the uplink is the
    slowest, at most 2: more would only queue bytes on the link).
 4. Fused continuations (when the planner may fuse): where the verifier's pass barely grows with its
-   nodes (one continuation's nodes cost at most `flat_share` of a pass) and fused rounds have hit
+   nodes (one continuation's nodes cost at most `flat_share` of a pass), drafting one continuation
+   is cheap beside the round trip and pass a hit saves (at most `fuse_draft_share` of them: drafted
+   before the round leaves, it delays every fused round, hit or miss), and fused rounds have hit
    (under `min_hits` of `min_tried` or more: stop). How many continuations then travel is decided per
    outcome as they are drafted (`ContinuationBudget`).
 Options that are set pin their part (`plan_conflicts` checks a plan against them); the verifier's
@@ -67,6 +69,8 @@ class Tuning:
     prior_rounds: float = 2.0            # a tree's tokens and excess are shrunk toward the chain's as if
                                          # this many rounds
     flat_share: float = 0.1              # fuse where one continuation's nodes add at most this share to a pass
+    fuse_draft_share: float = 0.5        # ... and drafting one continuation takes at most this share of the
+                                         # round trip and pass that a hit saves (it delays every fused round)
     min_tried: int = 4                   # stop fusing when, of this many fused rounds or more, ...
     min_hits: float = 0.25               # ... under this share hit
 
@@ -336,7 +340,9 @@ def fuses(est: Estimates, spec: Speculation, budget: Budget, plan: RoundPlan, tu
     if not est.line_spread():
         return False
     base, per_node = est.verify_line()
-    return per_node * (plan.nodes + 1) <= tune.flat_share * base
+    drafting = (plan.gamma + 1) * (est.t_row_s or 0.0)   # one continuation: the outcome's token and γ drafts
+    return per_node * (plan.nodes + 1) <= tune.flat_share * base and \
+        drafting <= tune.fuse_draft_share * ((est.rtt_s or 0.0) + base + est.queue_s)
 
 
 def plan_rate(est: Estimates, plan: RoundPlan, tune: Tuning = TUNING) -> float:

@@ -7,8 +7,8 @@ is a choice made without seeing the prompts it is scored on, not the maximum of 
 case's ratio is auto's tokens/s over the chosen mode's on the scoring half, the mean of the folds.
 
 The fixed modes are the edge's speculative shapes that `auto` chooses among (FIXED_MODES); cloud-only
-and cloud-stepwise are not shapes of a round (the planner cannot pick them) and `adaptive` is not
-fixed: they are run and reported beside, not in the bar. `auto-unsteered` is the planner with the
+is not a shape of a round (the planner cannot pick it): it is run and reported beside, not in the
+bar. `auto-unsteered` is the planner with the
 verifier's draft budget ignored (steer False): its ratio says what steering costs a lone session.
 
     from netsim.virtual.heldout import grid_case, table_case, held_out
@@ -26,7 +26,7 @@ from netsim.virtual.costs import load_table, synthetic_table
 from netsim.virtual.sweep import Cell, noise_for_alpha, run_modes
 
 FIXED_MODES = ("per-token", "hybrid", "tree", "proactive", "pipeline", "continuations", "window", "fused")
-BESIDE = ("cloud-only", "adaptive")           # run and shown, not in the bar
+BESIDE = ("cloud-only",)                     # run and shown, not in the bar
 UNSTEERED = "auto-unsteered"                  # auto without the verifier's draft budget: what steering costs
 GAMMA = 4
 # named cases: the shipped tables of the bundled pair's CPU verifier and of GPU verifiers, on named links
