@@ -2,7 +2,7 @@
 (netsim.virtual.heldout): every cell of the synthetic grid (netsim.virtual.sweep.default_grid) and the
 named cost tables on named links, each on several prompts.
 
-    python bench/planner_grid.py [--workers 2] [--tokens 128] [--table-tokens 256] [--prompts 4]
+    python bench/planner_grid.py [--workers 2] [--tokens 128] [--table-tokens 256] [--prompts 2]
     python bench/planner_grid.py --auto-cache /tmp/auto-2.jsonl   # after a planner change: rerun auto only
 
 Writes bench/results/planner-grid.json (`"clock": "virtual"`): the goal's figures (the least ratio,
@@ -72,7 +72,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128, help="tokens per reply on the grid")
     ap.add_argument("--table-tokens", type=int, default=256, help="tokens per reply on the named tables")
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--cells", type=int, help="only every k-th grid cell, k = 216 // CELLS (a quick check)")
     ap.add_argument("--no-tables", action="store_true")
     ap.add_argument("--fixed-cache", type=Path, default=Path("/tmp/planner-grid-fixed.jsonl"),
