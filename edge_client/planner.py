@@ -35,6 +35,9 @@ The choices, in order:
    before the round leaves, it delays every fused round, hit or miss), and fused rounds have hit
    (under `min_hits` of `min_tried` or more: stop). How many continuations then travel is decided per
    outcome as they are drafted (`ContinuationBudget`).
+5. Drafting ahead (when the planner may: `proactive` unset): the next round is drafted during the
+   round trip where that drafting fits the wait for the reply, or where a hit's saving pays for the
+   wait it adds (`ahead_pays`).
 Options that are set pin their part (`plan_conflicts` checks a plan against them); the verifier's
 draft budget binds γ and tree size under steering, and a budget of one draft or none keeps one round
 in flight, unfused. The constants are a `Tuning` (`TUNING` unless given).
@@ -137,7 +140,9 @@ def plan_round(est: Estimates, spec: Speculation, budget: Budget, tune: Tuning =
     arm, arm_why = pick_arm(est, arms, tune)
     depth, depth_why = rounds_in_flight(est, spec, budget, arm)
     fuse = fuses(est, spec, budget, arm, tune)
-    plan = dataclasses.replace(arm, depth=depth, fuse=fuse, ahead=spec.proactive or spec.pipeline and spec.window <= 1,
+    ahead = spec.proactive and ("proactive" not in spec.planned or ahead_pays(est, arm)) or \
+        spec.pipeline and spec.window <= 1
+    plan = dataclasses.replace(arm, depth=depth, fuse=fuse, ahead=ahead,
                                why="; ".join(filter(None, (arm_why, depth_why, "fused" if fuse else ""))))
     assert not plan_conflicts(plan, spec), (plan, plan_conflicts(plan, spec))
     return plan
@@ -323,6 +328,19 @@ def rounds_in_flight(est: Estimates, spec: Speculation, budget: Budget, plan: Ro
     c = window_costs(est, plan)
     depth = best_depth(c, spec.window)
     return depth, f"{depth} in flight (a pipelined round runs {c.hit:.2f})"
+
+
+def ahead_pays(est: Estimates, plan: RoundPlan) -> bool:
+    """Whether drafting the next round during this one's round trip pays (when the planner chooses it).
+    The first continuation, once begun, is drafted to its end: where that outlasts the wait for the
+    reply (round trip and pass), the reply waits the difference; a hit saves the fresh drafting.
+    So it pays where the chance of a hit (a pipelined round's) times that drafting beats the wait."""
+    if est.rtt_s is None or est.t_row_s is None:
+        return True   # nothing measured: as before
+    base, per_node = est.verify_line()
+    drafting = (plan.gamma + 1) * est.t_row_s
+    wait = est.rtt_s + base + per_node * plan.nodes + est.queue_s
+    return est.pipelined_hit(plan.gamma) * drafting >= drafting - wait
 
 
 # --- fused continuations -------------------------------------------------------------------------------
