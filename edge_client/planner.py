@@ -52,7 +52,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from edge_client.estimates import Estimates, pinned
+from edge_client.estimates import MAX_ALPHA, Estimates, pinned
 from edge_client.options import ADAPTIVE, PlanInputs, Speculation
 from spec_core.continuations import Outcome, worth_drafting
 from spec_core.costmodel import expected_tokens_per_round
@@ -334,13 +334,18 @@ def ahead_pays(est: Estimates, plan: RoundPlan) -> bool:
     """Whether drafting the next round during this one's round trip pays (when the planner chooses it).
     The first continuation, once begun, is drafted to its end: where that outlasts the wait for the
     reply (round trip and pass), the reply waits the difference; a hit saves the fresh drafting.
-    So it pays where the chance of a hit (a pipelined round's) times that drafting beats the wait."""
+    So it pays where the chance of a hit times that drafting beats the wait; the chance is at most
+    a pipelined round's and the chance that every draft and the bonus token come as drafted
+    (α^(γ+1)): a continuation after a rejection must also guess the corrected token."""
     if est.rtt_s is None or est.t_row_s is None:
         return True   # nothing measured: as before
     base, per_node = est.verify_line()
     drafting = (plan.gamma + 1) * est.t_row_s
     wait = est.rtt_s + base + per_node * plan.nodes + est.queue_s
-    return est.pipelined_hit(plan.gamma) * drafting >= drafting - wait
+    if drafting <= wait:
+        return True
+    hit = min(est.pipelined_hit(plan.gamma), min(est.alpha, MAX_ALPHA) ** (plan.gamma + 1))
+    return hit * drafting >= drafting - wait
 
 
 # --- fused continuations -------------------------------------------------------------------------------
