@@ -32,6 +32,7 @@ CASES = [
     (Cell(400, 8, 40, 1.0, 0.4), ("proactive", "continuations"), FLOOR),
     (Cell(20, 1, 40, 1.0, 0.9), ("continuations",), BAR),
     (Cell(200, 8, 5, 0.0, 0.9), ("fused", "tree"), BAR),
+    (Cell(1, 30, 5, 1.0, 0.9), ("per-token", "hybrid"), FLOOR),        # drafting ahead outlasts the reply
 ]
 # The grid's worst cell, below the floor: low α, a long round trip, costly drafting and a flat pass,
 # where the fixed 16-node tree (or a pipelined chain) wins and auto, judging its trees from the few
