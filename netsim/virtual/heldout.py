@@ -8,8 +8,8 @@ case's ratio is auto's tokens/s over the chosen mode's on the scoring half, the 
 
 The fixed modes are the edge's speculative shapes that `auto` chooses among (FIXED_MODES); cloud-only
 is not a shape of a round (the planner cannot pick it): it is run and reported beside, not in the
-bar. `auto-unsteered` is the planner with the
-verifier's draft budget ignored (steer False): its ratio says what steering costs a lone session.
+bar. `auto-unsteered` is the planner with the verifier's draft budget ignored (steer False): its
+ratio says what steering costs a lone session.
 
     from netsim.virtual.heldout import grid_case, table_case, held_out
     runs = grid_case(Cell(400, 8, 40, 0.0, 0.9, tokens=128), prompts=2)["runs"]   # {seed: {mode: tok/s}}
