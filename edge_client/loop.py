@@ -208,8 +208,10 @@ class RoundLoop:
         if pipelined:
             self.st.continuations_sent += len(continuations)
             self.st.continuation_rounds += 1
-        self.window.add(Flight(round_, continuations, base_len, task, self.clock(), nbytes, nodes,
-                               pipelined=pipelined, fused=list(fused), ahead_draft_s=ahead_draft_s))
+        flight = Flight(round_, continuations, base_len, task, self.clock(), nbytes, nodes,
+                        pipelined=pipelined, fused=list(fused), ahead_draft_s=ahead_draft_s)
+        task.add_done_callback(lambda _: setattr(flight, "t_answered", self.clock()))
+        self.window.add(flight)
 
     # --- the oldest reply: commit, learn ----------------------------------------------------------
 
@@ -224,7 +226,8 @@ class RoundLoop:
         self.window.pop_head()
         if isinstance(reply, EdgeError):
             return await self._failed(head, reply)
-        round_s = self.clock() - head.t_sent
+        # the round trip ends when the reply came, not when the loop (drafting meanwhile) took it
+        round_s = (head.t_answered if head.t_answered is not None else self.clock()) - head.t_sent
         if reply.base_mismatch:
             self._discard(head, reply, round_s)
             return ""

@@ -30,9 +30,14 @@ The choices, in order:
    (draft + upload + round trip + pass, over the slowest of those stages; when the uplink is the
    slowest, at most 2: more would only queue bytes on the link).
 4. Fused continuations (when the planner may fuse): where the verifier's pass barely grows with its
-   nodes (one continuation's nodes cost at most `flat_share` of a pass) and fused rounds have hit
+   nodes (one continuation's nodes cost at most `flat_share` of a pass), drafting one continuation
+   is cheap beside the round trip and pass a hit saves (at most `fuse_draft_share` of them: drafted
+   before the round leaves, it delays every fused round, hit or miss), and fused rounds have hit
    (under `min_hits` of `min_tried` or more: stop). How many continuations then travel is decided per
    outcome as they are drafted (`ContinuationBudget`).
+5. Drafting ahead (when the planner may: `proactive` unset): the next round is drafted during the
+   round trip where that drafting fits the wait for the reply, or where a hit's saving pays for the
+   wait it adds (`ahead_pays`).
 Options that are set pin their part (`plan_conflicts` checks a plan against them); the verifier's
 draft budget binds γ and tree size under steering, and a budget of one draft or none keeps one round
 in flight, unfused. The constants are a `Tuning` (`TUNING` unless given).
@@ -47,7 +52,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from edge_client.estimates import Estimates, pinned
+from edge_client.estimates import MAX_ALPHA, Estimates, pinned
 from edge_client.options import ADAPTIVE, PlanInputs, Speculation
 from spec_core.continuations import Outcome, worth_drafting
 from spec_core.costmodel import expected_tokens_per_round
@@ -67,6 +72,8 @@ class Tuning:
     prior_rounds: float = 2.0            # a tree's tokens and excess are shrunk toward the chain's as if
                                          # this many rounds
     flat_share: float = 0.1              # fuse where one continuation's nodes add at most this share to a pass
+    fuse_draft_share: float = 0.5        # ... and drafting one continuation takes at most this share of the
+                                         # round trip and pass that a hit saves (it delays every fused round)
     min_tried: int = 4                   # stop fusing when, of this many fused rounds or more, ...
     min_hits: float = 0.25               # ... under this share hit
 
@@ -133,7 +140,9 @@ def plan_round(est: Estimates, spec: Speculation, budget: Budget, tune: Tuning =
     arm, arm_why = pick_arm(est, arms, tune)
     depth, depth_why = rounds_in_flight(est, spec, budget, arm)
     fuse = fuses(est, spec, budget, arm, tune)
-    plan = dataclasses.replace(arm, depth=depth, fuse=fuse, ahead=spec.proactive or spec.pipeline and spec.window <= 1,
+    ahead = spec.proactive and ("proactive" not in spec.planned or ahead_pays(est, arm)) or \
+        spec.pipeline and spec.window <= 1
+    plan = dataclasses.replace(arm, depth=depth, fuse=fuse, ahead=ahead,
                                why="; ".join(filter(None, (arm_why, depth_why, "fused" if fuse else ""))))
     assert not plan_conflicts(plan, spec), (plan, plan_conflicts(plan, spec))
     return plan
@@ -321,6 +330,24 @@ def rounds_in_flight(est: Estimates, spec: Speculation, budget: Budget, plan: Ro
     return depth, f"{depth} in flight (a pipelined round runs {c.hit:.2f})"
 
 
+def ahead_pays(est: Estimates, plan: RoundPlan) -> bool:
+    """Whether drafting the next round during this one's round trip pays (when the planner chooses it).
+    The first continuation, once begun, is drafted to its end: where that outlasts the wait for the
+    reply (round trip and pass), the reply waits the difference; a hit saves the fresh drafting.
+    So it pays where the chance of a hit times that drafting beats the wait; the chance is at most
+    a pipelined round's and the chance that every draft and the bonus token come as drafted
+    (α^(γ+1)): a continuation after a rejection must also guess the corrected token."""
+    if est.rtt_s is None or est.t_row_s is None:
+        return True   # nothing measured: as before
+    base, per_node = est.verify_line()
+    drafting = (plan.gamma + 1) * est.t_row_s
+    wait = est.rtt_s + base + per_node * plan.nodes + est.queue_s
+    if drafting <= wait:
+        return True
+    hit = min(est.pipelined_hit(plan.gamma), min(est.alpha, MAX_ALPHA) ** (plan.gamma + 1))
+    return hit * drafting >= drafting - wait
+
+
 # --- fused continuations -------------------------------------------------------------------------------
 
 def fuses(est: Estimates, spec: Speculation, budget: Budget, plan: RoundPlan, tune: Tuning = TUNING) -> bool:
@@ -336,7 +363,9 @@ def fuses(est: Estimates, spec: Speculation, budget: Budget, plan: RoundPlan, tu
     if not est.line_spread():
         return False
     base, per_node = est.verify_line()
-    return per_node * (plan.nodes + 1) <= tune.flat_share * base
+    drafting = (plan.gamma + 1) * (est.t_row_s or 0.0)   # one continuation: the outcome's token and γ drafts
+    return per_node * (plan.nodes + 1) <= tune.flat_share * base and \
+        drafting <= tune.fuse_draft_share * ((est.rtt_s or 0.0) + base + est.queue_s)
 
 
 def plan_rate(est: Estimates, plan: RoundPlan, tune: Tuning = TUNING) -> float:

@@ -92,6 +92,8 @@ class Flight:
     pipelined: bool = True           # sent before the reply of the round before it
     fused: list[Continuation] = field(default_factory=list)   # continuations for its own pass
     ahead_draft_s: float | None = None   # pipelined: seconds its continuations took to draft
+    t_answered: float | None = None   # when its reply (or failure) came, which may be before the loop
+                                      # takes it (the loop was drafting): the round trip ends here
 
 
 def pass_nodes(prep: Prepared, fused: Sequence[Continuation]) -> int:

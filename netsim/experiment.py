@@ -273,6 +273,8 @@ def mode_shape(mode: str, gamma: int | str) -> dict:
     default edge: the planner)."""
     if mode == "auto":
         return {"plan": "auto"}
+    if mode == "auto-unsteered":   # the planner without the verifier's draft budget (netsim.virtual.heldout)
+        return {"plan": "auto", "steer": False}
     g = {"per-token": 1, "cloud-stepwise": 0}.get(mode, gamma)
     extra = {"proactive": {"proactive": True}, "pipeline": {"pipeline": True, "max_continuations": 1},
              "continuations": {"pipeline": True}, "window": {"window": WINDOW},

@@ -99,36 +99,50 @@ def _config(cell: Cell, noise: float, modes: Iterable[str]) -> ExperimentConfig:
 
 
 def run_cell(cell: Cell, modes: Iterable[str] = SWEEP_MODES, gamma: int = 4,
-             make_verifier: Callable | None = None) -> CellResult:
+             make_verifier: Callable | None = None, prompt: str = "sweep") -> CellResult:
     """Every mode on one cell (module docstring); deterministic for the cell."""
-    if make_verifier is None:
-        from hybridspec.virtual import make_verifier
     noise = noise_for_alpha(cell.alpha)
     costs = synthetic_table(cell.draft_ms / 1e3, cell.pass_ms / 1e3, cell.slope * cell.pass_ms / 1e3,
                             name=f"synthetic cell: {cell.label()}")
+    rows = run_modes(costs, delay_profile(cell.rtt_ms), noise, modes, cell.tokens, cell.seed, gamma=gamma,
+                     make_verifier=make_verifier, prompt=prompt)
+    return CellResult(cell, noise, {r.mode: r.tokens_per_s for r in rows}, {r.mode: r.alpha for r in rows},
+                      {r.mode: r.round_trips_per_token for r in rows})
+
+
+def run_modes(costs, profile, noise: float, modes: Iterable[str], tokens: int, seed: int, gamma: int = 4,
+              make_verifier: Callable | None = None, prompt: str = "sweep", why: dict | None = None) -> list:
+    """The synthetic pair (draft noise `noise`) on one cost table and link profile: one run of `tokens`
+    tokens per mode, each on a new connection of the profile's network; the experiment's rows (and in
+    `why`, per mode, the planner's reasons for its last round and the shapes it sent)."""
+    if make_verifier is None:
+        from hybridspec.virtual import make_verifier
+    cell = Cell(0, 0, 0, tokens=tokens, seed=seed)
     cfg = _config(cell, noise, modes)
-    profile = delay_profile(cell.rtt_ms)
 
     async def main():
         runner = Runner(cfg)
         verifier = make_verifier(runner.verifier_args(), costs)
         client = costed_client(costs)
-        ids = runner.prompt_ids("sweep")
+        ids = runner.prompt_ids(prompt)
         rows = []
         try:
-            for number, (mode, g) in enumerate(expand_modes(cfg.modes, [gamma])):
-                channel = InProcessChannel(verifier.server, profile, costs, seed=cell.seed, first_connection=number)
+            for mode, g in expand_modes(cfg.modes, [gamma]):
+                # a mode's connection number is its place among every mode: its link draws are the same
+                # whichever modes run beside it
+                number = SWEEP_MODES.index(mode) if mode in SWEEP_MODES else len(SWEEP_MODES)
+                channel = InProcessChannel(verifier.server, profile, costs, seed=seed, first_connection=number)
                 st, cross = await runner.run_on(channel, "in-process", mode, g, ids,
-                                                runner.settings(WORKLOAD, cell.tokens), None, client_class=client)
+                                                runner.settings(WORKLOAD, tokens), None, client_class=client)
                 rows.append(make_row(profile, mode, g, WORKLOAD, 0, st, channel.counts.bytes_up,
                                      channel.counts.bytes_down, cross))
+                if why is not None:
+                    why[rows[-1].mode] = {"why": getattr(st, "plan_reasons", ""), "shapes": rows[-1].shapes}
         finally:
             verifier.close()
         return rows
-    random.seed(cell.seed)
-    rows = vloop.run(main)
-    return CellResult(cell, noise, {r.mode: r.tokens_per_s for r in rows}, {r.mode: r.alpha for r in rows},
-                      {r.mode: r.round_trips_per_token for r in rows})
+    random.seed(seed)
+    return vloop.run(main)
 
 
 def default_grid(tokens: int = 256) -> list[Cell]:
