@@ -17,7 +17,8 @@ figure cannot differ between two pages, and re-running a benchmark then ``--rend
 page that states it.
 
 A wall-clock figure (tokens/s, a time, a ratio of either) recorded on a busy machine (the result's
-load average above 0.5 per core at its start or end) is refused unless its span says ``busy``,
+load average above 0.5 per core at its start, or at its end less the run's own processes' mean CPU
+use, ``load.own``) is refused unless its span says ``busy``,
 ``<!-- fig:headline/lan-cloud-only-tok-s busy -->``; the page then shows it marked "(busy)". A result
 records which clock it ran on: ``"clock": "wall"`` (the default; a file without the field is wall),
 ``"virtual"`` (the virtual clock: costs charged from a cost table, the same on any machine) or
@@ -53,6 +54,7 @@ import json
 import os
 import re
 import shlex
+import time
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,7 +129,11 @@ class Result:
         if self.clock != "wall":
             return None
         cores = self.machine.get("cores") or 1
-        ends = [x[0] for x in (self.load.get("start"), self.load.get("end")) if x]
+        start, end = self.load.get("start"), self.load.get("end")
+        # The end reading less the run's own processes (`own`: their mean CPU use, in cores): the
+        # machine's other load. A result recorded without `own` counts its end reading whole.
+        ends = [x for x in (start[0] if start else None,
+                            max(0.0, end[0] - (self.load.get("own") or 0.0)) if end else None) if x is not None]
         if not ends:
             return float("inf")
         worst = max(ends) / cores
@@ -137,6 +143,8 @@ class Result:
         """One line for a page: command, machine, load, date."""
         ends = [x[0] for x in (self.load.get("start"), self.load.get("end")) if x]
         load_s = f", load average {' → '.join(f'{x:.1f}' for x in ends)}" if ends else ""
+        if ends and self.load.get("own") is not None and self.load.get("end"):
+            load_s += f" ({self.load['own']:.1f} of it the run's own)"
         machine = _machine.summary(self.machine)
         return (f"`{self.command}` on {machine}{load_s}, {self.date}"
                 + (f" ({self.note})" if self.note else ""))
@@ -151,6 +159,24 @@ def _loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except (OSError, AttributeError):
         return None
+
+
+def _own_load() -> float | None:
+    """This run's own share of the end reading: the CPU time of this process and of the children it
+    waited for (servers, workers, edge processes), over this process's life, in cores. The 1-minute
+    load average at the end counts the run's own processes; what is left is the machine's other load."""
+    try:
+        t = os.times()
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        elapsed = time.time() - (boot + start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration, AttributeError):
+        return None
+    if elapsed <= 0:
+        return None
+    return round((t.user + t.system + t.children_user + t.children_system) / elapsed, 2)
 
 
 def command_line(argv: list[str] | None = None) -> str:
@@ -181,7 +207,7 @@ def write_result(name: str, *, figures: dict[str, Figure] | None = None,
         "name": name,
         "command": command or command_line(),
         "machine": _machine.describe(),
-        "load": {"start": load_start, "end": _loadavg()},
+        "load": {"start": load_start, "end": _loadavg(), "own": _own_load()},
         "date": _dt.datetime.now(_dt.timezone.utc).date().isoformat(),
         "clock": clock,
         "note": note,

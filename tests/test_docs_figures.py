@@ -35,6 +35,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from hybridspec import figures
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -415,3 +417,17 @@ def test_the_docs_hook_checks_and_stops_the_build_on_a_stale_or_unknown_figure()
             raise AssertionError(f"{bad!r} did not stop the build")
     changelog = hook.on_page_markdown("", _Page("changelog.md"), {}, None)
     assert changelog.startswith("# Changelog") and "](docs/" not in changelog
+
+
+def test_a_runs_own_processes_do_not_make_it_busy():
+    """The end reading less the run's own processes' mean CPU use (`load.own`) is the machine's other
+    load: a benchmark that keeps both cores busy on a quiet machine is quiet; the same end reading
+    with little of it the run's own, or recorded without `own`, is busy; a busy start stays busy."""
+    def result(start: float, end: float, own: float | None) -> figures.Result:
+        load = {"start": [start, start, start], "end": [end, end, end]} | ({} if own is None else {"own": own})
+        return figures.Result("run", "bench/x.py", {"cores": 2}, load, "2026-12-07", {}, {})
+    assert result(0.3, 2.1, 1.9).busy_load() is None
+    assert result(0.3, 2.1, 0.4).busy_load() == pytest.approx(0.85)
+    assert result(0.3, 2.1, None).busy_load() == pytest.approx(1.05)
+    assert result(1.6, 2.1, 2.0).busy_load() == pytest.approx(0.8)
+    assert "(1.9 of it the run's own)" in result(0.3, 2.1, 1.9).provenance()
