@@ -100,16 +100,21 @@ def held(e: grpc.aio.AioRpcError) -> bool:
     return any(key == HELD_KEY for key, _ in e.trailing_metadata() or ())
 
 
-def queued_s(metadata) -> float | None:
-    """The predicted seconds to the first token of an open the verifier queued (the trailing metadata
-    of its answer); None when it was not queued."""
+def _ms_as_s(metadata, wanted: str) -> float | None:
+    """A metadata value in milliseconds as seconds (never negative); None when absent or unreadable."""
     for key, value in metadata or ():
-        if key == QUEUED_KEY:
+        if key == wanted:
             try:
                 return max(0.0, float(value) / 1000)
             except ValueError:
                 return None
     return None
+
+
+def queued_s(metadata) -> float | None:
+    """The predicted seconds to the first token of an open the verifier queued (the trailing metadata
+    of its answer); None when it was not queued."""
+    return _ms_as_s(metadata, QUEUED_KEY)
 
 
 def hint_wait_s(hint_s: float, kept: bool) -> float:
@@ -158,13 +163,7 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
 
 def retry_after_s(e: grpc.aio.AioRpcError) -> float | None:
     """The server's retry hint of a refusal for load, in seconds; None when there is none."""
-    for key, value in e.trailing_metadata() or ():
-        if key == RETRY_AFTER_KEY:
-            try:
-                return max(0.0, float(value) / 1000)
-            except ValueError:
-                return None
-    return None
+    return _ms_as_s(e.trailing_metadata(), RETRY_AFTER_KEY)
 
 
 
