@@ -149,7 +149,8 @@ async def run_phase(target: Target, args, edges: int, replicas: int, arrivals: b
         t0 = time.perf_counter()
         if arrivals:
             try:
-                await asyncio.wait_for(asyncio.gather(*[arrival(j) for j in range(args.arrivals)]), args.phase_cap)
+                async with asyncio.timeout(args.phase_cap):
+                    await asyncio.gather(*[arrival(j) for j in range(args.arrivals)])
             except asyncio.TimeoutError:   # arrivals still waiting for a first token count as given up
                 phase.failed = args.arrivals - len(phase.ttft)
         else:

@@ -293,7 +293,8 @@ class VerifierEngine:
             if left <= 0:
                 return
             try:
-                await asyncio.wait_for(session.round_done.wait(), left)
+                async with asyncio.timeout(left):
+                    await session.round_done.wait()
             except asyncio.TimeoutError:
                 return
 

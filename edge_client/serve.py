@@ -178,7 +178,8 @@ class EdgeService:
         """The verifier's model, context and limits (asked once, then cached), or APIError(503)."""
         if self._info is None or fresh:
             try:
-                self._info = await asyncio.wait_for(self._parent.server_info(), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    self._info = await self._parent.server_info()
             except grpc.aio.AioRpcError as e:
                 raise api_error_from_edge(EdgeError(e.code(), e.details() or ""), self.server) from None
             except asyncio.TimeoutError:

@@ -74,8 +74,10 @@ class RoundStream:
             return await asyncio.shield(fut)
         try:
             # The deadline covers the write too: a call waiting for a verifier that went away (wait
-            # for ready) would otherwise hold the write forever.
-            return await asyncio.wait_for(round_trip(), self._deadline_s)
+            # for ready) would otherwise hold the write forever. asyncio.timeout, not wait_for:
+            # on Python 3.11 wait_for drops a cancellation that comes as the reply arrives.
+            async with asyncio.timeout(self._deadline_s):
+                return await round_trip()
         except asyncio.TimeoutError:
             if not written:
                 self._end(c)   # a write cut short leaves the call unusable: the retry opens a new one
@@ -157,13 +159,14 @@ class RoundStream:
         try:
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError,
                                      asyncio.TimeoutError):
-                async with c.writing:
-                    await asyncio.wait_for(c.call.done_writing(), CLOSE_WAIT_S)
+                async with c.writing, asyncio.timeout(CLOSE_WAIT_S):
+                    await c.call.done_writing()
             # The verifier ends the stream once it has answered what it holds; rounds waiting there
             # for a predecessor that will not come (the generation ended) would hold it up to its
             # pipeline wait, and their answers are not needed: give it a moment, then cancel.
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(c.reader), CLOSE_WAIT_S)
+                async with asyncio.timeout(CLOSE_WAIT_S):
+                    await asyncio.shield(c.reader)
         finally:   # also when the closer is cancelled: the call does not outlive the session
             c.call.cancel()
             c.reader.cancel()

@@ -41,7 +41,8 @@ async def _serve(args: argparse.Namespace) -> None:
         log.info("listening on %s:%d (forwarding to %s:%d); Ctrl-C to stop", host, port, *args.upstream)
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), timeout=args.stats_every_s)
+                async with asyncio.timeout(args.stats_every_s):
+                    await stop.wait()
             except asyncio.TimeoutError:
                 s = proxy.stats
                 log.info("connections %d (%d open), up %d B, down %d B, chunks %d, stalls %d (%.2f s), resets %d",

@@ -127,7 +127,8 @@ async def _measure_window(cfg: LoadConfig, window: Window, n_edges: int, metrics
     loop = asyncio.get_running_loop()
     await asyncio.sleep(cfg.warmup_s)
     try:
-        await asyncio.wait_for(window.all_started.wait(), timeout=window.max_wait_s)
+        async with asyncio.timeout(window.max_wait_s):
+            await window.all_started.wait()
     except asyncio.TimeoutError:
         log.warning("%d of %d edges committed nothing in %.0f s; measuring anyway",
                     n_edges - len(window.started), n_edges, cfg.warmup_s + window.max_wait_s)

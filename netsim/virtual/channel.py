@@ -209,7 +209,8 @@ class InProcessChannel:
             return deser(data)
         task = asyncio.ensure_future(call())
         try:
-            return await asyncio.wait_for(asyncio.shield(task), timeout) if timeout else await task
+            async with asyncio.timeout(timeout or None):
+                return await asyncio.shield(task) if timeout else await task
         except asyncio.TimeoutError:
             task.cancel()
             raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
