@@ -285,8 +285,9 @@ def _run_load(args: argparse.Namespace) -> int:
     for name in profiles:
         get_profile(name)
     models = _models(args)
-    if args.workers is not None and not args.locust:
-        raise SystemExit("netsim load: --workers needs --locust (the in-process run has one event loop)")
+    if args.workers is not None and not args.locust and args.clock != "virtual":
+        raise SystemExit("netsim load: --workers needs --locust or --clock virtual (the in-process run has one "
+                         "event loop)")
     cfg = LoadConfig(edges=[int(n) for n in _csv(args.edges)], profiles=profiles, modes=modes,
                      duration_s=args.duration, out=Path(args.out), synthetic=args.synthetic, server=args.server,
                      metrics_url=args.metrics_url, verifier_args=args.verifier_arg, gamma=args.gamma,
@@ -294,6 +295,10 @@ def _run_load(args: argparse.Namespace) -> int:
                      draft_ms=args.draft_ms, synthetic_step_ms=args.synthetic_step_ms, target=models.target,
                      draft=models.draft, pair=models.pair, drafter=args.drafter, warmup_s=args.warmup,
                      slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms, coupling=args.coupling)
+    if args.clock == "virtual":
+        return _run_virtual_load(args, cfg)
+    if args.costs:
+        raise SystemExit("netsim load: --costs is for --clock virtual (the wall clock measures its own costs)")
     if args.locust_csv:
         from .load.locustrun import read_locust_runs
         cfg.out.mkdir(parents=True, exist_ok=True)
@@ -308,6 +313,41 @@ def _run_load(args: argparse.Namespace) -> int:
         workers = args.workers or os.cpu_count() or 1
         return _run_and_report(lambda c, p: run_locust_load(c, workers, p), write_all, cfg, label_width=40)
     return _run_and_report(run_load, write_all, cfg, label_width=32)
+
+
+def _run_virtual_load(args: argparse.Namespace, cfg) -> int:
+    """The load test on the virtual clock (netsim.virtual.load): the same edges and the shipped
+    verifier in this process, time from the cost table; no machine's speed or load in the figures."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hybridspec.machine import describe as describe_machine
+    from hybridspec.virtual import make_verifier
+    from .load import write_all
+    from .virtual.load import check, load_table, run_virtual_load
+
+    harness = [flag for flag, given in (("--locust", args.locust), ("--locust-csv", args.locust_csv)) if given]
+    if harness:
+        raise SystemExit(f"netsim load: --clock virtual runs every edge on one virtual event loop in this process; "
+                         f"{', '.join(harness)} runs them as Locust users on the wall clock")
+    try:
+        check(cfg)
+        costs = load_table(cfg, args.costs)
+    except ValueError as e:
+        raise SystemExit(f"netsim load: {e}") from None
+    started, t0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
+    with Progress(TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn()) as progress:
+        result = run_virtual_load(cfg, costs, make_verifier, progress, workers=args.workers or 1)
+    paths = write_all(result, cfg.out)
+    run = {"clock": "virtual", "cost_table": costs.name, "started": started, "real_s": time.perf_counter() - t0,
+           "machine": describe_machine(), "command": " ".join(sys.argv)}
+    paths["run"] = cfg.out / "run.json"
+    paths["run"].write_text(json.dumps(run, indent=1) + "\n")
+    print(paths["report"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
 
 
 def _add_load_command(subparsers) -> None:
@@ -353,7 +393,16 @@ def _add_load_command(subparsers) -> None:
                         help="run the edges as Locust users (netsim/load/locustfile.py) on a master and --workers "
                              "local worker processes; the merged statistics make the same report")
     parser.add_argument("--workers", type=int, metavar="N",
-                        help="with --locust: worker processes on this machine (default: one per core)")
+                        help="with --locust: worker processes on this machine (default: one per core); with "
+                             "--clock virtual: runs at a time, a process each (default 1; the figures do not change)")
+    parser.add_argument("--clock", choices=["wall", "virtual"], default="wall",
+                        help="wall: a verifier process and a link proxy per edge, timed on this machine; virtual: the "
+                             "same edges and the shipped verifier in this process, every cost from --costs and the "
+                             "links drawn from the seed (the same figures on any machine: docs/many-edges.md)")
+    parser.add_argument("--costs", metavar="TABLE",
+                        help="(--clock virtual) cost table: a file from `netsim calibrate`, or a shipped one: "
+                             + ", ".join(_shipped_names()) + " (default: the pair's own table; the synthetic pair: "
+                             "a pass of --synthetic-step-ms)")
     parser.add_argument("--locust-csv", action="append", default=[], metavar="PREFIX",
                         help="make the report from Locust runs already made (each run's --csv PREFIX, with the "
                              "locustfile's PREFIX_netsim.json beside it; repeatable): no run is started")

@@ -39,6 +39,7 @@ import numpy as np
 from cloud_verifier import metrics
 from cloud_verifier.backends.base import NoFreeState, StateLost
 from llama_runtime import ParkedSeq, SharedKV
+from spec_core import clock
 from spec_core.estimates import ewma
 from spec_core.kvpark import ParkCandidate, ParkCost, choose_victim
 
@@ -73,14 +74,14 @@ class SeqState:
     parked: ParkedSeq | None = None   # its cells in host memory, while parked
     released: bool = False
     busy: bool = True                 # a round is in the backend (and from new_state to its first round)
-    idle_since: float | None = None   # when its last round's pass ended (monotonic)
+    idle_since: float | None = None   # when its last round's pass ended (spec_core.clock)
     parked_at: float | None = None
     round_t0: float = 0.0             # when its current round arrived
     mean_gap_s: float | None = None   # its mean idle gap, the forecast of its next round
     # The session KV store (cloud_verifier.backends.kvstore), with --kv-store:
     tenant: str = ""                  # whose session it is (checkpoints are looked up per tenant)
     ckpt_key: str | None = None       # its checkpoint file's key, once it has one
-    ckpt_at: float = 0.0              # when its last checkpoint was taken (monotonic)
+    ckpt_at: float = float("-inf")    # when its last checkpoint was taken (spec_core.clock; never yet)
     ckpt_looked: bool = False         # its first round looked for a checkpoint to restore
     ckpt_queued: bool = False         # a checkpoint is waiting for the batcher
 
@@ -144,7 +145,7 @@ class SeqBook:
     def round(self, state: SeqState):
         """Around one round's backend call: the session is busy (never parked meanwhile), and its
         time is counted busy, idle or parked. Yields its sequence id."""
-        t0 = time.monotonic()
+        t0 = clock.now()
         with self._lock:
             if state.released:
                 raise RuntimeError("this session's KV cache was released")
@@ -157,7 +158,7 @@ class SeqBook:
         try:
             yield state.seq
         finally:
-            t1 = time.monotonic()
+            t1 = clock.now()
             metrics.KV_SESSION_SECONDS.labels("busy").inc(t1 - t0)
             with self._lock:
                 state.busy, state.idle_since = False, t1
@@ -201,7 +202,7 @@ class SeqBook:
             parked = state.parked if state is not None and state.parked is not None else _EMPTY
         if self.kv.free_places <= 0 and not self._park_one():
             raise NoPlaceYet(f"no place in the KV cache for parked sequence {seq} yet")
-        t0 = time.perf_counter()
+        t0 = clock.now()
         try:
             if not self.kv.restore(seq, parked):
                 raise NoPlaceYet(f"no place in the KV cache for parked sequence {seq} yet")
@@ -211,20 +212,20 @@ class SeqBook:
             log.exception("restoring a session's KV cells failed; its tokens will be evaluated again")
             metrics.KV_PARK_FAILURES.labels("restore").inc()
             parked = _EMPTY
-        seconds = time.perf_counter() - t0
+        seconds = clock.now() - t0
         with self._lock:
             if state is not None and state.parked is not None:
                 self.parked_bytes -= state.parked.nbytes
                 state.parked = None
             if parked.tokens:
                 self.cost = self.cost.observed(parked.nbytes, restore_s=seconds)
-            waited = time.monotonic() - state.round_t0 if state is not None else 0.0
+            waited = clock.now() - state.round_t0 if state is not None else 0.0
         metrics.observe_restore(seconds)
         metrics.KV_RESTORE_WAIT_SECONDS.inc(waited)
 
     def _park_one(self) -> bool:
         """Park the idle session choose_victim picks; False when there is none."""
-        now = time.monotonic()
+        now = clock.now()
         with self._lock:
             idle = {s.seq: s for s in self._by_seq.values()
                     if not s.busy and not s.released and s.seq not in self.kv.parked}
@@ -238,16 +239,16 @@ class SeqBook:
             if victim.seq is None or victim.busy or victim.released or victim.seq in self.kv.parked:
                 return False
             seq, estimate = victim.seq, self._estimate(victim.seq)
-            victim.parked, victim.parked_at = _EMPTY, time.monotonic()
+            victim.parked, victim.parked_at = _EMPTY, clock.now()
             self.parked_bytes += estimate    # reserved until the real size is known
-        t0 = time.perf_counter()
+        t0 = clock.now()
         try:
             parked = self.kv.park(seq)
         except RuntimeError:
             log.exception("parking a session's KV cells failed; its tokens will be evaluated again")
             metrics.KV_PARK_FAILURES.labels("park").inc()
             parked = _EMPTY
-        seconds = time.perf_counter() - t0
+        seconds = clock.now() - t0
         with self._lock:
             self.parked_bytes += parked.nbytes - estimate
             if victim.released:           # closed while it was being parked

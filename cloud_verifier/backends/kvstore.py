@@ -50,6 +50,7 @@ import numpy as np
 
 from cloud_verifier import metrics
 from llama_runtime import ParkedSeq
+from spec_core import clock
 from spec_core.kvreuse import reusable_prefix
 
 log = logging.getLogger(__name__)
@@ -416,14 +417,14 @@ class Checkpoints:
             metrics.KV_CHECKPOINT_TOKENS.inc(found.reused)
             if self.store.claim(found.key):   # else a live session here writes it: this one takes a new key
                 state.ckpt_key = found.key
-            state.ckpt_at = time.monotonic()
+            state.ckpt_at = clock.now()
             log.info("replay restored %d of %d tokens from the KV store (%d bytes read in %.1f ms)", found.reused,
                      len(tokens), found.parked.nbytes, 1000 * read_s)
         return restore
 
     def after_round(self, state) -> None:
         """Queue a checkpoint when the last one is `every_s` old (copied at the next gap between passes)."""
-        now = time.monotonic()
+        now = clock.now()
         if state.ckpt_queued or now - state.ckpt_at < self.every_s:
             return
         state.ckpt_queued, state.ckpt_at = True, now

@@ -233,15 +233,19 @@ RoundObserver = Callable[[float, int], None]   # (seconds the round took on the 
 
 class Edge:
     """One device: its drafter, its own gRPC channel through its own link (`port` on this machine:
-    the link's proxy), and requests run one at a time by `request`."""
+    the link's proxy), and requests run one at a time by `request`. `connect` opens another channel
+    instead (the virtual clock's, netsim.virtual.load), and `client_class` replaces EdgeClient."""
 
-    def __init__(self, edges: Edges, mode: str, index: int, port: int, cost: DraftCost, drafter) -> None:
+    def __init__(self, edges: Edges, mode: str, index: int, port: int, cost: DraftCost | None, drafter,
+                 connect: Callable[[], object] | None = None, client_class: type | None = None) -> None:
         self.edges, self.mode, self.index, self.port, self.cost, self.drafter = edges, mode, index, port, cost, drafter
+        self.connect = connect or (lambda: grpc.aio.insecure_channel(f"127.0.0.1:{self.port}"))
+        self.client_class = client_class
         self.channel = self.stub = None
 
     async def __aenter__(self) -> Edge:
         from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+        self.channel = self.connect()
         self.stub = pb_grpc.VerifierStub(self.channel)
         try:
             await self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=60)   # connect before the clock starts
@@ -262,8 +266,8 @@ class Edge:
         from spec_core.proto import verifier_pb2 as pb
         edges = self.edges
         await _one_request(self.mode, self.stub, self.channel, self.drafter, edges, edges.prompt(self.index, number),
-                           edges.settings_for(self.index, number), request, window, EdgeClient, sampling_proto, pb,
-                           on_round=on_round, cost=self.cost)
+                           edges.settings_for(self.index, number), request, window, self.client_class or EdgeClient,
+                           sampling_proto, pb, on_round=on_round, cost=self.cost)
 
 
 def error_code(exc: BaseException) -> str | None:
@@ -277,14 +281,16 @@ def error_code(exc: BaseException) -> str | None:
 
 
 async def run_edge(edges: Edges, mode: str, edge: int, port: int, window: Window, requests: list[Request],
-                   errors: dict[str, int], rng: np.random.Generator, cost: DraftCost, drafter,
-                   round_trips: list[tuple[float, float]] | None = None) -> None:
+                   errors: dict[str, int], rng: np.random.Generator, cost: DraftCost | None, drafter,
+                   round_trips: list[tuple[float, float]] | None = None, connect: Callable[[], object] | None = None,
+                   client_class: type | None = None) -> None:
     """One device: its own channel through its own link; requests until the window ends.
-    `round_trips` gets (when, seconds on the wire) for each committed round."""
+    `round_trips` gets (when, seconds on the wire) for each committed round; `connect` and
+    `client_class` as Edge takes them."""
     cfg = edges.cfg
     loop = asyncio.get_running_loop()
     on_round = None if round_trips is None else lambda seconds, _: round_trips.append((loop.time(), seconds))
-    async with Edge(edges, mode, edge, port, cost, drafter) as device:
+    async with Edge(edges, mode, edge, port, cost, drafter, connect, client_class) as device:
         arrivals = Arrivals(cfg.arrival_rate, rng, loop.time())
         number = 0
         stop = asyncio.create_task(window.stop.wait())

@@ -33,12 +33,24 @@ def scrape(url: str | None) -> dict[str, float]:
     except OSError as exc:
         log.warning("could not scrape %s: %s", url, exc)
         return {}
-    samples = {}
+    return samples(text)
+
+
+def samples(text: str) -> dict[str, float]:
+    """Prometheus text format -> {"name{labels}": value}."""
+    out = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line.strip())
         if match:
-            samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
-    return samples
+            out[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return out
+
+
+def registry_samples() -> dict[str, float]:
+    """This process's own Prometheus registry, as `scrape` reads an endpoint: a verifier that runs in
+    this process (the virtual clock's) counts there."""
+    from prometheus_client import REGISTRY, generate_latest
+    return samples(generate_latest(REGISTRY).decode())
 
 
 def metric_delta(before: dict, after: dict, name: str) -> float:

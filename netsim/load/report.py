@@ -39,7 +39,8 @@ def _f(value, scale=1.0, digits=1) -> str:
 
 def markdown(result: dict) -> str:
     cfg = result["config"]
-    lines = [f"# netsim load ({result['started']})", "",
+    virtual = result.get("clock") == "virtual"
+    lines = [f"# netsim load ({'virtual clock, cost table ' + result['cost_table']['name'] if virtual else result['started']})", "",
              f"Profiles {', '.join(cfg['profiles'])}; {cfg['duration_s']:g} s per run after {cfg['warmup_s']:g} s "
              f"warm-up; {_pair(cfg)}; "
              f"γ {cfg['gamma']} (hybrid); up to {cfg['max_tokens']} tokens per request; "
@@ -47,8 +48,7 @@ def markdown(result: dict) -> str:
              f"{'verifier at ' + cfg['server'] if cfg['server'] else 'verifier started with ' + ' '.join(cfg['verifier_args'] or ['(defaults)'])}"
              f"{_server_says(result.get('server'))}"
              f"{'; verifier threads ' + str(result['verifier_threads']) if result.get('verifier_threads') else ''}.",
-             "", f"Machine: {machine_summary(result['machine']) if 'cpu_model' in result.get('machine', {}) else 'not recorded'}.",
-             ""]
+             "", _clock_line(result), ""]
     harness = result.get("harness")
     if harness and harness.get("kind") == "locust":
         lines += [f"Edges as Locust users on {harness['workers']} worker process(es) (each: its edges on one event loop, "
@@ -84,12 +84,22 @@ def markdown(result: dict) -> str:
                   "TPOT inside the window and, if it arrived inside it, its TTFT); 'met SLO' is the share of requests judged.",
               f"Target cost: {'; '.join(sources)}. TPOT is per request over its commits inside the window: "
                   "(last commit − first commit) / tokens between them; TTFT counts from the request's arrival. Verifier CPU is in cores busy.",
-              _harness_cpu_line(result),
+              *([] if virtual else [_harness_cpu_line(result)]),
               *_kv_lines(result["runs"]),
-              "Proxy lateness (mean per chunk, max): " + ", ".join(
+              *([] if virtual else ["Proxy lateness (mean per chunk, max): " + ", ".join(
                   f"{r['edges']}/{r['mode']}: {_f(r['proxy_mean_lateness_ms'], 1, 2)}/{_f(r['proxy_max_lateness_ms'], 1, 1)} ms"
-                  for r in result["runs"]), ""]
+                  for r in result["runs"])]), ""]
     return "\n".join(lines)
+
+
+def _clock_line(result: dict) -> str:
+    if result.get("clock") == "virtual":
+        table = result["cost_table"]
+        return (f"Clock: virtual. Every cost is the table's ({table['name']}: {table.get('source') or 'its source'}), the "
+                "links are drawn from the seed, and the verifier runs in the same process: the figures do not depend on "
+                "the machine that ran them or its load, and the CPU columns do not apply.")
+    machine = result.get("machine", {})
+    return f"Machine: {machine_summary(machine) if 'cpu_model' in machine else 'not recorded'}."
 
 
 def _harness_cpu_line(result: dict) -> str:

@@ -10,7 +10,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import grpc
 import numpy as np
@@ -36,8 +36,20 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
                    metrics_url: str | None, verifier_pid: int | None) -> dict:
     """One run: `n_edges` edges in `mode` through their links for warm-up plus the measured window;
     the run's record for load.json."""
-    profiles = [get_profile(cfg.profiles[i % len(cfg.profiles)]) for i in range(n_edges)]
+    profiles = edge_profiles(cfg, n_edges)
     traffic = await _drive(cfg, edges, mode, n_edges, upstream, metrics_url, verifier_pid, profiles)
+    return run_record(cfg, mode, n_edges, profiles, traffic, metrics_url)
+
+
+def edge_profiles(cfg: LoadConfig, n_edges: int) -> list:
+    """Edge i's link profile: the i-th of cfg.profiles, cycling."""
+    return [get_profile(cfg.profiles[i % len(cfg.profiles)]) for i in range(n_edges)]
+
+
+def run_record(cfg: LoadConfig, mode: str, n_edges: int, profiles: list, traffic: "Traffic",
+               metrics_url: str | None) -> dict:
+    """One run's record for load.json from what its edges did and the verifier's metrics across
+    the window (wall clock, or netsim.virtual.load's virtual clock)."""
     requests = _request_figures(cfg, traffic.requests, traffic.window)
     before, after = traffic.measured.before, traffic.measured.after
     rounds = metric_delta(before, after, "hybridspec_verify_rounds_total")
@@ -66,7 +78,7 @@ async def run_once(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstr
         "batch_histograms": {k: v for k, v in batch.items() if v is not None},
         **traffic.measured.cpu,
         "proxy_mean_lateness_ms": 1000 * statistics.fmean(lateness) if lateness else None,
-        "proxy_max_lateness_ms": 1000 * max((s["late_max_s"] for s in traffic.proxy_stats), default=0.0),
+        "proxy_max_lateness_ms": 1000 * max(s["late_max_s"] for s in traffic.proxy_stats) if traffic.proxy_stats else None,
     }
 
 
@@ -86,7 +98,7 @@ class _Measured(NamedTuple):
 
 
 @dataclass
-class _Traffic:
+class Traffic:
     """What one run's edges did, and what was measured around them."""
     requests: list[Request]
     errors: dict[str, int]      # the edges' errors by kind
@@ -98,7 +110,7 @@ class _Traffic:
 
 
 async def _drive(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstream: tuple[str, int],
-                 metrics_url: str | None, verifier_pid: int | None, profiles: list) -> _Traffic:
+                 metrics_url: str | None, verifier_pid: int | None, profiles: list) -> Traffic:
     """Run the edges through their links until the measured window closes."""
     costs = [DraftCost() for _ in range(n_edges)]
     drafters = [edges.drafter(costs[i], i) for i in range(n_edges)]   # loaded before the clock starts
@@ -110,20 +122,21 @@ async def _drive(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, upstrea
         t_start = loop.time()
         window = Window(n_edges, cfg.warmup_s, cfg.duration_s)
         meters = _Meters(ProcessMeter(verifier_pid), ProcessMeter(os.getpid()), ProcessMeter(host.process.pid))
-        measuring = asyncio.create_task(_measure_window(cfg, window, n_edges, metrics_url, meters))
+        measuring = asyncio.create_task(measure_window(cfg, window, n_edges, lambda: scrape(metrics_url), meters))
         await asyncio.gather(*(run_edge(edges, mode, i, host.ports[i], window, requests, errors,
                                         np.random.default_rng([cfg.seed, n_edges, i]), costs[i], drafters[i],
                                         round_trips)
                                for i in range(n_edges)))
         measured = await measuring
         proxy_stats = host.stop()
-    return _Traffic(requests, errors, window, window.start_s - t_start, measured, proxy_stats, round_trips)
+    return Traffic(requests, errors, window, window.start_s - t_start, measured, proxy_stats, round_trips)
 
 
-async def _measure_window(cfg: LoadConfig, window: Window, n_edges: int, metrics_url: str | None,
-                          meters: _Meters) -> _Measured:
-    """Open the window once every edge has committed (or the warm-up ran out), scrape the
-    verifier's metrics and meter the CPU across it, then tell the edges to stop."""
+async def measure_window(cfg: LoadConfig, window: Window, n_edges: int, read_metrics: Callable[[], dict],
+                         meters: _Meters | None) -> _Measured:
+    """Open the window once every edge has committed (or the warm-up ran out), read the verifier's
+    metrics (`read_metrics`, run in the loop's executor) and meter the CPU across it (`meters`;
+    None: no CPU figures, as on the virtual clock), then tell the edges to stop."""
     loop = asyncio.get_running_loop()
     await asyncio.sleep(cfg.warmup_s)
     try:
@@ -134,12 +147,15 @@ async def _measure_window(cfg: LoadConfig, window: Window, n_edges: int, metrics
                     n_edges - len(window.started), n_edges, cfg.warmup_s + window.max_wait_s)
     window.start_s = loop.time()
     window.end_s = window.start_s + cfg.duration_s
-    before = await loop.run_in_executor(None, scrape, metrics_url)
-    for m in meters:
+    before = await loop.run_in_executor(None, read_metrics)
+    for m in meters or ():
         m.start()
     await asyncio.sleep(max(0.0, window.end_s - loop.time()))
-    after = await loop.run_in_executor(None, scrape, metrics_url)
+    after = await loop.run_in_executor(None, read_metrics)
     window.stop.set()
+    if meters is None:
+        return _Measured(before, after, dict.fromkeys(("verifier_cpu_cores", "verifier_peak_rss_mb", "edges_cpu_cores",
+                                                       "proxy_cpu_cores")))
     verifier = meters.verifier.stop()
     return _Measured(before, after, {
         "verifier_cpu_cores": verifier["cpu_cores"], "verifier_peak_rss_mb": verifier["peak_rss_mb"],
@@ -278,6 +294,11 @@ async def server_info(upstream: tuple[str, int]) -> dict:
     from spec_core.proto import verifier_pb2 as pb, verifier_pb2_grpc as pb_grpc
     async with grpc.aio.insecure_channel(f"{upstream[0]}:{upstream[1]}") as channel:
         info = await pb_grpc.VerifierStub(channel).GetServerInfo(pb.ServerInfoRequest(), timeout=60)
+    return info_record(info)
+
+
+def info_record(info) -> dict:
+    """A ServerInfo as load.json records it."""
     return {"backend": info.backend, "model": info.model, "batching": info.batching, "n_ctx": info.n_ctx,
             "max_sessions": info.max_sessions, "max_tree_nodes": info.max_tree_nodes, "version": info.version}
 
