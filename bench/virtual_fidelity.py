@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybridspec.figures import Figure, Table, command_line, write_result  # noqa: E402
+from hybridspec.figures import Figure, Table, command_line, own_load, write_result  # noqa: E402
 from hybridspec.machine import describe  # noqa: E402
 from netsim.experiment import ExperimentConfig, Row, Runner, expand_modes, load_workloads, start_verifier  # noqa: E402
 from netsim.profiles import get_profile  # noqa: E402
@@ -109,10 +109,12 @@ def run_wall(args) -> Path:
                          f"{QUIET}): wall-clock figures are taken quiet (--busy-ok runs anyway, marked busy)")
     t0 = time.perf_counter()
     rows = asyncio.run(_wall_rows(cfg, args.repeats, lambda what: print(f"\r{what:<60}", end="", file=sys.stderr)))
-    end = load_per_core()
+    end, own = load_per_core(), (own_load() or 0.0) / (os.cpu_count() or 1)
     print(file=sys.stderr)
+    # The end reading counts this run's own processes (its edges and verifier): the rule of
+    # hybridspec.figures, the machine's other load is the end less the run's own.
     doc = {"side": "wall", "clock": "wall", "config": same_config(cfg), "rows": rows, "repeats": args.repeats,
-           "busy": max(start, end) > QUIET, "load_per_core": {"start": start, "end": end},
+           "busy": max(start, end - own) > QUIET, "load_per_core": {"start": start, "end": end, "own": own},
            "real_s": time.perf_counter() - t0, "machine": describe(), "command": command_line()}
     return _save("wall", doc)
 
@@ -184,11 +186,14 @@ def compare(args) -> Path:
                         command=wall["command"], load_start=None,
                         note=f"wall: {wall['command']} on {wall['machine'].get('cpu_model', '?')}, load per core "
                              f"{wall['load_per_core']['start']:.2f} -> {wall['load_per_core']['end']:.2f}"
+                             + (f" ({wall['load_per_core']['own']:.2f} of it the run's own)"
+                                if wall["load_per_core"].get("own") else "")
                              + (" (BUSY: not a quiet figure)" if busy else "") + f"; virtual: {virtual['command']}")
     doc = json.loads(path.read_text())
     doc.update(clock="wall+virtual", cost_table=virtual["cost_table"]["name"], wall_busy=busy,
                load={"start": [wall["load_per_core"]["start"] * (os.cpu_count() or 1)],
-                     "end": [wall["load_per_core"]["end"] * (os.cpu_count() or 1)]})
+                     "end": [wall["load_per_core"]["end"] * (os.cpu_count() or 1)],
+                     "own": (wall["load_per_core"].get("own") or 0.0) * (os.cpu_count() or 1)})
     path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     print(by_mode.render())
     print(f"median |error| {statistics.median(absolute):.1%}, largest {absolute[-1]:.1%}; wrote {path}")

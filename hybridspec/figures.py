@@ -161,7 +161,7 @@ def _loadavg() -> list[float] | None:
         return None
 
 
-def _own_load() -> float | None:
+def own_load() -> float | None:
     """This run's own share of the end reading: the CPU time of this process and of the children it
     waited for (servers, workers, edge processes), over this process's life, in cores. The 1-minute
     load average at the end counts the run's own processes; what is left is the machine's other load."""
@@ -207,7 +207,7 @@ def write_result(name: str, *, figures: dict[str, Figure] | None = None,
         "name": name,
         "command": command or command_line(),
         "machine": _machine.describe(),
-        "load": {"start": load_start, "end": _loadavg(), "own": _own_load()},
+        "load": {"start": load_start, "end": _loadavg(), "own": own_load()},
         "date": _dt.datetime.now(_dt.timezone.utc).date().isoformat(),
         "clock": clock,
         "note": note,
