@@ -26,11 +26,11 @@ An edge that sees the hint waits at least that long, plus jitter, and retries th
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import grpc
 
+from spec_core.clock import now as clock_now
 from spec_core.wire import ELSEWHERE_KEY, HELD_KEY, MOVED_KEY, QUEUED_KEY, RETRY_AFTER_KEY
 
 ADMISSION_MODES = ("auto", "refuse", "queue")
@@ -105,7 +105,7 @@ class Queued(Refused):
 class TokenBucket:
     """`rate` tokens a second, at most `burst` saved up. take() -> 0 or the seconds to wait."""
 
-    def __init__(self, rate: float, burst: float, clock=time.monotonic):
+    def __init__(self, rate: float, burst: float, clock=clock_now):
         self.rate, self.burst, self._clock = rate, burst, clock
         self.tokens, self.t = burst, clock()
 

@@ -40,12 +40,12 @@ first), and their backlog counts ahead of every new session's prediction.
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 from cloud_verifier.admission import Refused
+from spec_core.clock import now as clock_now
 
 DEFAULT_TTFT_S = 10.0      # the first-token target of sessions, and servers, that state none
 HOLD_FACTOR, HOLD_GRACE_S = 1.5, 5.0   # a refused session's place is kept for hint x 1.5 + 5 s
@@ -94,7 +94,7 @@ class Admitted:
 
 class FirstTokens:
     def __init__(self, rate: Callable[[], float | None], default_ttft_s: float = DEFAULT_TTFT_S,
-                 clock: Callable[[], float] = time.perf_counter, keep: int = 4096):
+                 clock: Callable[[], float] = clock_now, keep: int = 4096):
         self.rate, self.default_ttft_s, self._clock = rate, default_ttft_s, clock
         self._pending: dict[int, Prediction] = {}
         self._tickets = itertools.count()

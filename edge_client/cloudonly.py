@@ -11,7 +11,6 @@ tokenizer), so both runs start from the same target ids.
 from __future__ import annotations
 
 import codecs
-import time
 from typing import AsyncIterator
 
 import grpc
@@ -19,6 +18,7 @@ import grpc
 from edge_client.pairing import plan_prompt
 from edge_client.session import Generation
 from edge_client.transport import EdgeError, sampling_proto
+from spec_core import clock
 from spec_core.proto import verifier_pb2 as pb
 
 
@@ -40,7 +40,7 @@ class CloudOnlyGeneration(Generation):
         verifier = client.verifier
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         pieces: list[str] = []
-        t0 = time.perf_counter()
+        t0 = clock.now()
         st.bytes_up = req.ByteSize()
         try:
             async for chunk in verifier.stub.Generate(req, timeout=max(verifier.transport.deadline_s, 600.0),
@@ -50,7 +50,7 @@ class CloudOnlyGeneration(Generation):
                     self.prompt_ids = list(chunk.prompt_token_ids)
                 new = list(chunk.token_ids)
                 if new and not st.ttft_s:
-                    st.ttft_s = time.perf_counter() - t0
+                    st.ttft_s = clock.now() - t0
                 st.token_ids.extend(new)
                 st.tokens += len(new)
                 st.server_model_s += chunk.model_ms / 1e3
@@ -65,6 +65,6 @@ class CloudOnlyGeneration(Generation):
         except grpc.aio.AioRpcError as e:
             raise EdgeError(e.code(), e.details() or "") from None
         finally:
-            st.wall_s = time.perf_counter() - t0
+            st.wall_s = clock.now() - t0
             st.tokens_per_s = st.tokens / st.wall_s if st.wall_s else 0.0
             st.text = "".join(pieces)

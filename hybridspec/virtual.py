@@ -41,6 +41,11 @@ def make_verifier(serve_args: list[str], costs: CostTable) -> InProcessVerifier:
     if not clock.inline():
         raise RuntimeError("make_verifier runs under a virtual clock (netsim.virtual.loop.run)")
     args = build_parser().parse_args(["serve", *serve_args])
+    if args.kv_store not in (None, "off"):
+        raise ValueError(f"the virtual clock runs without a KV store (--kv-store {args.kv_store}): its checkpoints "
+                         "are written by a thread on the wall clock and outlive the run, so what a run restores "
+                         "would depend on the runs before it and on this machine's timing")
+    args.kv_store = "off"   # the default picks a shared folder on /dev/shm: never in a virtual run
     if args.batching != "on":
         raise ValueError("the virtual clock runs batching verifiers only (--batching on, the default): the serial "
                          "verifier takes its model in turns between threads")

@@ -224,3 +224,26 @@ def test_a_sweep_cell_gives_tokens_per_second_per_mode_and_the_same_twice():
     assert one.tokens_per_s == two.tokens_per_s and set(one.tokens_per_s) == {"per-token", "hybrid-g4"}
     # At α 0.9 on a 300 ms link, four drafts a round trip beat one (the grid's premise, checked once).
     assert one.best == "hybrid-g4"
+
+
+
+def test_a_virtual_verifier_keeps_no_kv_store(tiny_models, tmp_path):
+    """The serve default puts a KV store on /dev/shm, shared by every verifier at the default port:
+    virtual runs restored each other's checkpoints (a prompt's prefill then cost nothing, or not,
+    by what ran before and when a thread wrote). A virtual verifier has none; one asked for is refused."""
+    from hybridspec.virtual import make_verifier
+    costs = shipped_tables()["flat-gpu"]
+    model = ["--model", str(tiny_models["target"]), "--n-ctx", "256"]
+
+    async def build():
+        verifier = make_verifier(model, costs)   # the default port: the wall clock's default would pick a store
+        try:
+            return verifier.backend.checkpoints
+        finally:
+            verifier.close()
+    assert vloop.run(build) is None
+
+    async def asked():
+        make_verifier([*model, "--kv-store", str(tmp_path)], costs)
+    with pytest.raises(ValueError, match="without a KV store"):
+        vloop.run(asked)
