@@ -51,10 +51,7 @@ def load_table(cfg: LoadConfig, name: str | None) -> CostTable:
     if cfg.synthetic:
         return synthetic_table(0.0, cfg.synthetic_step_ms / 1e3, name="synthetic (the load test's --synthetic-step-ms "
                                                                       "a pass; drafting --draft-ms a token)")
-
-    class _Pair:   # default_table reads these from an experiment's config
-        synthetic, pair, target, draft = False, cfg.pair, cfg.target, cfg.draft
-    return default_table(_Pair)
+    return default_table(cfg)   # the pair's own (it reads synthetic, pair, target and draft)
 
 
 def check(cfg: LoadConfig) -> None:
@@ -136,6 +133,4 @@ async def _drive(cfg: LoadConfig, edges: Edges, mode: str, n_edges: int, verifie
                                     round_trips, connect=connect(i), client_class=client_class)
                            for i in range(n_edges)))
     measured = await measuring
-    # Requests cut off at the window's end close their sessions; let those closes land first.
-    await asyncio.sleep(0)
     return Traffic(requests, errors, window, window.start_s - t_start, measured, [], round_trips)
