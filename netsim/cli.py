@@ -151,11 +151,6 @@ def _run_experiment(args: argparse.Namespace) -> int:
 def _run_virtual(cfg, costs_name: str | None, workers: int = 1) -> int:
     """The experiment on the virtual clock (netsim.virtual.experiment): the shipped edge loop and
     engine in this process, time from the cost table, results byte for byte the same on any machine."""
-    import time
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from hybridspec.machine import describe as describe_machine
     from hybridspec.virtual import make_verifier
     from .report import write_all
     from .virtual.costs import default_table, load_table
@@ -165,15 +160,27 @@ def _run_virtual(cfg, costs_name: str | None, workers: int = 1) -> int:
         costs = load_table(costs_name) if costs_name else default_table(cfg)
     except ValueError as e:
         raise SystemExit(f"netsim: {e}") from None
+    return _run_virtual_and_report(lambda progress: run_virtual_experiment(cfg, costs, make_verifier, progress,
+                                                                   workers=workers), write_all, cfg.out, costs.name, 48)
+
+
+def _run_virtual_and_report(run, write_all, out, table: str, label_width: int) -> int:
+    """A virtual-clock run under a progress bar: its files, and run.json beside them (where and when it
+    ran, which its results leave out); prints its report."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hybridspec.machine import describe as describe_machine
     started, t0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
-    with Progress(TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(),
+    with Progress(TextColumn(f"{{task.description:<{label_width}}}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn()) as progress:
-        result = run_virtual_experiment(cfg, costs, make_verifier, progress, workers=workers)
-    paths = write_all(result, cfg.out)
-    run = {"clock": "virtual", "cost_table": costs.name, "started": started, "real_s": time.perf_counter() - t0,
-           "machine": describe_machine(), "command": " ".join(sys.argv)}
-    paths["run"] = cfg.out / "run.json"
-    paths["run"].write_text(json.dumps(run, indent=1) + "\n")
+        result = run(progress)
+    paths = write_all(result, out)
+    run_info = {"clock": "virtual", "cost_table": table, "started": started, "real_s": time.perf_counter() - t0,
+                "machine": describe_machine(), "command": " ".join(sys.argv)}
+    paths["run"] = out / "run.json"
+    paths["run"].write_text(json.dumps(run_info, indent=1) + "\n")
     print(paths["report"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
@@ -318,11 +325,6 @@ def _run_load(args: argparse.Namespace) -> int:
 def _run_virtual_load(args: argparse.Namespace, cfg) -> int:
     """The load test on the virtual clock (netsim.virtual.load): the same edges and the shipped
     verifier in this process, time from the cost table; no machine's speed or load in the figures."""
-    import time
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from hybridspec.machine import describe as describe_machine
     from hybridspec.virtual import make_verifier
     from .load import write_all
     from .virtual.load import check, load_table, run_virtual_load
@@ -336,18 +338,8 @@ def _run_virtual_load(args: argparse.Namespace, cfg) -> int:
         costs = load_table(cfg, args.costs)
     except ValueError as e:
         raise SystemExit(f"netsim load: {e}") from None
-    started, t0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
-    with Progress(TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn()) as progress:
-        result = run_virtual_load(cfg, costs, make_verifier, progress, workers=args.workers or 1)
-    paths = write_all(result, cfg.out)
-    run = {"clock": "virtual", "cost_table": costs.name, "started": started, "real_s": time.perf_counter() - t0,
-           "machine": describe_machine(), "command": " ".join(sys.argv)}
-    paths["run"] = cfg.out / "run.json"
-    paths["run"].write_text(json.dumps(run, indent=1) + "\n")
-    print(paths["report"].read_text())
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    return _run_virtual_and_report(lambda progress: run_virtual_load(cfg, costs, make_verifier, progress,
+                                                             workers=args.workers or 1), write_all, cfg.out, costs.name, 32)
 
 
 def _add_load_command(subparsers) -> None:
