@@ -33,7 +33,7 @@ from netsim.virtual.heldout import (BESIDE, UNSTEERED, FIXED_MODES, LINKS, TABLE
 from netsim.virtual.sweep import Cell, default_grid  # noqa: E402
 
 
-TABLE_KEYS = {"smollm2-provisional": "bundled", "flat-gpu": "flat", "h100-8b-bf16": "h100-small",
+TABLE_KEYS = {"smollm2": "bundled", "gemma-smollm2": "gemma", "flat-gpu": "flat", "h100-8b-bf16": "h100-small",
               "h100-70b-fp8": "h100-large"}   # figure keys (a key may not spell a number)
 
 

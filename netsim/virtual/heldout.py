@@ -30,7 +30,7 @@ BESIDE = ("cloud-only",)                     # run and shown, not in the bar
 UNSTEERED = "auto-unsteered"                  # auto without the verifier's draft budget: what steering costs
 GAMMA = 4
 # named cases: the shipped tables of the bundled pair's CPU verifier and of GPU verifiers, on named links
-TABLES = ("smollm2-provisional", "flat-gpu", "h100-8b-bf16", "h100-70b-fp8")
+TABLES = ("smollm2", "gemma-smollm2", "flat-gpu", "h100-8b-bf16", "h100-70b-fp8")
 LINKS = ("lan", "lte", "3g", "geo-sat")
 TABLE_ALPHA = 0.65                            # the synthetic draft's acceptance on the named tables
 
