@@ -78,6 +78,18 @@ def test_a_redo_shaped_by_the_lost_outcome_is_seen_in_the_redo_table():
     assert _redo_fisher_p(shaped.record) < P_MIN, redo_table(shaped.record)
 
 
+def test_the_outcome_faults_control_runs_at_full_rate():
+    """The "outcome-faults" control evicts every round that rejected a draft (rate 1). It spares a
+    session's first round, so the redo after the replay stands and every generation finishes; before
+    that, a draft the target rejects every time was evicted until the edge gave up ("reply lost
+    (injected, session evicted)": the bench's runs at rate 1 failed so)."""
+    config = HuntConfig("outcome", plan="off", seeded=False, tokens=100, concurrency=8, control="outcome-faults",
+                        control_rate=1.0, **F15)
+    faulted = _run(config, 2000)
+    assert faulted.evicted > 0 and faulted.replays > 0
+    assert faulted.fit.transitions >= 2000
+
+
 def test_with_the_planner_every_redo_is_the_lost_round_as_drafted():
     """Issue 42's candidate (b) at its root: with the planner on, a failed round used to be planned
     afresh after the replay; with a seed the redo reads the lost attempt's stream, so a shape chosen

@@ -11,7 +11,10 @@ deliberately biased variant that the check must catch:
   norm(max(0, p - q)), in a share `control_rate` of rejections (a classic verifier bug);
 - "outcome-faults": besides the schedule's faults, a share `control_rate` of the rounds that
   rejected a draft lose their reply with the session evicted (the fault depends on the outcome, so
-  an unseeded redo redraws exactly the outcomes it dislikes);
+  an unseeded redo redraws exactly the outcomes it dislikes); a session's first round (an open, as
+  the redo after a replay is) is spared, so a round is redrawn at most once this way and the
+  generation goes on at any rate (at rate 1 a draft that the target rejects every time would
+  otherwise be evicted until the edge gives up);
 - "redo-shape": an evicted round whose lost attempt rejected a draft is redone as a chain of the
   drafts that attempt kept (the redo's shape depends on the outcome it cannot have seen; with a
   seed the redo reuses the lost attempt's stream: candidate (b) of issue 42). It acts on the
@@ -184,7 +187,7 @@ class Faults:
         depth = max(DraftTree(tuple(req.draft_token_ids), tuple(req.draft_parents)).depths(), default=0) \
             if tree else nodes
         kind = "evict" if u < c.evicted else "lost" if u < c.evicted + c.lost else None
-        if c.control == "outcome-faults" and kind is None and reply.num_accepted < depth:
+        if c.control == "outcome-faults" and kind is None and reply.num_accepted < depth and req.session_id:
             kind = "evict" if self._unseeded.random() < c.control_rate else None
         if kind is None:
             return reply
