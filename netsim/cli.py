@@ -301,13 +301,22 @@ def _run_load(args: argparse.Namespace) -> int:
                      max_tokens=args.max_tokens, arrival_rate=args.arrival_rate, seed=args.seed,
                      draft_ms=args.draft_ms, synthetic_step_ms=args.synthetic_step_ms, target=models.target,
                      draft=models.draft, pair=models.pair, drafter=args.drafter, warmup_s=args.warmup,
-                     slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms, coupling=args.coupling)
+                     slo_tpot_ms=LoadConfig.slo_tpot_ms if args.slo_tpot_ms is None else args.slo_tpot_ms,
+                     slo_ttft_ms=LoadConfig.slo_ttft_ms if args.slo_ttft_ms is None else args.slo_ttft_ms,
+                     coupling=args.coupling)
     if args.clock == "virtual":
         return _run_virtual_load(args, cfg)
     if args.costs:
         raise SystemExit("netsim load: --costs is for --clock virtual (the wall clock measures its own costs)")
     if args.locust_csv:
-        from .load.locustrun import read_locust_runs
+        from .load.locustrun import read_locust_runs, run_slo
+        for flag, key, given in (("--slo-tpot-ms", "slo_tpot_ms", args.slo_tpot_ms),
+                                 ("--slo-ttft-ms", "slo_ttft_ms", args.slo_ttft_ms)):
+            judged = run_slo(args.locust_csv[0], key)
+            if given is not None and judged is not None and given != judged:
+                raise SystemExit(f"netsim load --locust-csv: {flag} {given:g} differs from the {judged:g} ms its runs "
+                                 f"judged their requests by (the master's {flag}): goodput is counted while the run "
+                                 f"goes; run the master again with {flag} {given:g}")
         cfg.out.mkdir(parents=True, exist_ok=True)
         paths = write_all(read_locust_runs(args.locust_csv, cfg), cfg.out)
         print(paths["report"].read_text())
@@ -376,11 +385,12 @@ def _add_load_command(subparsers) -> None:
                              "lookup = prompt lookup, no model, --draft-ms emulated per token (many edges)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the sampling, the arrivals and the links")
     _add_coupling(parser)
-    parser.add_argument("--slo-tpot-ms", type=float, default=150.0,
+    parser.add_argument("--slo-tpot-ms", type=float, default=None,
                         help="SLO on time per output token: goodput counts requests within it, capacity is the most "
-                             "edges whose p95 is (default 150)")
-    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0,
-                        help="SLO on time to first token, for requests that arrive in the window (default 2000)")
+                             "edges whose p95 is (default 150; with --locust-csv: the runs' own)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None,
+                        help="SLO on time to first token, for requests that arrive in the window (default 2000; with "
+                             "--locust-csv: the runs' own)")
     parser.add_argument("--locust", action="store_true",
                         help="run the edges as Locust users (netsim/load/locustfile.py) on a master and --workers "
                              "local worker processes; the merged statistics make the same report")

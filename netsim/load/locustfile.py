@@ -458,10 +458,14 @@ def _open_window(environment, run: _Run, target: int) -> None:
     options = environment.parsed_options
     gevent.sleep(options.warmup)
     deadline = time.monotonic() + 120.0
+    next_word = time.monotonic() + WAIT_WORD_S
     while time.monotonic() < deadline:
         started, expected = _started(environment, run, target)
         if started >= expected:
             break
+        if time.monotonic() >= next_word:
+            next_word += WAIT_WORD_S
+            log.warning(_waiting(started, expected, options.metrics_url, run.marks.get("start", {}).get("metrics", {})))
         gevent.sleep(0.2)
     else:
         log.warning("some edges committed nothing %.0f s after spawning; measuring anyway", options.warmup + 120)
@@ -471,6 +475,25 @@ def _open_window(environment, run: _Run, target: int) -> None:
         _at(environment, "netsim_open", run, "window_start")
     if options.window > 0:   # the close is announced WINDOW_LEAD_S ahead too
         gevent.spawn_later(max(0.0, options.window - WINDOW_LEAD_S), _end_window, environment, run)
+
+
+WAIT_WORD_S = 10.0   # how often the master says why the window has not opened yet
+
+
+def _waiting(started: int, expected: int, metrics_url: str, before: dict) -> str:
+    """Why the window has not opened: the edges that have a first token, and what the verifier says
+    (its sessions, and the opens it refused as full: one that holds fewer sessions than there are
+    edges keeps the rest waiting, each asking again after the hint it was given)."""
+    from netsim.load.metering import metric_delta, scrape
+    words = f"window not open yet: {started} of {expected} edges have committed a token"
+    now = scrape(metrics_url or None)
+    if now:
+        refused = metric_delta(before, now, 'hybridspec_request_errors_total{code="RESOURCE_EXHAUSTED"}')
+        words += f"; the verifier holds {now.get('hybridspec_sessions', 0):.0f} sessions"
+        if refused:
+            words += (f" and refused {refused:.0f} requests as full (RESOURCE_EXHAUSTED): a verifier holds at most "
+                      "--max-sessions sessions (default 8); start it with at least as many as the users")
+    return words
 
 
 WINDOW_LEAD_S = 0.5   # a window's edge is announced this long before it, for the message to reach every worker

@@ -303,6 +303,13 @@ async def run_locust_load(cfg: LoadConfig, workers: int, progress=None) -> dict:
     return result
 
 
+def run_slo(prefix: str, key: str) -> float | None:
+    """The SLO (`slo_tpot_ms` or `slo_ttft_ms`) a Locust run judged its requests by, from its sidecar."""
+    path = Path(f"{prefix}_netsim.json")
+    value = json.loads(path.read_text()).get("config", {}).get(key) if path.exists() else None
+    return None if value in (None, "") else float(value)
+
+
 def read_locust_runs(prefixes: list[str], cfg: LoadConfig) -> dict:
     """`netsim load --locust-csv PREFIX ...`: load.json's record from Locust runs made elsewhere."""
     from netsim.load.runs import Verifier, sweep_result

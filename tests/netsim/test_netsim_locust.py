@@ -159,3 +159,22 @@ def test_the_report_reads_a_merged_locust_csv(tmp_path):
     assert run["goodput_tokens_per_s"] == pytest.approx(20.0 * (6 * 22.0) / (10 * 20.0))   # tok/s x the met share
     assert run["errors"] == {"RESOURCE_EXHAUSTED": 1}
     assert run["profiles"] == ["3g", "lan"] and run["edges"] == 4
+
+
+def test_the_report_refuses_an_slo_other_than_the_one_the_runs_judged_by(tmp_path, capsys):
+    """Goodput is judged while a Locust run goes, by the master's --slo-tpot-ms: `netsim load
+    --locust-csv` with another SLO is refused with both values named (it used to be ignored
+    silently); the same SLO, or none, makes the report."""
+    from netsim.cli import main
+    (tmp_path / "run_stats.csv").write_text(STATS_CSV)
+    (tmp_path / "run_failures.csv").write_text(FAILURES_CSV)
+    (tmp_path / "run_netsim.json").write_text(json.dumps({
+        "config": {"edge_mode": "hybrid", "synthetic": True, "gamma": 4, "slo_tpot_ms": 150.0, "slo_ttft_ms": 2000.0},
+        "users": 4, "workers": 2, "cpu": {}, "marks": {}}))
+    prefix = str(tmp_path / "run")
+    with pytest.raises(SystemExit) as refused:
+        main(["load", "--locust-csv", prefix, "--slo-tpot-ms", "300", "--out", str(tmp_path / "a")])
+    assert "--slo-tpot-ms 300 differs from the 150 ms" in str(refused.value)
+    for extra in ([], ["--slo-tpot-ms", "150"]):
+        assert main(["load", "--locust-csv", prefix, *extra, "--out", str(tmp_path / "b")]) == 0
+    assert "p95 TPOT ≤ 150 ms" in capsys.readouterr().out
