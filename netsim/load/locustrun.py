@@ -303,20 +303,25 @@ async def run_locust_load(cfg: LoadConfig, workers: int, progress=None) -> dict:
     return result
 
 
-def run_slo(prefix: str, key: str) -> float | None:
-    """The SLO (`slo_tpot_ms` or `slo_ttft_ms`) a Locust run judged its requests by, from its sidecar."""
-    path = Path(f"{prefix}_netsim.json")
-    value = json.loads(path.read_text()).get("config", {}).get(key) if path.exists() else None
-    return None if value in (None, "") else float(value)
+SLO_FLAGS = {"slo_tpot_ms": "--slo-tpot-ms", "slo_ttft_ms": "--slo-ttft-ms"}
 
 
-def read_locust_runs(prefixes: list[str], cfg: LoadConfig) -> dict:
-    """`netsim load --locust-csv PREFIX ...`: load.json's record from Locust runs made elsewhere."""
+def read_locust_runs(prefixes: list[str], cfg: LoadConfig, asked: dict[str, float | None] | None = None) -> dict:
+    """`netsim load --locust-csv PREFIX ...`: load.json's record from Locust runs made elsewhere. The
+    runs' own settings replace cfg's; an SLO the user `asked` for (by LoadConfig field) other than the
+    one the runs judged their requests by is refused (goodput is counted while a run goes)."""
     from netsim.load.runs import Verifier, sweep_result
     runs = [read_locust(p) for p in prefixes]
     first = json.loads(Path(f"{prefixes[0]}_netsim.json").read_text()) if Path(f"{prefixes[0]}_netsim.json").exists() \
         else {}
     given = first.get("config", {})
+    for key, value in (asked or {}).items():
+        judged = given.get(key)
+        if value is not None and judged not in (None, "") and float(judged) != value:
+            flag = SLO_FLAGS[key]
+            raise ValueError(f"{flag} {value:g} differs from the {float(judged):g} ms its runs judged their requests "
+                             f"by (the master's {flag}): goodput is counted while the run goes; run the master again "
+                             f"with {flag} {value:g}")
     cfg.profiles = [p for p in (given.get("links") or ",".join(cfg.profiles)).split(",") if p]
     cfg.modes = sorted({r["mode"] for r in runs if r["mode"]}) or cfg.modes
     cfg.edges = sorted({r["edges"] for r in runs if r["edges"]}) or cfg.edges
